@@ -1,0 +1,61 @@
+"""``python -m p2ptrain COMMAND``: the command line.
+
+Each command lives in its own module ``p2ptrain.cmd_<name>`` exposing ``HELP`` (one line),
+``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches, importing a
+command's module (and torch) only when that command runs.
+
+Exit codes: 0 done, 2 usage (a bad flag or input, with a one-line error), 3 a cluster failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from p2ptrain import __version__
+from p2ptrain.errors import ConfigError, P2PTrainError
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_CLUSTER = 3
+
+COMMANDS = ("peers",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m p2ptrain",
+        description="Train one PyTorch model on several machines of a LAN at once (MPS, CUDA, CPU), "
+        "peer to peer: run the same command on every machine.",
+    )
+    parser.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"p2ptrain.cmd_{name}")
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="logging verbosity (default: info)")
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args._run(args)
+    except ConfigError as exc:
+        print(f"p2ptrain {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except P2PTrainError as exc:
+        print(f"p2ptrain {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CLUSTER
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,226 @@
+"""Run one ring-allreduce over two links: the I/O side of ``ring.RingPlan``.
+
+A sender task walks ``plan.sends`` and a receiver task walks ``plan.recvs``; a chunk is sent
+as soon as the same chunk of the previous step has arrived (and, in the reduce-scatter, been
+added to), so sending, receiving and adding overlap across chunks.
+
+Chunks pass through a codec (``p2ptrain.codecs``):
+
+- reduce-scatter: each hop decodes what it received, adds its own values, re-encodes;
+- all-gather: the owner of a segment encodes its final sum once, and every peer, the owner
+  too, decodes those same bytes, which are forwarded unchanged around the ring. So every peer
+  ends with bit-identical values, whatever the codec.
+- error feedback (optional): what a lossy encode dropped, ``x - decode(encode(x))``, is kept
+  per value in ``feedback`` and added to the next call's input. Every value is encoded exactly
+  once per peer per call, so one float32 buffer of the input's size holds it all.
+
+With the ``none`` codec nothing is copied in Python: chunks are sent from the work buffer's
+memory, and all-gather chunks are received straight into it (the link's allocator).
+
+Failure: any error (link lost, timeout, bad chunk) cancels both tasks and is raised; the
+work buffer then holds partial sums and the links are unusable, so the caller must close
+them. ``feedback`` is left consistent only on success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2ptrain import wire
+from p2ptrain.codecs import Codec
+from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
+from p2ptrain.ring import RingPlan, Transfer
+from p2ptrain.transport import Link
+
+
+@dataclass
+class AllreduceStats:
+    """What one call moved: bytes on the wire (payloads) and the fp32 bytes they stand for."""
+
+    wire_bytes: int = 0
+    raw_bytes: int = 0
+
+
+class _BufferPool:
+    """Reusable receive buffers, so that a payload lands in memory that is already mapped."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[bytearray] = []
+
+    def take(self, nbytes: int) -> memoryview:
+        if nbytes > self.size:
+            return memoryview(bytearray(nbytes))
+        buf = self._free.pop() if self._free else bytearray(self.size)
+        return memoryview(buf)[:nbytes]
+
+    def give(self, view: memoryview) -> None:
+        base = view.obj
+        if isinstance(base, bytearray) and len(base) == self.size and len(self._free) < 64:
+            self._free.append(base)
+
+
+class RingAllreduce:
+    """One allreduce of ``work`` (1-D float32, summed in place) as peer ``rank`` of ``size``."""
+
+    def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
+                 codec: Codec, op_id: int, chunk_elems: int, timeout: float,
+                 feedback: np.ndarray | None = None):
+        if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
+            raise TypeError("work must be a contiguous 1-D float32 array")
+        self.work = work
+        self.plan = RingPlan(rank, size, len(work), chunk_elems)
+        self.send_link, self.recv_link = send_link, recv_link
+        self.codec = codec
+        self.op_id = op_id
+        self.timeout = timeout
+        self.feedback = feedback
+        self.stats = AllreduceStats()
+        self._arrived: set[tuple[int, int]] = set()
+        self._progress = asyncio.Event()
+        self._forward: dict[tuple[int, int], tuple[dict, memoryview]] = {}
+        self._recv_index = {(t.g, t.chunk): t for t in self.plan.recvs}
+        self._pool = _BufferPool(codec.max_payload(chunk_elems))
+        # One scratch per task: encode (sender) and decode-then-add (receiver) never share.
+        self._send_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
+        self._recv_scratch = np.empty_like(self._send_scratch)
+
+    async def run(self) -> AllreduceStats:
+        if self.plan.size == 1 or len(self.work) == 0:
+            return self.stats
+        if self.feedback is not None:
+            np.add(self.work, self.feedback, out=self.work)
+            self.feedback[:] = 0
+        self.recv_link.set_allocator(self._allocate)
+        try:
+            sender = asyncio.ensure_future(self._send_all())
+            receiver = asyncio.ensure_future(self._recv_all())
+            try:
+                done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # raises the first failure
+                await asyncio.gather(sender, receiver)
+            finally:
+                for task in (sender, receiver):
+                    task.cancel()
+                await asyncio.gather(sender, receiver, return_exceptions=True)
+        finally:
+            self.recv_link.set_allocator(wire.default_allocate)
+        return self.stats
+
+    # -- sending --------------------------------------------------------------------------
+    async def _send_all(self) -> None:
+        owner_step = self.plan.size - 1
+        for t in self.plan.sends:
+            if t.after is not None:
+                await self._wait_arrived(t.after)
+            src = self.work[t.start : t.stop]
+            if t.reduce or t.g == owner_step:
+                params, payload = self._encode(src, final=not t.reduce)
+            elif self.codec.is_identity:
+                params, payload = {}, [memoryview(src)]
+            else:
+                params, forwarded = self._forward.pop(t.after)
+                payload = [forwarded]
+            header = {"t": wire.CHUNK, "op": self.op_id, "g": t.g, "c": t.chunk, "n": self.plan.length,
+                      "z": self.codec.spec, "p": params}
+            await self.send_link.send(header, payload, timeout=self.timeout)
+            self.stats.wire_bytes += sum(memoryview(p).nbytes for p in payload)
+            self.stats.raw_bytes += src.nbytes
+            if not (t.reduce or t.g == owner_step or self.codec.is_identity):
+                self._pool.give(forwarded)
+
+    def _encode(self, src: np.ndarray, final: bool) -> tuple[dict, list]:
+        """Encode our values; keep the residual; the owner adopts its own decoded final sum."""
+        if self.codec.is_identity:
+            return {}, [memoryview(src)]
+        enc = self.codec.encode(src)
+        if self.feedback is None and not final:
+            return enc.params, enc.buffers
+        joined = b"".join(memoryview(b).cast("B") for b in enc.buffers)
+        decoded = self._send_scratch[: len(src)]
+        self.codec.decode(enc.params, joined, decoded)
+        if self.feedback is not None:
+            start = src.__array_interface__["data"][0] - self.work.__array_interface__["data"][0]
+            start //= 4
+            np.subtract(src, decoded, out=self.feedback[start : start + len(src)])
+        if final:
+            src[:] = decoded
+        return enc.params, [joined]
+
+    async def _wait_arrived(self, key: tuple[int, int]) -> None:
+        while key not in self._arrived:
+            self._progress.clear()
+            await self._progress.wait()  # the receiver, which has the timeout, wakes us or fails
+
+    # -- receiving ------------------------------------------------------------------------
+    def _allocate(self, header: dict, nbytes: int) -> memoryview:
+        """Called by the link's decoder per payload: all-gather chunks of the none codec go
+        straight to their place in ``work``; anything else to a pooled buffer."""
+        t = self._recv_index.get((header.get("g"), header.get("c"))) if header.get("op") == self.op_id else None
+        if t is not None and not t.reduce and self.codec.is_identity:
+            if nbytes != (t.stop - t.start) * 4:
+                raise FrameError(f"chunk of {nbytes} bytes where {(t.stop - t.start) * 4} were expected")
+            return memoryview(self.work[t.start : t.stop]).cast("B")
+        if nbytes > self._pool.size:
+            raise FrameError(f"chunk payload of {nbytes} bytes exceeds {self._pool.size} for this codec")
+        return self._pool.take(nbytes)
+
+    async def _recv_all(self) -> None:
+        for t in self.plan.recvs:
+            frame = await self.recv_link.recv(timeout=self.timeout)
+            params = self._check(frame, t)
+            try:
+                self._absorb(t, params, frame.payload)
+            except CodecError as exc:
+                raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
+            self._arrived.add((t.g, t.chunk))
+            self._progress.set()
+            self.stats.wire_bytes += frame.payload.nbytes
+
+    def _check(self, frame: wire.Frame, t: Transfer) -> dict:
+        h = frame.header
+        who = self.recv_link.name
+        if h.get("t") != wire.CHUNK:
+            raise RemoteProtocolError(f"{who} sent a {h.get('t')!r} frame in the middle of an allreduce")
+        if h.get("n") != self.plan.length:
+            raise GroupError(f"{who} allreduces {h.get('n')} values and this peer {self.plan.length}: "
+                             "every peer must pass tensors of the same shapes, in the same order")
+        if h.get("z") != self.codec.spec:
+            raise GroupError(f"{who} uses compression {h.get('z')!r} and this peer {self.codec.spec!r}: "
+                             "pass the same compression everywhere")
+        if (h.get("op"), h.get("g"), h.get("c")) != (self.op_id, t.g, t.chunk):
+            raise RemoteProtocolError(f"{who} sent chunk {(h.get('op'), h.get('g'), h.get('c'))} where "
+                                      f"{(self.op_id, t.g, t.chunk)} was due: peers out of step")
+        params = h.get("p")
+        if not isinstance(params, dict):
+            raise RemoteProtocolError(f"{who} sent a chunk without codec parameters")
+        return params
+
+    def _absorb(self, t: Transfer, params: dict, payload: memoryview) -> None:
+        dst = self.work[t.start : t.stop]
+        n = t.stop - t.start
+        if self.codec.is_identity:
+            if payload.nbytes != n * 4:
+                raise CodecError(f"{payload.nbytes} bytes for {n} float32 values")
+            incoming = np.frombuffer(payload, np.float32)
+            if t.reduce:
+                np.add(incoming, dst, out=dst)
+            elif incoming.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
+                dst[:] = incoming  # arrived before this call owned the link's allocator
+            self._pool.give(payload)
+            return
+        if t.reduce:
+            incoming = self._recv_scratch[:n]
+            self.codec.decode(params, payload, incoming)
+            np.add(incoming, dst, out=dst)
+            self._pool.give(payload)
+        else:
+            self.codec.decode(params, payload, dst)
+            if t.g < self.plan.steps - 1:
+                self._forward[(t.g, t.chunk)] = (params, payload)
+            else:
+                self._pool.give(payload)

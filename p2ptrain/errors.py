@@ -1,0 +1,57 @@
+"""The exceptions p2ptrain raises, all under one root.
+
+    P2PTrainError
+    ├── ConfigError            a bad option or argument from our own caller (also a ValueError)
+    ├── RemoteProtocolError    a peer sent something we refuse; the peer's fault, not ours
+    │   ├── FrameError         bytes that are not a valid frame (magic, version, lengths, header)
+    │   ├── CodecError         a compressed payload that fails validation
+    │   └── HandshakeError     a peer not admitted (cluster, version, secret), or one that refused us
+    ├── LinkError              a connection that failed, closed or timed out
+    ├── GroupError             a group that cannot form, or a collective that cannot complete
+    └── ClosedError            an object used after it was closed
+
+Messages are one line and say what to do. Nothing internal is ever echoed to a peer:
+the reasons sent over the wire are the fixed strings in ``p2ptrain.auth``.
+"""
+
+from __future__ import annotations
+
+
+class P2PTrainError(Exception):
+    """Root of every error p2ptrain raises on purpose."""
+
+
+class ConfigError(P2PTrainError, ValueError):
+    """An option or argument given to p2ptrain is invalid."""
+
+
+class RemoteProtocolError(P2PTrainError):
+    """A peer broke the protocol. Parsers of network input raise this type and nothing else."""
+
+
+class FrameError(RemoteProtocolError):
+    """Bytes that are not a valid frame: wrong magic or version, a length over its limit, a bad header."""
+
+
+class CodecError(RemoteProtocolError):
+    """A compressed payload that fails validation (sizes, indices, scales, decompressed length)."""
+
+
+class HandshakeError(RemoteProtocolError):
+    """A connection that did not pass the handshake. ``reason`` is one line, safe to log."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class LinkError(P2PTrainError):
+    """A connection to a peer failed, closed or timed out."""
+
+
+class GroupError(P2PTrainError):
+    """A group could not form (names who is missing) or a collective could not complete."""
+
+
+class ClosedError(P2PTrainError):
+    """An object was used after it was closed."""

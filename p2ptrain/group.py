@@ -1,0 +1,252 @@
+"""``Group``: a fixed set of peers and its allreduce, for people who build their own loops.
+
+Every process of a group runs the same code::
+
+    async with p2ptrain.Group(listen="10.0.0.2:7001", peers=["10.0.0.1:7001", "10.0.0.2:7001"]) as g:
+        await g.allreduce(tensor)             # in place, sum; op="mean" averages
+        await g.allreduce([t1, t2, t3])       # several tensors in one ring pass
+
+``peers`` is the whole group, this peer included; a peer's position in it is its place in
+the ring. Entering connects each peer to its two ring neighbours (the one earlier in the
+list dials) and waits, up to ``connect_timeout``, until both links passed the handshake.
+
+Collectives are called in the same order with tensors of the same shapes on every peer,
+as with torch.distributed. Any floating-point tensors are accepted, on any device: they
+are summed in float32 on the host and the result is copied back in their own dtype. A
+failed allreduce (a peer gone, a bad chunk) raises, and the group is then closed: open a
+new one (the cluster layer of p2ptrain does that for you).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from p2ptrain import auth, transport
+from p2ptrain.codecs import parse_codec
+from p2ptrain.collective import AllreduceStats, RingAllreduce
+from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
+from p2ptrain.identity import new_peer_id
+from p2ptrain.ring import DEFAULT_CHUNK_ELEMS
+
+log = logging.getLogger("p2ptrain.group")
+_warned_open = False
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` to (host, port); ConfigError saying the expected form."""
+    host, sep, port = str(text).strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"bad address {text!r}: expected host:port, e.g. 10.0.0.2:7001")
+    return host, int(port)
+
+
+def warn_if_open(secret: bytes | None) -> None:
+    """Say once per process, plainly, that a group without a secret admits anyone."""
+    global _warned_open
+    if secret is None and not _warned_open:
+        _warned_open = True
+        log.warning("no secret set: anyone on this network can join and send gradients; "
+                    "set secret= (or P2PTRAIN_SECRET) to the same value on every peer")
+
+
+class Group:
+    """A static group of peers (see the module docstring). Use as an async context manager."""
+
+    def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
+                 cluster: str = "default", compression: str = "none", connect_timeout: float = 60.0,
+                 timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4):
+        self.peers = [str(p).strip() for p in peers]
+        if not self.peers:
+            raise ConfigError("peers is empty: list every peer of the group, this one included")
+        if len(set(self.peers)) != len(self.peers):
+            raise ConfigError(f"peers lists an address twice: {self.peers}")
+        for p in self.peers:
+            parse_hostport(p)
+        self.listen = str(listen).strip()
+        if self.listen not in self.peers:
+            raise ConfigError(f"listen={self.listen!r} is not in peers {self.peers}: "
+                              "peers is the whole group, this peer included")
+        if chunk_bytes < 1024 or chunk_bytes % 4:
+            raise ConfigError("chunk_bytes must be a multiple of 4, at least 1024")
+        self.rank = self.peers.index(self.listen)
+        self.size = len(self.peers)
+        self.cluster = cluster
+        self.codec = parse_codec(compression)
+        self.connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.chunk_elems = chunk_bytes // 4
+        self.peer_id = new_peer_id()
+        self._secret = auth.secret_from(secret)
+        self._links: dict[int, transport.Link] = {}
+        self._linked = asyncio.Event()
+        self._server = None
+        self._dialers: list[asyncio.Task] = []
+        self._lock = asyncio.Lock()
+        self._next_op = 0
+        self._feedback: dict[tuple, np.ndarray] = {}
+        self._failure: BaseException | None = None
+        self._closed = False
+        self.last_stats = AllreduceStats()
+
+    # -- wiring ---------------------------------------------------------------------------
+    @property
+    def _neighbours(self) -> set[int]:
+        return {(self.rank + 1) % self.size, (self.rank - 1) % self.size} - {self.rank}
+
+    def _handshake(self) -> auth.Handshake:
+        return auth.Handshake(cluster=self.cluster, peer_id=self.peer_id, secret=self._secret,
+                              info={"rank": self.rank, "listen": self.listen})
+
+    def _expected_dialer(self, hello: auth.PeerHello) -> bool:
+        j = hello.info.get("rank")
+        return (isinstance(j, int) and j in self._neighbours and j < self.rank
+                and hello.info.get("listen") == self.peers[j] and j not in self._links)
+
+    def _add_link(self, j: int, link: transport.Link) -> None:
+        self._links[j] = link
+        if self._neighbours <= self._links.keys():
+            self._linked.set()
+
+    async def _on_incoming(self, link: transport.Link) -> None:
+        j = link.peer.info["rank"]
+        if j in self._links or self._closed:  # a duplicate that raced past the check
+            link.close()
+            return
+        self._add_link(j, link)
+
+    async def _dial(self, j: int, deadline: float) -> None:
+        host, port = parse_hostport(self.peers[j])
+        loop = asyncio.get_running_loop()
+        delay = 0.05
+        while True:
+            try:
+                link = await transport.open_link(
+                    host, port, self._handshake(), timeout=max(0.1, min(10.0, deadline - loop.time())),
+                    expect=lambda h: h.info.get("rank") == j and h.info.get("listen") == self.peers[j])
+            except transport.LinkError:
+                if loop.time() + delay > deadline:
+                    return  # __aenter__ reports who is missing
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            self._add_link(j, link)
+            return
+
+    async def __aenter__(self) -> "Group":
+        warn_if_open(self._secret)
+        if self.size == 1:
+            return self
+        host, port = parse_hostport(self.listen)
+        try:
+            self._server = await transport.serve(host, port, self._handshake, self._on_incoming,
+                                                 expect=self._expected_dialer)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {self.listen}: {exc.strerror or exc}") from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        self._dialers = [asyncio.ensure_future(self._dial(j, deadline)) for j in self._neighbours if j > self.rank]
+        try:
+            await asyncio.wait_for(self._linked.wait(), self.connect_timeout)
+        except asyncio.TimeoutError:
+            missing = sorted(self.peers[j] for j in self._neighbours - self._links.keys())
+            await self.close()
+            raise GroupError(f"group not formed within {self.connect_timeout:.0f} s: no link to "
+                             f"{', '.join(missing)} (is p2ptrain running there, with the same peers, "
+                             "cluster and secret, and is the port open?)") from None
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every link and the listener. Idempotent."""
+        self._closed = True
+        for task in self._dialers:
+            task.cancel()
+        await asyncio.gather(*self._dialers, return_exceptions=True)
+        for link in self._links.values():
+            link.close()
+        if self._server is not None:
+            await transport.close_server(self._server)
+            self._server = None
+
+    # -- the collective -------------------------------------------------------------------
+    async def allreduce(self, tensors, op: str = "sum", compression: str | None = None,
+                        error_feedback: bool = False):
+        """Sum (or average, ``op="mean"``) tensors across the group, in place; returns them.
+
+        ``compression`` overrides the group's codec for this call (the same on every peer).
+        ``error_feedback=True`` keeps what a lossy codec dropped and adds it to the next call
+        with the same shapes and codec, so that nothing is lost over calls (for gradients).
+        Raises ConfigError for bad arguments, and GroupError, LinkError or a
+        RemoteProtocolError when the collective fails, after which the group is closed.
+        """
+        if op not in ("sum", "mean"):
+            raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
+        single = isinstance(tensors, torch.Tensor)
+        items = [tensors] if single else list(tensors)
+        for i, t in enumerate(items):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ConfigError(f"allreduce takes floating-point tensors; item {i} is {what}: "
+                                  "convert it with .float()")
+        codec = self.codec if compression is None else parse_codec(compression)
+        async with self._lock:
+            if self._closed or self._failure is not None:
+                raise ClosedError("this group is closed" + (f" after a failure: {self._failure}"
+                                                            if self._failure else ""))
+            work, copy_back = _host_buffer(items)
+            key = (tuple(t.numel() for t in items), codec.spec)
+            feedback = None
+            if error_feedback and not codec.lossless:
+                feedback = self._feedback.setdefault(key, np.zeros(len(work), np.float32))
+            if self.size > 1 and len(work):
+                run = RingAllreduce(work, rank=self.rank, size=self.size,
+                                    send_link=self._links[(self.rank + 1) % self.size],
+                                    recv_link=self._links[(self.rank - 1) % self.size],
+                                    codec=codec, op_id=self._next_op, chunk_elems=self.chunk_elems,
+                                    timeout=self.timeout, feedback=feedback)
+                self._next_op += 1
+                try:
+                    self.last_stats = await run.run()
+                except (P2PTrainError, OSError) as exc:
+                    self._failure = exc
+                    await self.close()
+                    raise
+            if op == "mean":
+                np.divide(work, np.float32(self.size), out=work)
+            copy_back()
+        return tensors
+
+
+def _host_buffer(items: list[torch.Tensor]):
+    """A flat float32 host array holding ``items`` and a function that writes it back.
+
+    One contiguous float32 CPU tensor is reduced in its own memory (no copy)."""
+    if len(items) == 1:
+        t = items[0]
+        if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+            return t.detach().view(-1).numpy(), lambda: None
+    sizes = [t.numel() for t in items]
+    work = np.empty(sum(sizes), np.float32)
+    host = torch.from_numpy(work)
+    offsets = np.cumsum([0, *sizes])
+    with torch.no_grad():
+        for t, a, b in zip(items, offsets[:-1], offsets[1:]):
+            host[a:b].copy_(t.detach().reshape(-1))
+
+    def copy_back():
+        with torch.no_grad():
+            for t, a, b in zip(items, offsets[:-1], offsets[1:]):
+                t.copy_(host[a:b].view(t.shape))
+
+    return work, copy_back

@@ -1,0 +1,113 @@
+"""The ring-allreduce schedule: which piece of the buffer moves where, and when. Pure code.
+
+N peers in a ring; peer ``r`` sends to ``r+1`` and receives from ``r-1``. The buffer is cut
+into N near-equal segments, each segment into chunks of at most ``chunk_elems`` values.
+
+The 2(N-1) steps are numbered ``g = 0 .. 2N-3``:
+
+- reduce-scatter, ``g = k`` for k < N-1: send segment ``r-k``, receive segment ``r-k-1`` and
+  add our own values into it. After the last one, peer r holds the full sum of segment ``r+1``
+  (it *owns* that segment).
+- all-gather, ``g = N-1+k``: send segment ``r+1-k``, receive segment ``r-k`` (final values).
+
+What peer r sends at step g is exactly what it received at step g-1 (after its add, in the
+reduce-scatter), chunk for chunk. So a chunk can leave as soon as the same chunk of the
+previous step has arrived: that dependency is the whole pipeline, and ``Transfer.after``
+names it. Each link carries 2(N-1)/N of the buffer: bandwidth-optimal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+DEFAULT_CHUNK_ELEMS = 1 << 18  # 1 MiB of float32
+
+
+def split(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous near-equal ranges covering ``range(length)``; the first ones are longer."""
+    if parts < 1 or length < 0:
+        raise ValueError(f"cannot split {length} into {parts} parts")
+    base, extra = divmod(length, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def chunks_of(start: int, stop: int, chunk_elems: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut into chunks of at most ``chunk_elems`` (none if empty)."""
+    return [(a, min(a + chunk_elems, stop)) for a in range(start, stop, chunk_elems)]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One chunk moving one hop at step ``g``: values ``[start, stop)`` of the buffer."""
+
+    g: int
+    chunk: int
+    start: int
+    stop: int
+    reduce: bool  # reduce-scatter (receiver adds its own values) or all-gather (receiver copies)
+
+    @property
+    def after(self) -> tuple[int, int] | None:
+        """The (step, chunk) whose arrival this send waits for; None for our own first data."""
+        return None if self.g == 0 else (self.g - 1, self.chunk)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The schedule of one allreduce of ``length`` values for peer ``rank`` of ``size``."""
+
+    rank: int
+    size: int
+    length: int
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside a ring of {self.size}")
+        if self.chunk_elems < 1:
+            raise ValueError("chunk_elems must be positive")
+
+    @cached_property
+    def segments(self) -> list[tuple[int, int]]:
+        return split(self.length, self.size)
+
+    @property
+    def steps(self) -> int:
+        return 2 * (self.size - 1)
+
+    @property
+    def owned(self) -> int:
+        """The segment this peer holds the full sum of after the reduce-scatter."""
+        return (self.rank + 1) % self.size
+
+    def send_segment(self, g: int) -> int:
+        k = g if g < self.size - 1 else g - (self.size - 1) - 1
+        return (self.rank - k) % self.size
+
+    def recv_segment(self, g: int) -> int:
+        k = g if g < self.size - 1 else g - (self.size - 1)
+        return (self.rank - k - 1) % self.size if g < self.size - 1 else (self.rank - k) % self.size
+
+    def _transfers(self, segment_of) -> list[Transfer]:
+        out = []
+        for g in range(self.steps):
+            start, stop = self.segments[segment_of(g)]
+            for c, (a, b) in enumerate(chunks_of(start, stop, self.chunk_elems)):
+                out.append(Transfer(g, c, a, b, reduce=g < self.size - 1))
+        return out
+
+    @cached_property
+    def sends(self) -> list[Transfer]:
+        """Everything this peer sends, in wire order."""
+        return self._transfers(self.send_segment)
+
+    @cached_property
+    def recvs(self) -> list[Transfer]:
+        """Everything this peer receives, in wire order (= its predecessor's ``sends``)."""
+        return self._transfers(self.recv_segment)

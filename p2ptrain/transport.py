@@ -1,0 +1,314 @@
+"""TCP links that carry frames: the thin asyncio layer around ``wire`` and ``auth``.
+
+- Receiving: an ``asyncio.BufferedProtocol`` whose ``get_buffer`` is the decoder's, so the
+  kernel writes payloads straight into the buffer the link's ``allocate`` hook gives out
+  (a preallocated ring segment, a pooled buffer): no copy in Python, on the stock loop and
+  on uvloop alike. Frames queue on the link (bounded: reading pauses at the high-water mark).
+- Sending: payloads go out as memoryviews of the caller's memory, in pieces, each handed
+  to the transport only when its write buffer is empty, so the kernel takes most bytes
+  straight from the caller's memory. ``send`` returns once the transport holds nothing
+  more of it: the caller may then reuse its buffer.
+- Admission: ``open_link`` and ``serve`` run the ``auth.Handshake`` under a deadline; a peer
+  that fails it is logged in one line, sent a fixed reason, and closed. The listener keeps
+  serving everyone else.
+
+Failures surface as ``LinkError`` (closed, reset, timed out) or ``RemoteProtocolError``
+(bad frame, refused handshake). Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+from typing import Awaitable, Callable
+
+from p2ptrain import auth, wire
+from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
+
+log = logging.getLogger("p2ptrain.transport")
+
+SEND_PIECE = 1 << 20  # bytes handed to the transport at a time
+MAX_QUEUED_FRAMES = 64  # received frames waiting for their consumer before reading pauses
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def install_uvloop() -> bool:
+    """Use uvloop's event loop policy when it is installed (never on Windows). True if used."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def _tune_socket(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _FrameProtocol(asyncio.BufferedProtocol):
+    """Feeds received bytes to a FrameDecoder; owned by exactly one Link."""
+
+    def __init__(self, link: "Link", on_connected: Callable[[], None] | None = None):
+        self.link = link
+        self.on_connected = on_connected
+
+    def connection_made(self, transport):
+        _tune_socket(transport)
+        # high=0: pause as soon as anything is buffered, resume when the buffer is empty.
+        transport.set_write_buffer_limits(high=0)
+        self.link._attach(transport)
+        if self.on_connected is not None:
+            self.on_connected()
+
+    def get_buffer(self, sizehint):
+        return self.link._decoder.get_buffer()
+
+    def buffer_updated(self, nbytes):
+        self.link._on_bytes(nbytes)
+
+    def eof_received(self):
+        self.link._on_lost(None, eof=True)
+        return False
+
+    def connection_lost(self, exc):
+        self.link._on_lost(exc)
+
+    def pause_writing(self):
+        self.link._can_write.clear()
+
+    def resume_writing(self):
+        self.link._can_write.set()
+
+
+class Link:
+    """One framed TCP connection to one peer. Created by ``open_link`` or ``serve``.
+
+    ``send`` and ``recv`` may run concurrently (one sender task and one receiver task).
+    After ``close()`` or a failure, both raise: ``LinkError`` or the protocol error that
+    ended the link.
+    """
+
+    def __init__(self, name: str = "?", max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES):
+        self.name = name
+        self.peer: auth.PeerHello | None = None
+        self._decoder = wire.FrameDecoder(max_payload=max_payload)
+        self._transport: asyncio.Transport | None = None
+        self._frames: collections.deque[wire.Frame] = collections.deque()
+        self._frame_ready = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._reading_paused = False
+        self._error: BaseException | None = None
+        self._closed = asyncio.get_running_loop().create_future()
+        self.bytes_sent = 0
+
+    # -- configuration --------------------------------------------------------------------
+    def set_allocator(self, allocate: wire.Allocator) -> None:
+        """Where payloads of the following frames are received (see ``wire.Allocator``)."""
+        self._decoder.allocate = allocate
+
+    @property
+    def bytes_received(self) -> int:
+        return self._decoder.bytes_received
+
+    @property
+    def remote(self) -> str:
+        addr = self._transport.get_extra_info("peername") if self._transport else None
+        return f"{addr[0]}:{addr[1]}" if addr else self.name
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    # -- sending --------------------------------------------------------------------------
+    async def send(self, header: dict, payload=(), timeout: float | None = None) -> None:
+        """Send one frame; ``payload`` is an iterable of buffers, sent without copies where the
+        kernel takes them at once. Returns when the transport holds nothing more of it."""
+        for buf in wire.encode_frame(header, payload):
+            view = memoryview(buf)
+            for off in range(0, view.nbytes, SEND_PIECE):
+                await self._writable(timeout)
+                self._transport.write(view[off : off + SEND_PIECE])
+                self.bytes_sent += min(SEND_PIECE, view.nbytes - off)
+        await self._writable(timeout)
+
+    async def _writable(self, timeout: float | None) -> None:
+        self._raise_if_failed()
+        if not self._can_write.is_set():
+            try:
+                await asyncio.wait_for(self._can_write.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise LinkError(f"{self.name}: peer stopped reading for {timeout:.0f} s") from None
+            self._raise_if_failed()
+
+    # -- receiving ------------------------------------------------------------------------
+    async def recv(self, timeout: float | None = None) -> wire.Frame:
+        """The next frame. Raises LinkError on timeout or loss, or the error that ended the link."""
+        while not self._frames:
+            self._raise_if_failed()
+            self._frame_ready.clear()
+            try:
+                await asyncio.wait_for(self._frame_ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise LinkError(f"{self.name}: nothing received for {timeout:.0f} s") from None
+        frame = self._frames.popleft()
+        if self._reading_paused and len(self._frames) <= MAX_QUEUED_FRAMES // 2 and not self.closed:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        return frame
+
+    # -- life cycle -----------------------------------------------------------------------
+    def close(self, reason: str | None = None) -> None:
+        """Close now. With ``reason`` (one of auth's fixed strings), tell the peer first."""
+        if self._transport is not None and not self._transport.is_closing():
+            if reason is not None:
+                self._transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
+            self._transport.close()
+        self._fail(ClosedError(f"{self.name}: link closed"))
+
+    async def wait_closed(self, timeout: float = 5.0) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._closed), timeout)
+        except asyncio.TimeoutError:
+            if self._transport is not None:
+                self._transport.abort()
+
+    # -- protocol callbacks ---------------------------------------------------------------
+    def _attach(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def _on_bytes(self, nbytes: int) -> None:
+        try:
+            self._decoder.buffer_updated(nbytes)
+        except FrameError as exc:
+            reason = auth.REASON_VERSION if "version" in str(exc) else auth.REASON_MALFORMED
+            log.warning("%s: closing connection: %s", self.remote, exc)
+            self._transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
+            self._fail(exc)
+            self._transport.close()
+            return
+        frames = self._decoder.pop_frames()
+        if frames:
+            self._frames.extend(frames)
+            self._frame_ready.set()
+            if len(self._frames) >= MAX_QUEUED_FRAMES and not self._reading_paused:
+                self._reading_paused = True
+                self._transport.pause_reading()
+
+    def _on_lost(self, exc: BaseException | None, eof: bool = False) -> None:
+        if self._error is None:
+            where = "" if self._decoder.idle else " in the middle of a frame"
+            why = f": {exc}" if exc else ""
+            self._fail(LinkError(f"{self.name}: connection closed by peer{where}{why}"))
+        if not eof and not self._closed.done():
+            self._closed.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._frame_ready.set()
+        self._can_write.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+async def _admit(link: Link, hs: auth.Handshake, timeout: float,
+                 expect: Callable[[auth.PeerHello], bool] | None) -> None:
+    """Run the handshake on a fresh link. Raises HandshakeError / LinkError / FrameError."""
+    try:
+        for h in hs.start():
+            await link.send(h, timeout=timeout)
+        async def steps():
+            while not hs.done:
+                frame = await link.recv()
+                out = hs.receive(frame.header)
+                if expect is not None and frame.type == wire.HELLO:
+                    hs.check_expected(expect(hs.peer))
+                for h in out:
+                    await link.send(h, timeout=timeout)
+        await asyncio.wait_for(steps(), timeout)
+    except asyncio.TimeoutError:
+        link.close(auth.REASON_MALFORMED)
+        raise LinkError(f"{link.remote}: handshake not completed within {timeout:.0f} s") from None
+    except HandshakeError as exc:
+        link.close(None if exc.reason.startswith("refused by peer") else exc.reason)
+        raise
+    except BaseException:
+        link.close()
+        raise
+    link.peer = hs.peer
+    link.name = hs.peer.peer_id
+
+
+async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float = HANDSHAKE_TIMEOUT,
+                    expect: Callable[[auth.PeerHello], bool] | None = None,
+                    max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> Link:
+    """Connect to ``host:port`` and pass the handshake. Raises LinkError or HandshakeError."""
+    loop = asyncio.get_running_loop()
+    link = Link(f"{host}:{port}", max_payload)
+    try:
+        await asyncio.wait_for(loop.create_connection(lambda: _FrameProtocol(link), host, port), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise LinkError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
+    await _admit(link, hs, timeout, expect)
+    return link
+
+
+async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshake],
+                on_link: Callable[[Link], Awaitable[None] | None], *,
+                timeout: float = HANDSHAKE_TIMEOUT,
+                expect: Callable[[auth.PeerHello], bool] | None = None,
+                max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> asyncio.AbstractServer:
+    """Listen on ``host:port``; every connection that passes the handshake goes to ``on_link``.
+
+    Failures are logged one line each and never stop the listener. The caller owns the
+    returned server: ``server.close(); await server.wait_closed()``. Handshake tasks are
+    owned by the server's connection tracking and end with their connection.
+    """
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
+
+    def factory():
+        link = Link("incoming", max_payload)
+
+        async def admit():
+            try:
+                await _admit(link, make_handshake(), timeout, expect)
+            except P2PTrainError as exc:
+                log.warning("refused connection from %s: %s", link.remote, exc)
+                return
+            result = on_link(link)
+            if asyncio.iscoroutine(result):
+                await result
+
+        def start():
+            task = loop.create_task(admit())
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+        return _FrameProtocol(link, start)
+
+    server = await loop.create_server(factory, host, port, reuse_address=True)
+    server._p2ptrain_pending = pending  # kept for close(): see close_server
+    return server
+
+
+async def close_server(server: asyncio.AbstractServer) -> None:
+    """Stop listening and cancel handshakes still in progress."""
+    server.close()
+    for task in list(getattr(server, "_p2ptrain_pending", ())):
+        task.cancel()
+    pending = list(getattr(server, "_p2ptrain_pending", ()))
+    if pending:
+        await asyncio.wait(pending, timeout=5.0)
+    try:  # from 3.12 this also waits for accepted connections: their owners close them
+        await asyncio.wait_for(server.wait_closed(), 5.0)
+    except asyncio.TimeoutError:
+        log.debug("listener closed with connections still open")

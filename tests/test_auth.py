@@ -1,0 +1,118 @@
+"""The handshake, two ends joined by a fake link (no sockets)."""
+
+import pytest
+
+from p2ptrain import auth, wire
+from p2ptrain.errors import ConfigError, HandshakeError
+
+
+def hs(pid, secret=None, cluster="lab", **kw):
+    return auth.Handshake(cluster=cluster, peer_id=pid, secret=secret, info={"who": pid}, **kw)
+
+
+def run(a, b):
+    """Deliver messages until quiet; returns (error_a, error_b, rejects seen by a, by b)."""
+    to_b, to_a = list(a.start()), list(b.start())
+    errors = {"a": None, "b": None}
+    for _ in range(10):
+        for side, me, inbox, outbox in (("a", a, to_a, to_b), ("b", b, to_b, to_a)):
+            while inbox and errors[side] is None:
+                h = wire.unpack_header(wire.pack_header(inbox.pop(0))[wire.PREFIX_SIZE:])  # through msgpack
+                try:
+                    outbox.extend(me.receive(h))
+                except HandshakeError as exc:
+                    errors[side] = exc
+                    if not str(exc).startswith("refused by peer"):
+                        outbox.append(me.reject(exc.reason))
+    return errors["a"], errors["b"]
+
+
+def test_no_secret_admits_both_ways():
+    a, b = hs("a"), hs("b")
+    assert run(a, b) == (None, None)
+    assert a.done and b.done
+    assert a.peer.peer_id == "b" and a.peer.info == {"who": "b"} and b.peer.peer_id == "a"
+
+
+def test_same_secret_admits():
+    a, b = hs("a", b"s3cret"), hs("b", b"s3cret")
+    assert run(a, b) == (None, None) and a.done and b.done
+
+
+def test_wrong_secret_refused_with_reason_on_both_sides():
+    a, b = hs("a", b"right"), hs("b", b"wrong")
+    ea, eb = run(a, b)
+    assert not a.done and not b.done
+    assert ea.reason == auth.REASON_SECRET or "wrong secret" in str(ea)
+    assert eb.reason == auth.REASON_SECRET or "wrong secret" in str(eb)
+
+
+@pytest.mark.parametrize("kw_a, kw_b, reason", [
+    ({"cluster": "lab"}, {"cluster": "home"}, auth.REASON_CLUSTER),
+    ({"secret": b"x"}, {}, auth.REASON_SECRET_MODE),
+])
+def test_mismatches_are_refused(kw_a, kw_b, reason):
+    ea, eb = run(hs("a", **kw_a), hs("b", **kw_b))
+    assert reason in str(ea) and reason in str(eb)
+
+
+def test_connected_to_itself():
+    ea, _ = run(hs("a"), hs("a"))
+    assert auth.REASON_SELF in str(ea)
+
+
+def test_replayed_or_reflected_proof_fails():
+    # An attacker without the secret reflects our own proof back at us.
+    a = hs("a", b"k", nonce=b"\1" * 32)
+    a.start()
+    their_nonce = b"\2" * 32
+    (proof,) = a.receive({"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": "lab", "id": "m",
+                          "nonce": their_nonce, "auth": True, "info": {}})
+    with pytest.raises(HandshakeError, match="wrong secret"):
+        a.receive(proof)
+
+
+@pytest.mark.parametrize("hello", [
+    {"t": "hello"},
+    {"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": "lab", "id": "b", "nonce": b"short", "auth": False},
+    {"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": "lab", "id": 5, "nonce": b"\0" * 32, "auth": False},
+    {"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": "lab", "id": "b" * 100, "nonce": b"\0" * 32, "auth": False},
+    {"t": "proof", "mac": b""},
+    {"t": "welcome"},
+    {"t": "chunk"},
+])
+def test_malformed_or_out_of_order(hello):
+    a = hs("a")
+    a.start()
+    with pytest.raises(HandshakeError):
+        a.receive(hello)
+
+
+def test_other_version_in_hello():
+    a = hs("a")
+    a.start()
+    with pytest.raises(HandshakeError, match="version"):
+        a.receive({"t": "hello", "v": 99, "cluster": "lab", "id": "b", "nonce": b"\0" * 32,
+                   "auth": False, "info": {}})
+
+
+def test_reject_reason_is_sanitised():
+    a = hs("a")
+    with pytest.raises(HandshakeError) as err:
+        a.receive({"t": "reject", "reason": "evil\x1b[2J" + "x" * 500})
+    assert "\x1b" not in str(err.value) and len(str(err.value)) < 260
+
+
+def test_secret_from_env_and_empty():
+    assert auth.secret_from(None, env={"P2PTRAIN_SECRET": "abc"}) == b"abc"
+    assert auth.secret_from(None, env={}) is None
+    assert auth.secret_from("x") == b"x"
+    with pytest.raises(ConfigError):
+        auth.secret_from(b"")
+
+
+def test_beacon_tags_differ_from_handshake_keys():
+    tag = auth.beacon_tag(b"k", b"body")
+    assert auth.beacon_tag_ok(b"k", b"body", tag)
+    assert not auth.beacon_tag_ok(b"other", b"body", tag)
+    assert auth.derive_key(b"k", "beacon") != auth.derive_key(b"k", "handshake")

@@ -1,0 +1,68 @@
+"""The ring schedule, simulated without sockets: it must compute the sum, in 2(N-1) steps."""
+
+import numpy as np
+import pytest
+
+from p2ptrain.ring import RingPlan, chunks_of, split
+
+
+@pytest.mark.parametrize("length, parts", [(0, 1), (0, 3), (1, 3), (10, 3), (12, 4), (7, 7), (5, 8)])
+def test_split_covers_and_is_near_equal(length, parts):
+    b = split(length, parts)
+    assert len(b) == parts and b[0][0] == 0 and b[-1][1] == length
+    assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+    sizes = [s - a for a, s in b]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_chunks_of():
+    assert chunks_of(3, 10, 4) == [(3, 7), (7, 10)]
+    assert chunks_of(5, 5, 4) == []
+
+
+def simulate(vectors, chunk):
+    """Run every peer's plan with perfect links (messages in order), pure numpy."""
+    n = len(vectors)
+    work = [v.copy() for v in vectors]
+    plans = [RingPlan(r, n, len(vectors[0]), chunk) for r in range(n)]
+    for r, p in enumerate(plans):  # what r sends is what r+1 expects, in the same order
+        nxt = plans[(r + 1) % n]
+        assert [(t.g, t.chunk, t.start, t.stop) for t in p.sends] == \
+               [(t.g, t.chunk, t.start, t.stop) for t in nxt.recvs]
+    for g in range(plans[0].steps if n > 1 else 0):
+        outgoing = [{t.chunk: work[r][t.start:t.stop].copy() for t in p.sends if t.g == g}
+                    for r, p in enumerate(plans)]
+        for r, p in enumerate(plans):
+            for t in p.recvs:
+                if t.g == g:
+                    data = outgoing[(r - 1) % n][t.chunk]
+                    if t.reduce:
+                        work[r][t.start:t.stop] += data
+                    else:
+                        work[r][t.start:t.stop] = data
+    return work
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("length, chunk", [(0, 4), (1, 4), (5, 2), (17, 3), (100, 7), (64, 64)])
+def test_schedule_computes_the_sum(n, length, chunk):
+    rng = np.random.default_rng(n * 1000 + length)
+    vectors = [rng.integers(-100, 100, length).astype(np.float64) for _ in range(n)]
+    for w in simulate(vectors, chunk):
+        np.testing.assert_array_equal(w, sum(vectors))
+
+
+def test_dependencies_point_to_the_previous_step_same_segment():
+    p = RingPlan(1, 4, 40, 3)
+    recv = {(t.g, t.chunk): t for t in p.recvs}
+    for t in p.sends:
+        if t.after is not None:
+            assert (recv[t.after].start, recv[t.after].stop) == (t.start, t.stop)
+    assert p.steps == 6 and p.owned == 2
+
+
+def test_bad_plans():
+    with pytest.raises(ValueError):
+        RingPlan(3, 3, 10)
+    with pytest.raises(ValueError):
+        RingPlan(0, 1, 10, 0)
