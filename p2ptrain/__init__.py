@@ -22,7 +22,10 @@ from p2ptrain.errors import (
 
 __version__ = "0.1.0"
 
+from p2ptrain.group import Group  # noqa: E402  (after __version__: the CLI imports it)
+
 __all__ = [
+    "Group",
     "__version__",
     "P2PTrainError",
     "ConfigError",

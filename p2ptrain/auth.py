@@ -39,6 +39,7 @@ REASON_SELF = "connected to itself"
 REASON_MALFORMED = "malformed handshake"
 REASON_VERSION = "protocol version mismatch"
 REASON_UNEXPECTED = "unexpected peer"
+REASON_TIMEOUT = "handshake timed out"
 
 
 def secret_from(secret: str | bytes | None, env: dict | None = None) -> bytes | None:

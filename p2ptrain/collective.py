@@ -38,7 +38,7 @@ from p2ptrain.transport import Link
 
 @dataclass
 class AllreduceStats:
-    """What one call moved: bytes on the wire (payloads) and the fp32 bytes they stand for."""
+    """What this peer sent in one call: payload bytes on the wire, and the fp32 bytes they stand for."""
 
     wire_bytes: int = 0
     raw_bytes: int = 0
@@ -179,7 +179,6 @@ class RingAllreduce:
                 raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
             self._arrived.add((t.g, t.chunk))
             self._progress.set()
-            self.stats.wire_bytes += frame.payload.nbytes
 
     def _check(self, frame: wire.Frame, t: Transfer) -> dict:
         h = frame.header

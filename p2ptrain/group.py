@@ -176,7 +176,7 @@ class Group:
         for link in self._links.values():
             link.close()
         if self._server is not None:
-            await transport.close_server(self._server)
+            await self._server.close()
             self._server = None
 
     # -- the collective -------------------------------------------------------------------

@@ -4,10 +4,12 @@
   kernel writes payloads straight into the buffer the link's ``allocate`` hook gives out
   (a preallocated ring segment, a pooled buffer): no copy in Python, on the stock loop and
   on uvloop alike. Frames queue on the link (bounded: reading pauses at the high-water mark).
-- Sending: payloads go out as memoryviews of the caller's memory, in pieces, each handed
-  to the transport only when its write buffer is empty, so the kernel takes most bytes
-  straight from the caller's memory. ``send`` returns once the transport holds nothing
-  more of it: the caller may then reuse its buffer.
+- Sending: payloads go out from the caller's memory with ``sendmsg`` on a duplicate of the
+  connection's socket, waiting for writability with ``loop.add_writer`` (asyncio's own
+  transports copy what the kernel does not take at once, before Python 3.12). Where the
+  loop has no ``add_writer`` (Windows' proactor), pieces go through the transport, each
+  handed over only when its buffer is empty. Either way ``send`` returns once nothing of
+  the frame is left in user space: the caller may then reuse its buffer.
 - Admission: ``open_link`` and ``serve`` run the ``auth.Handshake`` under a deadline; a peer
   that fails it is logged in one line, sent a fixed reason, and closed. The listener keeps
   serving everyone else.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import socket
 from typing import Awaitable, Callable
 
@@ -50,6 +53,71 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+_IOV_MAX = 512
+
+
+class _DirectSender:
+    """Sends buffers with ``sendmsg`` on a dup of a connected non-blocking socket: no copies.
+
+    The dup keeps the connection open: ``close()`` it before the transport closes."""
+
+    def __init__(self, sock):
+        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
+        self._sock.setblocking(False)
+        self._loop = asyncio.get_running_loop()
+
+    async def send(self, buffers: list, timeout: float | None, name: str) -> int:
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        total = sum(v.nbytes for v in views)
+        while views:
+            try:
+                sent = self._sock.sendmsg(views[:_IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise LinkError(f"{name}: send failed: {exc.strerror or exc}") from None
+            while sent and views:  # drop what went out
+                if sent >= views[0].nbytes:
+                    sent -= views.pop(0).nbytes
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            if views:
+                await self._writable(timeout, name)
+        return total
+
+    async def _writable(self, timeout: float | None, name: str) -> None:
+        fut = self._loop.create_future()
+        fd = self._sock.fileno()
+        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise LinkError(f"{name}: peer stopped reading for {timeout:.0f} s") from None
+        finally:
+            self._loop.remove_writer(fd)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _direct_sender(transport: asyncio.Transport) -> _DirectSender | None:
+    sock = transport.get_extra_info("socket")
+    loop = asyncio.get_running_loop()
+    if sock is None or not hasattr(socket.socket, "sendmsg"):
+        return None
+    try:
+        sender = _DirectSender(sock)
+        probe = sender._sock.fileno()
+        loop.add_writer(probe, lambda: None)  # NotImplementedError on loops without it
+        loop.remove_writer(probe)
+    except (NotImplementedError, OSError, ValueError):
+        if "sender" in locals():
+            sender.close()
+        return None
+    return sender
+
+
 class _FrameProtocol(asyncio.BufferedProtocol):
     """Feeds received bytes to a FrameDecoder; owned by exactly one Link."""
 
@@ -66,6 +134,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.on_connected()
 
     def get_buffer(self, sizehint):
+        if self.link._discarding:
+            return self.link._discard
         return self.link._decoder.get_buffer()
 
     def buffer_updated(self, nbytes):
@@ -105,6 +175,10 @@ class Link:
         self._reading_paused = False
         self._error: BaseException | None = None
         self._closed = asyncio.get_running_loop().create_future()
+        self._direct: _DirectSender | None = None
+        self._discarding = False  # after a protocol error: swallow input until we close
+        self._discard = memoryview(bytearray(1 << 16))
+        self._send_lock = asyncio.Lock()
         self.bytes_sent = 0
 
     # -- configuration --------------------------------------------------------------------
@@ -128,7 +202,15 @@ class Link:
     # -- sending --------------------------------------------------------------------------
     async def send(self, header: dict, payload=(), timeout: float | None = None) -> None:
         """Send one frame; ``payload`` is an iterable of buffers, sent without copies where the
-        kernel takes them at once. Returns when the transport holds nothing more of it."""
+        kernel takes them at once. Returns when nothing of it is left in user space."""
+        async with self._send_lock:
+            self._raise_if_failed()
+            if self._direct is not None:
+                self.bytes_sent += await self._direct.send(wire.encode_frame(header, payload), timeout, self.name)
+                return
+            await self._send_via_transport(header, payload, timeout)
+
+    async def _send_via_transport(self, header: dict, payload, timeout: float | None) -> None:
         for buf in wire.encode_frame(header, payload):
             view = memoryview(buf)
             for off in range(0, view.nbytes, SEND_PIECE):
@@ -164,12 +246,29 @@ class Link:
 
     # -- life cycle -----------------------------------------------------------------------
     def close(self, reason: str | None = None) -> None:
-        """Close now. With ``reason`` (one of auth's fixed strings), tell the peer first."""
-        if self._transport is not None and not self._transport.is_closing():
-            if reason is not None:
-                self._transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
-            self._transport.close()
+        """Close. With ``reason`` (one of auth's fixed strings), tell the peer first, and
+        linger a moment so that the reason arrives (an abrupt close would reset it away)."""
         self._fail(ClosedError(f"{self.name}: link closed"))
+        if reason is not None:
+            self._refuse(reason)
+            return
+        self._close_direct()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    def _refuse(self, reason: str, linger: float = 1.0) -> None:
+        """Send REJECT, half-close, discard input, close for good after ``linger`` seconds."""
+        self._close_direct()
+        t = self._transport
+        if t is None or t.is_closing() or self._discarding:
+            return
+        self._discarding = True
+        t.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
+        if t.can_write_eof():
+            t.write_eof()
+        if self._reading_paused:
+            t.resume_reading()
+        asyncio.get_running_loop().call_later(linger, t.close)
 
     async def wait_closed(self, timeout: float = 5.0) -> None:
         try:
@@ -181,16 +280,22 @@ class Link:
     # -- protocol callbacks ---------------------------------------------------------------
     def _attach(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        self._direct = _direct_sender(transport)
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
 
     def _on_bytes(self, nbytes: int) -> None:
+        if self._discarding:
+            return
         try:
             self._decoder.buffer_updated(nbytes)
         except FrameError as exc:
-            reason = auth.REASON_VERSION if "version" in str(exc) else auth.REASON_MALFORMED
-            log.warning("%s: closing connection: %s", self.remote, exc)
-            self._transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
+            log.debug("%s: closing connection: %s", self.remote, exc)  # the link's owner reports it
             self._fail(exc)
-            self._transport.close()
+            self._refuse(auth.REASON_VERSION if "version" in str(exc) else auth.REASON_MALFORMED)
             return
         frames = self._decoder.pop_frames()
         if frames:
@@ -201,6 +306,7 @@ class Link:
                 self._transport.pause_reading()
 
     def _on_lost(self, exc: BaseException | None, eof: bool = False) -> None:
+        self._close_direct()
         if self._error is None:
             where = "" if self._decoder.idle else " in the middle of a frame"
             why = f": {exc}" if exc else ""
@@ -235,7 +341,7 @@ async def _admit(link: Link, hs: auth.Handshake, timeout: float,
                     await link.send(h, timeout=timeout)
         await asyncio.wait_for(steps(), timeout)
     except asyncio.TimeoutError:
-        link.close(auth.REASON_MALFORMED)
+        link.close(auth.REASON_TIMEOUT)
         raise LinkError(f"{link.remote}: handshake not completed within {timeout:.0f} s") from None
     except HandshakeError as exc:
         link.close(None if exc.reason.startswith("refused by peer") else exc.reason)
@@ -261,16 +367,38 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
     return link
 
 
+class Listener:
+    """A listening socket and the handshakes in progress on it; owns both. ``close()`` ends them."""
+
+    def __init__(self, server: asyncio.AbstractServer, pending: set[asyncio.Task]):
+        self.server = server
+        self._pending = pending
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.server.close()
+        for task in list(self._pending):
+            task.cancel()
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=5.0)
+        try:  # from 3.12 this also waits for accepted connections: their owners close them
+            await asyncio.wait_for(self.server.wait_closed(), 5.0)
+        except asyncio.TimeoutError:
+            log.debug("listener closed with connections still open")
+
+
 async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshake],
                 on_link: Callable[[Link], Awaitable[None] | None], *,
                 timeout: float = HANDSHAKE_TIMEOUT,
                 expect: Callable[[auth.PeerHello], bool] | None = None,
-                max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> asyncio.AbstractServer:
+                max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> Listener:
     """Listen on ``host:port``; every connection that passes the handshake goes to ``on_link``.
 
     Failures are logged one line each and never stop the listener. The caller owns the
-    returned server: ``server.close(); await server.wait_closed()``. Handshake tasks are
-    owned by the server's connection tracking and end with their connection.
+    returned ``Listener`` and closes it.
     """
     loop = asyncio.get_running_loop()
     pending: set[asyncio.Task] = set()
@@ -296,19 +424,4 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
         return _FrameProtocol(link, start)
 
     server = await loop.create_server(factory, host, port, reuse_address=True)
-    server._p2ptrain_pending = pending  # kept for close(): see close_server
-    return server
-
-
-async def close_server(server: asyncio.AbstractServer) -> None:
-    """Stop listening and cancel handshakes still in progress."""
-    server.close()
-    for task in list(getattr(server, "_p2ptrain_pending", ())):
-        task.cancel()
-    pending = list(getattr(server, "_p2ptrain_pending", ()))
-    if pending:
-        await asyncio.wait(pending, timeout=5.0)
-    try:  # from 3.12 this also waits for accepted connections: their owners close them
-        await asyncio.wait_for(server.wait_closed(), 5.0)
-    except asyncio.TimeoutError:
-        log.debug("listener closed with connections still open")
+    return Listener(server, pending)

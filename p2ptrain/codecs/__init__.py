@@ -1,0 +1,32 @@
+"""Gradient codecs for the ring-allreduce: none, fp16, bf16, int8 (blockwise), top-k, + zstd.
+
+Sans-I/O: codecs take float32 chunks and bytes and return bytes and floats; they open no
+socket, read no clock and start no thread.
+
+Theory of operation. ``parse_codec(spec)`` builds a ``Codec`` from a spec string (grammar
+in ``_spec``; ``CODEC_CHOICES`` lists the forms). ``codec.encode(x)`` turns a 1-D float32
+chunk into an ``Encoded``: small msgpack-able ``params`` for the frame header and a
+payload. The receiver, which knows the chunk's length ``n`` from the ring schedule,
+refuses payloads over ``codec.max_payload(n)`` before reading them, then calls
+``codec.decode(params, payload, out)``. Nothing in a payload or its params sizes an
+allocation without being checked against ``n``. Decoding is pure IEEE float32
+arithmetic, so the same bytes give bit-identical floats on every peer: the ring relies on
+it when each segment's owner encodes the final sum once and everyone decodes it.
+
+Every lossy codec documents its error bound in its transform's docstring, and the tests
+check exactly that bound. ``residual_of`` gives the error-feedback residual.
+
+Decoders validate structure (params, lengths, scales, indices, zstd frame sizes), not
+each value: a peer that sends NaN values gets NaN applied, as it would with ``none``.
+
+Errors: a payload that fails validation raises ``CodecError`` (the peer's fault) and
+nothing else; a bad spec, or a bad ``x``/``out`` from our own caller, ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from p2ptrain.codecs._codec import Codec, Encoded
+from p2ptrain.codecs._spec import CODEC_CHOICES, parse_codec
+from p2ptrain.codecs.feedback import residual_of
+
+__all__ = ["CODEC_CHOICES", "Codec", "Encoded", "parse_codec", "residual_of"]

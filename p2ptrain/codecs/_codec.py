@@ -1,0 +1,197 @@
+"""``Codec`` and ``Encoded``: one gradient transform plus its optional zstd layer.
+
+A codec turns a 1-D float32 chunk into a small msgpack-able ``params`` dict and a payload
+(``Encoded``), and turns ``params`` + payload back into floats written into a caller's
+array. The transforms (fp16, bf16, int8, top-k) live in their own modules; this one owns
+what they share: input checks, the strict params schema, the zstd layer and its limits.
+
+Failure behaviour: a payload or params that a peer sent and that do not validate raise
+``CodecError`` and nothing else. A bad argument from our own caller (``x`` or ``out`` of
+the wrong dtype or shape, or a chunk a lossy codec cannot represent: NaN, inf or
+``|x| > 2**127``) raises ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+import zstandard
+
+from p2ptrain.errors import CodecError, ConfigError
+
+F32 = np.dtype("<f4")
+# Largest |x| a lossy codec accepts. Keeping a power of two of headroom below float32's
+# max means no decoded value of an honest payload can round up to inf.
+MAX_ABS = 2.0**127
+# zstd is kept for a chunk only when it saves at least 3%; otherwise the raw bytes go.
+ZSTD_PAYS = 0.97
+# Levels 1..19 never use a window above 8 MiB; refusing larger windows bounds the memory
+# a hostile frame header can make the decompressor ask for.
+_MAX_WINDOW = 1 << 25
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Encoded:
+    """One encoded chunk: header ``params`` and a payload split into ``buffers``.
+
+    ``buffers`` are 1-D byte memoryviews; their concatenation is the payload and
+    ``nbytes`` its length. For the identity codec the one buffer is a view of the input
+    array itself (no copy): do not modify the input until the payload is sent.
+    """
+
+    params: dict[str, Any]
+    buffers: list[memoryview]
+    nbytes: int
+
+    def tobytes(self) -> bytes:
+        """The payload as one ``bytes`` (a copy; for tests and simple callers)."""
+        return b"".join(self.buffers)
+
+
+class Transform(Protocol):
+    """What a codec's transform provides (private; see _dense, _int8, _topk)."""
+
+    name: str
+    params: dict[str, type]  # its own params and their exact types ("z" is added here)
+
+    def max_raw(self, n: int) -> int: ...
+    def raw_size(self, n: int, params: dict) -> int: ...  # validates params, raises CodecError
+    def encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray]: ...  # uint8 payload
+    def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None: ...
+
+
+def check_domain(name: str, absmax: float) -> None:
+    """Refuse a chunk a lossy codec cannot carry (NaN compares false, so it is refused too)."""
+    if not absmax <= MAX_ABS:
+        raise ConfigError(
+            f"cannot encode with {name}: the chunk holds NaN, inf or a value above 2**127 "
+            "in magnitude; skip this step's gradient or use compression 'none'"
+        )
+
+
+def _check_array(x: Any, what: str) -> None:
+    if not (isinstance(x, np.ndarray) and x.dtype == F32 and x.ndim == 1 and x.flags.c_contiguous):
+        got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}".strip()
+        raise ConfigError(f"codec {what} must be a 1-D C-contiguous float32 numpy array, got {got}")
+
+
+def _byte_view(payload: Any) -> memoryview:
+    try:
+        mv = memoryview(payload)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+    except (TypeError, ValueError):
+        mv = None
+    if mv is None or not mv.contiguous:
+        raise ConfigError("codec payload must be a contiguous bytes-like object")
+    return mv
+
+
+class Codec:
+    """A gradient codec. Build one with ``parse_codec``; compare and print by ``spec``.
+
+    Call order: the sender calls ``encode(x)`` and ships ``params`` in the frame header
+    and the buffers as the payload; the receiver checks the payload length against
+    ``max_payload(n)`` before reading it, then calls ``decode(params, payload, out)``.
+    Decoding the same bytes gives bit-identical floats on every machine (IEEE float32
+    arithmetic only, no platform maths), provided no one enables flush-to-zero
+    (``torch.set_flush_denormal(True)``), which changes results below 2**-126.
+
+    A Codec instance holds zstd contexts, which are not thread-safe: use one instance
+    from one thread at a time (one per worker thread if several encode concurrently).
+    Any instance decodes the payloads of any other with the same transform, whatever
+    its zstd setting: whether zstd was applied travels in ``params["z"]``.
+    """
+
+    __slots__ = ("spec", "lossless", "is_identity", "_t", "_keys", "_cctx", "_dctx")
+
+    def __init__(self, spec: str, transform: Transform | None, zstd_level: int | None = None):
+        self.spec = spec
+        self.is_identity = transform is None
+        self.lossless = self.is_identity
+        self._t = transform
+        self._keys = {} if transform is None else {"z": bool, **transform.params}
+        self._cctx = None if not zstd_level else zstandard.ZstdCompressor(level=zstd_level)
+        self._dctx = None if transform is None else zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
+
+    def __repr__(self) -> str:
+        return f"parse_codec({self.spec!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def max_payload(self, n: int) -> int:
+        """Upper bound on the payload length of an ``n``-value chunk (zstd only ever shrinks it)."""
+        return 4 * n if self._t is None else self._t.max_raw(n)
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        """Encode one chunk. Pure and deterministic: the same ``x`` gives the same bytes."""
+        _check_array(x, "input")
+        if self._t is None:
+            return Encoded({}, [memoryview(x).cast("B")], x.nbytes)
+        params, raw = self._t.encode_raw(x)
+        buf: Any = raw
+        applied = False
+        if self._cctx is not None and raw.nbytes:
+            packed = self._cctx.compress(raw)
+            if len(packed) < ZSTD_PAYS * raw.nbytes:
+                buf, applied = packed, True
+        mv = memoryview(buf).cast("B")
+        return Encoded({"z": applied, **params}, [mv], mv.nbytes)
+
+    def decode(self, params: Any, payload: Any, out: np.ndarray) -> None:
+        """Decode ``payload`` into ``out`` (whose length is the chunk's ``n``).
+
+        Raises ``CodecError`` for any params or payload that an honest encoder of this
+        transform cannot have produced for ``n`` values; ``out`` is then left undefined.
+        """
+        _check_array(out, "output")
+        if not out.flags.writeable:
+            raise ConfigError("codec output array must be writeable")
+        n = out.shape[0]
+        mv = _byte_view(payload)
+        self._check_params(params)
+        if self._t is None:
+            if mv.nbytes != 4 * n:
+                raise CodecError(f"none payload of {mv.nbytes} bytes for {n} values")
+            np.copyto(out, np.frombuffer(mv, F32))
+            return
+        raw_len = self._t.raw_size(n, params)
+        if params["z"]:
+            raw = self._unzstd(mv, raw_len)
+        elif mv.nbytes != raw_len:
+            raise CodecError(f"{self._t.name} payload of {mv.nbytes} bytes, expected {raw_len}")
+        else:
+            raw = mv
+        # Hostile values may overflow or make NaN; that is the sender's business, and it
+        # must not become a FloatingPointError under a caller's np.seterr(all="raise").
+        with np.errstate(all="ignore"):
+            self._t.decode_raw(n, params, raw, out)
+
+    def _check_params(self, params: Any) -> None:
+        if not isinstance(params, dict) or params.keys() != self._keys.keys():
+            raise CodecError(f"codec params must be a dict with exactly the keys {sorted(self._keys)}")
+        for key, typ in self._keys.items():
+            if type(params[key]) is not typ:
+                raise CodecError(f"codec param {key!r} must be of type {typ.__name__}")
+
+    def _unzstd(self, mv: memoryview, raw_len: int) -> bytes:
+        # An honest sender uses zstd only when it shrinks the payload; the frame must
+        # announce exactly raw_len bytes, so nothing larger is ever allocated.
+        if not 0 < mv.nbytes < raw_len:
+            raise CodecError(f"zstd payload of {mv.nbytes} bytes for {raw_len} raw bytes")
+        try:
+            announced = zstandard.frame_content_size(mv)
+            if announced != raw_len:
+                raise CodecError(f"zstd frame announces {announced} bytes, expected {raw_len}")
+            raw = self._dctx.decompress(mv, max_output_size=raw_len, allow_extra_data=False)
+        except zstandard.ZstdError:
+            raise CodecError("payload is not one valid zstd frame") from None
+        if len(raw) != raw_len:
+            raise CodecError(f"zstd frame gave {len(raw)} bytes, expected {raw_len}")
+        return raw

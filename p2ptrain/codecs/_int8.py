@@ -1,0 +1,89 @@
+"""int8: blockwise absmax quantization, one float32 scale per block of 256 values.
+
+Blocks keep one outlier from flattening a whole chunk to zero: only its own 256
+neighbours share its scale. Payload: ``ceil(n/256)`` little-endian float32 scales, then
+``n`` int8 codes. No params of its own (the block size is fixed by the codec).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from p2ptrain.codecs._codec import MAX_ABS, check_domain
+from p2ptrain.errors import CodecError
+
+BLOCK = 256
+_F4 = np.dtype("<f4")
+# The smallest scale: keeps 1/scale finite and the scale a normal float32, so blocks of
+# zeros or of subnormals quantize like any other (at a 2**-127 absolute error floor).
+_MIN_SCALE = np.float32(2.0**-126)
+# The largest scale an honest encoder can send (absmax <= 2**127); decoding with it
+# cannot overflow float32.
+_MAX_SCALE = np.float32(MAX_ABS) / np.float32(127)
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+class Int8:
+    """int8 codes ``q = rint(x / scale)`` with ``scale = max(absmax_b / 127, 2**-126)`` per block.
+
+    Error bound, per value in block b:
+    ``|x - y| <= (1 + 2**-12) * max(absmax_b / 254, 2**-127)``
+    (half a quantization step, plus float32 rounding of the scale and of ``q * scale``).
+    """
+
+    name = "int8"
+    params: dict = {}
+
+    def max_raw(self, n: int) -> int:
+        return n + 4 * _blocks(n)
+
+    def raw_size(self, n: int, params: dict) -> int:
+        return self.max_raw(n)
+
+    def encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray]:
+        n = x.size
+        nb, full = _blocks(n), n // BLOCK * BLOCK
+        buf = np.empty(4 * nb + n, np.uint8)
+        scales = buf[: 4 * nb].view(_F4)
+        codes = buf[4 * nb :].view(np.int8)
+        if n == 0:
+            return {}, buf
+        # One float32 scratch array serves for |x| (to find each block's absmax) and then
+        # for x / scale before rounding: no other temporary of the chunk's size.
+        tmp = np.abs(x)
+        nfull = full // BLOCK
+        np.max(tmp[:full].reshape(nfull, BLOCK), axis=1, out=scales[:nfull])
+        if full < n:
+            scales[nfull] = tmp[full:].max()
+        check_domain(self.name, float(scales.max()))
+        np.divide(scales, np.float32(127), out=scales)
+        np.maximum(scales, _MIN_SCALE, out=scales)
+        inv = np.divide(np.float32(1), scales)
+        np.multiply(x[:full].reshape(nfull, BLOCK), inv[:nfull, None], out=tmp[:full].reshape(nfull, BLOCK))
+        if full < n:
+            np.multiply(x[full:], inv[nfull], out=tmp[full:])
+        # |x / scale| <= 127 * (1 + 2**-22) < 127.5, so the codes fit int8 without clipping.
+        np.rint(tmp, out=codes, casting="unsafe")
+        return {}, buf
+
+    def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
+        nb, full = _blocks(n), n // BLOCK * BLOCK
+        if n == 0:
+            return
+        scales = np.frombuffer(raw, _F4, nb)
+        # NaN fails both comparisons, so NaN, inf, negative and oversized scales are refused.
+        if not (scales.min() >= 0 and scales.max() <= _MAX_SCALE):
+            raise CodecError("int8 block scale is NaN, infinite, negative or too large")
+        codes = np.frombuffer(raw, np.int8, n, offset=4 * nb)
+        nfull = full // BLOCK
+        np.multiply(
+            codes[:full].reshape(nfull, BLOCK),
+            scales[:nfull, None],
+            out=out[:full].reshape(nfull, BLOCK),
+            dtype=np.float32,
+        )
+        if full < n:
+            np.multiply(codes[full:], scales[nfull], out=out[full:], dtype=np.float32)

@@ -1,0 +1,99 @@
+"""top-k: keep the k largest-magnitude values of a chunk, exactly, with their indices.
+
+k = max(1, ceil(RATIO * n)) for n > 0 (0 for n = 0), computed from the exact decimal
+RATIO, so sender and receiver always agree on k without it being sent. Payload: k
+little-endian float32 values in index order, then k index deltas (``idx[i] - idx[i-1]``,
+with ``idx[-1] = -1``, so every delta is >= 1) as uint8, uint16 or uint32, the narrowest
+that fits; the width is the one param, ``w``.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+
+from p2ptrain.codecs._codec import check_domain
+from p2ptrain.errors import CodecError
+
+_F4 = np.dtype("<f4")
+_DELTA = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+class TopK:
+    """Top-k by magnitude; ties on |x| go to the lowest index. Param ``w``: delta width.
+
+    Error bound: kept values are exact (``y[i] == x[i]``), every other ``y[i]`` is 0, and
+    every dropped value is no larger in magnitude than the smallest kept one, so
+    ``|x - y| <= min over kept |x|`` per value (the k-th largest |x| of the chunk).
+    """
+
+    name = "topk"
+    params = {"w": int}
+
+    def __init__(self, ratio: Fraction):
+        if not 0 < ratio <= 1:
+            raise ValueError("topk ratio must be in (0, 1]")
+        self.ratio = ratio
+
+    def k(self, n: int) -> int:
+        if n == 0:
+            return 0
+        return max(1, -(-self.ratio.numerator * n // self.ratio.denominator))
+
+    def max_raw(self, n: int) -> int:
+        return 8 * self.k(n)
+
+    def raw_size(self, n: int, params: dict) -> int:
+        if params["w"] not in _DELTA:
+            raise CodecError(f"topk index width {params['w']} is not 1, 2 or 4")
+        return (4 + params["w"]) * self.k(n)
+
+    def select(self, x: np.ndarray) -> np.ndarray:
+        """Sorted indices of the k largest |x| (ties to the lowest index)."""
+        n, k = x.size, self.k(x.size)
+        if k == n:
+            return np.arange(n)
+        # Magnitudes as integer bit patterns: same order as |x| for finite floats, NaN and
+        # inf sort above every finite value, and integer ties are exact.
+        mag = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF))
+        cut = np.partition(mag, n - k)[n - k]
+        idx = np.flatnonzero(mag >= cut)
+        if idx.size > k:  # ties at the cut: keep those above it, then the first equal ones
+            above = mag[idx] > cut
+            ties = np.flatnonzero(~above)[: k - int(np.count_nonzero(above))]
+            above[ties] = True
+            idx = idx[above]
+        return idx
+
+    def encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray]:
+        k = self.k(x.size)
+        if k == 0:
+            return {"w": 1}, np.empty(0, np.uint8)
+        idx = self.select(x)
+        vals = x[idx]
+        # A non-finite or huge value would be among the kept ones: checking them suffices.
+        check_domain(self.name, float(np.abs(vals).max()))
+        deltas = np.diff(idx, prepend=-1)
+        top = int(deltas.max())
+        w = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
+        buf = np.empty((4 + w) * k, np.uint8)
+        buf[: 4 * k].view(_F4)[:] = vals
+        buf[4 * k :].view(_DELTA[w])[:] = deltas
+        return {"w": w}, buf
+
+    def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
+        k = self.k(n)
+        out.fill(0)
+        if k == 0:
+            return
+        vals = np.frombuffer(raw, _F4, k)
+        deltas = np.frombuffer(raw, _DELTA[params["w"]], k, offset=4 * k)
+        if deltas.min() < 1:
+            raise CodecError("topk index repeated (delta 0)")
+        idx = np.cumsum(deltas, dtype=np.int64)
+        if idx[-1] > n:
+            raise CodecError("topk index out of range")
+        idx -= 1
+        out[idx] = vals
+

@@ -1,0 +1,249 @@
+"""Group.allreduce over loopback: the sum, bit-identical on every peer, for every codec;
+in one process and in separate processes; and the errors a user can make."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from p2ptrain import ConfigError, Group, GroupError
+from p2ptrain.errors import ClosedError, LinkError, P2PTrainError
+
+pytestmark = pytest.mark.timeout(60)
+
+_port = [20000 + (os.getpid() * 37) % 20000]
+
+
+def addrs(n):
+    _port[0] += n + 1
+    return [f"127.0.0.1:{_port[0] + i}" for i in range(n)]
+
+
+async def run_group(n, body, **kw):
+    """Run ``body(group, rank)`` on n peers in this process; return their results."""
+    peers = addrs(n)
+
+    async def one(r):
+        async with Group(listen=peers[r], peers=peers, connect_timeout=20, timeout=20, **kw) as g:
+            return await body(g, r)
+
+    return await asyncio.gather(*[one(r) for r in range(n)])
+
+
+def contribution(rank, length, dtype=np.float32):
+    return np.random.default_rng(rank).standard_normal(length).astype(dtype)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("length", [1, 3, 1000, 262_147])
+async def test_sum_is_exact_and_bit_identical(n, length):
+    async def body(g, r):
+        x = torch.from_numpy(contribution(r, length))
+        out = await g.allreduce(x)
+        assert out is x
+        return x.numpy().tobytes()
+
+    results = await run_group(n, body, chunk_bytes=4096)
+    assert len(set(results)) == 1
+    got = np.frombuffer(results[0], np.float32)
+    exact = sum(contribution(r, length).astype(np.float64) for r in range(n))
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int8+nozstd", "topk:0.05", "fp16+zstd:3"])
+async def test_every_codec_gives_bit_identical_results(codec):
+    async def body(g, r):
+        x = torch.from_numpy(contribution(r, 50_001))
+        await g.allreduce(x)
+        return x.numpy().tobytes(), g.last_stats
+
+    results = await run_group(3, body, compression=codec, chunk_bytes=16384)
+    assert len({b for b, _ in results}) == 1
+    stats = results[0][1]
+    if codec != "none":
+        assert stats.wire_bytes < stats.raw_bytes
+
+
+async def test_several_tensors_mixed_dtypes_devices_and_layouts():
+    async def body(g, r):
+        a = torch.full((3, 4), float(r + 1), dtype=torch.float16)
+        b = torch.full((5,), float(r + 1), dtype=torch.bfloat16)
+        c = torch.full((2, 6), float(r + 1), dtype=torch.float64).t()  # non-contiguous
+        d = torch.full((7,), float(r + 1), requires_grad=True)
+        await g.allreduce([a, b, c, d], op="mean")
+        return [t.detach().double().tolist() for t in (a, b, c, d)], [t.dtype for t in (a, b, c, d)]
+
+    results = await run_group(3, body)
+    for values, dtypes in results:
+        assert dtypes == [torch.float16, torch.bfloat16, torch.float64, torch.float32]
+        for v in values:
+            assert np.allclose(np.array(v), 2.0)  # mean of 1, 2, 3
+
+
+async def test_empty_list_and_empty_tensor_are_no_ops():
+    async def body(g, r):
+        assert await g.allreduce([]) == []
+        e = torch.empty(0)
+        await g.allreduce(e)
+        x = torch.ones(4)
+        await g.allreduce(x)  # the group still works afterwards
+        return x.tolist()
+
+    assert (await run_group(2, body))[0] == [2.0] * 4
+
+
+async def test_integer_tensors_are_refused_clearly():
+    async def body(g, r):
+        with pytest.raises(ConfigError, match="floating-point.*item 1 is torch.int64.*float"):
+            await g.allreduce([torch.ones(2), torch.ones(2, dtype=torch.int64)])
+        with pytest.raises(ConfigError, match="op must be"):
+            await g.allreduce(torch.ones(2), op="max")
+        return True
+
+    assert all(await run_group(2, body))
+
+
+async def test_error_feedback_conserves_mass_over_rounds():
+    rounds, n, length = 30, 3, 4096
+
+    async def body(g, r):
+        applied = np.zeros(length, np.float64)
+        given = np.zeros(length, np.float64)
+        rng = np.random.default_rng(100 + r)
+        for _ in range(rounds):
+            c = (rng.standard_normal(length) * np.where(rng.random(length) < 0.01, 30, 1)).astype(np.float32)
+            given += c
+            x = torch.from_numpy(c.copy())
+            await g.allreduce(x, compression="topk:0.01", error_feedback=True)
+            applied += x.numpy()
+        (residual,) = g._feedback.values()  # what is still owed by this peer
+        return applied, given, residual.astype(np.float64)
+
+    results = await run_group(n, body, chunk_bytes=4096)
+    applied = results[0][0]
+    assert all(np.array_equal(applied, a) for a, _, _ in results)
+    given = sum(gv for _, gv, _ in results)
+    owed = sum(res for _, _, res in results)
+    np.testing.assert_allclose(applied + owed, given, atol=1e-3)  # nothing lost
+    assert np.linalg.norm(applied - given) > 1e-2 * np.linalg.norm(given)  # ...and topk did drop a lot per round
+
+
+async def test_mismatched_compression_is_a_clear_error():
+    peers = addrs(2)
+
+    async def one(r):
+        async with Group(listen=peers[r], peers=peers, timeout=5,
+                         compression="int8" if r else "none") as g:
+            with pytest.raises((GroupError, LinkError, P2PTrainError)) as err:
+                await g.allreduce(torch.ones(1000))
+            return str(err.value)
+
+    msgs = await asyncio.gather(one(0), one(1))
+    assert any("same compression" in m for m in msgs)
+
+
+async def test_mismatched_shapes_are_a_clear_error():
+    peers = addrs(2)
+
+    async def one(r):
+        async with Group(listen=peers[r], peers=peers, timeout=5) as g:
+            with pytest.raises(P2PTrainError) as err:
+                await g.allreduce(torch.ones(1000 + r))
+            with pytest.raises(ClosedError):  # a failed group is closed
+                await g.allreduce(torch.ones(3))
+            return str(err.value)
+
+    msgs = await asyncio.gather(one(0), one(1))
+    assert any("same shapes" in m for m in msgs)
+
+
+async def test_missing_peer_is_named_after_the_timeout():
+    peers = addrs(3)
+    with pytest.raises(GroupError, match=peers[1].replace(".", r"\.")):
+        async with Group(listen=peers[0], peers=peers, connect_timeout=1):
+            pass
+
+
+async def test_wrong_secret_never_forms():
+    peers = addrs(2)
+    a = Group(listen=peers[0], peers=peers, connect_timeout=1.5, secret="one")
+    b = Group(listen=peers[1], peers=peers, connect_timeout=1.5, secret="two")
+    res = await asyncio.gather(a.__aenter__(), b.__aenter__(), return_exceptions=True)
+    assert all(isinstance(e, GroupError) for e in res), res
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="not in peers"):
+        Group(listen="127.0.0.1:1", peers=["127.0.0.1:2"])
+    with pytest.raises(ConfigError, match="host:port"):
+        Group(listen="x", peers=["x"])
+    with pytest.raises(ConfigError, match="twice"):
+        Group(listen="127.0.0.1:1", peers=["127.0.0.1:1", "127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="compression"):
+        Group(listen="127.0.0.1:1", peers=["127.0.0.1:1"], compression="int9")
+
+
+async def test_a_peer_dying_mid_allreduce_fails_the_others_quickly():
+    peers = addrs(3)
+
+    async def survivor(r):
+        async with Group(listen=peers[r], peers=peers, timeout=3) as g:
+            await g.allreduce(torch.ones(10))
+            with pytest.raises(P2PTrainError):
+                await g.allreduce(torch.ones(1 << 20))
+            return True
+
+    async def victim():
+        g = Group(listen=peers[2], peers=peers)
+        await g.__aenter__()
+        await g.allreduce(torch.ones(10))
+        await g.close()  # vanishes instead of joining the second allreduce
+
+    t0 = asyncio.get_running_loop().time()
+    res = await asyncio.gather(survivor(0), survivor(1), victim())
+    assert res[:2] == [True, True]
+    assert asyncio.get_running_loop().time() - t0 < 10
+
+
+WORKER = textwrap.dedent("""
+    import asyncio, json, sys, numpy as np, torch
+    from p2ptrain import Group
+    rank, peers, codec = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+    async def main():
+        async with Group(listen=peers[rank], peers=peers, compression=codec, connect_timeout=30) as g:
+            x = torch.from_numpy(np.random.default_rng(rank).standard_normal(100_003).astype(np.float32))
+            await g.allreduce(x)
+            print(json.dumps(x.numpy().view(np.uint32)[::97].tolist()))
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_separate_processes(codec, tmp_path):
+    n = 3
+    peers = addrs(n)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), ",".join(peers), codec],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=45) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert results[0] == results[1] == results[2]
+    if codec == "none":
+        exact = sum(np.random.default_rng(r).standard_normal(100_003).astype(np.float32).astype(np.float64)
+                    for r in range(n))
+        got = np.array(results[0], np.uint32).view(np.float32)
+        np.testing.assert_allclose(got, exact[::97], rtol=1e-5, atol=1e-5)
