@@ -45,7 +45,7 @@ async def _worker(a) -> None:
     addrs = a.addrs.split(",")
     rows = []
     async with Group(listen=addrs[a.rank], peers=addrs, connect_timeout=60, timeout=300,
-                     secret="bench") as g:
+                     secret="bench", chunk_bytes=a.chunk_kib * 1024) as g:
         barrier = torch.zeros(1)
         for codec in a.codecs.split(","):
             for mib in [float(s) for s in a.sizes.split(",")]:
@@ -97,7 +97,7 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
 
 
 def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=None, uvloop=True,
-                 timeout: float = 900) -> list[dict]:
+                 timeout: float = 900, chunk_kib: int = 1024) -> list[dict]:
     """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows."""
     if lan is not None:
         addrs = [f"{h.addr}:{PORT}" for h in lan.hosts[:n]]
@@ -105,7 +105,8 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
         base = _common.free_port()
         addrs = [f"127.0.0.1:{base + i}" for i in range(n)]
     cmd = [sys.executable, __file__, "--worker", "--addrs", ",".join(addrs), "--sizes",
-           ",".join(str(s) for s in sizes), "--reps", str(reps), "--codecs", ",".join(codecs)]
+           ",".join(str(s) for s in sizes), "--reps", str(reps), "--codecs", ",".join(codecs),
+           "--chunk-kib", str(chunk_kib)]
     if not uvloop:
         cmd.append("--no-uvloop")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
@@ -157,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--netns", metavar="RATE", help="run across network namespaces capped at RATE (e.g. 1gbit)")
     p.add_argument("--rates", help="per-host rates for a mixed LAN, e.g. 1gbit,1gbit,100mbit")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
+    p.add_argument("--chunk-kib", type=int, default=1024, help="p2ptrain chunk size in KiB (default 1024)")
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: N=2, 1 MiB, 2 reps")
     p.add_argument("--json", help="write all rows to this file")
@@ -181,11 +183,11 @@ def main(argv=None) -> int:
         rates = a.rates.split(",") if a.rates else ([a.netns] * n if a.netns else None)
         if rates is not None:
             with netns.EmulatedLan(n_hosts=n, rates=rates) as lan:
-                rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop)
+                rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop, chunk_kib=a.chunk_kib)
                 if not a.no_gloo:
                     gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps, lan=lan)
         else:
-            rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop)
+            rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib)
             if not a.no_gloo:
                 gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps)
     gloo = {(g["n"], g["size_bytes"]): g for g in gloo_rows}

@@ -17,6 +17,11 @@ Chunks pass through a codec (``p2ptrain.codecs``):
 With the ``none`` codec nothing is copied in Python: chunks are sent from the work buffer's
 memory, and all-gather chunks are received straight into it (the link's allocator).
 
+With an ``executor``, the codec work of lossy codecs (the sender's encode, the receiver's
+decode-and-add) runs on its threads, so encoding, decoding and the event loop's socket work
+proceed in parallel (numpy and zstd release the GIL). Sender and receiver each use their
+own codec instance: zstd contexts are not thread-safe.
+
 Failure: any error (link lost, timeout, bad chunk) cancels both tasks and is raised; the
 work buffer then holds partial sums and the links are unusable, so the caller must close
 them. ``feedback`` is left consistent only on success.
@@ -25,12 +30,13 @@ them. ``feedback`` is left consistent only on success.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 
 from p2ptrain import wire
-from p2ptrain.codecs import Codec
+from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
 from p2ptrain.ring import RingPlan, Transfer
 from p2ptrain.transport import Link
@@ -68,13 +74,15 @@ class RingAllreduce:
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
-                 feedback: np.ndarray | None = None):
+                 feedback: np.ndarray | None = None, executor: Executor | None = None):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
         self.work = work
         self.plan = RingPlan(rank, size, len(work), chunk_elems)
         self.send_link, self.recv_link = send_link, recv_link
         self.codec = codec
+        self._recv_codec = codec if codec.is_identity or executor is None else parse_codec(codec.spec)
+        self._executor = None if codec.is_identity else executor
         self.op_id = op_id
         self.timeout = timeout
         self.feedback = feedback
@@ -119,7 +127,7 @@ class RingAllreduce:
                 await self._wait_arrived(t.after)
             src = self.work[t.start : t.stop]
             if t.reduce or t.g == owner_step:
-                params, payload = self._encode(src, final=not t.reduce)
+                params, payload = await self._offload(self._encode, src, not t.reduce)
             elif self.codec.is_identity:
                 params, payload = {}, [memoryview(src)]
             else:
@@ -151,6 +159,11 @@ class RingAllreduce:
             src[:] = decoded
         return enc.params, [joined]
 
+    async def _offload(self, fn, *args):
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     async def _wait_arrived(self, key: tuple[int, int]) -> None:
         while key not in self._arrived:
             self._progress.clear()
@@ -174,7 +187,7 @@ class RingAllreduce:
             frame = await self.recv_link.recv(timeout=self.timeout)
             params = self._check(frame, t)
             try:
-                self._absorb(t, params, frame.payload)
+                await self._offload(self._absorb, t, params, frame.payload)
             except CodecError as exc:
                 raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
             self._arrived.add((t.g, t.chunk))
@@ -214,11 +227,11 @@ class RingAllreduce:
             return
         if t.reduce:
             incoming = self._recv_scratch[:n]
-            self.codec.decode(params, payload, incoming)
+            self._recv_codec.decode(params, payload, incoming)
             np.add(incoming, dst, out=dst)
             self._pool.give(payload)
         else:
-            self.codec.decode(params, payload, dst)
+            self._recv_codec.decode(params, payload, dst)
             if t.g < self.plan.steps - 1:
                 self._forward[(t.g, t.chunk)] = (params, payload)
             else:

@@ -57,13 +57,14 @@ async def test_sum_is_exact_and_bit_identical(n, length):
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int8+nozstd", "topk:0.05", "fp16+zstd:3"])
-async def test_every_codec_gives_bit_identical_results(codec):
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_every_codec_gives_bit_identical_results(codec, threads):
     async def body(g, r):
         x = torch.from_numpy(contribution(r, 50_001))
-        await g.allreduce(x)
+        await g.allreduce(x, error_feedback=True)
         return x.numpy().tobytes(), g.last_stats
 
-    results = await run_group(3, body, compression=codec, chunk_bytes=16384)
+    results = await run_group(3, body, compression=codec, chunk_bytes=16384, codec_threads=threads)
     assert len({b for b, _ in results}) == 1
     stats = results[0][1]
     if codec != "none":
