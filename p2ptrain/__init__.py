@@ -22,7 +22,15 @@ from p2ptrain.errors import (
 
 __version__ = "0.1.0"
 
-from p2ptrain.group import Group  # noqa: E402  (after __version__: the CLI imports it)
+
+
+def __getattr__(name: str):
+    # Lazy: importing p2ptrain (and so the CLI) must not import torch until it is used.
+    if name == "Group":
+        from p2ptrain.group import Group
+
+        return Group
+    raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
 
 __all__ = [
     "Group",

@@ -32,7 +32,7 @@ from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import AllreduceStats, RingAllreduce
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
 from p2ptrain.identity import new_peer_id
-from p2ptrain.ring import DEFAULT_CHUNK_ELEMS
+from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
 
 log = logging.getLogger("p2ptrain.group")
 _warned_open = False
@@ -223,7 +223,8 @@ class Group:
                 run = RingAllreduce(work, rank=self.rank, size=self.size,
                                     send_link=self._links[(self.rank + 1) % self.size],
                                     recv_link=self._links[(self.rank - 1) % self.size],
-                                    codec=codec, op_id=self._next_op, chunk_elems=self.chunk_elems,
+                                    codec=codec, op_id=self._next_op,
+                                    chunk_elems=chunk_elems_for(len(work), self.size, self.chunk_elems),
                                     timeout=self.timeout, feedback=feedback, executor=self._executor)
                 self._next_op += 1
                 try:

@@ -21,7 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-DEFAULT_CHUNK_ELEMS = 1 << 18  # 1 MiB of float32
+DEFAULT_CHUNK_ELEMS = 1 << 18  # 1 MiB of float32: the largest chunk
+MIN_CHUNK_ELEMS = 1 << 14  # 64 KiB: below this, per-chunk overhead dominates
+CHUNKS_PER_SEGMENT = 32
+
+
+def chunk_elems_for(length: int, size: int, max_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
+    """The chunk size for a buffer: small enough that a segment has ``CHUNKS_PER_SEGMENT``
+    chunks (the pipeline fills and drains in one chunk's time per hop, so on a slow link
+    big chunks leave it idle for longer), within [MIN_CHUNK_ELEMS, max_elems]. A pure
+    function of the call, so every peer derives the same value."""
+    segment = -(-length // max(1, size))
+    return max(min(MIN_CHUNK_ELEMS, max_elems), min(max_elems, -(-segment // CHUNKS_PER_SEGMENT)))
 
 
 def split(length: int, parts: int) -> list[tuple[int, int]]:

@@ -66,3 +66,11 @@ def test_bad_plans():
         RingPlan(3, 3, 10)
     with pytest.raises(ValueError):
         RingPlan(0, 1, 10, 0)
+
+
+def test_chunk_size_rule():
+    from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, MIN_CHUNK_ELEMS, chunk_elems_for
+    assert chunk_elems_for(10, 2) == MIN_CHUNK_ELEMS
+    assert chunk_elems_for(1 << 30, 2) == DEFAULT_CHUNK_ELEMS
+    assert chunk_elems_for(16 << 20, 2) == (8 << 20) // 32
+    assert chunk_elems_for(16 << 20, 2, max_elems=1024) == 1024
