@@ -173,7 +173,9 @@ class RingAllreduce:
     def _allocate(self, header: dict, nbytes: int) -> memoryview:
         """Called by the link's decoder per payload: all-gather chunks of the none codec go
         straight to their place in ``work``; anything else to a pooled buffer."""
-        t = self._recv_index.get((header.get("g"), header.get("c"))) if header.get("op") == self.op_id else None
+        if header.get("op") != self.op_id:  # a peer already on the next call: checked then
+            return wire.default_allocate(header, nbytes)
+        t = self._recv_index.get((header.get("g"), header.get("c")))
         if t is not None and not t.reduce and self.codec.is_identity:
             if nbytes != (t.stop - t.start) * 4:
                 raise FrameError(f"chunk of {nbytes} bytes where {(t.stop - t.start) * 4} were expected")

@@ -248,3 +248,21 @@ def test_separate_processes(codec, tmp_path):
                     for r in range(n))
         got = np.array(results[0], np.uint32).view(np.float32)
         np.testing.assert_allclose(got, exact[::97], rtol=1e-5, atol=1e-5)
+
+
+async def test_peer_ahead_on_the_next_call_with_bigger_chunks():
+    """A fast peer's first chunks of call k+1 reach a slow peer still finishing call k."""
+    async def body(g, r):
+        outs = []
+        for i in range(5):
+            small = torch.ones(1)
+            await g.allreduce(small)
+            if r == 0:
+                await asyncio.sleep(0.05)  # this peer lags behind
+            big = torch.full((300_000,), float(r + i))
+            await g.allreduce(big)
+            outs.append((small.item(), big[0].item()))
+        return outs
+
+    results = await run_group(2, body)
+    assert results[0] == results[1] == [(2.0, 1.0 + 2 * i) for i in range(5)]
