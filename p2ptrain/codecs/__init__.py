@@ -13,8 +13,17 @@ allocation without being checked against ``n``. Decoding is pure IEEE float32
 arithmetic, so the same bytes give bit-identical floats on every peer: the ring relies on
 it when each segment's owner encodes the final sum once and everyone decodes it.
 
-Every lossy codec documents its error bound in its transform's docstring, and the tests
-check exactly that bound. ``residual_of`` gives the error-feedback residual.
+Error bounds, per value (y decoded from x; absmax over the chunk, absmax_b over x's block
+of 256), each stated again in its transform's docstring and checked as such by the tests:
+
+    none   y == x, bit for bit
+    fp16   |x - y| <= 2**-11 |x| + 2**-39 absmax + 2**-149     (power-of-two chunk scale)
+    bf16   |x - y| <= 2**-8 |x| + 2**-134
+    int8   |x - y| <= (1 + 2**-12) max(absmax_b / 254, 2**-127)   (float32 scale per block)
+    topk   kept values exact, the rest 0; no dropped |x| exceeds a kept one
+
+Lossy codecs take finite input with |x| <= 2**127 and raise ConfigError otherwise.
+``residual_of`` gives the error-feedback residual.
 
 Decoders validate structure (params, lengths, scales, indices, zstd frame sizes), not
 each value: a peer that sends NaN values gets NaN applied, as it would with ``none``.

@@ -30,8 +30,8 @@ CODEC_CHOICES = (
 DEFAULT_ZSTD_LEVEL = 1
 _LEVELS = range(1, 20)
 _MIN_RATIO = Decimal("1e-9")
-_RATIO = re.compile(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?")
-_LEVEL = re.compile(r"\d{1,3}")
+_RATIO = re.compile(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.ASCII)
+_LEVEL = re.compile(r"\d{1,3}", re.ASCII)
 _PLAIN = {"fp16": FP16, "bf16": BF16, "int8": Int8}
 
 
