@@ -228,9 +228,7 @@ class RingAllreduce:
             self._pool.give(payload)
             return
         if t.reduce:
-            incoming = self._recv_scratch[:n]
-            self._recv_codec.decode(params, payload, incoming)
-            np.add(incoming, dst, out=dst)
+            self._recv_codec.decode_add(params, payload, dst, self._recv_scratch[:n])
             self._pool.give(payload)
         else:
             self._recv_codec.decode(params, payload, dst)

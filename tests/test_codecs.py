@@ -371,3 +371,28 @@ def test_residual_of_is_zero_for_none_and_accepts_split_buffers():
 def test_codec_error_is_remote_fault():
     with pytest.raises(CodecError):
         parse_codec("int8").decode({"z": False}, b"\0", np.empty(5, np.float32))
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "int8+nozstd", "topk:0.01", "topk:0.3+nozstd"])
+def test_decode_add_equals_decode_then_add(spec):
+    """The reduce-scatter hop's fused path gives the same floats as decode + add."""
+    codec = parse_codec(spec)
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 255, 4097):
+        x = rng.standard_normal(n).astype(np.float32)
+        dst = rng.standard_normal(n).astype(np.float32)
+        enc = codec.encode(x)
+        expected = np.empty(n, np.float32)
+        codec.decode(enc.params, enc.tobytes(), expected)
+        expected += dst
+        codec.decode_add(enc.params, enc.tobytes(), dst, np.empty(n, np.float32))
+        np.testing.assert_array_equal(dst, expected)
+
+
+def test_decode_add_rejects_what_decode_rejects():
+    codec = parse_codec("topk:0.1+nozstd")
+    enc = codec.encode(np.arange(100, dtype=np.float32))
+    bad = bytearray(enc.tobytes())
+    bad[-1] = 0  # last index delta 0: a repeated index
+    with pytest.raises(CodecError):
+        codec.decode_add(enc.params, bytes(bad), np.zeros(100, np.float32), np.zeros(100, np.float32))

@@ -150,6 +150,32 @@ class Codec:
         Raises ``CodecError`` for any params or payload that an honest encoder of this
         transform cannot have produced for ``n`` values; ``out`` is then left undefined.
         """
+        raw = self._validated_raw(params, payload, out)
+        if self._t is None:
+            np.copyto(out, np.frombuffer(raw, F32))
+            return
+        # Hostile values may overflow or make NaN; that is the sender's business, and it
+        # must not become a FloatingPointError under a caller's np.seterr(all="raise").
+        with np.errstate(all="ignore"):
+            self._t.decode_raw(out.shape[0], params, raw, out)
+
+    def decode_add(self, params: Any, payload: Any, dst: np.ndarray, scratch: np.ndarray) -> None:
+        """``dst += decode(payload)``: what a reduce-scatter hop does with what it receives.
+
+        Sparse codecs add their kept values in place (no dense decode, no dense add);
+        others decode into ``scratch`` (same length as ``dst``) and add. Same errors as
+        ``decode``; ``dst`` is then left undefined."""
+        add_raw = getattr(self._t, "add_raw", None)
+        if add_raw is None:
+            self.decode(params, payload, scratch)
+            np.add(dst, scratch, out=dst)
+            return
+        raw = self._validated_raw(params, payload, dst)
+        with np.errstate(all="ignore"):
+            add_raw(dst.shape[0], params, raw, dst)
+
+    def _validated_raw(self, params: Any, payload: Any, out: np.ndarray):
+        """The transform's raw bytes for ``out``'s length, after every size and params check."""
         _check_array(out, "output")
         if not out.flags.writeable:
             raise ConfigError("codec output array must be writeable")
@@ -159,19 +185,13 @@ class Codec:
         if self._t is None:
             if mv.nbytes != 4 * n:
                 raise CodecError(f"none payload of {mv.nbytes} bytes for {n} values")
-            np.copyto(out, np.frombuffer(mv, F32))
-            return
+            return mv
         raw_len = self._t.raw_size(n, params)
         if params["z"]:
-            raw = self._unzstd(mv, raw_len)
-        elif mv.nbytes != raw_len:
+            return self._unzstd(mv, raw_len)
+        if mv.nbytes != raw_len:
             raise CodecError(f"{self._t.name} payload of {mv.nbytes} bytes, expected {raw_len}")
-        else:
-            raw = mv
-        # Hostile values may overflow or make NaN; that is the sender's business, and it
-        # must not become a FloatingPointError under a caller's np.seterr(all="raise").
-        with np.errstate(all="ignore"):
-            self._t.decode_raw(n, params, raw, out)
+        return mv
 
     def _check_params(self, params: Any) -> None:
         if not isinstance(params, dict) or params.keys() != self._keys.keys():

@@ -88,10 +88,20 @@ class TopK:
         return {"w": w}, buf
 
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
-        k = self.k(n)
         out.fill(0)
+        idx, vals = self._kept(n, params, raw)
+        out[idx] = vals
+
+    def add_raw(self, n: int, params: dict, raw, dst: np.ndarray) -> None:
+        """``dst += decoded`` touching only the kept values (indices are unique)."""
+        idx, vals = self._kept(n, params, raw)
+        dst[idx] += vals
+
+    def _kept(self, n: int, params: dict, raw) -> tuple[np.ndarray, np.ndarray]:
+        """Validated (indices, values) of a payload: strictly increasing, inside [0, n)."""
+        k = self.k(n)
         if k == 0:
-            return
+            return np.empty(0, np.int64), np.empty(0, _F4)
         vals = np.frombuffer(raw, _F4, k)
         deltas = np.frombuffer(raw, _DELTA[params["w"]], k, offset=4 * k)
         if deltas.min() < 1:
@@ -100,7 +110,7 @@ class TopK:
         if idx[-1] > n:
             raise CodecError("topk index out of range")
         idx -= 1
-        out[idx] = vals
+        return idx, vals
 
 
 def _candidates(mag: np.ndarray, k: int) -> np.ndarray | None:
