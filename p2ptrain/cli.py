@@ -21,7 +21,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_CLUSTER = 3
 
-COMMANDS = ("peers",)
+COMMANDS = ("join", "peers")
 
 
 def build_parser() -> argparse.ArgumentParser:

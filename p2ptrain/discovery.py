@@ -66,10 +66,10 @@ def parse_host_port(entry: str) -> tuple[str, int]:
     text = entry.strip()
     m = re.fullmatch(r"\[([0-9A-Za-z:.%_-]+)\]:(\d{1,5})", text) or re.fullmatch(r"([^:\[\]\s]+):(\d{1,5})", text)
     if not m:
-        raise ConfigError(f"--peers entry {entry!r} is not host:port (write IPv6 as [addr]:port)")
+        raise ConfigError(f"peer address {entry!r} is not host:port (write IPv6 as [addr]:port)")
     port = int(m.group(2))
     if not 0 < port < 65536:
-        raise ConfigError(f"--peers entry {entry!r}: port must be 1..65535")
+        raise ConfigError(f"peer address {entry!r}: port must be 1..65535")
     return m.group(1), port
 
 

@@ -29,6 +29,7 @@ import torch
 
 from p2ptrain import auth, transport
 from p2ptrain.codecs import parse_codec
+from p2ptrain.discovery import parse_host_port
 from p2ptrain.collective import AllreduceStats, RingAllreduce
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
 from p2ptrain.identity import new_peer_id
@@ -36,15 +37,6 @@ from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
 
 log = logging.getLogger("p2ptrain.group")
 _warned_open = False
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` to (host, port); ConfigError saying the expected form."""
-    host, sep, port = str(text).strip().rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"bad address {text!r}: expected host:port, e.g. 10.0.0.2:7001")
-    return host, int(port)
 
 
 def warn_if_open(secret: bytes | None) -> None:
@@ -68,7 +60,7 @@ class Group:
         if len(set(self.peers)) != len(self.peers):
             raise ConfigError(f"peers lists an address twice: {self.peers}")
         for p in self.peers:
-            parse_hostport(p)
+            parse_host_port(p)
         self.listen = str(listen).strip()
         if self.listen not in self.peers:
             raise ConfigError(f"listen={self.listen!r} is not in peers {self.peers}: "
@@ -126,7 +118,7 @@ class Group:
         self._add_link(j, link)
 
     async def _dial(self, j: int, deadline: float) -> None:
-        host, port = parse_hostport(self.peers[j])
+        host, port = parse_host_port(self.peers[j])
         loop = asyncio.get_running_loop()
         delay = 0.05
         while True:
@@ -147,7 +139,7 @@ class Group:
         warn_if_open(self._secret)
         if self.size == 1:
             return self
-        host, port = parse_hostport(self.listen)
+        host, port = parse_host_port(self.listen)
         try:
             self._server = await transport.serve(host, port, self._handshake, self._on_incoming,
                                                  expect=self._expected_dialer)

@@ -1,0 +1,91 @@
+"""``python -m p2ptrain join`` as a user runs it: real subprocesses on loopback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+_port = [30000 + (os.getpid() * 53) % 20000]
+
+
+def ports(n):
+    _port[0] += n + 1
+    return [_port[0] + i for i in range(n)]
+
+
+def join(*args, timeout=150):
+    return subprocess.Popen([sys.executable, "-m", "p2ptrain", "join", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(procs, timeout=150):
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_two_peers_train_the_default_task_to_identical_replicas(tmp_path):
+    a, b = ports(2)
+    peers = f"127.0.0.1:{a},127.0.0.1:{b}"
+    procs = [join("--peers", peers, "--port", str(port), "--max-rounds", "25", "--compression", "int8",
+                  "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"))
+             for port in (a, b)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for _, e in outs]
+    ra, rb = records(tmp_path / f"m{a}.jsonl"), records(tmp_path / f"m{b}.jsonl")
+    assert len(ra) == len(rb) == 25
+    assert [r["param_checksum"] for r in ra] == [r["param_checksum"] for r in rb]  # every round
+    first, last = sum(r["loss"] for r in ra[:5]) / 5, sum(r["loss"] for r in ra[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert all(r["samples"] == 64 and r["members"] == 2 for r in ra)  # 32 per peer, both counted
+    assert ra[-1]["wire_bytes"] < ra[-1]["raw_bytes"] / 3  # int8 on the wire
+    assert "summary" in outs[0][0] and "sample:" in outs[0][0]
+
+
+def test_alone_with_a_task_file_and_environment_options(tmp_path):
+    env_port = str(ports(1)[0])
+    env = dict(os.environ, P2PTRAIN_MAX_ROUNDS="15", P2PTRAIN_PORT=env_port)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--task", os.path.join(repo, "examples", "task_template.py"),
+                        "--metrics", str(tmp_path / "m.jsonl")], env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert len(records(tmp_path / "m.jsonl")) == 15
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compression", "int9"], "choose one of none"),
+    (["--peers", "nonsense"], "not host:port"),
+    (["--peers", "127.0.0.1:1,127.0.0.1:2", "--port", "3"], "cannot tell which"),
+    (["--max-rounds", "0"], "at least 1"),
+    (["--device", "cuda:7"], "available here"),
+    (["--task", "/nonexistent/task.py"], "task.py"),
+    (["--secret", "a", "--secret-file", "b"], "not both"),
+    (["--batch-size", "many"], "invalid int value"),
+])
+def test_bad_options_exit_2_with_one_line(args, message):
+    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--max-rounds", "1", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-800:])
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_missing_peer_exits_3_naming_it():
+    a, b = ports(2)
+    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--peers", f"127.0.0.1:{a},127.0.0.1:{b}",
+                        "--port", str(a), "--connect-timeout", "2", "--max-rounds", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3
+    assert f"127.0.0.1:{b}" in p.stderr and "Traceback" not in p.stderr
