@@ -70,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and int(value) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    # Cheap checks first: a typo is reported before torch and the task load.
+    from p2ptrain.codecs import parse_codec
+    from p2ptrain.discovery import parse_host_port
+
+    parse_codec(args.compression)
+    for entry in (args.peers or "").split(","):
+        if entry.strip():
+            parse_host_port(entry)
     install_uvloop()
     return asyncio.run(_Join(args).run())
 

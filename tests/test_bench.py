@@ -1,0 +1,30 @@
+"""The benchmarks run end to end on a tiny configuration, so that they cannot rot."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.timeout(240)]
+
+
+def run(*args):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
+
+
+def test_allreduce_bench_quick_compares_with_gloo():
+    p = run("bench/allreduce.py", "--quick", "--codecs", "none,int8")
+    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
+    lines = [l for l in p.stdout.splitlines() if l.startswith("| 2 ")]
+    assert any("gloo" in l for l in lines) and sum("p2ptrain" in l for l in lines) == 2
+    assert all("True" in l for l in lines if "p2ptrain" in l)  # bit-identical on every peer
+
+
+def test_codecs_bench_quick():
+    p = run("bench/codecs.py", "--quick")
+    assert p.returncode == 0, p.stderr[-1500:]
+    for codec in ("none", "fp16", "bf16", "int8", "topk:0.01"):
+        assert codec in p.stdout
