@@ -92,7 +92,7 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
         rows.append({"impl": "p2ptrain", "codec": first["codec"], "n": n, "size_bytes": first["size_bytes"],
                      "median_s": t, "algbw_Bps": algbw, "busbw_Bps": _common.busbw(algbw, n),
                      "ratio": first["raw_bytes"] / max(1, first["wire_bytes"]) if first["wire_bytes"] else None,
-                     "identical": len(checks) == 1, "link_bps": link_bps})
+                     "identical": len(checks) == 1, "link_bps": link_bps, "rep_times_s": slowest})
     return rows
 
 
