@@ -244,3 +244,39 @@ def test_separate_processes(n, codec, loop, tmp_path):
                     for r in range(n))
         got = np.array(results[0], np.uint32).view(np.float32)
         np.testing.assert_allclose(got, exact[::97], rtol=1e-5, atol=1e-5)
+
+
+async def test_a_corrupt_compressed_chunk_names_the_peer_and_chunk():
+    from p2ptrain.codecs import Encoded
+    from p2ptrain.errors import CodecError
+
+    peers = addrs(2)
+
+    class Corrupting:
+        """Wraps a codec and flips the payload of every encoded chunk into garbage."""
+
+        def __init__(self, codec):
+            self._codec = codec
+
+        def __getattr__(self, name):
+            return getattr(self._codec, name)
+
+        def encode(self, x):
+            enc = self._codec.encode(x)
+            junk = memoryview(b"\xff" * enc.nbytes)
+            return Encoded(enc.params, [junk], enc.nbytes)
+
+    async def one(r):
+        async with Group(listen=peers[r], peers=peers, timeout=5, compression="int8+nozstd") as g:
+            if r == 1:
+                g.codec = Corrupting(g.codec)
+            try:
+                await g.allreduce(torch.ones(5000))
+            except P2PTrainError as exc:
+                return exc
+            return None
+
+    errors = await asyncio.gather(one(0), one(1))
+    codec_errors = [e for e in errors if isinstance(e, CodecError)]
+    assert codec_errors, errors
+    assert "sent a bad chunk (step" in str(codec_errors[0])  # names the peer (its id) and the chunk
