@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from p2ptrain import auth, transport, wire
-from p2ptrain.errors import FrameError, HandshakeError, LinkError
+from p2ptrain.errors import HandshakeError, LinkError
 
 pytestmark = pytest.mark.timeout(30)
 

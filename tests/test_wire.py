@@ -1,6 +1,5 @@
 """The frame codec: fed whole, byte by byte, and fuzzed; bad frames raise FrameError only."""
 
-import struct
 
 import msgpack
 import pytest

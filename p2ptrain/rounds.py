@@ -1,0 +1,719 @@
+"""Rounds: who proposes, who is ready, when an averaged update is applied. Pure code, no I/O.
+
+Theory of operation. One ``RoundMachine`` per peer. The *leader* (``PeerTable.coordinator``)
+sequences numbered rounds; every peer, the leader too, is a *member* of the rounds whose view
+names it. A round is a two-phase commit around the ring (messages: ``membership.parse``):
+
+    leader                               member
+    PROPOSE {r, b, view}        ------>  Contribute(r): the host swaps its accumulator, then
+                                <------  READY {r, b, samples, version, digest}   on_contribution_ready
+    START {r, b, view, total}   ------>  StartRing(r, view): the host runs the ring-allreduce
+                                <------  DONE {r, b, ok, checksum}                on_ring_done
+    COMMIT {r, b}               ------>  Apply(r, total)   every DONE was ok
+    ABORT {r, b, reason, drop}  ------>  PutBack(r)        a failure, a timeout, a peer lost
+
+An attempt that never STARTed leaves no trace (its contribution is put back; no ring ran).
+Only a started attempt has an outcome; ``round`` is the last one here. Leaders never reuse
+a round number they have seen.
+
+Ballots. A leader holds b = (epoch, its id). A member obeys the best ballot it has seen
+(higher epoch; on a tie the smaller id) and answers a worse one with NACK, so two peers that
+lead "for a moment" resolve deterministically and the loser steps down. A new leader takes a
+fresh epoch and first asks every candidate for its STATUS (QUERY): once a member answered,
+the old leader's COMMIT no longer reaches it (fencing). An attempt left in doubt by a lost
+leader commits where a survivor already committed it and aborts everywhere else; a leader's
+decision, once taken, is final.
+
+Lineage. Committed rounds form a hash chain (``membership.History``). READY carries (version,
+digest): a member whose chain differs from the leader's is dropped. Peers compare chains in
+STATUS (on connect, after loading state, when told, when idle too long): on one chain the
+peer behind loads state (``Resync``); across a split ``heal_decision`` picks the side. The
+leader holds the boundary (``join_hold``) while a joiner catches up.
+
+Transitions (``_MEMBER`` and ``_LEADER``; ``_move`` refuses any other):
+    member: idle -PROPOSE-> proposed -contribution-> ready -START-> ring -ring_done-> done
+            done -COMMIT-> idle (Apply);  any -ABORT-> idle (PutBack);
+            proposed|ready -PROPOSE of a better ballot, same round-> same phase (READY again)
+            proposed|ready -a better ballot, leader lost-> idle (withdrawn, PutBack)
+    leader: none -takeover-> querying -all STATUS or timeout-> between
+            between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
+            collecting|running -failure, timeout, peer lost, superseded-> between (ABORT)
+            querying|between -superseded, loading state, a smaller peer served-> none
+Call order: hand each event to one method; carry out the returned actions in order. A
+malformed or impossible message raises ``RemoteProtocolError`` (drop that link); a stale
+one is counted in ``counters``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.membership import SYNCED, SYNCING, History, Lineage, PeerTable, RoundTimer, heal_decision, relation
+from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, LOG_KEEP, MAX_REASON, NACK, PROPOSE, QUERY, READY, START,
+                               STATUS, Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing,
+                               parse)
+
+PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"  # member phases (None: idle)
+QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)
+
+# (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
+_MEMBER = {
+    (None, PROPOSE): PROPOSED,  # -> Contribute(r)
+    (PROPOSED, "contribution"): READIED,  # -> READY
+    (READIED, START): RING,  # -> StartRing
+    (RING, "ring_done"): RINGED,  # -> DONE
+    (RINGED, COMMIT): None,  # -> Apply
+    (PROPOSED, PROPOSE): PROPOSED, (READIED, PROPOSE): READIED,  # same round, better ballot (READY again)
+    (PROPOSED, "withdraw"): None, (READIED, "withdraw"): None,  # never started: no trace (PutBack)
+    (PROPOSED, ABORT): None, (READIED, ABORT): None, (RING, ABORT): None, (RINGED, ABORT): None,  # -> PutBack
+}
+_LEADER = {
+    (None, "takeover"): QUERYING,  # -> QUERY to every candidate
+    (QUERYING, "recovered"): BETWEEN,  # -> COMMIT/ABORT of attempts left in doubt
+    (BETWEEN, PROPOSE): COLLECTING,
+    (COLLECTING, START): RUNNING,
+    (RUNNING, COMMIT): BETWEEN,
+    (COLLECTING, ABORT): BETWEEN, (RUNNING, ABORT): BETWEEN,
+    (QUERYING, "step_down"): None, (BETWEEN, "step_down"): None,  # (collecting/running abort first)
+}
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """What a snapshot carries besides tensors, so that a joiner continues the same chain.
+    A founder uses ``SyncPoint(0, membership.genesis(param_checksum), -1, 0)``."""
+    version: int
+    digest: bytes
+    round: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    min_peers: int = 1
+    peer_timeout: float = 10.0  # silent (no beacon, no message) this long: dead
+    query_timeout: float = 5.0  # a takeover waits this long for STATUS; idle peers re-announce at twice it
+    floor: float = RoundTimer.FLOOR_S  # the shortest deadline of a phase (see RoundTimer)
+    stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline
+    join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
+
+
+def _beats(a: tuple | None, b: tuple | None) -> bool:
+    """Ballot a is better than b: a higher epoch, or the same epoch and a smaller id."""
+    return b is None or (a is not None and (a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])))
+
+
+@dataclass
+class _Pending:  # the attempt this peer takes part in as a member
+    r: int
+    b: tuple
+    view: tuple
+    phase: str
+    since: float
+    samples: int | None = None
+    total: int = 0
+    ok: bool = False
+    mark: float = 1.0  # next Stall, as a multiple of the deadline
+
+    @property
+    def started(self) -> bool:
+        return self.phase in (RING, RINGED)
+
+
+@dataclass
+class _Lead:  # the attempts this peer sequences as leader
+    b: tuple
+    phase: str
+    r: int  # the round in flight, or the next one to propose
+    since: float
+    view: tuple = ()
+    waiting: set = field(default_factory=set)
+    got: dict = field(default_factory=dict)
+    failed: set = field(default_factory=set)
+    mark: float = 0.5
+
+
+class RoundMachine:
+    """One peer's rounds. It starts not synced: call ``on_synced`` with a founder's SyncPoint or
+    a snapshot's ``sync_point()``. The host feeds beacons to ``table.heard`` itself and calls
+    ``on_tick`` about every 100 ms; every other event comes through the ``on_*`` methods."""
+
+    def __init__(self, peer_id: str, config: RoundConfig | None = None, table: PeerTable | None = None):
+        self.id, self.config = peer_id, config or RoundConfig()
+        self.table = table or PeerTable(peer_id)
+        self.history, self.synced, self.round = History(), False, -1
+        self.promised: tuple | None = None  # the best ballot seen: the leader we obey
+        self.max_epoch = 0
+        self.pending: _Pending | None = None
+        self.lead: _Lead | None = None
+        self.counters: Counter = Counter()
+        self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
+        self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
+        self._decided: OrderedDict = OrderedDict()  # attempt -> committed, as decided by us as leader
+        self._seen_r = -1  # the highest round number seen in any proposal
+        self._proposed: tuple = ()  # the last attempt proposed to us that we took up
+        self._last_view: tuple = ()  # the view of the last round we committed
+        self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
+        self._hello, self._hello_until = set(), 0.0  # after on_synced: STATUS still awaited
+        self._admit: dict = {}  # joiners catching up: peer -> hold the boundary until
+        self._held: dict = {}  # the version a joiner had when we last held for it
+        self._deferred: dict = {}  # STATUS that arrived while our own version was in flight
+        self._tell: set = set()  # peers to send our STATUS once this event is handled
+        self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
+        self._nbytes, self._said_waiting, self._left = 0, False, False
+        self._asked: set = set()  # rounds whose Contribute the host has not answered yet
+        self._out: list = []
+        self._loop: deque = deque()  # messages to ourselves
+
+    # -- inputs ------------------------------------------------------------------------------
+    def on_message(self, sender: str, msg: dict, now: float) -> list:
+        return self._run(now, self._dispatch, sender, parse(msg), now)
+
+    def on_tick(self, now: float) -> list:
+        """Deadlines, silent peers, and taking the lead: only on a tick, so that STATUS
+        messages that arrived together are all seen before a peer takes over."""
+        return self._run(now, self._tick, now, tick=True)
+
+    def on_connected(self, peer: str, now: float, addr: tuple | None = None) -> list:
+        self.table.connected(peer, now, addr)
+        return self._run(now, self._tell.add, peer)
+
+    def on_peer_lost(self, peer: str, now: float) -> list:
+        self.table.link_lost(peer, now)
+        return self._run(now, self._gone, peer, now, "lost")
+
+    def on_contribution_ready(self, r: int, samples: int, now: float, nbytes: int = 0) -> list:
+        if type(samples) is not int or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        self._nbytes = nbytes or self._nbytes  # the ring buffer's size, for the deadline
+        return self._run(now, self._contributed, r, samples, now)
+
+    def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None) -> list:
+        return self._run(now, self._ring_done, r, bool(ok), now, checksum)
+
+    def on_synced(self, point: SyncPoint, now: float) -> list:
+        """Our state is now the one ``point`` describes (a snapshot, or a founder's genesis)."""
+        self.history, self.round = History(point.version, point.digest), point.round
+        self.synced, self.pending, self.promised, self._asked = True, None, None, set()
+        self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
+        self._set_self()
+        self._hello, self._hello_until = set(self._peers()), now + self.config.query_timeout
+        return self._run(now, self._tell.update, self._hello)
+
+    def leave(self, now: float) -> list:
+        """Say goodbye; the machine is done (an outstanding contribution is put back)."""
+        def go():
+            if self.lead and self.lead.phase in (COLLECTING, RUNNING):
+                self._abort(now, "the leader is leaving", drop=[self.id])
+            if self.pending and self.pending.samples is not None:
+                self._emit(PutBack(self.pending.r))
+            self._broadcast({"t": GOODBYE}, self._peers())
+            self.pending, self.lead, self.synced, self._left = None, None, False, True
+        return self._run(now, go)
+
+    def sync_point(self) -> SyncPoint:
+        return SyncPoint(self.history.version, self.history.digest, self.round, self.max_epoch)
+
+    @property
+    def version(self) -> int:
+        return self.history.version
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lead is not None
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _run(self, now, fn, *args, tick=False) -> list:
+        self._out = []
+        if self._left:
+            return []
+        fn(*args)
+        for _ in range(1000):  # our own messages, deferred STATUS, the leader's next step: until quiet
+            while self._loop:
+                self._dispatch(self.id, parse(self._loop.popleft()), now)
+            if self._deferred and self.synced and not (self.pending and self.pending.started):
+                deferred, self._deferred = self._deferred, {}
+                for s in sorted(deferred):
+                    self._compare(s, deferred[s], now)
+            before = self.lead and (self.lead.phase, self.lead.r)
+            self._drive(now, tick)
+            for p in sorted(self._tell - {self.id}):
+                self._send(p, self._status())
+            self._tell.clear()
+            if not self._loop and before == (self.lead and (self.lead.phase, self.lead.r)):
+                return self._out
+        raise RuntimeError("round machine did not settle")  # our bug
+
+    def _emit(self, action) -> None:
+        self._out.append(action)
+
+    def _send(self, to: str, msg: dict) -> None:
+        self._loop.append(msg) if to == self.id else self._out.append(Send(to, msg))
+
+    def _broadcast(self, msg: dict, to) -> None:
+        others = tuple(p for p in to if p != self.id)
+        if others:
+            self._out.append(Broadcast(msg, others))
+        if self.id in to:
+            self._loop.append(msg)
+
+    def _peers(self) -> list:
+        return [p for p in self.table.ids(SYNCING, SYNCED) if p != self.id]
+
+    def _move(self, table: dict, phase, event):
+        if (phase, event) not in table:
+            raise RuntimeError(f"no transition from {phase} on {event}")  # our bug
+        return table[(phase, event)]
+
+    def _dispatch(self, s: str, m: dict, now: float) -> None:
+        self.table.message(s, now)
+        if m["t"] in (QUERY, PROPOSE, START, COMMIT, ABORT):
+            self._seen_r, self._heard_lead = max(self._seen_r, m.get("r", -1)), now
+        {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
+         START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
+         NACK: self._on_nack, GOODBYE: self._on_goodbye}[m["t"]](s, m, now)
+
+    def _status(self, b=None, re=False) -> dict:
+        p, ids = self.pending, self.table.live_synced()
+        return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
+                "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
+                "window": [list(e) for e in self.history.recent()], "b": list(b) if b else None,
+                "promised": list(self.promised) if self.promised else None,
+                "log": [[r, list(bb), c] for r, bb, c in self._log],
+                "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
+                                  "view": list(p.view), "total": p.total}}
+
+    def _set_self(self) -> None:
+        self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
+
+    def _nack(self, to: str, r: int, reason: str) -> None:
+        if to != self.id:
+            self._send(to, {"t": NACK, "r": r, "b": list(self.promised or (0, self.id)), "reason": reason})
+
+    def _promise(self, b: tuple, now: float, keep: int = -1) -> None:
+        """Obey ballot b from now on. An unstarted attempt of another ballot can never start
+        here any more: it is withdrawn (unless it is round ``keep``, proposed again under b)."""
+        p = self.pending
+        if p is not None and not p.started and p.b != b and p.r != keep:
+            self._withdraw(p)
+        self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
+        if self.lead and self.lead.b != b:
+            self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
+
+    # -- member side -------------------------------------------------------------------------
+    def _on_query(self, s, m, now) -> None:
+        if m["b"][1] != s:
+            raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
+        if self.synced and _beats(self.promised, m["b"]):
+            return self._nack(s, -1, "superseded")
+        if self.synced:
+            self._promise(m["b"], now)
+        self._send(s, self._status(m["b"], re=True))
+
+    def _on_propose(self, s, m, now) -> None:
+        r, b, view, p = m["r"], m["b"], m["view"], self.pending
+        if b[1] != s or (p is not None and (p.r, p.b) == (r, b)):
+            raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
+        if not self.synced or r <= self.round:
+            self.counters["old_round" if self.synced else "unsynced"] += 1
+        elif _beats(self.promised, b):
+            self._nack(s, r, "superseded")
+        elif self.id not in view or s not in view:
+            self._nack(s, r, "the view does not hold us and the leader")
+        elif any(q != self.id and not self.table.is_live(q) for q in view):
+            self._nack(s, r, "the view names a peer we are not connected to")
+        elif p is not None and p.started:  # in doubt: this leader must resolve that attempt first
+            self._promise(b, now)
+            self._send(s, self._status(b, re=True))
+        else:
+            self._promise(b, now, keep=r)
+            self._proposed = (r, b)
+            if self.pending is not None and self.pending.r != r:
+                self._withdraw(self.pending)
+            p = self.pending
+            if p is not None:  # the same round under a better ballot: keep our contribution
+                p.phase, p.b, p.view, p.since = self._move(_MEMBER, p.phase, PROPOSE), b, view, now
+                if p.phase == READIED:
+                    self._send(s, self._ready_msg(p))
+                return
+            self.pending = _Pending(r, b, view, self._move(_MEMBER, None, PROPOSE), now)
+            if r not in self._asked:  # (one outstanding Contribute per round number)
+                self._asked.add(r)
+                self._emit(Contribute(r))
+
+    def _contributed(self, r, samples, now) -> None:
+        self._asked.discard(r)
+        p = self.pending
+        if p is None or p.r != r or p.phase != PROPOSED:
+            self.counters["late_contribution"] += 1
+            return self._emit(PutBack(r))
+        p.phase, p.samples, p.since = self._move(_MEMBER, p.phase, "contribution"), samples, now
+        self._send(p.b[1], self._ready_msg(p))
+
+    def _ready_msg(self, p: _Pending) -> dict:
+        return {"t": READY, "r": p.r, "b": list(p.b), "samples": p.samples,
+                "version": self.history.version, "digest": self.history.digest}
+
+    def _attempt(self, s, m) -> _Pending | None:
+        """The attempt a leader's START/COMMIT/ABORT is about, or None if stale (counted)."""
+        p, r, b = self.pending, m["r"], m["b"]
+        if s != (self.promised or (0, None))[1]:  # a leader we no longer obey: it must step down
+            self.counters["superseded"] += 1
+            if _beats(self.promised, b):
+                self._nack(s, r, "superseded")
+            return None
+        if p is not None and (p.r, p.b) == (r, b):
+            return p
+        if m["t"] == START and r > self.round and (r, b) != self._proposed:  # (not one we withdrew)
+            raise RemoteProtocolError("START for a round that was not proposed to us")
+        self.counters["stale"] += 1
+        return None
+
+    def _on_start(self, s, m, now) -> None:
+        p = self._attempt(s, m)
+        if p is None:
+            return
+        if p.phase != READIED or m["view"] != p.view:
+            raise RemoteProtocolError("START before READY, or with another view")
+        self.timers["ready"].record(now - p.since)
+        p.phase, p.total, p.since, p.mark = self._move(_MEMBER, p.phase, START), m["total"], now, 1.0
+        self._emit(StartRing(p.r, p.view))
+
+    def _ring_done(self, r, ok, now, checksum) -> None:
+        p = self.pending
+        if p is None or p.r != r or p.phase != RING:
+            self.counters["late_ring"] += 1
+            return
+        p.phase, p.ok = self._move(_MEMBER, p.phase, "ring_done"), ok
+        if self.promised and self.promised[1] == p.b[1]:  # else a newer leader resolves it
+            self._send(p.b[1], {"t": DONE, "r": r, "b": list(p.b), "ok": ok, "checksum": checksum})
+
+    def _on_decision(self, s, m, now) -> None:
+        if m["t"] == ABORT and s == (self.promised or (0, None))[1]:
+            for q in set(m["drop"]) - {s, self.id}:
+                self.table.unsynced(q)
+        p = self._attempt(s, m)
+        if p is None:
+            return
+        if m["t"] == COMMIT and not (p.phase == RINGED and p.ok):
+            raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
+        self._move(_MEMBER, p.phase, m["t"])
+        if p.started:
+            self._finish(p, m["t"] == COMMIT, now)
+        else:
+            self._withdraw(p)
+        if m["t"] == ABORT:
+            self._emit(Log("info", f"round {m['r']} aborted: {m['reason']}"))
+
+    def _withdraw(self, p: _Pending) -> None:
+        """An unstarted attempt goes away (a started one is never withdrawn, only decided)."""
+        self._move(_MEMBER, p.phase, "withdraw")
+        if p.samples is not None:
+            self._emit(PutBack(p.r))
+        self.pending = None
+
+    def _finish(self, p: _Pending, committed: bool, now: float) -> None:
+        self.pending, self.round = None, max(self.round, p.r)
+        self._log.append((p.r, p.b, committed))
+        self.timers["ring"].record(now - p.since, self._link_bytes(len(p.view)))
+        self.table.mark_served(p.view)
+        if not committed:
+            self._emit(PutBack(p.r))
+        else:
+            self.history.append(p.r, p.view, p.total)
+            self._last_view = p.view
+            for q in self.table.live_synced():  # synced but not in the view: behind us now
+                if q not in p.view and self.table.unsynced(q) and self.lead:
+                    self._tell.add(q)  # tell it, and hold the next boundary while it catches up
+                    self._admit[q] = now + self.config.join_hold
+            for q in p.view:
+                self.table.synced(q, self.history.version, self.history.digest, p.r)
+            self._emit(Apply(p.r, p.total, p.view))
+        self._set_self()
+
+    def _on_status(self, s, m, now) -> None:
+        self._hello.discard(s)
+        L, pd = self.lead, m["pending"]
+        if L is not None and m["b"] == L.b and L.phase == QUERYING and s in L.waiting:  # our QUERY's answer
+            L.waiting.discard(s)
+            L.got[s] = m
+            return
+        if L is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != L.b:
+            if L.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
+                return self._send(s, {"t": QUERY, "b": list(L.b)})  # in doubt, obeying another: ask it
+            self._resolve({s: m})  # in doubt and it obeys us: decide its attempt
+            self._tell.add(s)
+            if L.phase in (COLLECTING, RUNNING) and s in L.view:
+                self._abort(now, f"{s} was in doubt about an earlier round", drop=[])
+            return
+        if not m["synced"]:
+            self.table.unsynced(s)
+            return self._gone(s, now, "is not synced")
+        if self.synced and self.pending is not None and self.pending.started:
+            self._deferred[s] = m  # our own version is about to change: compare after the round
+        elif self.synced:
+            self._compare(s, m, now)
+
+    def _compare(self, s, m, now) -> None:
+        """Their chain against ours. On one chain the peer behind loads state (it lacks
+        updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
+        v, d, pd = m["version"], m["digest"], m["pending"]
+        if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
+            v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])  # about to commit it
+        rel = relation(self.history, v, d, m["window"])
+        if rel == "behind" and m["round"] < self.round and s in self._last_view:
+            self.counters["stale_status"] += 1  # sent before a round we both took part in
+            return
+        if rel == "same":
+            self.table.synced(s, v, d, m["round"], now)
+            self._admit.pop(s, None)
+            self._held.pop(s, None)
+        else:
+            if rel == "behind" and self.lead and self._held.get(s, -1) < v:  # a joiner that made progress
+                self._held[s], self._admit[s] = v, now + self.config.join_hold
+            self.table.unsynced(s)
+            self._gone(s, now, f"holds another state ({rel})")
+            theirs = Lineage(m["members"], d, v, m["min_id"] or s)
+            if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
+                why = "behind" if rel == "ahead" else "split"
+                return self._resync(f"{why}: {s} has version {v}, its side {m['members']} peer(s)", s, now)
+        if not m["re"]:
+            self._send(s, self._status(re=True))
+
+    def _lineage(self) -> Lineage:
+        ids = self.table.live_synced()
+        return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
+
+    def _resync(self, reason: str, source: str, now: float) -> None:
+        if self.lead:
+            self._step_down(now, "loading state")
+        if self.pending and not self.pending.started:
+            self._withdraw(self.pending)
+        self.pending, self.synced = None, False  # an in-doubt contribution is void: Resync says so
+        self._set_self()
+        self._emit(Resync(reason, source))
+        self._emit(Log("warning", f"loading state again: {reason}"))
+        self._broadcast(self._status(), self._peers())
+
+    def _on_goodbye(self, s, m, now) -> None:
+        self.table.said_goodbye(s, now)
+        self._gone(s, now, "said goodbye")
+
+    def _gone(self, s: str, now: float, why: str) -> None:
+        """Peer s can no longer take part: re-form at once, without waiting for a deadline."""
+        L, p = self.lead, self.pending
+        if L is not None and L.phase == QUERYING:
+            L.waiting.discard(s)
+        elif L is not None and L.phase in (COLLECTING, RUNNING) and s in L.view:
+            self._abort(now, f"{s} {why}", drop=[s])
+        if p is not None and not p.started and p.b[1] == s:
+            self._withdraw(p)
+
+    # -- leader side -------------------------------------------------------------------------
+    def _drive(self, now: float, tick: bool) -> None:
+        L = self.lead
+        if not self.synced:
+            return
+        if L is None:
+            if tick and self._should_lead(now):
+                self._takeover(now)
+        elif L.phase == QUERYING and not L.waiting:
+            self._recover()
+        elif L.phase == BETWEEN and self.table.coordinator() != self.id:
+            self._step_down(now, f"handing the lead over to {self.table.coordinator()}")
+        elif L.phase == BETWEEN:
+            self._propose(now)
+
+    def _should_lead(self, now: float) -> bool:
+        if self.table.coordinator() != self.id or (self._hello and now < self._hello_until):
+            return False  # (not before we heard who else is synced)
+        if now < self._no_lead_until and self.table.state(self._rival) != SYNCED:
+            return False  # a rival we cannot see leads: do not flip-flop with it every round
+        owner, p = (self.promised or (0, None))[1], self.pending
+        owner_alive = owner != self.id and self.table.state(owner) == SYNCED
+        if p is not None and p.started:  # in doubt: only once its leader is gone
+            return not owner_alive
+        return not (owner_alive and owner < self.id)  # a smaller live leader keeps the lead
+
+    def _takeover(self, now: float) -> None:
+        b = (self.max_epoch + 1, self.id)
+        self._promise(b, now)
+        cands = set(self.table.live_synced()) - {self.id}
+        r = max(self.round, self._seen_r, self.pending.r if self.pending else -1) + 1
+        self.lead = _Lead(b, self._move(_LEADER, None, "takeover"), r, now, waiting=cands)
+        self._broadcast({"t": QUERY, "b": list(b)}, sorted(cands))
+        self._emit(Log("info", f"coordinating from epoch {b[0]}: asking {len(cands)} peer(s) for their state"))
+
+    def _recover(self) -> None:
+        L = self.lead
+        got = {p: st for p, st in L.got.items() if st["synced"]}
+        got[self.id] = parse(self._status(L.b))
+        for st in got.values():
+            L.r = max(L.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
+        after = self._resolve(got)
+        for p in set(L.got) | set(after):
+            if after.get(p) != after[self.id]:  # not synced, or another state: it hears ours
+                self.table.unsynced(p)
+                self._tell.add(p)
+        L.phase, L.got = self._move(_LEADER, L.phase, "recovered"), {}
+
+    def _resolve(self, got: dict) -> dict:
+        """Decide the attempts that members report pending: commit where anyone committed it,
+        abort otherwise; our decision, once taken, is final. A member that did not finish
+        the ring of a committed attempt is told ABORT (it is behind, and will load state).
+        Returns each member's (version, digest) after the decision."""
+        learned, after = {}, {}
+        for r, b, c in [e for st in got.values() for e in st["log"]] + list(self._log):
+            learned[(r, b)] = learned.get((r, b), False) or c
+        for p, st in got.items():
+            v, d, pd = st["version"], st["digest"], st["pending"]
+            if pd is not None:
+                key = (pd["r"], pd["b"])
+                outcome = self._decided.get(key, learned.get(key, False))
+                if pd["phase"] in (RING, RINGED):
+                    self._decide(key, outcome)
+                if outcome and pd["phase"] == RINGED and pd["ok"]:
+                    v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])
+                    self._send(p, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
+                else:
+                    self._send(p, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
+                                   "reason": "its leader was lost"})
+            after[p] = (v, d)
+        return after
+
+    def _decide(self, key: tuple, committed: bool) -> None:
+        self._decided[key] = committed
+        while len(self._decided) > 64:
+            self._decided.popitem(last=False)
+
+    def _propose(self, now: float) -> None:
+        L = self.lead
+        ok, why = self.table.can_train(self.config.min_peers)
+        if not ok:
+            if not self._said_waiting:
+                self._said_waiting = True
+                self._emit(Log("info", why))
+            return
+        self._said_waiting = False
+        self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
+        if self._admit:
+            return  # at the boundary, for a joiner catching up
+        L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), tuple(self.table.live_synced())
+        L.since, L.mark, L.waiting, L.got, L.failed = now, self.config.stall_warn, set(L.view), {}, set()
+        self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view)}, L.view)
+
+    def _lead_msg(self, s, m) -> _Lead | None:
+        """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
+        L = self.lead
+        if L is None or L.phase != (COLLECTING if m["t"] == READY else RUNNING) or (m["r"], m["b"]) != (L.r, L.b):
+            self.counters["stale"] += 1
+            return None
+        if s not in L.waiting:
+            raise RemoteProtocolError(f"{m['t'].upper()} from a peer not waited for in this round")
+        L.waiting.discard(s)
+        return L
+
+    def _on_ready(self, s, m, now) -> None:
+        L = self._lead_msg(s, m)
+        if L is None:
+            return
+        if (m["version"], m["digest"]) != (self.history.version, self.history.digest):
+            self.table.unsynced(s)
+            return self._abort(now, f"{s} holds another state", drop=[s])
+        L.got[s] = m["samples"]
+        if not L.waiting:
+            self.timers["ready"].record(now - L.since)
+            L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn
+            L.waiting = set(L.view)
+            self._broadcast({"t": START, "r": L.r, "b": list(L.b), "view": list(L.view),
+                             "total": sum(L.got.values())}, L.view)
+
+    def _on_done(self, s, m, now) -> None:
+        L = self._lead_msg(s, m)
+        if L is None:
+            return
+        self.table.report(s, m["r"], m["checksum"])
+        if not m["ok"]:
+            L.failed.add(s)
+        if L.waiting:
+            return
+        if L.failed:
+            return self._abort(now, f"the ring failed at {', '.join(sorted(L.failed))}", drop=[])
+        self.timers["ring"].record(now - L.since, self._link_bytes(len(L.view)))
+        sums = {self.table.get(p).checksum for p in L.view if self.table.get(p)} - {None}
+        if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
+            self._emit(Log("info", f"round {L.r}: parameter checksums differ ({len(sums)} kinds)"))
+        self._decide((L.r, L.b), True)
+        self._broadcast({"t": COMMIT, "r": L.r, "b": list(L.b)}, L.view)
+        L.phase, L.r = self._move(_LEADER, L.phase, COMMIT), L.r + 1
+
+    def _abort(self, now: float, reason: str, drop, tell=True) -> None:
+        L, drop = self.lead, sorted(set(drop))
+        if L.phase == RUNNING:
+            self._decide((L.r, L.b), False)
+        for q in set(drop) - {self.id}:
+            self.table.unsynced(q)
+            if tell:  # it may be alive: our STATUS lets it show its own and come back
+                self._tell.add(q)
+        self._broadcast({"t": ABORT, "r": L.r, "b": list(L.b), "reason": reason[:MAX_REASON], "drop": drop},
+                        sorted(set(L.view) | set(drop)))
+        self._emit(Log("warning", f"round {L.r} aborted: {reason}"))
+        L.phase, L.r = self._move(_LEADER, L.phase, ABORT), L.r + 1
+
+    def _on_nack(self, s, m, now) -> None:
+        L = self.lead
+        self.max_epoch = max(self.max_epoch, m["b"][0])
+        if L is not None and _beats(m["b"], L.b):
+            self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
+        elif L is not None and m["r"] == L.r and L.phase == COLLECTING and s in L.view:
+            self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[s], tell=False)
+
+    def _step_down(self, now: float, why: str, rival: str = "") -> None:
+        if self.lead.phase in (COLLECTING, RUNNING):
+            self._abort(now, why, drop=[])
+        self._move(_LEADER, self.lead.phase, "step_down")
+        self.lead = None
+        if rival:
+            self._rival, self._no_lead_until = rival, now + self.config.query_timeout
+        self._emit(Log("info", f"no longer coordinating: {why}"))
+
+    # -- time --------------------------------------------------------------------------------
+    def _link_bytes(self, n: int) -> int:
+        return 2 * (n - 1) * self._nbytes // n if n > 1 else 0  # what a ring moves per link
+
+    def _deadline(self, phase: str, n: int) -> float:
+        if phase == QUERYING:
+            return self.config.query_timeout
+        if phase in (COLLECTING, READIED):
+            return self.timers["ready"].deadline()
+        return self.timers["ring"].deadline(self._link_bytes(n))
+
+    def _tick(self, now: float) -> None:
+        for p in self.table.expire(now, self.config.peer_timeout):
+            self._gone(p, now, f"was silent for {self.config.peer_timeout:g} s")
+        L, p = self.lead, self.pending
+        if L is not None and L.phase in (QUERYING, COLLECTING, RUNNING):
+            waited = now - L.since
+            if waited >= L.mark * self._deadline(L.phase, len(L.view)):
+                what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[L.phase]
+                self._emit(Stall(tuple(sorted(L.waiting)), what, waited, L.r))
+                if L.mark < 1.0:
+                    L.mark = 1.0
+                elif L.phase == QUERYING:  # the silent are left out until they show a STATUS
+                    self._tell.update(L.waiting)
+                    for q in L.waiting:
+                        self.table.unsynced(q)
+                    L.waiting.clear()
+                else:
+                    self._abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
+                                     f"{', '.join(sorted(L.waiting))}", drop=L.waiting)
+        if self.synced and (p is None or p.started) and now - self._heard_lead > 2 * self.config.query_timeout:
+            self._heard_lead = now  # no leader speaks to us: we may be left out, or in doubt, unheard
+            self._broadcast(self._status(), self._peers())
+        if p is not None and p.phase in (READIED, RINGED) and p.b[1] != self.id:
+            waited = now - p.since
+            if waited >= p.mark * self._deadline(p.phase, len(p.view)):
+                self._emit(Stall((p.b[1],), "start" if p.phase == READIED else "decision", waited, p.r))
+                p.mark *= 2

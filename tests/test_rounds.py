@@ -1,0 +1,811 @@
+"""The round state machine: 2-4 machines joined by a fake message bus and a fake clock."""
+
+import os
+from collections import Counter, defaultdict, deque
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2ptrain import roundmsg as M
+from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.membership import SYNCED, genesis
+from p2ptrain.roundmsg import Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing
+from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
+
+GENESIS = SyncPoint(0, genesis(b"same init"), -1, 0)
+
+
+class Net:
+    """Machines on a fake bus: messages go through msgpack and stay in order per directed link.
+
+    The fake host answers ``Contribute`` and runs rings: a ring ends ok once every member of
+    its view started it, and fails where a member crashed or gave its round back. With
+    ``auto=False`` a test (or hypothesis) drives every step itself.
+    """
+
+    def __init__(self, ids, *, auto=True, **cfg):
+        self.now = 0.0
+        self.cfg = RoundConfig(**cfg)
+        self.auto = auto
+        self.m: dict[str, RoundMachine] = {}
+        self.q = defaultdict(deque)  # (src, dst) -> messages in flight
+        self.down = set()  # frozenset({a, b}): links that are cut
+        self.crashed = set()
+        self.held = set()  # (src, dst) links whose messages wait until released
+        self.drops = []  # (src, dst, type) to drop once
+        self.crash_at = {}  # peer -> round: crash when it starts that ring
+        self.actions = defaultdict(list)
+        self.asked = defaultdict(Counter)  # Contribute(r) not answered yet
+        self.out = defaultdict(Counter)  # contributions handed over, not applied or put back
+        self.chain = defaultdict(dict)  # peer -> {round: digest after applying it}
+        self.outcome = defaultdict(dict)  # peer -> {round: ("commit", view, total) | "abort"} (started ones)
+        self.started = defaultdict(dict)  # (r, view) -> members that started the ring
+        self.ring_bad = set()  # (r, view) rings that cannot finish ok
+        self.running = defaultdict(list)  # peer -> [(r, view)] rings it runs
+        self.ringed = defaultdict(set)  # peer -> rounds whose ring it started
+        self.resyncs = defaultdict(list)
+        self.needs_sync = {}  # peers told to load state -> from whom: the auto host does it
+        self.manual_sync = set()  # ... except for these
+        self.budget = Counter()  # auto host: one batch per peer per tick (compute takes time)
+        for p in ids:
+            self.add(p)
+
+    # -- building -----------------------------------------------------------------------------
+    def add(self, p):
+        self.m[p] = RoundMachine(p, self.cfg)
+        for o in list(self.m):
+            if o != p:
+                self.m[o].table.heard(p, None, self.now)
+                self.m[p].table.heard(o, None, self.now)
+                self.handle(o, self.m[o].on_connected(p, self.now))
+                self.handle(p, self.m[p].on_connected(o, self.now))
+        return self.m[p]
+
+    def found(self, *ids):
+        for p in ids or list(self.m):
+            self.handle(p, self.m[p].on_synced(GENESIS, self.now))
+        self.settle()
+
+    def sync_from(self, p, server):
+        """State transfer (the I/O layer's job): p gets server's state."""
+        self.needs_sync.pop(p, None)
+        self.chain[p] = dict(self.chain[server])
+        self.out[p].clear()
+        self.handle(p, self.m[p].on_synced(self.m[server].sync_point(), self.now))
+
+    # -- fault injection (fluent) -------------------------------------------------------------
+    def fail_at(self, peer, round):
+        """``peer`` crashes silently when it starts the ring of ``round``."""
+        self.crash_at[peer] = round
+        return self
+
+    def drop(self, src, dst, mtype):
+        self.drops.append((src, dst, mtype))
+        return self
+
+    def hold(self, src, dst):
+        self.held.add((src, dst))
+        return self
+
+    def release(self, src, dst):
+        self.held.discard((src, dst))
+        return self
+
+    def crash(self, p):
+        self.crashed.add(p)
+        for k in list(self.q):
+            if p in k:
+                del self.q[k]
+        for key in self.started:
+            if p in key[1] and p in self.started[key]:
+                self.ring_bad.add(key)
+        return self
+
+    def cut(self, a, b):
+        """The link a-b breaks: messages in flight are lost and both ends notice."""
+        self.down.add(frozenset((a, b)))
+        self.q.pop((a, b), None)
+        self.q.pop((b, a), None)
+        for key in self.started:
+            if a in key[1] and b in key[1]:
+                self.ring_bad.add(key)
+        self.handle(a, self.m[a].on_peer_lost(b, self.now))
+        self.handle(b, self.m[b].on_peer_lost(a, self.now))
+        return self
+
+    def reconnect(self, a, b):
+        self.down.discard(frozenset((a, b)))
+        self.handle(a, self.m[a].on_connected(b, self.now))
+        self.handle(b, self.m[b].on_connected(a, self.now))
+        return self
+
+    # -- the fake host ------------------------------------------------------------------------
+    def handle(self, p, actions):
+        for a in actions:
+            self.actions[p].append(a)
+            if isinstance(a, Send):
+                self.post(p, a.to, a.msg)
+            elif isinstance(a, Broadcast):
+                assert p not in a.to
+                for to in a.to:
+                    self.post(p, to, a.msg)
+            elif isinstance(a, Contribute):
+                self.asked[p][a.r] += 1
+            elif isinstance(a, StartRing):
+                assert self.out[p][a.r] > 0, "a ring without a contribution"
+                self.started[(a.r, a.view)] = self.started.get((a.r, a.view), set()) | {p}
+                self.running[p].append((a.r, a.view))
+                self.ringed[p].add(a.r)
+                if self.crash_at.get(p) == a.r:
+                    self.crash(p)
+            elif isinstance(a, Apply):
+                self.close(p, a.r)
+                assert self.started.get((a.r, a.view), set()) == set(a.view), "applied a ring that did not run"
+                self.chain[p][a.r] = self.m[p].history.digest
+                self.ringed[p].discard(a.r)
+                self.outcome[p][a.r] = ("commit", a.view, a.total_samples)
+                self.running[p] = [x for x in self.running[p] if x[0] != a.r]
+            elif isinstance(a, PutBack):
+                self.close(p, a.r)
+                if a.r in self.ringed[p]:  # (not a late contribution handed back)
+                    self.outcome[p][a.r] = "abort"
+                    self.ringed[p].discard(a.r)
+                for key in [x for x in self.running[p] if x[0] == a.r]:
+                    self.ring_bad.add(key)
+                    self.running[p].remove(key)
+            elif isinstance(a, Resync):
+                self.resyncs[p].append(a.reason)
+                self.needs_sync[p] = a.source
+                self.out[p].clear()
+                self.asked[p].clear()
+                self.running[p].clear()
+                self.ringed[p].clear()
+
+    def close(self, p, r):
+        assert self.out[p][r] > 0, f"{p}: round {r} closed twice or never contributed"
+        self.out[p][r] -= 1
+
+    def post(self, src, dst, msg):
+        if src in self.crashed or dst in self.crashed or frozenset((src, dst)) in self.down:
+            return
+        for d in self.drops:
+            if d[:2] == (src, dst) and d[2] == msg["t"]:
+                self.drops.remove(d)
+                return
+        self.q[(src, dst)].append(msgpack.packb(msg, use_bin_type=True))
+
+    def deliver(self, src, dst):
+        msg = msgpack.unpackb(self.q[(src, dst)].popleft(), raw=False)
+        self.handle(dst, self.m[dst].on_message(src, msg, self.now))
+
+    def contribute(self, p, samples=None):
+        r = min(r for r, n in self.asked[p].items() if n)
+        self.asked[p][r] -= 1
+        self.out[p][r] += 1
+        n = samples if samples is not None else 10 + sorted(self.m).index(p)
+        self.handle(p, self.m[p].on_contribution_ready(r, n, self.now, nbytes=4000))
+
+    def ring_ready(self, p):
+        """The first ring p runs that can end now: (r, view, ok) or None."""
+        for r, view in self.running[p]:
+            key = (r, view)
+            if key in self.ring_bad:
+                return r, view, False
+            if self.started.get(key, set()) >= set(view):
+                return r, view, True
+        return None
+
+    def finish_ring(self, p, ok=None):
+        r, view, good = self.ring_ready(p)
+        self.running[p].remove((r, view))
+        self.handle(p, self.m[p].on_ring_done(r, good if ok is None else ok, self.now, checksum=b"\x07"))
+
+    def live(self):
+        return [p for p in sorted(self.m) if p not in self.crashed and not self.m[p]._left]
+
+    def settle(self, limit=10_000):
+        """Deliver everything (links in a fixed order) and let the host answer, until quiet."""
+        for _ in range(limit):
+            links = [k for k in sorted(self.q) if self.q[k] and k not in self.held]
+            if links:
+                self.deliver(*links[0])
+                continue
+            if not self.auto:
+                return
+            p = next((p for p in self.live() if any(self.asked[p].values()) and self.budget[p]), None)
+            if p:
+                self.budget[p] -= 1
+                self.contribute(p)
+                continue
+            p = next((p for p in self.live() if self.ring_ready(p)), None)
+            if p:
+                self.finish_ring(p)
+                continue
+            for p, s in sorted(self.needs_sync.items()):
+                if p in self.live() and p not in self.manual_sync and s in self.live() and self.m[s].synced and frozenset((p, s)) not in self.down:
+                    self.sync_from(p, s)
+                    break
+            else:
+                return
+            continue
+        raise AssertionError("the bus did not settle")
+
+    def tick(self, dt=0.1):
+        self.now += dt
+        self.budget = Counter({p: 1 for p in self.m})
+        for p in self.live():  # beacons: every live peer hears every other live one
+            for o in self.live():
+                if o != p and frozenset((o, p)) not in self.down:
+                    self.m[p].table.heard(o, None, self.now)
+        for p in self.live():
+            self.handle(p, self.m[p].on_tick(self.now))
+        self.settle()
+
+    def run(self, seconds, dt=0.1):
+        for _ in range(round(seconds / dt)):
+            self.tick(dt)
+
+    # -- what the tests look at ---------------------------------------------------------------
+    def applied(self, p):
+        return [(a.r, a.view, a.total_samples) for a in self.actions[p] if isinstance(a, Apply)]
+
+    def of(self, p, kind):
+        return [a for a in self.actions[p] if isinstance(a, kind)]
+
+    def sent(self, p, mtype):
+        msgs = [a.msg for a in self.actions[p] if isinstance(a, (Send, Broadcast))]
+        return [m for m in msgs if m["t"] == mtype]
+
+    def check_safety(self):
+        """Any round two peers both applied was applied on the same history, identically."""
+        peers = sorted(self.chain)
+        for i, a in enumerate(peers):
+            for b in peers[i + 1:]:
+                for r in set(self.chain[a]) & set(self.chain[b]):
+                    assert self.chain[a][r] == self.chain[b][r], f"{a} and {b} differ at round {r}"
+
+    def check_nothing_lost(self):
+        """Every contribution handed over was applied or put back, but the one in flight."""
+        for p in self.live():
+            pend = self.m[p].pending
+            in_flight = {pend.r: 1} if pend is not None and pend.samples is not None else {}
+            assert +self.out[p] == Counter(in_flight), (p, +self.out[p], pend)
+
+    def check_same_outcomes(self):
+        """Every round that started has one outcome everywhere (no commit here, abort there)."""
+        by_round = defaultdict(set)
+        for p, d in self.outcome.items():
+            for r, o in d.items():
+                by_round[r].add(o)
+        assert all(len(o) == 1 for o in by_round.values()), dict(by_round)
+
+
+def cluster(ids="abc", run=1.0, **cfg):
+    net = Net(ids, **cfg)
+    net.found()
+    net.run(run)
+    return net
+
+
+# -- normal rounds ------------------------------------------------------------------------------
+def test_normal_rounds_commit_same_on_every_member():
+    net = cluster("abc", run=0.0)
+    net.run(0.5)
+    assert net.m["a"].is_leader and not net.m["b"].is_leader
+    applied = net.applied("a")
+    assert len(applied) >= 3
+    assert applied[0] == (0, ("a", "b", "c"), 10 + 11 + 12)
+    for p in "bc":
+        assert net.applied(p)[:len(applied)] == applied[:len(net.applied(p))]
+    assert len({net.m[p].history.digest for p in "abc" if net.m[p].version == net.m["a"].version}) == 1
+    net.check_safety()
+    net.check_same_outcomes()
+    assert [a.r for a in net.of("b", StartRing)][:3] == [0, 1, 2]
+
+
+def test_rounds_are_two_phase_nobody_applies_before_commit():
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    assert net.of("a", Contribute) and net.of("b", Contribute)
+    net.contribute("a", 3)
+    net.contribute("b", 5)
+    net.settle()
+    assert [a.view for a in net.of("b", StartRing)] == [("a", "b")]
+    net.finish_ring("b")
+    net.settle()
+    assert not net.applied("b") and not net.applied("a")  # a's ring is still running
+    net.finish_ring("a")
+    net.settle()
+    assert net.applied("a") == net.applied("b") == [(0, ("a", "b"), 8)]
+
+
+def test_message_types_and_fields_on_the_wire():
+    net = Net("ab", auto=True)
+    net.found()
+    net.tick()
+    p = net.sent("a", M.PROPOSE)[0]
+    assert set(p) == {"t", "r", "b", "view"} and p["b"] == [1, "a"] and p["view"] == ["a", "b"]
+    assert set(net.sent("b", M.READY)[0]) == {"t", "r", "b", "samples", "version", "digest"}
+    assert set(net.sent("a", M.START)[0]) == {"t", "r", "b", "view", "total"}
+    assert set(net.sent("b", M.DONE)[0]) == {"t", "r", "b", "ok", "checksum"}
+    assert set(net.sent("a", M.COMMIT)[0]) == {"t", "r", "b"}
+
+
+# -- validation ---------------------------------------------------------------------------------
+def test_old_round_is_ignored_and_counted():
+    net = cluster("ab", run=0.5)
+    old = dict(net.sent("a", M.PROPOSE)[0])
+    before = len(net.actions["b"])
+    assert net.m["b"].on_message("a", {**old, "b": list(net.m["b"].promised)}, net.now) == []
+    assert net.m["b"].counters["old_round"] == 1 and len(net.actions["b"]) == before
+
+
+def test_view_naming_unknown_peer_or_not_us_is_refused_with_nack():
+    net = Net("ab", auto=False)
+    net.found()
+    b = net.m["b"]
+    out = b.on_message("a", {"t": M.PROPOSE, "r": 5, "b": [3, "a"], "view": ["a", "b", "zz"]}, net.now)
+    assert [x.msg["t"] for x in out] == [M.NACK] and "not connected" in out[0].msg["reason"]
+    out = b.on_message("a", {"t": M.PROPOSE, "r": 5, "b": [3, "a"], "view": ["a", "c"]}, net.now)
+    assert [x.msg["t"] for x in out] == [M.NACK] and b.pending is None
+
+
+def test_start_before_propose_is_a_protocol_error():
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()  # b has promised a's ballot
+    with pytest.raises(RemoteProtocolError):
+        net.m["b"].on_message("a", {"t": M.START, "r": 9, "b": [1, "a"], "view": ["a", "b"], "total": 3}, net.now)
+
+
+def test_commit_of_an_unfinished_ring_is_a_protocol_error():
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    net.contribute("a")
+    net.contribute("b")
+    net.settle()
+    with pytest.raises(RemoteProtocolError):
+        net.m["b"].on_message("a", {"t": M.COMMIT, "r": 0, "b": [1, "a"]}, net.now)
+
+
+def test_propose_from_a_peer_that_does_not_own_the_ballot():
+    net = Net("ab", auto=False)
+    net.found()
+    with pytest.raises(RemoteProtocolError):
+        net.m["b"].on_message("a", {"t": M.PROPOSE, "r": 0, "b": [1, "c"], "view": ["a", "b"]}, net.now)
+
+
+def test_parse_normalises_and_drops_unknown_fields():
+    m = M.parse({"t": M.PROPOSE, "r": 3, "b": [2, "a"], "view": ["a", "b"], "extra": 1})
+    assert m == {"t": M.PROPOSE, "r": 3, "b": (2, "a"), "view": ("a", "b")}
+
+
+VALID = {
+    M.QUERY: {"t": M.QUERY, "b": [1, "a"]},
+    M.PROPOSE: {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "b"]},
+    M.READY: {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 3, "version": 0, "digest": b"d"},
+    M.START: {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 3},
+    M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None},
+    M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"]},
+    M.ABORT: {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x", "drop": ["c"]},
+    M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x"},
+    M.GOODBYE: {"t": M.GOODBYE},
+    M.STATUS: {"t": M.STATUS, "synced": True, "version": 0, "digest": b"", "round": -1, "members": 1, "min_id": "",
+               "window": [[0, b""]], "log": [[0, [1, "a"], True]], "promised": None, "b": None, "re": False,
+               "pending": {"r": 0, "b": [1, "a"], "phase": "ring", "ok": False, "view": ["a"], "total": 0}},
+}
+VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4) | st.binary(max_size=4),
+                      lambda x: st.lists(x, max_size=3) | st.dictionaries(st.text(max_size=3), x, max_size=3),
+                      max_leaves=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(VALID)), st.data())
+def test_parse_accepts_or_raises_remote_protocol_error_only(t, data):
+    """h11's fuzzer rule: a valid message with one field replaced parses, or raises the remote-fault error."""
+    msg = dict(VALID[t])
+    assert M.parse(msg)["t"] == t
+    key = data.draw(st.sampled_from(sorted(msg)))
+    msg[key] = data.draw(VALUES)
+    if key != "pending" and t == M.STATUS and data.draw(st.booleans()):
+        msg["pending"] = {**msg["pending"], data.draw(st.sampled_from(sorted(msg["pending"]))): data.draw(VALUES)}
+    try:
+        M.parse(msg)
+    except RemoteProtocolError:
+        pass
+
+
+@pytest.mark.parametrize("msg", [
+    None, [], {"t": "nope"}, {"t": M.PROPOSE},
+    {"t": M.PROPOSE, "r": -1, "b": [1, "a"], "view": ["a"]},
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["b", "a"]},  # not sorted
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "a"]},
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": []},
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["p%03d" % i for i in range(M.MAX_VIEW + 1)]},
+    {"t": M.PROPOSE, "r": 1, "b": [1, ""], "view": ["a"]},
+    {"t": M.PROPOSE, "r": True, "b": [1, "a"], "view": ["a"]},
+    {"t": M.STATUS, "synced": True, "version": 0, "digest": b"", "round": -1, "members": 1, "min_id": "",
+     "window": [[0, b""]] * 9, "log": [], "pending": None, "promised": None, "b": None, "re": False},
+    {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 1.5, "version": 0, "digest": b""},
+    {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": 1, "checksum": None},
+    {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x" * 1000, "drop": []},
+    {"t": M.STATUS, "synced": True},
+])
+def test_malformed_messages_raise_remote_protocol_error(msg):
+    m = RoundMachine("b")
+    with pytest.raises(RemoteProtocolError):
+        m.on_message("a", msg, 0.0)
+
+
+# -- faults -------------------------------------------------------------------------------------
+def test_member_dies_mid_round_abort_put_back_then_continue_without_it():
+    net = cluster("abc", run=0.3)
+    r = net.m["a"].round + 1
+    net.fail_at("c", r)
+    net.run(8.0)
+    for p in "ab":
+        assert r in [a.r for a in net.of(p, PutBack)], p  # nothing lost: contribution goes back
+        assert not [x for x in net.applied(p) if x[0] == r]
+    aborts = [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    assert aborts and aborts[0]["drop"] == ["c"] and "waiting for done from c" in aborts[0]["reason"]
+    after = [x for x in net.applied("a") if x[0] > r]
+    assert after and all(v == ("a", "b") for _, v, _ in after)
+    assert [x for x in net.applied("b") if x[0] > r] == after[:len([x for x in net.applied("b") if x[0] > r])]
+    stalls = [s for s in net.of("a", Stall) if s.r == r]
+    assert stalls and all(s.waiting_for == ("c",) and s.phase == "done" for s in stalls)
+    assert len(stalls) == 2  # once at half the deadline, once at the deadline
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
+    net = cluster("abc", run=0.3)
+    net.auto = False
+    net.tick()
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    r = net.m["a"].lead.r
+    net.crash("c")
+    net.handle("a", net.m["a"].on_peer_lost("c", net.now))
+    net.handle("b", net.m["b"].on_peer_lost("c", net.now))
+    net.auto = True
+    net.settle()
+    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["c"]]
+    assert net.applied("a")[-1][1] == ("a", "b")  # the next round ran at once, without c
+
+
+def test_goodbye_reforms_at_once():
+    net = cluster("abc", run=0.3)
+    t0 = net.now
+    n = len(net.applied("a"))
+    net.handle("b", net.m["b"].leave(net.now))
+    net.crashed.add("b")
+    net.settle()
+    assert net.now == t0  # no time passed: a re-proposed at once, without b
+    assert net.sent("a", M.PROPOSE)[-1]["view"] == ["a", "c"]
+    assert net.m["a"].table.state("b") == "leaving"
+    net.run(0.5)
+    new = net.applied("a")[n:]
+    assert new and new[-1][1] == ("a", "c")
+
+
+def test_leader_goodbye_next_takes_over_at_the_next_tick():
+    net = cluster("abc", run=0.3)
+    n = len(net.applied("b"))
+    net.handle("a", net.m["a"].leave(net.now))
+    net.crashed.add("a")
+    net.settle()
+    net.tick()
+    assert net.m["b"].is_leader
+    net.run(0.5)
+    assert net.applied("b")[n:] and net.applied("b")[-1][1] == ("b", "c")
+
+
+def test_coordinator_dies_next_smallest_takes_over_numbering_continues():
+    net = cluster("abc", run=0.3)
+    before = {p: dict(net.outcome[p]) for p in "bc"}
+    last = max(net.m["b"].round, net.m["c"].round)
+    net.crash("a")
+    net.run(15.0)
+    assert net.m["b"].is_leader
+    assert net.m["b"].promised[0] > 1  # a fresh epoch
+    new = [x for x in net.applied("b") if x[0] > last]
+    assert new and all(v == ("b", "c") for _, v, _ in new)
+    for p in "bc":  # no round number reused with another outcome
+        for r, o in before[p].items():
+            assert net.outcome[p][r] == o
+    assert len({x[0] for x in net.applied("b")}) == len(net.applied("b"))
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+@pytest.mark.parametrize("got_commit", ["", "b", "bc"])
+def test_coordinator_dies_while_members_are_in_doubt(got_commit):
+    """a commits round r and dies having told only some members: the survivors agree."""
+    net = Net("abc", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    for p in "abc":
+        net.finish_ring(p)
+    for p in "bc":
+        if p not in got_commit:
+            net.hold("a", p)
+    net.settle()
+    assert net.m["a"].round == 0 and net.m["a"].version == 1
+    net.crash("a")
+    net.auto = True
+    for p in "bc":
+        net.handle(p, net.m[p].on_peer_lost("a", net.now))
+    net.run(3.0)
+    assert net.m["b"].is_leader
+    expect = ("commit", ("a", "b", "c"), 33) if got_commit else "abort"  # a survivor knew: commit
+    assert net.outcome["b"][0] == net.outcome["c"][0] == expect
+    assert net.m["b"].history.digest == net.m["c"].history.digest
+    assert [x for x in net.applied("c") if x[0] > 0 and x[1] == ("b", "c")]  # and training goes on
+    net.check_safety()
+
+
+def test_two_coordinators_for_a_moment_smaller_id_wins():
+    """b does not know a yet and leads; both propose round r: exactly one round r commits."""
+    net = Net("abc")
+    net.found()
+    net.cut("a", "b")  # b (and a) believe the other is gone; c sees both
+    net.tick()
+    assert net.m["a"].is_leader
+    net.reconnect("a", "b")
+    net.run(3.0)
+    assert net.m["a"].is_leader and not net.m["b"].is_leader and not net.m["c"].is_leader
+    net.check_safety()
+    net.check_same_outcomes()
+    for p in "abc":
+        assert len({x[0] for x in net.applied(p)}) == len(net.applied(p))
+
+
+def test_two_coordinators_both_propose_round_r_exactly_one_commits():
+    """a and b each believe they are the smallest synced peer; both take over at epoch 1 and
+    both propose round 0 to c. c follows the better ballot (1, a): a's round 0 is the only one."""
+    net = Net("abc", auto=False)
+    net.found()
+    net.m["a"].table.unsynced("b")
+    net.m["b"].table.unsynced("a")
+    net.hold("a", "b").hold("b", "a").hold("a", "c")
+    net.tick()
+    assert net.m["a"].is_leader and net.m["b"].is_leader
+    net.settle()  # c answers b's QUERY first; b proposes round 0 with view [b, c]
+    assert [(m["r"], m["view"]) for m in net.sent("b", M.PROPOSE)] == [(0, ["b", "c"])]
+    net.release("a", "c").settle()  # a's ballot beats b's: c follows a; a proposes round 0 too
+    assert [(m["r"], m["view"]) for m in net.sent("a", M.PROPOSE)] == [(0, ["a", "c"])]
+    assert net.m["c"].promised == (1, "a")
+    net.release("a", "b").release("b", "a")
+    net.auto = True
+    net.run(6.0)
+    assert not net.m["b"].is_leader and net.m["a"].is_leader
+    firsts = {p: [x for x in net.applied(p) if x[0] == 0] for p in "abc"}
+    assert firsts["a"] == firsts["c"] == [(0, ("a", "c"), 22)] and firsts["b"] == []
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_joiner_enters_at_a_boundary_after_synced_and_then_leads():
+    net = cluster("bcd", run=0.5)
+    net.auto = False
+    net.tick()
+    for p in "bcd":
+        net.contribute(p)
+    net.settle()  # round in flight
+    net.add("a")  # smaller id than everyone
+    net.settle()
+    net.sync_from("a", "b")
+    net.settle()
+    assert net.m["a"].synced and not net.m["a"].is_leader
+    for p in "bcd":
+        net.finish_ring(p)
+    net.auto = True
+    net.run(0.3)
+    views = [a.view for a in net.of("b", StartRing)]
+    first_with_a = next(i for i, v in enumerate(views) if "a" in v)
+    assert "a" not in views[first_with_a - 1]  # the round in flight went on without it
+    net.run(1.0)
+    assert net.m["a"].is_leader and not net.m["b"].is_leader  # after serving once, a coordinates
+    assert net.applied("a") and net.applied("a")[-1][1] == ("a", "b", "c", "d")
+    net.check_safety()
+
+
+def test_joiner_that_is_behind_is_told_and_loads_again():
+    net = cluster("bc", run=0.5)
+    net.add("a")
+    stale = SyncPoint(0, GENESIS.digest, -1, 0)
+    net.handle("a", net.m["a"].on_synced(stale, net.now))
+    net.settle()
+    assert net.resyncs["a"] and net.resyncs["a"][0].startswith("behind")  # and the host loaded again
+    net.run(1.0)
+    assert net.applied("a") and net.m["b"].table.state("a") == SYNCED
+
+
+def test_leader_holds_the_boundary_while_a_joiner_catches_up():
+    net = cluster("bc", run=0.5)
+    net.manual_sync.add("a")
+    net.add("a")
+    net.handle("a", net.m["a"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))  # an old snapshot
+    net.run(0.3)
+    assert net.resyncs["a"][0].startswith("behind: b")
+    n = len(net.sent("b", M.PROPOSE))
+    net.run(3.0)
+    assert len(net.sent("b", M.PROPOSE)) == n  # b holds the boundary for a
+    net.sync_from("a", "b")  # caught up
+    net.run(0.3)
+    assert net.sent("b", M.PROPOSE)[n]["view"] == ["a", "b", "c"]
+    net.add("z")  # a joiner that never catches up holds the cluster for join_hold only
+    net.manual_sync.add("z")
+    net.handle("z", net.m["z"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(3.0)
+    n = len(net.sent("a", M.PROPOSE))
+    net.run(10.0)
+    assert len(net.sent("a", M.PROPOSE)) > n + 5 and net.sent("a", M.PROPOSE)[-1]["view"] == ["a", "b", "c"]
+
+
+def test_min_peers_no_proposal_and_one_clear_log():
+    net = Net("ab", min_peers=3)
+    net.found()
+    net.run(2.0)
+    assert not net.sent("a", M.PROPOSE)
+    logs = [x.text for x in net.of("a", Log) if "waiting for" in x.text]
+    assert logs == ["waiting for 1 more peer(s): 2 of 3 synced"]
+    net.add("c")
+    net.sync_from("c", "a")
+    net.run(1.0)
+    assert net.applied("c")
+
+
+def test_split_and_heal_smaller_side_resyncs():
+    net = Net("abcde", min_peers=2)
+    net.found()
+    for x in "ab":
+        for y in "cde":
+            net.cut(x, y)
+    net.run(3.0)
+    assert net.m["a"].is_leader and net.m["c"].is_leader
+    assert net.m["a"].history.digest != net.m["c"].history.digest
+    for x in "ab":
+        for y in "cde":
+            net.reconnect(x, y)
+    net.settle()  # the side of 3 keeps its state; a and b load it (the fake host does so at once)
+    assert all(r.startswith("split") for r in net.resyncs["a"] + net.resyncs["b"]) and net.resyncs["a"]
+    assert not net.resyncs["c"] and not net.resyncs["d"]
+    net.run(2.0)
+    assert net.m["c"].is_leader or net.m["a"].is_leader
+    assert len({net.m[p].history.digest for p in "abcde"}) == 1
+    net.check_safety()
+
+
+def test_stall_logging_names_the_waited_for_peers():
+    net = cluster("abc", run=0.3)
+    net.auto = False
+    net.tick()
+    net.contribute("a")
+    net.contribute("b")  # c is slow to hand over its contribution
+    net.settle()
+    net.run(3.0)
+    stalls = net.of("a", Stall)
+    assert stalls and stalls[0].waiting_for == ("c",) and stalls[0].phase == "ready"
+    net.run(3.0)
+    assert [m["drop"] for m in net.sent("a", M.ABORT)][-1] == ["c"]
+    assert len(net.of("a", Stall)) == 2
+
+
+def test_late_contribution_is_put_back():
+    net = cluster("abc", run=0.3)
+    net.auto = False
+    net.tick()
+    for p in "ab":
+        net.contribute(p)
+    net.settle()
+    net.run(6.0)  # aborted while c was computing
+    net.contribute("c")
+    assert net.of("c", PutBack)[-1].r == net.of("c", Contribute)[-1].r
+
+
+# -- properties ---------------------------------------------------------------------------------
+EXAMPLES = int(os.environ.get("P2PTRAIN_FUZZ_EXAMPLES", "60"))  # raise it for a long fuzzing run
+STEPS = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 50)), min_size=10, max_size=250)
+
+
+def drive(net, steps, faults):
+    ids = sorted(net.m)
+    links = [(a, b) for a in ids for b in ids if a != b]
+    pairs = [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+    for kind, k in steps:
+        if kind <= 4:  # deliver on some link (reorders across links)
+            ready = [l for l in links if net.q[l]]
+            if ready:
+                net.deliver(*ready[k % len(ready)])
+        elif kind == 5:
+            ps = [p for p in ids if any(net.asked[p].values())]
+            if ps:
+                net.contribute(ps[k % len(ps)])
+        elif kind == 6:
+            ps = [p for p in ids if net.ring_ready(p)]
+            if ps:
+                net.finish_ring(ps[k % len(ps)])
+        elif kind == 7:
+            net.tick(k / 10)
+        elif kind == 8 and faults:
+            a, b = pairs[k % len(pairs)]
+            if frozenset((a, b)) in net.down:
+                net.reconnect(a, b)
+            elif k % 3 == 0:
+                net.cut(a, b)
+        elif kind == 9:
+            ps = [p for p in ids if net.resyncs[p] and not net.m[p].synced]
+            srv = [p for p in ids if net.m[p].synced]
+            if ps and srv:
+                p = ps[k % len(ps)]
+                s = next((s for s in srv if frozenset((p, s)) not in net.down), None)
+                if s:
+                    net.sync_from(p, s)
+        net.check_safety()
+
+
+def converged(net):
+    ms = [net.m[p] for p in sorted(net.m)]
+    return all(m.synced for m in ms) and len({m.history.digest for m in ms}) == 1 and \
+        all(m.table.live_synced() == sorted(net.m) for m in ms)
+
+
+def heal_all(net, seconds=40.0):
+    """Faults stop: links come back, the host answers everything; until every peer agrees."""
+    for a, b in [tuple(sorted(x)) for x in list(net.down)]:
+        net.reconnect(a, b)
+    net.auto = True
+    mark = {p: len(net.applied(p)) for p in net.m}
+    for _ in range(int(seconds / 0.5)):
+        net.tick(0.5)
+        if converged(net) and all(len(net.applied(p)) > mark[p] for p in net.m):
+            return
+    raise AssertionError(f"no convergence: {[(p, m.synced, m.version) for p, m in net.m.items()]}")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(STEPS)
+def test_random_interleavings_same_outcomes_and_liveness(steps):
+    """Messages reordered across links, host answers late, clock jumps: one outcome per round,
+    and once the schedule is fair again rounds keep committing."""
+    net = Net("abc", auto=False, min_peers=2)
+    net.found()
+    drive(net, steps, faults=False)
+    net.check_same_outcomes()
+    heal_all(net)
+    before = len(net.applied("a"))
+    net.run(1.0)
+    assert len(net.applied("a")) >= before + 5
+    net.check_safety()
+    net.check_same_outcomes()
+    net.check_nothing_lost()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(STEPS)
+def test_random_cuts_never_apply_different_rounds_and_heal(steps):
+    """Links cut and restored at random as well: no two peers ever apply a round on different
+    histories, nothing is applied and put back, and after the faults the cluster heals."""
+    net = Net("abc", auto=False, min_peers=2)
+    net.found()
+    drive(net, steps, faults=True)
+    heal_all(net)
+    before = len(net.applied("a"))
+    net.run(1.0)
+    assert len(net.applied("a")) >= before + 5
+    net.check_safety()
+    net.check_nothing_lost()
