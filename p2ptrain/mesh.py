@@ -1,0 +1,239 @@
+"""``Mesh``: one authenticated link to every peer of the cluster, and the routing of its frames.
+
+Discovery (beacons, ``--peers``) only proposes addresses; the mesh dials them, and the
+handshake tells who is really there. Each link has one reader task, owned by the mesh,
+which routes what arrives:
+
+- ring chunks (``wire.CHUNK``) to that peer's ``ChunkChannel``, which the collective reads
+  like a link (``recv``/``send``/``set_allocator``), so a ring runs over mesh links unchanged;
+- everything else (round messages, goodbyes) to ``on_message(peer_id, header)``.
+
+Two peers that dial each other at once end up with two links; both keep the one dialed by
+the smaller peer id and close the other, so they agree without talking. A link that fails
+or closes is dropped and reported once through ``on_lost(peer_id, reason)``.
+
+Call order: ``await mesh.start()``; ``mesh.propose(host, port)`` as addresses come in;
+``await mesh.send(peer_id, header)``; ``await mesh.close()`` (says goodbye first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Awaitable, Callable
+
+from p2ptrain import auth, transport, wire
+from p2ptrain.errors import LinkError, P2PTrainError
+
+log = logging.getLogger("p2ptrain.mesh")
+
+RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
+DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
+
+
+class ChunkChannel:
+    """A peer's ring chunks, read like a ``transport.Link`` by ``collective.RingAllreduce``."""
+
+    def __init__(self, link: transport.Link):
+        self._link = link
+        self._frames: collections.deque[wire.Frame] = collections.deque()
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def name(self) -> str:
+        return self._link.name
+
+    def set_allocator(self, allocate: wire.Allocator) -> None:
+        self._link.set_allocator(allocate)
+
+    async def send(self, header: dict, payload=(), timeout: float | None = None) -> None:
+        await self._link.send(header, payload, timeout)
+
+    async def recv(self, timeout: float | None = None) -> wire.Frame:
+        while not self._frames:
+            if self._error is not None:
+                raise self._error
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise LinkError(f"{self.name}: no ring chunk for {timeout:.0f} s") from None
+        return self._frames.popleft()
+
+    def _put(self, frame: wire.Frame) -> None:
+        self._frames.append(frame)
+        self._ready.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._ready.set()
+
+
+class Mesh:
+    """Links to every peer proposed and admitted. See the module docstring."""
+
+    def __init__(self, *, cluster: str, peer_id: str, secret: bytes | None, host: str = "0.0.0.0",
+                 port: int = 0, info: dict | None = None,
+                 on_message: Callable[[str, dict], Awaitable[None] | None] = lambda p, h: None,
+                 on_lost: Callable[[str, str], None] = lambda p, why: None,
+                 on_admitted: Callable[[str, dict], None] = lambda p, info: None,
+                 own_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "0.0.0.0"})):
+        self.cluster, self.peer_id, self._secret = cluster, peer_id, secret
+        self.host, self.port = host, port
+        self.info = dict(info or {})
+        self._on_message, self._on_lost, self._on_admitted = on_message, on_lost, on_admitted
+        self._own_hosts = own_hosts | {host}
+        self._links: dict[str, transport.Link] = {}
+        self._dialer: dict[str, str] = {}  # peer id -> which end opened our link to it
+        self._addr: dict[str, tuple[str, int]] = {}  # peer id -> where it listens
+        self._channels: dict[str, ChunkChannel] = {}
+        self._readers: dict[str, asyncio.Task] = {}
+        self._lingering: set[asyncio.Task] = set()  # readers of losing duplicates
+        self._dialing: dict[tuple[str, int], asyncio.Task] = {}
+        self._failed_at: dict[tuple[str, int], float] = {}
+        self._listener: transport.Listener | None = None
+        self._closed = False
+
+    # -- life cycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming)
+        self.port = self._listener.port
+        self.info["port"] = self.port
+
+    async def close(self) -> None:
+        """Say goodbye to every peer, then close links, dialers and the listener."""
+        self._closed = True
+        for link in list(self._links.values()):
+            try:
+                await link.send({"t": "goodbye"}, timeout=1.0)
+            except P2PTrainError:
+                pass
+        tasks = [*self._dialing.values(), *self._readers.values(), *self._lingering]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        if self._listener is not None:
+            await self._listener.close()
+
+    # -- who is there ---------------------------------------------------------------------
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._links)
+
+    def channel(self, peer_id: str) -> ChunkChannel:
+        """The ring-chunk channel to ``peer_id`` (KeyError if not linked)."""
+        return self._channels[peer_id]
+
+    def propose(self, host: str, port: int, now: float | None = None) -> None:
+        """An address heard of (beacon, --peers): dial it unless linked, dialing, or it failed
+        less than RETRY_AFTER seconds ago. Returns at once; the dial runs in the background."""
+        key = (host, port)
+        loop = asyncio.get_running_loop()
+        now = loop.time() if now is None else now
+        if (self._closed or key in self._dialing or key in self._addr.values()
+                or (port == self.port and host in self._own_hosts)
+                or now - self._failed_at.get(key, -1e9) < RETRY_AFTER):
+            return
+        task = loop.create_task(self._dial(host, port))
+        self._dialing[key] = task
+        task.add_done_callback(lambda t, k=key: self._dialing.pop(k, None))
+
+    async def send(self, peer_id: str, header: dict, payload=(), timeout: float | None = 10.0) -> None:
+        link = self._links.get(peer_id)
+        if link is None:
+            raise LinkError(f"no link to peer {peer_id}")
+        await link.send(header, payload, timeout)
+
+    # -- admission ------------------------------------------------------------------------
+    def _handshake(self) -> auth.Handshake:
+        return auth.Handshake(cluster=self.cluster, peer_id=self.peer_id, secret=self._secret, info=self.info)
+
+    async def _dial(self, host: str, port: int) -> None:
+        try:
+            link = await transport.open_link(host, port, self._handshake(), timeout=5.0)
+        except auth.HandshakeError as exc:
+            if auth.REASON_SELF not in str(exc):
+                log.warning("peer at %s:%d refused: %s", host, port, exc)
+            self._failed_at[(host, port)] = asyncio.get_running_loop().time()
+            return
+        except P2PTrainError as exc:
+            log.debug("dial %s:%d failed: %s", host, port, exc)
+            self._failed_at[(host, port)] = asyncio.get_running_loop().time()
+            return
+        self._adopt(link, dialed_by=self.peer_id, addr=(host, port))
+
+    def _admit_incoming(self, link: transport.Link) -> None:
+        port = link.peer.info.get("port")
+        host = link.remote.rpartition(":")[0]
+        self._adopt(link, dialed_by=link.peer.peer_id, addr=(host, port) if isinstance(port, int) else None)
+
+    def _adopt(self, link: transport.Link, dialed_by: str, addr: tuple[str, int] | None) -> None:
+        pid = link.peer.peer_id
+        if self._closed:
+            link.close()
+            return
+        if pid in self._links:
+            keeper = min(self.peer_id, pid)  # both ends agree: keep the link the smaller id dialed
+            if self._dialer[pid] == keeper or dialed_by != keeper:
+                self._linger(pid, link)
+                return
+            self._linger(pid, self._links[pid])
+            self._readers.pop(pid).cancel()
+        self._links[pid] = link
+        self._dialer[pid] = dialed_by
+        if addr is not None:
+            self._addr[pid] = addr
+        self._channels[pid] = ChunkChannel(link)
+        self._readers[pid] = asyncio.get_running_loop().create_task(self._read(pid, link))
+        self._on_admitted(pid, link.peer.info)
+
+    def _linger(self, pid: str, link: transport.Link) -> None:
+        """Stop sending on a losing duplicate but read it a while: the other end may still
+        send on it until it sees the link we keep."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._read(pid, link))
+        self._lingering.add(task)
+        task.add_done_callback(self._lingering.discard)
+        loop.call_later(DUPLICATE_GRACE, link.close)
+
+    # -- routing --------------------------------------------------------------------------
+    async def _read(self, pid: str, link: transport.Link) -> None:
+        why = "link closed"
+        try:
+            while True:
+                frame = await link.recv()
+                if frame.type == wire.CHUNK:
+                    if pid in self._channels:
+                        self._channels[pid]._put(frame)
+                    continue
+                if frame.type == "goodbye":
+                    why = "said goodbye"
+                    return
+                result = self._on_message(pid, frame.header)
+                if asyncio.iscoroutine(result):
+                    await result
+        except P2PTrainError as exc:
+            why = str(exc)
+        finally:
+            if self._links.get(pid) is link:
+                self._drop(pid, why)
+
+    def _drop(self, pid: str, why: str, report: bool = True) -> None:
+        link = self._links.pop(pid, None)
+        self._dialer.pop(pid, None)
+        self._addr.pop(pid, None)
+        channel = self._channels.pop(pid, None)
+        reader = self._readers.pop(pid, None)
+        if channel is not None:
+            channel._fail(LinkError(f"peer {pid}: {why}"))
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+        if link is not None:
+            link.close()
+        if report and not self._closed:
+            self._on_lost(pid, why)

@@ -1,0 +1,119 @@
+"""Mesh over loopback: every peer linked once, frames routed, losses reported once."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from p2ptrain.codecs import parse_codec
+from p2ptrain.collective import RingAllreduce
+from p2ptrain.mesh import Mesh
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Peer:
+    def __init__(self, pid, secret=b"s"):
+        self.messages, self.lost, self.admitted = [], [], []
+        self.mesh = Mesh(cluster="lab", peer_id=pid, secret=secret, host="127.0.0.1",
+                         on_message=lambda p, h: self.messages.append((p, h)),
+                         on_lost=lambda p, why: self.lost.append((p, why)),
+                         on_admitted=lambda p, info: self.admitted.append(p))
+
+
+async def until(cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def started(*ids, secret=b"s"):
+    peers = [Peer(pid, secret) for pid in ids]
+    for p in peers:
+        await p.mesh.start()
+    return peers
+
+
+async def everyone_proposes_everyone(peers):
+    for p in peers:
+        for q in peers:
+            p.mesh.propose("127.0.0.1", q.mesh.port)  # itself included: skipped
+
+
+async def test_simultaneous_dials_leave_one_link_per_pair():
+    peers = await started("a", "b", "c")
+    try:
+        await everyone_proposes_everyone(peers)
+        await until(lambda: all(len(p.mesh.peers) == 2 for p in peers))
+        await asyncio.sleep(2.5)  # past the duplicate grace: losing links are closed by now
+        assert [p.mesh.peers for p in peers] == [["b", "c"], ["a", "c"], ["a", "b"]]
+        assert all(p.lost == [] for p in peers)  # no flapping while duplicates were resolved
+        # each pair shares exactly one open link: the same connection seen from both ends
+        a, b = peers[0].mesh, peers[1].mesh
+        la, lb = a._links["b"], b._links["a"]
+        assert la._transport.get_extra_info("sockname") == lb._transport.get_extra_info("peername")
+    finally:
+        for p in peers:
+            await p.mesh.close()
+
+
+async def test_messages_are_routed_and_a_ring_runs_over_the_channels():
+    peers = await started("a", "b", "c")
+    try:
+        await everyone_proposes_everyone(peers)
+        await until(lambda: all(len(p.mesh.peers) == 2 for p in peers))
+        await peers[0].mesh.send("b", {"t": "status", "x": 1})
+        await until(lambda: peers[1].messages)
+        assert peers[1].messages == [("a", {"t": "status", "x": 1})]
+
+        view = ["a", "b", "c"]
+        data = [np.full(10_001, i + 1, np.float32) for i in range(3)]
+
+        async def ring(rank):
+            m = peers[rank].mesh
+            run = RingAllreduce(data[rank], rank=rank, size=3, send_link=m.channel(view[(rank + 1) % 3]),
+                                recv_link=m.channel(view[(rank - 1) % 3]), codec=parse_codec("int8"),
+                                op_id=7, chunk_elems=1024, timeout=5)
+            await run.run()
+
+        await asyncio.gather(*[ring(r) for r in range(3)])
+        assert all(np.array_equal(d, data[0]) for d in data)
+        assert np.allclose(data[0], 6.0, rtol=1e-2)
+        assert all(len(p.messages) <= 1 for p in peers)  # chunks never reach on_message
+    finally:
+        for p in peers:
+            await p.mesh.close()
+
+
+async def test_goodbye_and_crash_are_reported_once():
+    peers = await started("a", "b", "c")
+    try:
+        await everyone_proposes_everyone(peers)
+        await until(lambda: all(len(p.mesh.peers) == 2 for p in peers))
+        await peers[2].mesh.close()  # polite
+        await until(lambda: peers[0].lost and peers[1].lost)
+        assert peers[0].lost == [("c", "said goodbye")] and peers[0].mesh.peers == ["b"]
+        for link in list(peers[1].mesh._links.values()):  # b dies without a word
+            link._transport.abort()
+            link._close_direct()
+        await until(lambda: len(peers[0].lost) == 2)
+        assert peers[0].lost[1][0] == "b" and peers[0].mesh.peers == []
+        with pytest.raises(Exception, match="no link"):
+            await peers[0].mesh.send("b", {"t": "status"})
+    finally:
+        for p in peers:
+            await p.mesh.close()
+
+
+async def test_wrong_secret_is_never_admitted():
+    (good,) = await started("a")
+    (bad,) = await started("z", secret=b"wrong")
+    try:
+        bad.mesh.propose("127.0.0.1", good.mesh.port)
+        good.mesh.propose("127.0.0.1", bad.mesh.port)
+        await asyncio.sleep(1.0)
+        assert good.mesh.peers == [] and bad.mesh.peers == [] and good.admitted == []
+    finally:
+        await good.mesh.close()
+        await bad.mesh.close()
