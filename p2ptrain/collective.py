@@ -187,6 +187,8 @@ class RingAllreduce:
     async def _recv_all(self) -> None:
         for t in self.plan.recvs:
             frame = await self.recv_link.recv(timeout=self.timeout)
+            while isinstance(frame.header.get("op"), int) and frame.header["op"] < self.op_id:
+                frame = await self.recv_link.recv(timeout=self.timeout)  # left by an aborted earlier call
             params = self._check(frame, t)
             try:
                 await self._offload(self._absorb, t, params, frame.payload)

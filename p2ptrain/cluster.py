@@ -1,0 +1,227 @@
+"""``Cluster``: the asyncio host of the round machine. Thin: events in, actions carried out.
+
+One actor task owns the ``RoundMachine``. Everything that happens (a message from a peer, a
+tick, a peer admitted or lost by the ``Mesh``, a contribution taken, a ring finished) becomes
+an event on its queue; the actor hands it to the machine and carries out the actions it
+returns, in order:
+
+    Send / Broadcast  -> mesh.send
+    Contribute(r)     -> source.take(): this round's gradient sum and sample count
+    StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (a task)
+    Apply(r, total)   -> source.apply(summed, total)
+    PutBack(r)        -> cancel the ring if it runs; source.put_back(contribution)
+    Resync            -> state transfer is not built yet: logged as an error
+    Stall / Log       -> logging
+
+The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
+State transfer for joiners, discovery feeding ``mesh.propose``, and staleness above 0 are
+the next steps; today every peer must start from the same parameters (a founder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Protocol
+
+import numpy as np
+
+from p2ptrain import roundmsg as msg
+from p2ptrain.codecs import parse_codec
+from p2ptrain.collective import RingAllreduce
+from p2ptrain.errors import P2PTrainError, RemoteProtocolError
+from p2ptrain.membership import genesis
+from p2ptrain.mesh import Mesh
+from p2ptrain.ring import chunk_elems_for
+from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
+
+log = logging.getLogger("p2ptrain.cluster")
+TICK = 0.1
+
+
+class Contributions(Protocol):
+    """What the cluster asks of the trainer (all called on the event loop's thread)."""
+
+    def take(self) -> tuple[np.ndarray, int]: ...  # swap the accumulator out: (float32 sum, samples)
+    def apply(self, summed: np.ndarray, total_samples: int) -> None: ...
+    def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
+
+
+class Cluster:
+    """Rounds over a mesh of peers. ``async with Cluster(...) as c:``; ``c.propose(host, port)``."""
+
+    def __init__(self, *, peer_id: str, source: Contributions, checksum: bytes, cluster: str = "default",
+                 secret: bytes | None = None, host: str = "127.0.0.1", port: int = 0, compression: str = "none",
+                 config: RoundConfig | None = None, ring_timeout: float = 30.0):
+        self.peer_id = peer_id
+        self.source = source
+        self.codec = parse_codec(compression)
+        self.machine = RoundMachine(peer_id, config)
+        self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
+                         on_message=lambda p, h: self._post("message", p, h),
+                         on_lost=lambda p, why: self._post("lost", p, why),
+                         on_admitted=lambda p, info: self._post("connected", p, info))
+        self.ring_timeout = ring_timeout
+        self.applied = 0  # rounds applied here
+        self._checksum = checksum
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._taken: dict[int, tuple[np.ndarray, int]] = {}
+        self._results: dict[int, np.ndarray] = {}
+        self._rings: dict[int, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
+
+    async def __aenter__(self) -> "Cluster":
+        await self.mesh.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._actor()), loop.create_task(self._ticker())]
+        self._post("synced", SyncPoint(0, genesis(self._checksum), -1, 0))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Leave politely (the machine's goodbye, then the mesh's), then stop every task."""
+        done = asyncio.get_running_loop().create_future()
+        self._post("leave", done)
+        try:
+            await asyncio.wait_for(done, 2.0)
+        except asyncio.TimeoutError:
+            pass
+        for task in [*self._tasks, *self._rings.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._rings.values(), return_exceptions=True)
+        await self.mesh.close()
+
+    def propose(self, host: str, port: int) -> None:
+        """An address to try (from discovery or --peers)."""
+        self.mesh.propose(host, port)
+
+    @property
+    def port(self) -> int:
+        return self.mesh.port
+
+    # -- the actor ------------------------------------------------------------------------
+    def _post(self, kind: str, *args) -> None:
+        self._events.put_nowait((kind, args))
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            self._post("tick")
+
+    def check(self) -> None:
+        """Raise what stopped the cluster, if anything did (call from the owner's loop)."""
+        if self.failure is not None:
+            raise self.failure
+
+    async def _actor(self) -> None:
+        try:
+            await self._serve_events()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # latched for the owner: the cluster stops, loudly
+            self.failure = exc
+            log.error("cluster stopped: %s: %s", type(exc).__name__, exc)
+
+    async def _serve_events(self) -> None:
+        loop = asyncio.get_running_loop()
+        m = self.machine
+        while True:
+            kind, args = await self._events.get()
+            now = loop.time()
+            try:
+                if kind == "tick":
+                    actions = m.on_tick(now)
+                elif kind == "message":
+                    actions = m.on_message(args[0], args[1], now)
+                elif kind == "connected":
+                    actions = m.on_connected(args[0], now)
+                elif kind == "lost":
+                    actions = m.on_peer_lost(args[0], now)
+                elif kind == "ring_done":
+                    actions = m.on_ring_done(args[0], args[1], now, args[2])
+                elif kind == "synced":
+                    actions = m.on_synced(args[0], now)
+                elif kind == "leave":
+                    await self._carry_out(m.leave(now))
+                    args[0].set_result(None)
+                    continue
+                else:  # pragma: no cover - our own bug
+                    raise RuntimeError(f"unknown cluster event {kind}")
+            except RemoteProtocolError as exc:
+                log.warning("peer %s broke the round protocol: %s", args[0] if args else "?", exc)
+                continue
+            await self._carry_out(actions)
+
+    async def _carry_out(self, actions: list) -> None:
+        loop = asyncio.get_running_loop()
+        for action in actions:
+            if isinstance(action, msg.Send):
+                await self._send(action.to, action.msg)
+            elif isinstance(action, msg.Broadcast):
+                for peer in action.to:
+                    await self._send(peer, action.msg)
+            elif isinstance(action, msg.Contribute):
+                vector, samples = self.source.take()
+                self._taken[action.r] = (vector, samples)
+                await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
+                                                                         vector.nbytes))
+            elif isinstance(action, msg.StartRing):
+                self._rings[action.r] = loop.create_task(self._ring(action.r, action.view))
+            elif isinstance(action, msg.Apply):
+                self._apply(action.r, action.total_samples)
+            elif isinstance(action, msg.PutBack):
+                self._put_back(action.r)
+            elif isinstance(action, msg.Resync):
+                log.error("this peer must load state from %s (%s): state transfer is not built yet",
+                          action.source, action.reason)
+            elif isinstance(action, msg.Stall):
+                log.warning("round %d waits %.0f s for %s (%s)", action.r, action.seconds,
+                            ", ".join(action.waiting_for), action.phase)
+            elif isinstance(action, msg.Log):
+                log.log(logging.getLevelName(action.level.upper()), "%s", action.text)
+
+    async def _send(self, peer: str, header: dict) -> None:
+        try:
+            await self.mesh.send(peer, header)
+        except P2PTrainError as exc:  # the mesh reports the loss as its own event
+            log.debug("send to %s failed: %s", peer, exc)
+
+    # -- rounds ---------------------------------------------------------------------------
+    async def _ring(self, r: int, view: tuple[str, ...]) -> None:
+        vector, _ = self._taken[r]
+        work = vector.copy()
+        ok = True
+        try:
+            rank, n = view.index(self.peer_id), len(view)
+            if n > 1:
+                run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
+                                    recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
+                                    op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout)
+                await run.run()
+            self._results[r] = work
+        except (P2PTrainError, KeyError, ValueError) as exc:
+            log.warning("round %d: ring failed: %s", r, exc)
+            ok = False
+        checksum = hashlib.blake2b(work.tobytes(), digest_size=16).digest() if ok else None
+        self._rings.pop(r, None)
+        self._post("ring_done", r, ok, checksum)
+
+    def _apply(self, r: int, total: int) -> None:
+        summed = self._results.pop(r, None)
+        self._taken.pop(r, None)
+        if total > 0 and summed is not None:
+            self.source.apply(summed, total)
+        self.applied += 1
+
+    def _put_back(self, r: int) -> None:
+        ring = self._rings.pop(r, None)
+        if ring is not None:
+            ring.cancel()
+        self._results.pop(r, None)
+        taken = self._taken.pop(r, None)
+        if taken is not None:
+            self.source.put_back(*taken)

@@ -1,0 +1,101 @@
+"""Cluster: the round machine driven over a real mesh on loopback, with a fake trainer."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from p2ptrain.cluster import Cluster
+from p2ptrain.rounds import RoundConfig
+
+pytestmark = pytest.mark.timeout(60)
+LENGTH = 5000
+
+
+class FakeTrainer:
+    """Contributes (rank+1) per value and one sample each round; applies sums to ``params``."""
+
+    def __init__(self, rank):
+        self.rank = rank
+        self.params = np.zeros(LENGTH, np.float64)
+        self.given = 0.0
+        self.samples_given = 0
+        self.applied = []
+        self.put_backs = 0
+
+    def take(self):
+        self.given += self.rank + 1
+        self.samples_given += 1
+        return np.full(LENGTH, self.rank + 1, np.float32), 1
+
+    def apply(self, summed, total):
+        self.params += summed / total
+        self.applied.append((float(summed[0]), total))
+
+    def put_back(self, contribution, samples):  # (staleness 0: the next take re-contributes)
+        self.given -= float(contribution[0])
+        self.samples_given -= samples
+        self.put_backs += 1
+
+
+async def until(cond, timeout=20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def make(ids, config=None):
+    trainers = [FakeTrainer(i) for i in range(len(ids))]
+    clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", config=config)
+                for pid, t in zip(ids, trainers)]
+    return trainers, clusters
+
+
+async def test_three_peers_commit_the_same_rounds():
+    trainers, clusters = make(["a", "b", "c"], RoundConfig(min_peers=3))
+    for c in clusters:
+        await c.__aenter__()
+    try:
+        for c in clusters:
+            for d in clusters:
+                c.propose("127.0.0.1", d.port)
+        await until(lambda: all(len(t.applied) >= 5 for t in trainers))
+        n = min(len(t.applied) for t in trainers)
+        assert all(t.applied[:n] == trainers[0].applied[:n] for t in trainers)
+        assert trainers[0].applied[0] == (6.0, 3)  # 1 + 2 + 3, three samples
+    finally:
+        for c in clusters:
+            await c.close()
+
+
+@pytest.mark.parametrize("how", ["goodbye", "crash"])
+async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
+    trainers, clusters = make(["a", "b", "c"], RoundConfig(min_peers=2))
+    for c in clusters:
+        await c.__aenter__()
+    try:
+        for c in clusters:
+            for d in clusters:
+                c.propose("127.0.0.1", d.port)
+        await until(lambda: all(len(t.applied) >= 3 for t in trainers))
+        if how == "goodbye":
+            await clusters[2].close()
+        else:  # no goodbye: its links just go dead
+            for task in clusters[2]._tasks:
+                task.cancel()
+            for link in list(clusters[2].mesh._links.values()):
+                link._transport.abort()
+                link._close_direct()
+        before = len(trainers[0].applied)
+        await until(lambda: len(trainers[0].applied) >= before + 3)
+        assert trainers[0].applied[-1] == trainers[1].applied[-1] == (3.0, 2)  # a and b: 1 + 2, two samples
+        n = min(len(trainers[0].applied), len(trainers[1].applied))
+        assert trainers[0].applied[:n] == trainers[1].applied[:n]
+    finally:
+        for c in clusters[:2]:
+            await c.close()
+        if how == "crash":
+            await clusters[2].mesh.close()
+    for t in trainers[:2]:  # every sample given was applied or is the one still in flight
+        assert t.samples_given - len(t.applied) in (0, 1), (t.samples_given, len(t.applied), t.put_backs)
