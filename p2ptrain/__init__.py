@@ -3,6 +3,7 @@
 Public API (everything else is private by name):
 
 - ``Group``: a static group of peers and its ``allreduce`` (ring-allreduce over TCP).
+- ``AsyncPeer``: a training loop's member of a cluster (rounds, staleness 0 for now).
 - the exceptions of ``p2ptrain.errors``.
 """
 
@@ -30,9 +31,14 @@ def __getattr__(name: str):
         from p2ptrain.group import Group
 
         return Group
+    if name == "AsyncPeer":
+        from p2ptrain.peer import AsyncPeer
+
+        return AsyncPeer
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
 
 __all__ = [
+    "AsyncPeer",
     "Group",
     "__version__",
     "P2PTrainError",

@@ -43,7 +43,8 @@ TICK = 0.1
 class Contributions(Protocol):
     """What the cluster asks of the trainer (all called on the event loop's thread)."""
 
-    def take(self) -> tuple[np.ndarray, int]: ...  # swap the accumulator out: (float32 sum, samples)
+    def take(self) -> tuple[np.ndarray, int] | None: ...  # swap the accumulator out: (float32 sum, samples);
+    #                                                   None: nothing yet (then call contribution_available)
     def apply(self, summed: np.ndarray, total_samples: int) -> None: ...
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
 
@@ -67,6 +68,7 @@ class Cluster:
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
+        self._waiting_take: list[int] = []  # rounds asked for a contribution the source did not have yet
         self._results: dict[int, np.ndarray] = {}
         self._rings: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
@@ -94,6 +96,10 @@ class Cluster:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._rings.values(), return_exceptions=True)
         await self.mesh.close()
+
+    def contribution_available(self) -> None:
+        """The source has something now: rounds waiting for a contribution take it."""
+        self._post("take")
 
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
@@ -145,6 +151,9 @@ class Cluster:
                     actions = m.on_ring_done(args[0], args[1], now, args[2])
                 elif kind == "synced":
                     actions = m.on_synced(args[0], now)
+                elif kind == "take":
+                    waiting, self._waiting_take = self._waiting_take, []
+                    actions = [msg.Contribute(r) for r in waiting]
                 elif kind == "leave":
                     await self._carry_out(m.leave(now))
                     args[0].set_result(None)
@@ -165,7 +174,11 @@ class Cluster:
                 for peer in action.to:
                     await self._send(peer, action.msg)
             elif isinstance(action, msg.Contribute):
-                vector, samples = self.source.take()
+                taken = self.source.take()
+                if taken is None:  # staleness 0: the round waits for this peer's next batch
+                    self._waiting_take.append(action.r)
+                    continue
+                vector, samples = taken
                 self._taken[action.r] = (vector, samples)
                 await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
                                                                          vector.nbytes))
@@ -218,6 +231,8 @@ class Cluster:
         self.applied += 1
 
     def _put_back(self, r: int) -> None:
+        if r in self._waiting_take:
+            self._waiting_take.remove(r)
         ring = self._rings.pop(r, None)
         if ring is not None:
             ring.cancel()

@@ -56,6 +56,7 @@ from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, LOG_KEEP, MAX_REASO
                                parse)
 
 PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"  # member phases (None: idle)
+REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
 QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)
 
 # (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
@@ -164,6 +165,7 @@ class RoundMachine:
         self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
         self._nbytes, self._said_waiting, self._left = 0, False, False
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
+        self._refused_until = float("-inf")  # no proposal before this (a member just refused one)
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
 
@@ -597,6 +599,8 @@ class RoundMachine:
                 self._emit(Log("info", why))
             return
         self._said_waiting = False
+        if now < self._refused_until:
+            return
         self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
         if self._admit:
             return  # at the boundary, for a joiner catching up
@@ -668,7 +672,11 @@ class RoundMachine:
         if L is not None and _beats(m["b"], L.b):
             self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
         elif L is not None and m["r"] == L.r and L.phase == COLLECTING and s in L.view:
-            self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[s], tell=False)
+            # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
+            # forming refuses for a moment; waiting for its idle re-announce took 10 s), and
+            # the next proposal waits REFUSAL_BACKOFF so that a refusal cannot loop at once.
+            self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[s])
+            self._refused_until = now + REFUSAL_BACKOFF
 
     def _step_down(self, now: float, why: str, rival: str = "") -> None:
         if self.lead.phase in (COLLECTING, RUNNING):

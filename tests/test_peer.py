@@ -1,0 +1,68 @@
+"""AsyncPeer at staleness 0: the same mathematics as one process training on the union of
+the peers' batches. This is the proof that the update is right."""
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from p2ptrain.peer import AsyncPeer
+from p2ptrain.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)  # every peer starts from the same parameters
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batches(rank, rounds):
+    g = torch.Generator().manual_seed(100 + rank)
+    size = 4 + 3 * rank  # peers with different batch sizes count for their samples
+    return [(torch.randn(size, 8, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(rounds)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_staleness_0_equals_one_process_on_the_union(n):
+    rounds = 4
+    data = [batches(r, rounds) for r in range(n)]
+    peers = [AsyncPeer(*model_and_optimizer(), listen="127.0.0.1:0", min_peers=n, secret="s") for _ in range(n)]
+    for p in peers:
+        await p.__aenter__()
+    try:
+        for p in peers:
+            p._static = [("127.0.0.1", q.cluster.port) for q in peers]
+
+        async def train(rank):
+            peer = peers[rank]
+            for x, y in data[rank]:
+                F.cross_entropy(peer.model(x), y).backward()
+                await peer.step(batch_size=len(x))
+
+        await asyncio.gather(*[train(r) for r in range(n)])
+    finally:
+        for p in peers:
+            await p.__aexit__(None, None, None)
+
+    reference, opt = model_and_optimizer()
+    for k in range(rounds):
+        x = torch.cat([data[r][k][0] for r in range(n)])
+        y = torch.cat([data[r][k][1] for r in range(n)])
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    for p in peers:
+        assert p.version == rounds
+        for mine, ref in zip(p.model.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)  # replicas bit-identical
+
+
+def test_options_not_built_yet_are_refused_clearly():
+    model, opt = model_and_optimizer()
+    with pytest.raises(ConfigError, match="staleness must be 0"):
+        AsyncPeer(model, opt, staleness=1)
