@@ -66,3 +66,26 @@ def test_options_not_built_yet_are_refused_clearly():
     model, opt = model_and_optimizer()
     with pytest.raises(ConfigError, match="staleness must be 0"):
         AsyncPeer(model, opt, staleness=1)
+
+
+def test_async_example_trains_with_two_processes():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = 12000 + (os.getpid() * 41) % 8000 + 9000  # below the ephemeral range, apart from other tests
+    cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--steps", "30"]
+    procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{base + r}", "--peers", f"127.0.0.1:{base + 1 - r}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [e[-1000:] for _, e in outs]
+    for out, _ in outs:
+        last = out.strip().splitlines()[-1]
+        assert "rounds applied 30" in last, out

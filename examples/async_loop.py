@@ -1,0 +1,52 @@
+"""Train with p2ptrain from an asyncio program: the same command on every machine.
+
+    python examples/async_loop.py --listen 0.0.0.0:7100 --peers 10.0.0.2:7100 --min-peers 2   # on 10.0.0.1
+    python examples/async_loop.py --listen 0.0.0.0:7100 --peers 10.0.0.1:7100 --min-peers 2   # on 10.0.0.2
+
+Every peer starts from the same parameters (the same seed) and trains on its own batches;
+each ``await peer.step(...)`` returns once the round holding this batch was applied, with
+the gradient averaged over every peer's samples (staleness 0: the mathematics of DDP).
+"""
+
+import argparse
+import asyncio
+
+import torch
+import torch.nn.functional as F
+
+import p2ptrain
+
+
+async def main(args):
+    torch.manual_seed(0)  # the same starting parameters on every peer
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    data = torch.Generator().manual_seed(args.data_seed)  # but different batches on each peer
+    teacher = torch.Generator().manual_seed(1)
+    w = torch.randn(20, generator=teacher)
+
+    async with p2ptrain.AsyncPeer(model, optimizer, listen=args.listen, peers=args.peers.split(",") if args.peers else [],
+                                  min_peers=args.min_peers, compression=args.compression, secret=args.secret) as peer:
+        for step in range(args.steps):
+            x = torch.randn(32, 20, generator=data)
+            y = (x @ w > 0).long()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            await peer.step(batch_size=len(x))  # <- the only p2ptrain line in the loop
+            if step % 20 == 0 or step == args.steps - 1:
+                print(f"step {step:4d}  loss {loss.item():.4f}  rounds applied {peer.version}", flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--listen", default="0.0.0.0:7100")
+    p.add_argument("--peers", default="", help="the other peers, host:port,...")
+    p.add_argument("--min-peers", type=int, default=1)
+    p.add_argument("--compression", default="none")
+    p.add_argument("--secret", default=None)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--data-seed", type=int, default=None, help="default: a random one")
+    a = p.parse_args()
+    if a.data_seed is None:
+        a.data_seed = int(torch.randint(0, 2**31, (1,)).item())
+    asyncio.run(main(a))
