@@ -1,9 +1,10 @@
 """Cluster: the round machine driven over a real mesh on loopback, with a fake trainer."""
 
-import asyncio
 
 import numpy as np
 import pytest
+
+from helpers import until
 
 from p2ptrain.cluster import Cluster
 from p2ptrain.rounds import RoundConfig
@@ -38,11 +39,6 @@ class FakeTrainer:
         self.put_backs += 1
 
 
-async def until(cond, timeout=20.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def make(ids, config=None):
@@ -52,15 +48,21 @@ def make(ids, config=None):
     return trainers, clusters
 
 
-async def test_three_peers_commit_the_same_rounds():
-    trainers, clusters = make(["a", "b", "c"], RoundConfig(min_peers=3))
+async def linked(ids, config):
+    """Started clusters that were each told every address (their own too: skipped)."""
+    trainers, clusters = make(ids, config)
     for c in clusters:
         await c.__aenter__()
+    for c in clusters:
+        for d in clusters:
+            c.propose("127.0.0.1", d.port)
+    return trainers, clusters
+
+
+async def test_three_peers_commit_the_same_rounds():
+    trainers, clusters = await linked(["a", "b", "c"], RoundConfig(min_peers=3))
     try:
-        for c in clusters:
-            for d in clusters:
-                c.propose("127.0.0.1", d.port)
-        await until(lambda: all(len(t.applied) >= 5 for t in trainers))
+        await until(lambda: all(len(t.applied) >= 5 for t in trainers), timeout=20)
         n = min(len(t.applied) for t in trainers)
         assert all(t.applied[:n] == trainers[0].applied[:n] for t in trainers)
         assert trainers[0].applied[0] == (6.0, 3)  # 1 + 2 + 3, three samples
@@ -71,14 +73,9 @@ async def test_three_peers_commit_the_same_rounds():
 
 @pytest.mark.parametrize("how", ["goodbye", "crash"])
 async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
-    trainers, clusters = make(["a", "b", "c"], RoundConfig(min_peers=2))
-    for c in clusters:
-        await c.__aenter__()
+    trainers, clusters = await linked(["a", "b", "c"], RoundConfig(min_peers=2))
     try:
-        for c in clusters:
-            for d in clusters:
-                c.propose("127.0.0.1", d.port)
-        await until(lambda: all(len(t.applied) >= 3 for t in trainers))
+        await until(lambda: all(len(t.applied) >= 3 for t in trainers), timeout=20)
         if how == "goodbye":
             await clusters[2].close()
         else:  # no goodbye: its links just go dead
@@ -88,7 +85,7 @@ async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
                 link._transport.abort()
                 link._close_direct()
         before = len(trainers[0].applied)
-        await until(lambda: len(trainers[0].applied) >= before + 3)
+        await until(lambda: len(trainers[0].applied) >= before + 3, timeout=20)
         assert trainers[0].applied[-1] == trainers[1].applied[-1] == (3.0, 2)  # a and b: 1 + 2, two samples
         n = min(len(trainers[0].applied), len(trainers[1].applied))
         assert trainers[0].applied[:n] == trainers[1].applied[:n]

@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import finish
 import torch
 
 from p2ptrain import ConfigError, Group, GroupError
@@ -229,13 +230,7 @@ def test_separate_processes(n, codec, loop, tmp_path):
     script.write_text(WORKER)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), ",".join(peers), codec, loop],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = finish(procs, timeout=60)
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert all(r == results[0] for r in results)  # bit-identical on every peer

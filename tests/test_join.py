@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import finish
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,14 +24,6 @@ def join(*args, timeout=150):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(procs, timeout=150):
-    try:
-        return [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def records(path):

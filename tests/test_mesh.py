@@ -5,6 +5,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from helpers import until
+
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import RingAllreduce
 from p2ptrain.mesh import Mesh
@@ -21,11 +23,6 @@ class Peer:
                          on_admitted=lambda p, info: self.admitted.append(p))
 
 
-async def until(cond, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def started(*ids, secret=b"s"):

@@ -4,6 +4,7 @@ the peers' batches. This is the proof that the update is right."""
 import asyncio
 
 import pytest
+from helpers import finish
 import torch
 import torch.nn.functional as F
 
@@ -78,13 +79,7 @@ def test_async_example_trains_with_two_processes():
     cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--steps", "30"]
     procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{base + r}", "--peers", f"127.0.0.1:{base + 1 - r}"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=50) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = finish(procs, timeout=50)
     assert [p.returncode for p in procs] == [0, 0], [e[-1000:] for _, e in outs]
     for out, _ in outs:
         last = out.strip().splitlines()[-1]
