@@ -1,7 +1,7 @@
 """Train with p2ptrain from an asyncio program: the same command on every machine.
 
-    python examples/async_loop.py --listen 0.0.0.0:7100 --peers 10.0.0.2:7100 --min-peers 2   # on 10.0.0.1
-    python examples/async_loop.py --listen 0.0.0.0:7100 --peers 10.0.0.1:7100 --min-peers 2   # on 10.0.0.2
+    python examples/async_loop.py --min-peers 2     # on each machine of the LAN: they find each other
+    python examples/async_loop.py --min-peers 2 --peers 10.0.0.2:7100   # where multicast is blocked
 
 Every peer starts from the same parameters (the same seed) and trains on its own batches;
 each ``await peer.step(...)`` returns once the round holding this batch was applied, with
@@ -26,7 +26,8 @@ async def main(args):
     w = torch.randn(20, generator=teacher)
 
     async with p2ptrain.AsyncPeer(model, optimizer, listen=args.listen, peers=args.peers.split(",") if args.peers else [],
-                                  min_peers=args.min_peers, compression=args.compression, secret=args.secret) as peer:
+                                  discovery=args.discovery, min_peers=args.min_peers, compression=args.compression,
+                                  secret=args.secret) as peer:
         for step in range(args.steps):
             x = torch.randn(32, 20, generator=data)
             y = (x @ w > 0).long()
@@ -42,6 +43,7 @@ if __name__ == "__main__":
     p.add_argument("--listen", default="0.0.0.0:7100")
     p.add_argument("--peers", default="", help="the other peers, host:port,...")
     p.add_argument("--min-peers", type=int, default=1)
+    p.add_argument("--no-discovery", dest="discovery", action="store_false", help="use --peers only")
     p.add_argument("--compression", default="none")
     p.add_argument("--secret", default=None)
     p.add_argument("--steps", type=int, default=100)

@@ -12,7 +12,9 @@ holds it was applied: every member then set its gradients to ``sum(G_i) / sum(n_
 its own optimizer step on the same values. An aborted round puts the contribution back and
 the next round carries it, so no sample is lost.
 
-Today every peer must start from the same parameters (same seed): joining a running
+Peers find each other by discovery (UDP beacons on the LAN) and through ``peers``; with
+``discovery=False`` only ``peers`` is used. Today every peer must start from the same
+parameters (same seed): joining a running
 cluster needs the state transfer that is not built yet (such a peer is refused with a log
 line). Asynchronous rounds (``staleness >= 1``) come with it.
 """
@@ -29,7 +31,8 @@ import torch
 
 from p2ptrain import auth
 from p2ptrain.cluster import Cluster
-from p2ptrain.discovery import parse_host_port
+from p2ptrain.device import device_kind
+from p2ptrain.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.rounds import RoundConfig
@@ -51,8 +54,9 @@ class AsyncPeer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
-                 compression: str = "none", staleness: int = 0, min_peers: int = 1,
-                 clip_grad_norm: float | None = None, step_timeout: float = 300.0):
+                 discovery: bool = True, interface: str | None = None, compression: str = "none",
+                 staleness: int = 0, min_peers: int = 1, clip_grad_norm: float | None = None,
+                 step_timeout: float = 300.0):
         if staleness != 0:
             raise ConfigError("staleness must be 0 for now (asynchronous rounds are not built yet)")
         if min_peers < 1:
@@ -66,7 +70,12 @@ class AsyncPeer:
         self.clip_grad_norm = clip_grad_norm
         self.step_timeout = step_timeout
         self.version = 0  # rounds applied here
-        self._static = [parse_host_port(p) for p in peers]
+        self._peers = [p.strip() for p in peers if p.strip()]
+        for p in self._peers:
+            parse_host_port(p)
+        self._cluster_name, self._secret = cluster, auth.secret_from(secret)
+        self._discovery_on, self._interface = discovery, interface
+        self.discovery: Discovery | None = None
         host, port = _listen_address(listen)
         numel = sum(p.numel() for p in self.params)
         self._acc = torch.zeros(numel, dtype=torch.float32, device=self.device)
@@ -75,13 +84,22 @@ class AsyncPeer:
         self._changed = asyncio.Event()
         checksum = hashlib.blake2b(param_checksum(model).encode(), digest_size=16).digest()
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=checksum, cluster=cluster,
-                               secret=auth.secret_from(secret), host=host, port=port, compression=compression,
+                               secret=self._secret, host=host, port=port, compression=compression,
                                config=RoundConfig(min_peers=min_peers))
         self._proposer: asyncio.Task | None = None
 
     async def __aenter__(self) -> "AsyncPeer":
         await self.cluster.__aenter__()
-        self._proposer = asyncio.get_running_loop().create_task(self._propose_static())
+        # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
+        self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,
+                                   device=device_kind(self.device), static_peers=self._peers,
+                                   interface=self._interface, enabled=self._discovery_on)
+        try:
+            await self.discovery.__aenter__()
+        except BaseException:
+            await self.cluster.close()
+            raise
+        self._proposer = asyncio.get_running_loop().create_task(self._propose())
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -89,13 +107,15 @@ class AsyncPeer:
             self._proposer.cancel()
             await asyncio.gather(self._proposer, return_exceptions=True)
         await self.cluster.close()
+        if self.discovery is not None:
+            await self.discovery.__aexit__(None, None, None)
 
-    async def _propose_static(self) -> None:
-        """Keep offering the static peers to the mesh (it skips those linked or dialing)."""
+    async def _propose(self) -> None:
+        """Keep offering every address heard or given to the mesh (it skips those linked)."""
         while True:
-            for host, port in self._static:
+            for host, port in self.discovery.addresses():
                 self.cluster.propose(host, port)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
 
     # -- the training loop's side -----------------------------------------------------------
     async def step(self, batch_size: int) -> None:

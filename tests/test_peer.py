@@ -2,11 +2,13 @@
 the peers' batches. This is the proof that the update is right."""
 
 import asyncio
+import subprocess
 
 import pytest
-from helpers import finish
 import torch
 import torch.nn.functional as F
+from helpers import finish
+from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
 from p2ptrain.peer import AsyncPeer
 from p2ptrain.errors import ConfigError
@@ -30,12 +32,13 @@ def batches(rank, rounds):
 async def test_staleness_0_equals_one_process_on_the_union(n):
     rounds = 4
     data = [batches(r, rounds) for r in range(n)]
-    peers = [AsyncPeer(*model_and_optimizer(), listen="127.0.0.1:0", min_peers=n, secret="s") for _ in range(n)]
+    peers = [AsyncPeer(*model_and_optimizer(), listen="127.0.0.1:0", min_peers=n, secret="s", discovery=False)
+             for _ in range(n)]
     for p in peers:
         await p.__aenter__()
     try:
-        for p in peers:
-            p._static = [("127.0.0.1", q.cluster.port) for q in peers]
+        for p in peers:  # the ports are known only now: tell each the others' addresses
+            p.discovery.static_addresses = [("127.0.0.1", q.cluster.port) for q in peers]
 
         async def train(rank):
             peer = peers[rank]
@@ -71,12 +74,12 @@ def test_options_not_built_yet_are_refused_clearly():
 
 def test_async_example_trains_with_two_processes():
     import os
-    import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = 12000 + (os.getpid() * 41) % 8000 + 9000  # below the ephemeral range, apart from other tests
-    cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--steps", "30"]
+    cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--steps", "30",
+           "--no-discovery"]
     procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{base + r}", "--peers", f"127.0.0.1:{base + 1 - r}"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = finish(procs, timeout=50)
@@ -84,3 +87,21 @@ def test_async_example_trains_with_two_processes():
     for out, _ in outs:
         last = out.strip().splitlines()[-1]
         assert "rounds applied 30" in last, out
+
+
+
+@requires_netns
+def test_peers_on_three_hosts_find_each_other_by_discovery_alone(make_lan):
+    import os
+    import sys
+
+    lan = make_lan(3, ["1gbit"] * 3)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--listen", "0.0.0.0:7100",
+           "--min-peers", "3", "--steps", "20", "--secret", "lab-secret"]  # no --peers: beacons only
+    env = dict(os.environ, PYTHONPATH=repo)
+    procs = [lan.popen(i, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = finish(procs, timeout=60)
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for _, e in outs]
+    for out, _ in outs:
+        assert "rounds applied 20" in out.strip().splitlines()[-1], out
