@@ -205,6 +205,14 @@ class Net:
     def live(self):
         return [p for p in sorted(self.m) if p not in self.crashed and not self.m[p]._left]
 
+    def hold_a_round(self, peers):
+        """Stop driving contributions by itself, then let one round get in flight with ``peers``."""
+        self.auto = False
+        self.tick()
+        for p in peers:
+            self.contribute(p)
+        self.settle()
+
     def settle(self, limit=10_000):
         """Deliver everything (links in a fixed order) and let the host answer, until quiet."""
         for _ in range(limit):
@@ -467,11 +475,7 @@ def test_member_dies_mid_round_abort_put_back_then_continue_without_it():
 
 def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
     net = cluster("abc", run=0.3)
-    net.auto = False
-    net.tick()
-    for p in "abc":
-        net.contribute(p)
-    net.settle()
+    net.hold_a_round("abc")
     r = net.m["a"].lead.r
     net.crash("c")
     net.handle("a", net.m["a"].on_peer_lost("c", net.now))
@@ -600,11 +604,7 @@ def test_two_coordinators_both_propose_round_r_exactly_one_commits():
 
 def test_joiner_enters_at_a_boundary_after_synced_and_then_leads():
     net = cluster("bcd", run=0.5)
-    net.auto = False
-    net.tick()
-    for p in "bcd":
-        net.contribute(p)
-    net.settle()  # round in flight
+    net.hold_a_round("bcd")  # round in flight
     net.add("a")  # smaller id than everyone
     net.settle()
     net.sync_from("a", "b")
@@ -707,11 +707,7 @@ def test_stall_logging_names_the_waited_for_peers():
 
 def test_late_contribution_is_put_back():
     net = cluster("abc", run=0.3)
-    net.auto = False
-    net.tick()
-    for p in "ab":
-        net.contribute(p)
-    net.settle()
+    net.hold_a_round("ab")
     net.run(6.0)  # aborted while c was computing
     net.contribute("c")
     assert net.of("c", PutBack)[-1].r == net.of("c", Contribute)[-1].r
