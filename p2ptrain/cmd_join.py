@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", default=_env("secret_file"), help="read the shared secret from this file")
     p.add_argument("--compression", default=_env("compression", "none"),
                    help="none, fp16, bf16, int8, topk:RATIO, optionally +zstd[:LEVEL] or +nozstd (default none)")
-    p.add_argument("--max-rounds", type=int, default=_env("max_rounds"), help="stop after this many rounds")
+    p.add_argument("--max-rounds", type=int, default=_env("max_rounds"), help="stop after this many rounds (default 300 when --duration is not given)")
     p.add_argument("--duration", type=float, default=_env("duration"), help="stop after this many seconds")
     p.add_argument("--metrics", default=_env("metrics"), help="write one JSON object per round to this file")
     p.add_argument("--eval-every", type=int, default=_env("eval_every", "100"),
