@@ -98,7 +98,6 @@ class Handshake:
         self._their_nonce = b""
         self._verified = False
         self._welcomed = False
-        self._started = False
 
     @property
     def done(self) -> bool:
@@ -111,7 +110,6 @@ class Handshake:
         return self._their
 
     def start(self) -> list[dict]:
-        self._started = True
         return [{"t": wire.HELLO, "v": wire.PROTOCOL_VERSION, "cluster": self.cluster, "id": self.peer_id,
                  "nonce": self._nonce, "auth": self._key is not None, "info": self._info}]
 

@@ -66,9 +66,8 @@ class _DirectSender:
         self._sock.setblocking(False)
         self._loop = asyncio.get_running_loop()
 
-    async def send(self, buffers: list, timeout: float | None, name: str) -> int:
+    async def send(self, buffers: list, timeout: float | None, name: str) -> None:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-        total = sum(v.nbytes for v in views)
         while views:
             try:
                 sent = self._sock.sendmsg(views[:_IOV_MAX])
@@ -84,7 +83,6 @@ class _DirectSender:
                     sent = 0
             if views:
                 await self._writable(timeout, name)
-        return total
 
     async def _writable(self, timeout: float | None, name: str) -> None:
         fut = self._loop.create_future()
@@ -142,7 +140,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.link._on_bytes(nbytes)
 
     def eof_received(self):
-        self.link._on_lost(None, eof=True)
+        self.link._on_lost(None)
         return False
 
     def connection_lost(self, exc):
@@ -174,21 +172,15 @@ class Link:
         self._can_write.set()
         self._reading_paused = False
         self._error: BaseException | None = None
-        self._closed = asyncio.get_running_loop().create_future()
         self._direct: _DirectSender | None = None
         self._discarding = False  # after a protocol error: swallow input until we close
         self._discard = memoryview(bytearray(1 << 16))
         self._send_lock = asyncio.Lock()
-        self.bytes_sent = 0
 
     # -- configuration --------------------------------------------------------------------
     def set_allocator(self, allocate: wire.Allocator) -> None:
         """Where payloads of the following frames are received (see ``wire.Allocator``)."""
         self._decoder.allocate = allocate
-
-    @property
-    def bytes_received(self) -> int:
-        return self._decoder.bytes_received
 
     @property
     def remote(self) -> str:
@@ -206,7 +198,7 @@ class Link:
         async with self._send_lock:
             self._raise_if_failed()
             if self._direct is not None:
-                self.bytes_sent += await self._direct.send(wire.encode_frame(header, payload), timeout, self.name)
+                await self._direct.send(wire.encode_frame(header, payload), timeout, self.name)
                 return
             await self._send_via_transport(header, payload, timeout)
 
@@ -216,7 +208,6 @@ class Link:
             for off in range(0, view.nbytes, SEND_PIECE):
                 await self._writable(timeout)
                 self._transport.write(view[off : off + SEND_PIECE])
-                self.bytes_sent += min(SEND_PIECE, view.nbytes - off)
         await self._writable(timeout)
 
     async def _writable(self, timeout: float | None) -> None:
@@ -270,13 +261,6 @@ class Link:
             t.resume_reading()
         asyncio.get_running_loop().call_later(linger, t.close)
 
-    async def wait_closed(self, timeout: float = 5.0) -> None:
-        try:
-            await asyncio.wait_for(asyncio.shield(self._closed), timeout)
-        except asyncio.TimeoutError:
-            if self._transport is not None:
-                self._transport.abort()
-
     # -- protocol callbacks ---------------------------------------------------------------
     def _attach(self, transport: asyncio.Transport) -> None:
         self._transport = transport
@@ -305,14 +289,12 @@ class Link:
                 self._reading_paused = True
                 self._transport.pause_reading()
 
-    def _on_lost(self, exc: BaseException | None, eof: bool = False) -> None:
+    def _on_lost(self, exc: BaseException | None) -> None:
         self._close_direct()
         if self._error is None:
             where = "" if self._decoder.idle else " in the middle of a frame"
             why = f": {exc}" if exc else ""
             self._fail(LinkError(f"{self.name}: connection closed by peer{where}{why}"))
-        if not eof and not self._closed.done():
-            self._closed.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:

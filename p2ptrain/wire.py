@@ -119,7 +119,6 @@ class FrameDecoder:
         self._payload_have = 0
         self._frames: list[Frame] = []
         self._dead = False
-        self.bytes_received = 0
 
     # -- BufferedProtocol side ------------------------------------------------------------
     def get_buffer(self) -> memoryview:
@@ -134,7 +133,6 @@ class FrameDecoder:
 
     def buffer_updated(self, nbytes: int) -> None:
         """Account for ``nbytes`` written into the last ``get_buffer()``; parse what is complete."""
-        self.bytes_received += nbytes
         try:
             if self._payload is not None:
                 self._payload_have += nbytes
