@@ -6,7 +6,8 @@ which routes what arrives:
 
 - ring chunks (``wire.CHUNK``) to that peer's ``ChunkChannel``, which the collective reads
   like a link (``recv``/``send``/``set_allocator``), so a ring runs over mesh links unchanged;
-- everything else (round messages, goodbyes) to ``on_message(peer_id, header)``.
+- the link's own farewell (``wire.BYE``, sent by ``close``) ends the link;
+- everything else (round messages, the round machine's GOODBYE too) to ``on_message(peer_id, header)``.
 
 Two peers that dial each other at once end up with two links; both keep the one dialed by
 the smaller peer id and close the other, so they agree without talking. A link that fails
@@ -107,7 +108,7 @@ class Mesh:
         self._closed = True
         for link in list(self._links.values()):
             try:
-                await link.send({"t": "goodbye"}, timeout=1.0)
+                await link.send({"t": wire.BYE}, timeout=1.0)
             except P2PTrainError:
                 pass
         tasks = [*self._dialing.values(), *self._readers.values(), *self._lingering]
@@ -211,7 +212,7 @@ class Mesh:
                     if pid in self._channels:
                         self._channels[pid]._put(frame)
                     continue
-                if frame.type == "goodbye":
+                if frame.type == wire.BYE:  # the link's own farewell (round GOODBYEs pass on)
                     why = "said goodbye"
                     return
                 result = self._on_message(pid, frame.header)
