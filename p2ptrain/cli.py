@@ -14,7 +14,7 @@ import importlib
 import logging
 import sys
 
-from p2ptrain import __version__
+from p2ptrain import __version__, auth
 from p2ptrain.errors import ConfigError, P2PTrainError
 
 EXIT_OK = 0
@@ -22,6 +22,20 @@ EXIT_USAGE = 2
 EXIT_CLUSTER = 3
 
 COMMANDS = ("join", "peers")
+
+
+def secret_option(secret: str | None, secret_file: str | None) -> bytes | None:
+    """The shared secret of ``--secret`` / ``--secret-file`` (else $P2PTRAIN_SECRET); an empty
+    one is an error, never a silently open cluster."""
+    if secret is not None and secret_file:
+        raise ConfigError("give --secret or --secret-file, not both")
+    if secret_file:
+        try:
+            with open(secret_file, "rb") as f:
+                return auth.secret_from(f.read().rstrip(b"\r\n"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read --secret-file {secret_file!r}: {exc.strerror}") from None
+    return auth.secret_from(secret)
 
 
 def build_parser() -> argparse.ArgumentParser:

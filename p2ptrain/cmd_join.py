@@ -23,6 +23,7 @@ import logging
 import os
 import time
 
+from p2ptrain.cli import secret_option
 from p2ptrain.errors import ConfigError
 
 HELP = "train a model with the peers of a fixed group (the default task with no options)"
@@ -78,20 +79,9 @@ def run(args: argparse.Namespace) -> int:
     for entry in (args.peers or "").split(","):
         if entry.strip():
             parse_host_port(entry)
+    secret = secret_option(args.secret, args.secret_file)
     install_uvloop()
-    return asyncio.run(_Join(args).run())
-
-
-def _read_secret(args) -> str | None:
-    if args.secret and args.secret_file:
-        raise ConfigError("give --secret or --secret-file, not both")
-    if args.secret_file:
-        try:
-            with open(args.secret_file, encoding="utf-8") as f:
-                return f.read().strip() or None
-        except OSError as exc:
-            raise ConfigError(f"--secret-file {args.secret_file}: {exc.strerror}") from None
-    return args.secret
+    return asyncio.run(_Join(args, secret).run())
 
 
 def _local_hosts() -> set[str]:
@@ -135,8 +125,9 @@ def _own_entry(peers: list[str], host: str | None, port: int) -> str:
 class _Join:
     """The command's state: task, device, group, counters. ``run`` returns the exit code."""
 
-    def __init__(self, args):
+    def __init__(self, args, secret: bytes | None):
         self.args = args
+        self.secret = secret
         self.rounds = 0
         self.samples = 0
         self.wire = 0
@@ -163,7 +154,7 @@ class _Join:
         _share_cores(peers)
         log.info("task %s (%s), %d parameters, on %s; group of %d, compression %s",
                  task.name, task.info, task.num_parameters(), device_kind(device), len(peers), a.compression)
-        async with Group(listen=own, peers=peers, secret=_read_secret(a), cluster=a.cluster,
+        async with Group(listen=own, peers=peers, secret=self.secret, cluster=a.cluster,
                          compression=a.compression, connect_timeout=a.connect_timeout) as group:
             params = [p for p in model.parameters() if p.requires_grad]
             # Everyone starts from rank 0's parameters: the others add zeros, bit for bit.

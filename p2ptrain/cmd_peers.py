@@ -11,8 +11,9 @@ import argparse
 import asyncio
 import logging
 
-from p2ptrain import auth, wire
+from p2ptrain import wire
 from p2ptrain.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT, Discovery, likely_causes
+from p2ptrain.cli import secret_option
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import new_peer_id
 
@@ -31,18 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", default=DEFAULT_GROUP, help=f"discovery multicast group (default: {DEFAULT_GROUP})")
     p.add_argument("--discovery-port", type=int, default=DEFAULT_UDP_PORT,
                    help=f"discovery UDP port (default: {DEFAULT_UDP_PORT})")
-
-
-def _secret(args: argparse.Namespace) -> bytes | None:
-    if args.secret is not None and args.secret_file:
-        raise ConfigError("give --secret or --secret-file, not both")
-    if args.secret_file:
-        try:
-            with open(args.secret_file, "rb") as f:
-                return auth.secret_from(f.read().rstrip(b"\r\n"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read --secret-file {args.secret_file!r}: {exc.strerror}") from None
-    return auth.secret_from(args.secret)
 
 
 def format_table(rows: list[tuple]) -> list[str]:
@@ -98,5 +87,5 @@ async def _listen(args: argparse.Namespace, secret: bytes | None) -> int:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.seconds <= MAX_SECONDS:
         raise ConfigError(f"--seconds must be in (0, {MAX_SECONDS:g}], got {args.seconds:g}")
-    secret = _secret(args)
+    secret = secret_option(args.secret, args.secret_file)
     return asyncio.run(_listen(args, secret))

@@ -216,7 +216,7 @@ async def test_peers_command_on_loopback(lo_port, tmp_path, capsys):
     async with on_lo("lab", "peer-a", 7000, lo_port, secret=b"s3cret", device="mps",
                      state_fn=lambda: (3, "training")), \
             on_lo("lab", "peer-w", 7001, lo_port, secret=b"wrong"):
-        assert await cmd_peers._listen(args, cmd_peers._secret(args)) == 0
+        assert await cmd_peers._listen(args, cmd_peers.secret_option(args.secret, args.secret_file)) == 0
     out = capsys.readouterr().out
     assert "ID" in out and "peer-w" not in out
     (row,) = [line for line in out.splitlines() if "peer-a" in line]

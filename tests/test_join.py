@@ -83,3 +83,11 @@ def test_missing_peer_exits_3_naming_it():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 3
     assert f"127.0.0.1:{b}" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_an_empty_secret_file_is_refused_not_an_open_cluster(tmp_path):
+    empty = tmp_path / "secret"
+    empty.write_text("\n")
+    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--secret-file", str(empty), "--max-rounds", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "secret is empty" in p.stderr
