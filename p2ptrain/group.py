@@ -31,6 +31,7 @@ from p2ptrain import auth, transport
 from p2ptrain.codecs import parse_codec
 from p2ptrain.discovery import parse_host_port
 from p2ptrain.collective import AllreduceStats, RingAllreduce
+from p2ptrain.device import HostStaging
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
@@ -234,22 +235,13 @@ class Group:
 def _host_buffer(items: list[torch.Tensor]):
     """A flat float32 host array holding ``items`` and a function that writes it back.
 
-    One contiguous float32 CPU tensor is reduced in its own memory (no copy)."""
+    One contiguous float32 CPU tensor is reduced in its own memory (no copy). Otherwise the
+    tensors are staged through ``HostStaging`` (pinned, asynchronous copies for CUDA tensors;
+    tensors on several devices are copied one by one, synchronously)."""
     if len(items) == 1:
         t = items[0]
         if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
             return t.detach().view(-1).numpy(), lambda: None
-    sizes = [t.numel() for t in items]
-    work = np.empty(sum(sizes), np.float32)
-    host = torch.from_numpy(work)
-    offsets = np.cumsum([0, *sizes])
-    with torch.no_grad():
-        for t, a, b in zip(items, offsets[:-1], offsets[1:]):
-            host[a:b].copy_(t.detach().reshape(-1))
-
-    def copy_back():
-        with torch.no_grad():
-            for t, a, b in zip(items, offsets[:-1], offsets[1:]):
-                t.copy_(host[a:b].view(t.shape))
-
-    return work, copy_back
+    devices = {t.device for t in items}
+    staging = HostStaging(sum(t.numel() for t in items), devices.pop() if len(devices) == 1 else "cpu")
+    return staging.to_host(items), lambda: staging.from_host(items)
