@@ -773,6 +773,16 @@ def heal_all(net, seconds=40.0):
     raise AssertionError(f"no convergence: {[(p, m.synced, m.version) for p, m in net.m.items()]}")
 
 
+def heals_and_keeps_committing(net):
+    """Faults over: heal every link, then rounds commit again, safely, and nothing is lost."""
+    heal_all(net)
+    before = len(net.applied("a"))
+    net.run(1.0)
+    assert len(net.applied("a")) >= before + 5
+    net.check_safety()
+    net.check_nothing_lost()
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(STEPS)
 def test_random_interleavings_same_outcomes_and_liveness(steps):
@@ -782,13 +792,8 @@ def test_random_interleavings_same_outcomes_and_liveness(steps):
     net.found()
     drive(net, steps, faults=False)
     net.check_same_outcomes()
-    heal_all(net)
-    before = len(net.applied("a"))
-    net.run(1.0)
-    assert len(net.applied("a")) >= before + 5
-    net.check_safety()
+    heals_and_keeps_committing(net)
     net.check_same_outcomes()
-    net.check_nothing_lost()
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -799,9 +804,4 @@ def test_random_cuts_never_apply_different_rounds_and_heal(steps):
     net = Net("abc", auto=False, min_peers=2)
     net.found()
     drive(net, steps, faults=True)
-    heal_all(net)
-    before = len(net.applied("a"))
-    net.run(1.0)
-    assert len(net.applied("a")) >= before + 5
-    net.check_safety()
-    net.check_nothing_lost()
+    heals_and_keeps_committing(net)
