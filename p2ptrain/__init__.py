@@ -10,9 +10,11 @@ Public API (everything else is private by name):
 from __future__ import annotations
 
 from p2ptrain.errors import (
+    CheckpointError,
     ClosedError,
     CodecError,
     ConfigError,
+    FingerprintError,
     FrameError,
     GroupError,
     HandshakeError,
@@ -49,5 +51,7 @@ __all__ = [
     "HandshakeError",
     "LinkError",
     "GroupError",
+    "FingerprintError",
+    "CheckpointError",
     "ClosedError",
 ]

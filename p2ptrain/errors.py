@@ -8,6 +8,8 @@
     │   └── HandshakeError     a peer not admitted (cluster, version, secret), or one that refused us
     ├── LinkError              a connection that failed, closed or timed out
     ├── GroupError             a group that cannot form, or a collective that cannot complete
+    ├── FingerprintError       this model is not the cluster's (names the first difference)
+    ├── CheckpointError        a checkpoint file that cannot be written or read
     └── ClosedError            an object used after it was closed
 
 Messages are one line and say what to do. Nothing internal is ever echoed to a peer:
@@ -51,6 +53,14 @@ class LinkError(P2PTrainError):
 
 class GroupError(P2PTrainError):
     """A group could not form (names who is missing) or a collective could not complete."""
+
+
+class FingerprintError(P2PTrainError):
+    """This peer's model (parameter names, shapes, dtypes) differs from the cluster's."""
+
+
+class CheckpointError(P2PTrainError):
+    """A checkpoint that cannot be written, or a file that is not a readable checkpoint."""
 
 
 class ClosedError(P2PTrainError):
