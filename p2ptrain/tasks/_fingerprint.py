@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Sequence
 
 import torch
+
+from p2ptrain.snapshot import tensors_checksum
 
 Fingerprint = list[tuple[str, tuple[int, ...], str]]
 
@@ -73,10 +74,4 @@ def param_checksum(model: torch.nn.Module) -> str:
 
     Equal exactly when the replicas are bit-identical (-0.0 and 0.0 differ, as do NaN
     payloads). Copies each parameter to the host: costs about a second per GB."""
-    digest = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-            raw = p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            digest.update(raw.numpy().data)
-    return digest.hexdigest()
+    return tensors_checksum(model.named_parameters())
