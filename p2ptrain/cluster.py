@@ -10,12 +10,17 @@ returns, in order:
     StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (a task)
     Apply(r, total)   -> source.apply(summed, total)
     PutBack(r)        -> cancel the ring if it runs; source.put_back(contribution)
-    Resync            -> state transfer is not built yet: logged as an error
+    Resync(source)    -> fetch a snapshot from it (``statesync``), ``source.restore`` it, then
+                         ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
 
 The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
-State transfer for joiners, discovery feeding ``mesh.propose``, and staleness above 0 are
-the next steps; today every peer must start from the same parameters (a founder).
+Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
+meeting a cluster that is ahead, or a bigger side after a split, makes the machine ask for a
+``Resync``. Snapshots are served by the actor itself, between events, so the parameters it
+captures are exactly those of the machine's ``sync_point()``. A peer whose handshake carries
+another model digest is never handed to the machine: both sides log the first difference, and
+a peer that has trained nothing yet stops with ``FingerprintError``.
 """
 
 from __future__ import annotations
@@ -30,14 +35,17 @@ import numpy as np
 from p2ptrain import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import RingAllreduce
-from p2ptrain.errors import P2PTrainError, RemoteProtocolError
+from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
 from p2ptrain.membership import genesis
 from p2ptrain.mesh import Mesh
 from p2ptrain.ring import chunk_elems_for
 from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.statesync import StateTransfer
 
 log = logging.getLogger("p2ptrain.cluster")
 TICK = 0.1
+RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
+SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
 
 
 class Contributions(Protocol):
@@ -47,6 +55,8 @@ class Contributions(Protocol):
     #                                                   None: nothing yet (then call contribution_available)
     def apply(self, summed: np.ndarray, total_samples: int) -> None: ...
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
+    def snapshot(self) -> dict | None: ...  # {"model": {name: tensor}, ...} as of the last apply(); None: not now
+    def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
 
 
 class Cluster:
@@ -54,15 +64,22 @@ class Cluster:
 
     def __init__(self, *, peer_id: str, source: Contributions, checksum: bytes, cluster: str = "default",
                  secret: bytes | None = None, host: str = "127.0.0.1", port: int = 0, compression: str = "none",
-                 config: RoundConfig | None = None, ring_timeout: float = 30.0):
+                 config: RoundConfig | None = None, ring_timeout: float = 30.0, fingerprint: list | None = None,
+                 start: SyncPoint | None = None):
         self.peer_id = peer_id
         self.source = source
         self.codec = parse_codec(compression)
         self.machine = RoundMachine(peer_id, config)
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
-                         on_message=lambda p, h: self._post("message", p, h),
-                         on_lost=lambda p, why: self._post("lost", p, why),
-                         on_admitted=lambda p, info: self._post("connected", p, info))
+                         on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
+                         on_admitted=self._on_admitted, on_state=lambda p, f: self.transfer.on_frame(p, f))
+        self.transfer = StateTransfer(self.mesh, fingerprint or [], on_ask=lambda p, i: self._post("ask", p, i, 0.0),
+                                      on_foreign=lambda p, diff: self._post("foreign", p, diff))
+        if fingerprint is not None:
+            self.mesh.info["model"] = self.transfer.digest
+        self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
+        self._foreign: set[str] = set()  # peers of another model: never handed to the machine
+        self._fetcher: asyncio.Task | None = None
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
         self._checksum = checksum
@@ -78,7 +95,7 @@ class Cluster:
         await self.mesh.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._actor()), loop.create_task(self._ticker())]
-        self._post("synced", SyncPoint(0, genesis(self._checksum), -1, 0))
+        self._post("synced", self._start)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -92,9 +109,11 @@ class Cluster:
             await asyncio.wait_for(done, 2.0)
         except asyncio.TimeoutError:
             pass
-        for task in [*self._tasks, *self._rings.values()]:
+        fetcher = [self._fetcher] if self._fetcher else []
+        for task in [*self._tasks, *self._rings.values(), *fetcher]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._rings.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._rings.values(), *fetcher, return_exceptions=True)
+        await self.transfer.close()
         await self.mesh.close()
 
     def contribution_available(self) -> None:
@@ -108,6 +127,19 @@ class Cluster:
     @property
     def port(self) -> int:
         return self.mesh.port
+
+    # -- the mesh's side ------------------------------------------------------------------
+    def _on_admitted(self, peer: str, info: dict) -> None:
+        theirs = info.get("model")
+        if theirs is not None and "model" in self.mesh.info and theirs != self.mesh.info["model"]:
+            self._foreign.add(peer)  # linked (so not redialed), never a member
+            self.transfer.tell_model(peer)
+            return
+        self._post("connected", peer, info)
+
+    def _on_message(self, peer: str, header: dict) -> None:
+        if peer not in self._foreign:
+            self._post("message", peer, header)
 
     # -- the actor ------------------------------------------------------------------------
     def _post(self, kind: str, *args) -> None:
@@ -154,6 +186,17 @@ class Cluster:
                 elif kind == "take":
                     waiting, self._waiting_take = self._waiting_take, []
                     actions = [msg.Contribute(r) for r in waiting]
+                elif kind == "ask":
+                    self._serve(*args)
+                    continue
+                elif kind == "foreign":
+                    self._foreign_model(*args)
+                    continue
+                elif kind == "restored":
+                    self.source.restore(args[0])
+                    log.info("loaded the cluster's state from %s: version %d, round %d",
+                             args[2], args[1].version, args[1].round)
+                    actions = m.on_synced(args[1], now)
                 elif kind == "leave":
                     await self._carry_out(m.leave(now))
                     args[0].set_result(None)
@@ -189,8 +232,8 @@ class Cluster:
             elif isinstance(action, msg.PutBack):
                 self._put_back(action.r)
             elif isinstance(action, msg.Resync):
-                log.error("this peer must load state from %s (%s): state transfer is not built yet",
-                          action.source, action.reason)
+                if self._fetcher is None or self._fetcher.done():
+                    self._fetcher = loop.create_task(self._fetch_state(action.source))
             elif isinstance(action, msg.Stall):
                 log.warning("round %d waits %.0f s for %s (%s)", action.r, action.seconds,
                             ", ".join(action.waiting_for), action.phase)
@@ -240,3 +283,44 @@ class Cluster:
         taken = self._taken.pop(r, None)
         if taken is not None:
             self.source.put_back(*taken)
+
+    # -- state transfer -------------------------------------------------------------------
+    def _serve(self, peer: str, ask_id: int, waited: float) -> None:
+        """A joiner asks for our state: capture it at this boundary, or ask the trainer again soon."""
+        if not self.machine.synced:
+            return self.transfer.refuse(peer, ask_id, "not synced itself; ask another member")
+        state = self.source.snapshot()
+        if state is None and waited < SNAPSHOT_WAIT:
+            asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2)
+        elif state is None:
+            self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
+        else:
+            self.transfer.serve(peer, ask_id, state, self.machine.sync_point())
+
+    async def _fetch_state(self, source: str) -> None:
+        """Download a snapshot, from ``source`` first, then from any synced member, until one loads."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                state, point = await self.transfer.fetch(source)
+                self._post("restored", state, point, source)
+                return
+            except FingerprintError as exc:
+                self.failure = exc
+                log.error("%s", exc)
+                return
+            except P2PTrainError as exc:
+                log.warning("loading state from %s failed: %s; trying again", source, exc)
+            await asyncio.sleep(RETRY_FETCH)
+            members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
+            if members and source not in members:
+                source = members[int(loop.time()) % len(members)]
+
+    def _foreign_model(self, peer: str, diff: str) -> None:
+        fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
+        text = f"peer {peer} trains another model ({diff}); it is not admitted"
+        if fresh:  # we have trained nothing: the mistake is most likely ours
+            self.failure = FingerprintError(f"{text}: start every peer with the same task and model size")
+            log.error("%s", self.failure)
+        else:
+            log.error("%s; this peer keeps training with the others", text)

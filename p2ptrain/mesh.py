@@ -6,6 +6,7 @@ which routes what arrives:
 
 - ring chunks (``wire.CHUNK``) to that peer's ``ChunkChannel``, which the collective reads
   like a link (``recv``/``send``/``set_allocator``), so a ring runs over mesh links unchanged;
+- state transfer (``wire.STATE``: snapshots, model fingerprints) to ``on_state(peer_id, frame)``;
 - the link's own farewell (``wire.BYE``, sent by ``close``) ends the link;
 - everything else (round messages, the round machine's GOODBYE too) to ``on_message(peer_id, header)``.
 
@@ -80,11 +81,13 @@ class Mesh:
                  on_message: Callable[[str, dict], Awaitable[None] | None] = lambda p, h: None,
                  on_lost: Callable[[str, str], None] = lambda p, why: None,
                  on_admitted: Callable[[str, dict], None] = lambda p, info: None,
+                 on_state: Callable[[str, wire.Frame], None] = lambda p, frame: None,
                  own_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "0.0.0.0"})):
         self.cluster, self.peer_id, self._secret = cluster, peer_id, secret
         self.host, self.port = host, port
         self.info = dict(info or {})
         self._on_message, self._on_lost, self._on_admitted = on_message, on_lost, on_admitted
+        self._on_state = on_state
         self._own_hosts = own_hosts | {host}
         self._links: dict[str, transport.Link] = {}
         self._dialer: dict[str, str] = {}  # peer id -> which end opened our link to it
@@ -211,6 +214,9 @@ class Mesh:
                 if frame.type == wire.CHUNK:
                     if pid in self._channels:
                         self._channels[pid]._put(frame)
+                    continue
+                if frame.type == wire.STATE:
+                    self._on_state(pid, frame)
                     continue
                 if frame.type == wire.BYE:  # the link's own farewell (round GOODBYEs pass on)
                     why = "said goodbye"

@@ -42,6 +42,7 @@ WELCOME = "welcome"
 REJECT = "reject"
 CHUNK = "chunk"
 BYE = "bye"
+STATE = "state"  # state transfer: see p2ptrain.statesync
 
 Allocator = Callable[[dict, int], memoryview]
 

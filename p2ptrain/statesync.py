@@ -1,0 +1,227 @@
+"""State transfer: a joiner downloads a snapshot from a synced member; peers of another model
+are told what differs. One frame type (``wire.STATE``); its header's ``"k"`` says which step:
+
+    joiner                                   member
+    {k: ask, id}  + our fingerprint   ---->  the member's actor captures a snapshot at a round
+                                             boundary (or refuses: not synced, another model)
+                  <----  {k: part, id, i, n, size, sync, checksum} + bytes   (n parts of PART_BYTES)
+                  <----  {k: refuse, id, why}
+    {k: model} + our fingerprint      <--->  sent both ways when the handshake's model digests
+                                             differ, so each side can name the first difference
+
+``sync`` is the member's ``SyncPoint`` (version, digest, round, epoch) at the capture and
+``checksum`` the parameters' ``snapshot.tensors_checksum``: the joiner checks it on what it
+decoded before it loads anything, so it is proven to hold the members' parameters before it
+contributes. Nothing is unpickled: see ``p2ptrain.snapshot``.
+
+``Assembly`` (parts in, bytes out) is pure; ``StateTransfer`` is the thin asyncio layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+from typing import Callable
+
+import msgpack
+import torch
+
+from p2ptrain import snapshot, wire
+from p2ptrain.errors import FingerprintError, LinkError, P2PTrainError, RemoteProtocolError
+from p2ptrain.rounds import SyncPoint
+from p2ptrain.tasks import fingerprint_diff
+
+log = logging.getLogger("p2ptrain.statesync")
+
+PART_BYTES = 4 << 20  # a part is one frame: round messages interleave between parts
+MIN_RATE = 10e6  # bytes/s: a transfer slower than this (plus a floor) is given up on
+FLOOR_S = 20.0
+ASK, PART, REFUSE, MODEL = "ask", "part", "refuse", "model"
+
+
+def fingerprint_digest(fingerprint) -> str:
+    """Short digest of a model fingerprint, for the handshake: equal models, equal digests."""
+    return hashlib.blake2b(_fp_bytes(fingerprint), digest_size=8).hexdigest()
+
+
+def _fp_bytes(fingerprint) -> bytes:
+    return msgpack.packb([[n, list(s), d] for n, s, d in fingerprint])
+
+
+def state_limit(fingerprint) -> int:
+    """The largest snapshot we accept: parameters, optimizer moments and buffers several times over."""
+    nbytes = sum(torch.empty(0, dtype=getattr(torch, d)).element_size() * _prod(s) for _, s, d in fingerprint)
+    return 8 * nbytes + (64 << 20)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= int(n)
+    return out
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise RemoteProtocolError(f"malformed state part: {what}")
+
+
+class Assembly:
+    """The parts of one snapshot as they arrive, checked against the first part's header."""
+
+    def __init__(self, header: dict, limit: int):
+        size, n, sync = header.get("size"), header.get("n"), header.get("sync")
+        _need(type(size) is int and 0 < size <= limit, f"size {size!r} (limit {limit})")
+        _need(type(n) is int and n == -(-size // PART_BYTES), "part count")
+        _need(isinstance(sync, list) and len(sync) == 4 and all(type(v) is int for v in sync[::2])
+              and isinstance(sync[1], bytes) and type(sync[3]) is int, "sync point")
+        _need(isinstance(header.get("checksum"), str), "checksum")
+        self.size, self.n, self.checksum = size, n, header["checksum"]
+        self.sync = SyncPoint(sync[0], sync[1], sync[2], sync[3])
+        self.buffer = bytearray(size)
+        self.next = 0
+
+    def add(self, header: dict, payload: memoryview) -> bool:
+        """Take part ``i`` (in order); True once every part is in."""
+        i = header.get("i")
+        _need(i == self.next and header.get("n") == self.n and header.get("size") == self.size, "out of order")
+        start = i * PART_BYTES
+        _need(payload.nbytes == min(PART_BYTES, self.size - start), "part length")
+        self.buffer[start: start + payload.nbytes] = payload
+        self.next += 1
+        return self.next == self.n
+
+
+class StateTransfer:
+    """Serve and fetch snapshots over a mesh's STATE frames. ``on_ask(peer, ask_id, their_fp)``
+    is the owner's: it captures a snapshot at a round boundary and calls ``serve`` or ``refuse``;
+    ``on_foreign(peer, diff)`` hears what differs in a peer of another model."""
+
+    def __init__(self, mesh, fingerprint, on_ask: Callable, on_foreign: Callable[[str, str], None]):
+        self.mesh, self.fingerprint = mesh, [(n, tuple(s), d) for n, s, d in fingerprint]
+        self.digest, self.limit = fingerprint_digest(self.fingerprint), state_limit(self.fingerprint)
+        self._on_ask, self._on_foreign = on_ask, on_foreign
+        self._ids = itertools.count(1)
+        self._fetches: dict[int, tuple[str, asyncio.Queue]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._told: set[str] = set()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- frames in ----------------------------------------------------------------------------
+    def on_frame(self, peer: str, frame: wire.Frame) -> None:
+        h, k = frame.header, frame.header.get("k")
+        if k in (ASK, MODEL):
+            try:
+                theirs = msgpack.unpackb(frame.payload, raw=False, max_ext_len=0) if frame.payload.nbytes else None
+            except Exception:  # noqa: BLE001 - any msgpack failure means "not a fingerprint"
+                theirs = None
+            diff = fingerprint_diff(self.fingerprint, theirs) if theirs is not None else "no model fingerprint"
+            if k == MODEL:
+                self._on_foreign(peer, diff or "the same parameters, but the handshake digests differ")
+                return
+            if type(h.get("id")) is not int:
+                raise RemoteProtocolError("malformed state ask: no id")
+            if diff:
+                self.refuse(peer, h["id"], f"another model: {diff}")
+            else:
+                self._on_ask(peer, h["id"])
+        elif k in (PART, REFUSE):
+            entry = self._fetches.get(h.get("id"))
+            if entry is not None and entry[0] == peer:
+                entry[1].put_nowait(frame)
+        else:
+            raise RemoteProtocolError(f"unknown state message {str(k)[:20]!r}")
+
+    def tell_model(self, peer: str) -> None:
+        """Send our fingerprint to a peer whose handshake digest differs (once per peer)."""
+        if peer not in self._told:
+            self._told.add(peer)
+            self._spawn(self._send(peer, {"t": wire.STATE, "k": MODEL}, [_fp_bytes(self.fingerprint)]))
+
+    # -- serving ------------------------------------------------------------------------------
+    def refuse(self, peer: str, ask_id: int, why: str) -> None:
+        self._spawn(self._send(peer, {"t": wire.STATE, "k": REFUSE, "id": ask_id, "why": why[:200]}))
+
+    def serve(self, peer: str, ask_id: int, state: dict, point: SyncPoint) -> None:
+        """Send ``state`` (captured at ``point``) to ``peer``. Packs now, sends in the background."""
+        buffers = snapshot.pack(state)
+        blob = memoryview(b"".join(buffers))
+        checksum = snapshot.tensors_checksum(state["model"].items())
+        n = -(-blob.nbytes // PART_BYTES)
+        head = {"t": wire.STATE, "k": PART, "id": ask_id, "n": n, "size": blob.nbytes, "checksum": checksum,
+                "sync": [point.version, point.digest, point.round, point.epoch]}
+        self._spawn(self._send_parts(peer, head, blob))
+
+    async def _send_parts(self, peer: str, head: dict, blob: memoryview) -> None:
+        for i in range(head["n"]):
+            part = blob[i * PART_BYTES: (i + 1) * PART_BYTES]
+            if not await self._send(peer, {**head, "i": i}, [part], timeout=FLOOR_S + part.nbytes / MIN_RATE):
+                return
+        log.info("sent a snapshot of %.1f MB to %s", blob.nbytes / 1e6, peer)
+
+    async def _send(self, peer: str, header: dict, payload=(), timeout: float = 10.0) -> bool:
+        try:
+            await self.mesh.send(peer, header, payload, timeout=timeout)
+            return True
+        except P2PTrainError as exc:
+            log.debug("state message to %s failed: %s", peer, exc)
+            return False
+
+    # -- fetching -----------------------------------------------------------------------------
+    async def fetch(self, peer: str) -> tuple[dict, SyncPoint]:
+        """Download, decode and check a snapshot from ``peer``. Raises ``FingerprintError`` if
+        it trains another model, ``LinkError`` if it refuses or goes silent, and
+        ``RemoteProtocolError`` if what it sends is malformed or fails its checksum."""
+        ask_id, inbox = next(self._ids), asyncio.Queue()
+        self._fetches[ask_id] = (peer, inbox)
+        try:
+            if not await self._send(peer, {"t": wire.STATE, "k": ASK, "id": ask_id}, [_fp_bytes(self.fingerprint)]):
+                raise LinkError(f"cannot ask {peer} for its state: no link")
+            assembly, loop = None, asyncio.get_running_loop()
+            deadline = loop.time() + FLOOR_S
+            while True:
+                try:
+                    frame = await asyncio.wait_for(inbox.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise LinkError(f"{peer} sent no state for {FLOOR_S:.0f} s") from None
+                if frame.header["k"] == REFUSE:
+                    why = str(frame.header.get("why", ""))[:200]
+                    if why.startswith("another model"):
+                        raise FingerprintError(f"peer {peer} trains {why}; start every peer with the same model")
+                    raise LinkError(f"{peer} refused to send its state: {why}")
+                if assembly is None:
+                    assembly = Assembly(frame.header, self.limit)
+                    deadline = loop.time() + FLOOR_S + assembly.size / MIN_RATE
+                if assembly.add(frame.header, frame.payload):
+                    break
+        finally:
+            self._fetches.pop(ask_id, None)
+        state = snapshot.unpack(assembly.buffer)
+        self.check(state, assembly.checksum, peer)
+        return state, assembly.sync
+
+    def check(self, state, checksum: str, peer: str) -> None:
+        """The decoded state is our model's, and its parameters are the ones the member holds."""
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise RemoteProtocolError(f"malformed snapshot from {peer}: no model")
+        model, names = state["model"], {name for name, _, _ in self.fingerprint}
+        if not all(isinstance(t, torch.Tensor) for t in model.values()):
+            raise RemoteProtocolError(f"malformed snapshot from {peer}: a parameter that is not a tensor")
+        theirs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))  # (buffers are not parameters)
+                  for name, t in model.items() if name in names]
+        diff = fingerprint_diff(self.fingerprint, theirs)
+        if diff:
+            raise FingerprintError(f"the snapshot from {peer} is of another model: {diff}")
+        if snapshot.tensors_checksum(model.items()) != checksum:
+            raise RemoteProtocolError(f"the snapshot from {peer} fails its parameter checksum")

@@ -1,0 +1,130 @@
+"""State transfer: a joiner loads the members' state over the mesh and trains on with them;
+a peer of another model is refused, naming what differs."""
+
+import asyncio
+
+import pytest
+import torch
+from helpers import until
+
+from p2ptrain import statesync
+from p2ptrain.cluster import Cluster
+from p2ptrain.errors import FingerprintError, RemoteProtocolError
+from p2ptrain.rounds import RoundConfig
+
+pytestmark = pytest.mark.timeout(60)
+LENGTH = 3000
+FP = [("w", (LENGTH,), "float32")]
+
+
+class TensorTrainer:
+    """One parameter vector; each round contributes (rank+1) and applies the mean."""
+
+    def __init__(self, rank, start=0.0):
+        self.rank, self.w, self.version = rank, torch.full((LENGTH,), start), 0
+        self.restored, self.busy = [], False
+        self.seen = {}  # version -> parameters then
+
+    def take(self):
+        return torch.full((LENGTH,), float(self.rank + 1)).numpy(), 1
+
+    def apply(self, summed, total):
+        self.w += torch.from_numpy(summed) / total
+        self.version += 1
+        self.seen[self.version] = self.w.clone()
+
+    def put_back(self, contribution, samples):
+        pass
+
+    def snapshot(self):
+        return None if self.busy else {"model": {"w": self.w.clone()}, "optimizer": {"state": {}}, "version": self.version}
+
+    def restore(self, state):
+        self.w, self.version = state["model"]["w"].clone(), state["version"]
+        self.restored.append(state["version"])
+        self.seen[self.version] = self.w.clone()
+
+
+async def start(ids, trainers, fingerprints, checksums, min_peers=1):
+    clusters = [Cluster(peer_id=pid, source=t, checksum=c, secret=b"k", fingerprint=fp,
+                        config=RoundConfig(min_peers=min_peers))
+                for pid, t, fp, c in zip(ids, trainers, fingerprints, checksums)]
+    for c in clusters:
+        await c.__aenter__()
+    return clusters
+
+
+def link(clusters):
+    for c in clusters:
+        for d in clusters:
+            c.propose("127.0.0.1", d.port)
+
+
+async def test_a_joiner_loads_the_state_and_then_applies_the_same_rounds():
+    trainers = [TensorTrainer(0), TensorTrainer(1), TensorTrainer(2, start=5.0)]
+    founders = await start(["a", "b"], trainers[:2], [FP, FP], [b"same", b"same"], min_peers=2)
+    joiner = None
+    try:
+        link(founders)
+        await until(lambda: all(t.version >= 3 for t in trainers[:2]), timeout=20)
+        trainers[0].busy = True  # a member whose trainer is between rounds makes the joiner wait, not fail
+        asyncio.get_running_loop().call_later(0.5, setattr, trainers[0], "busy", False)
+        (joiner,) = await start(["c"], trainers[2:], [FP], [b"other-start"])
+        link([*founders, joiner])
+        await until(lambda: trainers[2].restored and 2 in {len(c.machine.table.live_synced()) - 1 for c in founders}
+                    and trainers[2].version > trainers[2].restored[0] + 2, timeout=30)
+        joiner.check()
+        # from the snapshot on, the joiner holds the founders' parameters at every version
+        joined = trainers[2].restored[0]
+        assert joined >= 3
+        for v, w in trainers[2].seen.items():
+            assert v >= joined and torch.equal(w, trainers[0].seen[v]) and torch.equal(w, trainers[1].seen[v])
+        # and its samples count: rounds after the join sum three contributions (1 + 2 + 3)
+        last = max(trainers[2].seen)
+        assert torch.allclose(trainers[0].seen[last] - trainers[0].seen[last - 1], torch.full((LENGTH,), 2.0))
+    finally:
+        for c in [*founders, *([joiner] if joiner else [])]:
+            await c.close()
+
+
+async def test_a_fresh_peer_of_another_model_stops_naming_the_difference_and_the_members_go_on():
+    other = [("w", (LENGTH + 1,), "float32")]
+    trainers = [TensorTrainer(0), TensorTrainer(1), TensorTrainer(2)]
+    clusters = await start(["a", "b", "c"], trainers, [FP, FP, other], [b"s", b"s", b"s"], min_peers=2)
+    try:
+        link(clusters)
+        await until(lambda: clusters[2].failure is not None, timeout=20)
+        with pytest.raises(FingerprintError, match=r"parameter .w. has shape \(3001,\) here and \(3000,\) on the other peer"):
+            clusters[2].check()
+        before = trainers[0].version
+        await until(lambda: trainers[0].version >= before + 3, timeout=20)
+        assert clusters[0].failure is None and clusters[1].failure is None
+        assert "c" not in clusters[0].machine.table.live_synced()
+    finally:
+        for c in clusters:
+            await c.close()
+
+
+def part(i, n, size, payload=b""):
+    return {"t": "state", "k": "part", "id": 1, "i": i, "n": n, "size": size, "checksum": "x",
+            "sync": [3, b"d" * 16, 4, 1]}, memoryview(payload)
+
+
+def test_assembly_takes_parts_in_order_and_checks_every_length():
+    size = statesync.PART_BYTES + 10
+    head, _ = part(0, 2, size)
+    a = statesync.Assembly(head, limit=1 << 30)
+    assert a.sync.version == 3 and a.sync.round == 4
+    assert not a.add(*part(0, 2, size, b"x" * statesync.PART_BYTES))
+    with pytest.raises(RemoteProtocolError):
+        a.add(*part(0, 2, size, b"x" * 10))  # a repeated part
+    with pytest.raises(RemoteProtocolError):
+        statesync.Assembly(part(0, 2, size)[0], limit=100)  # over the limit: refused before allocating
+    with pytest.raises(RemoteProtocolError):
+        statesync.Assembly(part(0, 3, size)[0], limit=1 << 30)  # a part count that does not match the size
+    b = statesync.Assembly(head, limit=1 << 30)
+    b.add(*part(0, 2, size, b"x" * statesync.PART_BYTES))
+    with pytest.raises(RemoteProtocolError):
+        b.add(*part(1, 2, size, b"y" * 9))  # short last part
+    assert b.add(*part(1, 2, size, b"y" * 10))
+    assert bytes(b.buffer[-11:]) == b"x" + b"y" * 10
