@@ -36,7 +36,7 @@ from p2ptrain.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.rounds import RoundConfig
-from p2ptrain.tasks import param_checksum
+from p2ptrain.tasks import model_fingerprint, param_checksum
 
 log = logging.getLogger("p2ptrain.peer")
 
@@ -85,7 +85,7 @@ class AsyncPeer:
         checksum = hashlib.blake2b(param_checksum(model).encode(), digest_size=16).digest()
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=checksum, cluster=cluster,
                                secret=self._secret, host=host, port=port, compression=compression,
-                               config=RoundConfig(min_peers=min_peers))
+                               config=RoundConfig(min_peers=min_peers), fingerprint=model_fingerprint(model))
         self._proposer: asyncio.Task | None = None
 
     async def __aenter__(self) -> "AsyncPeer":
