@@ -26,7 +26,10 @@ a peer that has trained nothing yet stops with ``FingerprintError``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import time
+from dataclasses import dataclass
 import logging
 from typing import Protocol
 
@@ -46,6 +49,18 @@ log = logging.getLogger("p2ptrain.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round applied here, as the metrics and the status line report it."""
+    round: int
+    members: int
+    samples: int  # the whole cluster's, this round
+    wire_bytes: int  # what this peer sent in its ring (compressed)
+    raw_bytes: int  # the same uncompressed
+    seconds: float  # ring start to apply
+    time: float  # wall clock at apply (time.time())
 
 
 class Contributions(Protocol):
@@ -80,6 +95,10 @@ class Cluster:
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._fetcher: asyncio.Task | None = None
+        self._ring_stats: dict[int, object] = {}
+        self._ring_began: dict[int, float] = {}
+        self.rounds: collections.deque[RoundRecord] = collections.deque(maxlen=1000)  # applied here, newest last
+        self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
         self._checksum = checksum
@@ -226,11 +245,15 @@ class Cluster:
                 await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
                                                                          vector.nbytes))
             elif isinstance(action, msg.StartRing):
+                self._ring_began[action.r] = loop.time()
                 self._rings[action.r] = loop.create_task(self._ring(action.r, action.view))
             elif isinstance(action, msg.Apply):
                 self._apply(action.r, action.total_samples)
+                self._record(action.r, action.total_samples, action.view)
             elif isinstance(action, msg.PutBack):
                 self._put_back(action.r)
+                self._ring_stats.pop(action.r, None)
+                self._ring_began.pop(action.r, None)
             elif isinstance(action, msg.Resync):
                 if self._fetcher is None or self._fetcher.done():
                     self._fetcher = loop.create_task(self._fetch_state(action.source))
@@ -257,7 +280,7 @@ class Cluster:
                 run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                     recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
                                     op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout)
-                await run.run()
+                self._ring_stats[r] = await run.run()
             self._results[r] = work
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
@@ -324,3 +347,11 @@ class Cluster:
             log.error("%s", self.failure)
         else:
             log.error("%s; this peer keeps training with the others", text)
+
+    def _record(self, r: int, total: int, view: tuple) -> None:
+        stats = self._ring_stats.pop(r, None)
+        wire, raw = (stats.wire_bytes, stats.raw_bytes) if stats is not None else (0, 0)
+        self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
+        began = self._ring_began.pop(r, None)
+        seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0
+        self.rounds.append(RoundRecord(r, len(view), total, wire, raw, seconds, time.time()))
