@@ -63,12 +63,25 @@ class RoundRecord:
     time: float  # wall clock at apply (time.time())
 
 
+class RoundLog(collections.deque):
+    """The last rounds applied here (newest last), and ``total``: how many ever were."""
+
+    def __init__(self, keep: int = 1000):
+        super().__init__(maxlen=keep)
+        self.total = 0
+
+    def append(self, record: RoundRecord) -> None:
+        super().append(record)
+        self.total += 1
+
+
 class Contributions(Protocol):
     """What the cluster asks of the trainer (all called on the event loop's thread)."""
 
     def take(self) -> tuple[np.ndarray, int] | None: ...  # swap the accumulator out: (float32 sum, samples);
     #                                                   None: nothing yet (then call contribution_available)
-    def apply(self, summed: np.ndarray, total_samples: int) -> None: ...
+    def apply(self, summed: np.ndarray, total_samples: int) -> None: ...  # committed: summed / total, in
+    #                                                   round order; total 0 (nothing to apply) still counts
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
     def snapshot(self) -> dict | None: ...  # {"model": {name: tensor}, ...} as of the last apply(); None: not now
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
@@ -97,7 +110,7 @@ class Cluster:
         self._fetcher: asyncio.Task | None = None
         self._ring_stats: dict[int, object] = {}
         self._ring_began: dict[int, float] = {}
-        self.rounds: collections.deque[RoundRecord] = collections.deque(maxlen=1000)  # applied here, newest last
+        self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
@@ -237,7 +250,7 @@ class Cluster:
                     await self._send(peer, action.msg)
             elif isinstance(action, msg.Contribute):
                 taken = self.source.take()
-                if taken is None:  # staleness 0: the round waits for this peer's next batch
+                if taken is None:  # the round waits for this peer (its next batch, or a moment)
                     self._waiting_take.append(action.r)
                     continue
                 vector, samples = taken
@@ -292,7 +305,7 @@ class Cluster:
     def _apply(self, r: int, total: int) -> None:
         summed = self._results.pop(r, None)
         self._taken.pop(r, None)
-        if total > 0 and summed is not None:
+        if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
             self.source.apply(summed, total)
         self.applied += 1
 

@@ -1,17 +1,13 @@
-"""``python -m p2ptrain join``: train a task, alone or with a fixed group of peers.
+"""``python -m p2ptrain join``: train a task with whoever else runs it on the LAN.
 
-    python -m p2ptrain join                                   # the default task, on this machine
-    python -m p2ptrain join --peers 10.0.0.1:7000,10.0.0.2:7000 --port 7000 --compression int8
+    python -m p2ptrain join                                   # the default task; peers found by beacons
+    python -m p2ptrain join --peers 10.0.0.2:7000 --compression int8 --min-peers 2
 
-Every peer runs the same command with the same ``--peers`` list (the whole group, this
-peer included). Rounds are synchronous: each peer computes one batch, the gradient sums
-and sample counts are allreduced, and every peer applies ``sum(G_i) / sum(n_i)`` through
-its own optimizer; all start from rank 0's parameters, so replicas stay bit-identical
-(the metrics file records a parameter checksum per round to show it).
-
-What this command does not do yet: find peers by discovery, admit peers that arrive
-later, survive a peer that leaves, run asynchronous rounds (``--staleness``), or write
-checkpoints. Those come with the cluster layer and the trainer.
+Every peer runs the same command. Peers find each other by UDP beacons (and ``--peers``),
+form one ring, and train in rounds: each round applies ``sum(G_i) / sum(n_i)`` through every
+peer's own optimizer, so replicas stay identical (the metrics file records a parameter
+checksum per round to show it). A peer that arrives later loads the cluster's state first;
+one that leaves or dies is dropped and the others go on. Ctrl-C leaves politely.
 """
 
 from __future__ import annotations
@@ -21,12 +17,13 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 
 from p2ptrain.cli import secret_option
 from p2ptrain.errors import ConfigError
 
-HELP = "train a model with the peers of a fixed group (the default task with no options)"
+HELP = "train a model together with the peers on the LAN (the default task with no options)"
 log = logging.getLogger("p2ptrain.join")
 
 
@@ -34,32 +31,62 @@ def _env(name: str, default=None):
     return os.environ.get(f"P2PTRAIN_{name.upper().replace('-', '_')}", default)
 
 
+def _flag(name: str) -> bool:
+    """An on/off option from the environment: 1, true, yes, on."""
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = "Every option can also be set as an environment variable P2PTRAIN_<OPTION> (flags win)."
-    p.add_argument("--task", default=_env("task"), help="built-in task (charlm, synthetic), a task file "
+    p.epilog = ("Every option can also be set as an environment variable P2PTRAIN_<OPTION>, e.g. "
+                "P2PTRAIN_MIN_PEERS=2 (flags win). Exit codes: 0 done, 2 a bad option or task, 3 a cluster failure.")
+    g = p.add_argument_group("what to train")
+    g.add_argument("--task", default=_env("task"), help="built-in task (charlm, synthetic), a task file "
                    "path/to/task.py, or module:function (default: charlm)")
-    p.add_argument("--data", default=_env("data"), help="text file or folder for charlm (default: the stdlib's source)")
-    p.add_argument("--model-size", default=_env("model_size"), help="model size, e.g. 100k, 1m, 10m (task-dependent)")
-    p.add_argument("--device", default=_env("device", "auto"), help="auto|cpu|cuda[:i]|mps|xpu (default: auto)")
-    p.add_argument("--batch-size", type=int, default=_env("batch_size"), help="samples per step on this peer")
-    p.add_argument("--lr", type=float, default=_env("lr"), help="learning rate (default: the task's)")
-    p.add_argument("--seed", type=int, default=_env("seed", "0"), help="seed of the model and data (default 0)")
-    p.add_argument("--peers", default=_env("peers"), help="the whole group, this peer included: host:port,... "
-                   "(same list on every peer; omit to train alone)")
-    p.add_argument("--host", default=_env("host"), help="this peer's address as written in --peers")
-    p.add_argument("--port", type=int, default=_env("port", "7000"), help="TCP port to listen on (default 7000)")
-    p.add_argument("--cluster", default=_env("cluster", "default"), help="cluster name (default: default)")
-    p.add_argument("--secret", default=_env("secret"), help="shared secret (or $P2PTRAIN_SECRET)")
-    p.add_argument("--secret-file", default=_env("secret_file"), help="read the shared secret from this file")
-    p.add_argument("--compression", default=_env("compression", "none"),
+    g.add_argument("--data", default=_env("data"), help="text file or folder for charlm (default: the stdlib's source)")
+    g.add_argument("--model-size", default=_env("model_size"), help="model size, e.g. 100k, 1m, 10m (task-dependent)")
+    g.add_argument("--device", default=_env("device", "auto"), help="auto|cpu|cuda[:i]|mps|xpu (default: auto)")
+    g.add_argument("--batch-size", type=int, default=_env("batch_size"), help="samples per step on this peer")
+    g.add_argument("--lr", type=float, default=_env("lr"), help="learning rate (default: the task's)")
+    g.add_argument("--seed", type=int, default=_env("seed", "0"), help="seed of the model and data (default 0; the "
+                   "same on every peer)")
+    g = p.add_argument_group("the cluster")
+    g.add_argument("--cluster", default=_env("cluster", "default"), help="cluster name (default: default)")
+    g.add_argument("--secret", default=_env("secret"), help="shared secret (or $P2PTRAIN_SECRET)")
+    g.add_argument("--secret-file", default=_env("secret_file"), help="read the shared secret from this file")
+    g.add_argument("--peers", default=_env("peers"), help="addresses of other peers, host:port,... (DNS names "
+                   "allowed); works with or without discovery")
+    g.add_argument("--no-discovery", action="store_true", default=_flag("no_discovery"),
+                   help="send no UDP beacons; find peers through --peers only")
+    g.add_argument("--interface", default=_env("interface"), help="network interface NAME or ADDR for beacons "
+                   "(default: every usable one)")
+    g.add_argument("--host", default=_env("host", "0.0.0.0"), help="address to listen on (default 0.0.0.0)")
+    g.add_argument("--port", type=int, default=_env("port", "7000"), help="TCP port to listen on (default 7000; "
+                   "0 = any free port)")
+    g.add_argument("--min-peers", type=int, default=_env("min_peers", "1"), help="train only while at least K peers "
+                   "are members; below that, wait and say so (default 1)")
+    g.add_argument("--connect-timeout", type=float, default=_env("connect_timeout"),
+                   help="give up (exit 3) if --min-peers members have not formed after this many seconds "
+                   "(default: wait)")
+    g = p.add_argument_group("rounds")
+    g.add_argument("--compression", default=_env("compression", "none"),
                    help="none, fp16, bf16, int8, topk:RATIO, optionally +zstd[:LEVEL] or +nozstd (default none)")
-    p.add_argument("--max-rounds", type=int, default=_env("max_rounds"), help="stop after this many rounds (default 300 when --duration is not given)")
-    p.add_argument("--duration", type=float, default=_env("duration"), help="stop after this many seconds")
-    p.add_argument("--metrics", default=_env("metrics"), help="write one JSON object per round to this file")
-    p.add_argument("--eval-every", type=int, default=_env("eval_every", "100"),
+    g.add_argument("--staleness", type=int, default=_env("staleness", "0"), help="0: synchronous rounds; "
+                   "N >= 1: rounds run at the network's pace, no gradient applied more than N rounds stale")
+    g.add_argument("--target-batch-size", type=int, default=_env("target_batch_size"),
+                   help="with --staleness >= 1: a round starts once the members hold this many samples")
+    g.add_argument("--max-rounds", type=int, default=_env("max_rounds"),
+                   help="stop after this many rounds (default 300 when --duration is not given)")
+    g.add_argument("--duration", type=float, default=_env("duration"), help="stop after this many seconds")
+    g.add_argument("--step-delay", type=float, default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
+    g = p.add_argument_group("output")
+    g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
+                   "and a final {\"event\": \"summary\"}")
+    g.add_argument("--eval-every", type=int, default=_env("eval_every", "100"),
                    help="validation loss every N rounds (default 100; 0 = only at the end)")
-    p.add_argument("--connect-timeout", type=float, default=_env("connect_timeout", "120"),
-                   help="seconds to wait for the group to form (default 120)")
+    g.add_argument("--checkpoint-dir", default=_env("checkpoint_dir"), help="write checkpoints here, and resume "
+                   "from the newest one when the cluster starts from nothing")
+    g.add_argument("--checkpoint-every", type=int, default=_env("checkpoint_every", "100"),
+                   help="rounds between checkpoints (default 100; one is always written at exit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +94,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_rounds is None and args.duration is None:
         args.max_rounds = 300
-    for name in ("max_rounds", "batch_size"):
+    for name, low in (("max_rounds", 1), ("batch_size", 1), ("min_peers", 1), ("staleness", 0),
+                      ("target_batch_size", 1), ("checkpoint_every", 1), ("eval_every", 0)):
         value = getattr(args, name)
-        if value is not None and int(value) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if value is not None and int(value) < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
     # Cheap checks first: a typo is reported before torch and the task load.
     from p2ptrain.codecs import parse_codec
     from p2ptrain.discovery import parse_host_port
@@ -87,58 +117,25 @@ def run(args: argparse.Namespace) -> int:
 def _local_hosts() -> set[str]:
     from p2ptrain.interfaces import list_interfaces
 
-    return {"localhost", "127.0.0.1"} | {i.address for i in list_interfaces()}
-
-
-def _share_cores(peers: list[str]) -> None:
-    """Several peers on one machine: split its cores among them. Torch's thread pools
-    spin while they wait, and two of them on the same cores stall each other for seconds."""
-    import torch
-
-    from p2ptrain.discovery import parse_host_port
-
-    here = sum(parse_host_port(p)[0] in _local_hosts() for p in peers)
-    if here > 1:
-        threads = max(1, (os.cpu_count() or 1) // here)
-        torch.set_num_threads(threads)
-        log.info("%d peers of the group run on this machine: %d torch thread(s) each", here, threads)
-
-
-def _own_entry(peers: list[str], host: str | None, port: int) -> str:
-    """The entry of --peers that is this peer: --host:--port, else the one with our port
-    whose host is one of this machine's addresses."""
-    from p2ptrain.discovery import parse_host_port
-
-    if host is not None:
-        entry = f"{host}:{port}"
-        if entry not in peers:
-            raise ConfigError(f"{entry} (--host:--port) is not in --peers {','.join(peers)}")
-        return entry
-    local = _local_hosts()
-    mine = [p for p in peers if parse_host_port(p) in {(h, port) for h in local}]
-    if len(mine) != 1:
-        raise ConfigError(f"cannot tell which of --peers {','.join(peers)} is this peer "
-                          f"(port {port}; local addresses {', '.join(sorted(local))}): pass --host")
-    return mine[0]
+    return {"localhost", "127.0.0.1", "0.0.0.0"} | {i.address for i in list_interfaces()}
 
 
 class _Join:
-    """The command's state: task, device, group, counters. ``run`` returns the exit code."""
+    """The command's state: task, device, peer, counters. ``run`` returns the exit code."""
 
     def __init__(self, args, secret: bytes | None):
-        self.args = args
-        self.secret = secret
-        self.rounds = 0
-        self.samples = 0
-        self.wire = 0
-        self.raw = 0
+        self.args, self.secret = args, secret
+        self.rounds = self.samples = self.own_samples = 0
         self.last_loss = float("nan")
+        self.stopping = False
+        self._threads = 0
+        self._train_task: asyncio.Task | None = None
+        self._records_seen = 0
+        self.status = None
 
     async def run(self) -> int:
-        import torch
-
         from p2ptrain.device import device_kind, pick_device
-        from p2ptrain.group import Group
+        from p2ptrain.peer import AsyncPeer
         from p2ptrain.tasks import load_task, validate_task
 
         a = self.args
@@ -149,94 +146,188 @@ class _Join:
         model = task.model.to(device)
         optimizer = task.make_optimizer(model.parameters(), a.lr if a.lr is not None else task.default_lr)
         peers = [p.strip() for p in a.peers.split(",") if p.strip()] if a.peers else []
-        own = _own_entry(peers, a.host, a.port) if peers else f"127.0.0.1:{a.port}"
-        peers = peers or [own]
-        _share_cores(peers)
-        log.info("task %s (%s), %d parameters, on %s; group of %d, compression %s",
-                 task.name, task.info, task.num_parameters(), device_kind(device), len(peers), a.compression)
-        async with Group(listen=own, peers=peers, secret=self.secret, cluster=a.cluster,
-                         compression=a.compression, connect_timeout=a.connect_timeout) as group:
-            params = [p for p in model.parameters() if p.requires_grad]
-            # Everyone starts from rank 0's parameters: the others add zeros, bit for bit.
-            with torch.no_grad():
-                if group.rank:
-                    for p in params:
-                        p.zero_()
-                await group.allreduce(params)
-            batches = task.train_batches(group.rank, group.size, a.batch_size or task.batch_size, a.seed)
-            metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
-            try:
-                await self._train(group, task, model, optimizer, params, batches, device, metrics)
-            finally:
-                if metrics:
-                    metrics.close()
+        log.info("task %s (%s), %d parameters, on %s; compression %s, staleness %d, min peers %d",
+                 task.name, task.info, task.num_parameters(), device_kind(device), a.compression, a.staleness,
+                 a.min_peers)
+        kwargs = {"target_batch_size": a.target_batch_size} if a.target_batch_size else {}
+        peer = AsyncPeer(model, optimizer, cluster=a.cluster, secret=self.secret, peers=peers,
+                         listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
+                         compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
+                         step_timeout=float("inf"), **kwargs)
+        self._share_cores(peer, len([p for p in peers if p.rpartition(":")[0] in _local_hosts()]))
+        metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
+        self.status = _StatusLine()
+        self._install_signals()
+        try:
+            async with peer:
+                log.info("peer %s listening on port %d (cluster %r)", peer.peer_id, peer.cluster.port, a.cluster)
+                self._train_task = asyncio.get_running_loop().create_task(self._train(peer, task, device, metrics))
+                try:
+                    await self._train_task
+                except asyncio.CancelledError:
+                    if not self.stopping:
+                        raise
+                    log.info("leaving the cluster")
+        finally:
+            self.status.clear()
+            if metrics:
+                metrics.close()
+        self._summary(peer, task, model, device, metrics_path=a.metrics)
         return 0
 
-    async def _train(self, group, task, model, optimizer, params, batches, device, metrics) -> None:
-        import torch
+    def _install_signals(self) -> None:
+        """Ctrl-C or SIGTERM: leave politely and exit 0. A second one: exit at once."""
+        import signal
 
-        from p2ptrain.tasks import param_checksum
+        loop = asyncio.get_running_loop()
 
+        def stop() -> None:
+            if self.stopping:
+                os._exit(130)
+            self.stopping = True
+            print("\nleaving the cluster (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+            if self._train_task is not None:
+                self._train_task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop)
+            except (NotImplementedError, RuntimeError):  # Windows: the stock handler (KeyboardInterrupt)
+                pass
+
+    async def _train(self, peer, task, device, metrics) -> None:
         a = self.args
+        rank_seed = int(peer.peer_id[:8], 16) if all(c in "0123456789abcdef" for c in peer.peer_id[:8]) else 0
+        batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
+        await self._wait_for_members(peer)
         start = last_log = time.monotonic()
-        count = torch.zeros(1)
         while not self._done(start):
-            t0 = time.monotonic()
             batch = next(batches)
             n = task.batch_size_of(batch)
-            optimizer.zero_grad(set_to_none=False)
-            loss = task.loss(model, batch, device)
-            (loss * n).backward()  # a gradient sum: peers with bigger batches count for more
+            loss = task.loss(peer.model, batch, device)
+            loss.backward()
             self.last_loss = float(loss.detach())
-            for p in params:  # a parameter this batch did not reach still takes part, with zeros
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
-            count.fill_(n)
-            await group.allreduce(grads, error_feedback=True)
-            self._count_bytes(group)
-            await group.allreduce(count, compression="none")
-            with torch.no_grad():
-                for g in grads:
-                    g.div_(count.to(g.device))
-            optimizer.step()
-            self.rounds += 1
-            self.samples += int(count.item())
+            if a.step_delay:
+                await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
+            await peer.step(batch_size=n)
+            self.own_samples += n
+            for record in self._new_records(peer):
+                self.rounds += 1
+                self.samples += record.samples
+                if metrics:
+                    self._write_metrics(metrics, peer, record)
+                if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
+                    log.info("round %d  validation loss %.4f", record.round, task.evaluate(peer.model, device))
             now = time.monotonic()
-            if metrics:
-                metrics.write(json.dumps({
-                    "time": time.time(), "round": self.rounds, "members": group.size, "samples": int(count.item()),
-                    "loss": self.last_loss, "wire_bytes": self.wire, "raw_bytes": self.raw,
-                    "round_seconds": now - t0, "staleness_max": 0, "dropped": 0,
-                    "param_checksum": param_checksum(model)}) + "\n")
-            if now - last_log >= 2.0:
+            if now - last_log >= 0.5:
                 last_log = now
-                rate = self.samples / (now - start)
-                ratio = self.raw / self.wire if self.wire else 1.0
-                log.info("round %d  members %d  loss %.3f  samples/s %.0f (cluster)  wire %.2f MB/s  ratio %.1fx",
-                         self.rounds, group.size, self.last_loss, rate, self.wire / (now - start) / 1e6, ratio)
-            if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
-                log.info("round %d  validation loss %.4f", self.rounds, task.evaluate(model, device))
-        self._summary(task, model, device, start)
+                self._report(peer, now - start)
 
-    def _count_bytes(self, group) -> None:
-        self.wire += group.last_stats.wire_bytes
-        self.raw += group.last_stats.raw_bytes
+    def _new_records(self, peer) -> list:
+        """The rounds applied since we last looked (the cluster keeps the last 1000)."""
+        records = peer.cluster.rounds
+        fresh = min(records.total - self._records_seen, len(records))
+        self._records_seen = records.total
+        return list(records)[len(records) - fresh:] if fresh > 0 else []
+
+    async def _wait_for_members(self, peer) -> None:
+        """With --connect-timeout: exit 3 if --min-peers members have not formed by then."""
+        from p2ptrain.errors import GroupError
+
+        a = self.args
+        if a.connect_timeout is None or a.min_peers <= 1:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + a.connect_timeout
+        while len(peer.cluster.machine.table.live_synced()) < a.min_peers:
+            if loop.time() > deadline:
+                linked = peer.cluster.mesh.addresses
+                missing = [f"{h}:{p}" for h, p in peer.discovery.static_addresses if (h, p) not in linked]
+                raise GroupError(f"only {len(peer.cluster.machine.table.live_synced())} of --min-peers "
+                                 f"{a.min_peers} members after {a.connect_timeout:.0f} s"
+                                 + (f"; not reached: {', '.join(missing)}" if missing else "")
+                                 + "; check that every peer runs with the same --cluster and --secret, "
+                                 "and that the port is open")
+            await asyncio.sleep(0.1)
+
+    def _share_cores(self, peer, local_peers: int) -> None:
+        """Several peers on one machine: split its cores among them. Torch's thread pools
+        spin while they wait, and two of them on the same cores stall each other for seconds."""
+        import torch
+
+        here = local_peers + 1
+        threads = max(1, (os.cpu_count() or 1) // here)
+        if here > 1 and threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+            log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
+
+    def _write_metrics(self, out, peer, record) -> None:
+        from p2ptrain.tasks import param_checksum
+
+        out.write(json.dumps({
+            "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
+            "loss": self.last_loss, "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
+            "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
+            "dropped": getattr(peer, "dropped", 0), "param_checksum": param_checksum(peer.model)}) + "\n")
+        out.flush()
+
+    def _report(self, peer, elapsed: float) -> None:
+        c = peer.cluster
+        members = len(c.machine.table.live_synced())
+        ratio = c.raw_bytes / c.wire_bytes if c.wire_bytes else 1.0
+        text = (f"round {self.rounds}  members {members}  loss {self.last_loss:.3f}  samples/s "
+                f"{self.own_samples / elapsed:.0f} own, {self.samples / elapsed:.0f} cluster  "
+                f"wire {c.wire_bytes / elapsed / 1e6:.2f} MB/s  ratio {ratio:.1f}x  "
+                f"staleness {getattr(peer, 'staleness_max', 0)}")
+        self.status.show(text)
 
     def _done(self, start: float) -> bool:
         a = self.args
-        return ((a.max_rounds is not None and self.rounds >= a.max_rounds)
+        return (self.stopping or (a.max_rounds is not None and self.rounds >= a.max_rounds)
                 or (a.duration is not None and time.monotonic() - start >= a.duration))
 
-    def _summary(self, task, model, device, start: float) -> None:
+    def _summary(self, peer, task, model, device, metrics_path) -> None:
         from p2ptrain.tasks import param_checksum
 
-        wall = time.monotonic() - start
+        c = peer.cluster
         val = task.evaluate(model, device) if task.evaluate else None
-        lines = [f"rounds {self.rounds}", f"samples {self.samples}", f"final train loss {self.last_loss:.4f}",
-                 f"validation loss {val:.4f}" if val is not None else "", f"wall time {wall:.1f} s",
-                 f"sent {self.wire / 1e6:.1f} MB (ratio {self.raw / self.wire:.1f}x)" if self.wire else "sent 0 MB",
-                 f"parameter checksum {param_checksum(model)}"]
+        checksum = param_checksum(model)
+        lines = [f"rounds {self.rounds}", f"samples {self.samples} (this peer {self.own_samples})",
+                 f"final train loss {self.last_loss:.4f}",
+                 f"validation loss {val:.4f}" if val is not None else "",
+                 f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
+                 else "sent 0 MB", f"parameter checksum {checksum}"]
         print("\n".join(["", "summary", *[f"  {x}" for x in lines if x]]))
+        if metrics_path:
+            with open(metrics_path, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": self.rounds,
+                                      "samples": self.samples, "own_samples": self.own_samples,
+                                      "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
+                                      "raw_bytes": c.raw_bytes, "param_checksum": checksum}) + "\n")
         if task.sample:
             print("\nsample:\n" + task.sample(model, device))
+
+
+class _StatusLine:
+    """On a terminal, one line rewritten in place; elsewhere a log line every few seconds."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self._last = 0.0
+        self._width = 0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self._width))
+            self.stream.flush()
+            self._width = len(text)
+        elif time.monotonic() - self._last >= 5.0:
+            self._last = time.monotonic()
+            log.info("%s", text)
+
+    def clear(self) -> None:
+        if self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -129,6 +129,11 @@ class Mesh:
     def peers(self) -> list[str]:
         return sorted(self._links)
 
+    @property
+    def addresses(self) -> set[tuple[str, int]]:
+        """Where the linked peers listen (as dialed, or as their handshake said)."""
+        return set(self._addr.values())
+
     def channel(self, peer_id: str) -> ChunkChannel:
         """The ring-chunk channel to ``peer_id`` (KeyError if not linked)."""
         return self._channels[peer_id]

@@ -30,20 +30,24 @@ def records(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_two_peers_train_the_default_task_to_identical_replicas(tmp_path):
-    a, b = ports(2)
-    peers = f"127.0.0.1:{a},127.0.0.1:{b}"
-    procs = [join("--peers", peers, "--port", str(port), "--max-rounds", "25", "--compression", "int8",
+@pytest.mark.parametrize("n", [2, 3])
+def test_peers_train_the_default_task_to_identical_replicas(tmp_path, n):
+    mine = ports(n)
+    procs = [join("--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port), "--no-discovery",
+                  "--port", str(port), "--min-peers", str(n), "--max-rounds", "25", "--compression", "int8",
                   "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"))
-             for port in (a, b)]
+             for port in mine]
     outs = finish(procs)
-    assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for _, e in outs]
-    ra, rb = records(tmp_path / f"m{a}.jsonl"), records(tmp_path / f"m{b}.jsonl")
-    assert len(ra) == len(rb) == 25
-    assert [r["param_checksum"] for r in ra] == [r["param_checksum"] for r in rb]  # every round
+    assert [p.returncode for p in procs] == [0] * n, [e[-1500:] for _, e in outs]
+    runs = [records(tmp_path / f"m{port}.jsonl") for port in mine]
+    summaries = [r.pop() for r in runs]
+    assert all(s["event"] == "summary" and s["rounds"] == 25 for s in summaries)
+    assert len({s["param_checksum"] for s in summaries}) == 1  # the replicas end bit-identical
+    assert all([r["param_checksum"] for r in run] == [r["param_checksum"] for r in runs[0]] for run in runs)
+    ra = runs[0]
     first, last = sum(r["loss"] for r in ra[:5]) / 5, sum(r["loss"] for r in ra[-5:]) / 5
     assert last < first - 0.5, (first, last)
-    assert all(r["samples"] == 64 and r["members"] == 2 for r in ra)  # 32 per peer, both counted
+    assert all(r["samples"] == 32 * n and r["members"] == n for r in ra)  # 32 per peer, all counted
     assert ra[-1]["wire_bytes"] < ra[-1]["raw_bytes"] / 3  # int8 on the wire
     assert "summary" in outs[0][0] and "sample:" in outs[0][0]
 
@@ -55,13 +59,16 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--task", os.path.join(repo, "examples", "task_template.py"),
                         "--metrics", str(tmp_path / "m.jsonl")], env=env, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-1500:]
-    assert len(records(tmp_path / "m.jsonl")) == 15
+    rounds = records(tmp_path / "m.jsonl")
+    assert len(rounds) == 16 and rounds[-1]["event"] == "summary" and rounds[-1]["rounds"] == 15
 
 
 @pytest.mark.parametrize("args, message", [
     (["--compression", "int9"], "choose one of none"),
     (["--peers", "nonsense"], "not host:port"),
-    (["--peers", "127.0.0.1:1,127.0.0.1:2", "--port", "3"], "cannot tell which"),
+    (["--min-peers", "0"], "at least 1"),
+    (["--staleness", "-1"], "at least 0"),
+    (["--port", "70000"], "expected 0..65535"),
     (["--max-rounds", "0"], "at least 1"),
     (["--device", "cuda:7"], "available here"),
     (["--task", "/nonexistent/task.py"], "task.py"),
@@ -78,10 +85,10 @@ def test_bad_options_exit_2_with_one_line(args, message):
 
 def test_missing_peer_exits_3_naming_it():
     a, b = ports(2)
-    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--peers", f"127.0.0.1:{a},127.0.0.1:{b}",
-                        "--port", str(a), "--connect-timeout", "2", "--max-rounds", "1"],
+    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--peers", f"127.0.0.1:{b}", "--no-discovery",
+                        "--port", str(a), "--min-peers", "2", "--connect-timeout", "2", "--max-rounds", "1"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 3
+    assert p.returncode == 3, p.stderr[-800:]
     assert f"127.0.0.1:{b}" in p.stderr and "Traceback" not in p.stderr
 
 
