@@ -21,7 +21,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_CLUSTER = 3
 
-COMMANDS = ("join", "peers")
+COMMANDS = ("join", "peers", "doctor")
 
 
 def secret_option(secret: str | None, secret_file: str | None) -> bytes | None:

@@ -1,0 +1,123 @@
+"""``python -m p2ptrain doctor``, run for real as a subprocess: on this machine, with a port
+taken, and in an emulated LAN where another host hears the doctor's beacons."""
+
+import random
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from netns_util import REPO, make_lan, requires_netns, wait_line  # noqa: F401  (make_lan is a fixture)
+
+pytestmark = pytest.mark.timeout(90)
+
+CHECKS = ("versions", "interfaces", "multicast beacons", "broadcast beacons", "TCP port", "accelerator")
+LINE = re.compile(r"^  (ok|warn|FAIL) +(.+?): (.+)$")
+
+
+def doctor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    p = subprocess.Popen([sys.executable, "-m", "p2ptrain", "doctor", *args], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def lines(stdout: str) -> dict[str, tuple[str, str]]:
+    """Check name (up to its number, for 'TCP port 7000') -> (status, detail)."""
+    found = {}
+    for line in stdout.splitlines():
+        m = LINE.match(line)
+        if m:
+            name = re.sub(r" \d+$", "", m.group(2))
+            found.setdefault(name, (m.group(1), m.group(3)))
+    return found
+
+
+def free_udp_port() -> int:
+    return random.randrange(20000, 29000)  # below the ephemeral range; not the default, which tests share
+
+
+def test_every_check_has_a_line_and_exit_code_follows_them():
+    out = doctor("--port", "0", "--discovery-port", str(free_udp_port()))
+    found = lines(out.stdout)
+    assert set(CHECKS) <= set(found), out.stdout + out.stderr
+    versions = found["versions"][1]
+    for part in ("python 3.", "p2ptrain 0.1.0", "torch 2."):
+        assert part in versions
+    assert "uvloop" in out.stdout  # its version, or a warn line that it is missing
+    assert re.search(r"\d+ GFLOP/s", found["accelerator"][1]), found["accelerator"]
+    assert found["accelerator"][1].startswith("cpu")  # this machine has no accelerator
+    assert found["TCP port"][0] == "ok", out.stdout
+    failed = [name for name, (status, _) in found.items() if status == "FAIL"]
+    assert out.returncode == (1 if failed else 0), out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_port_in_use_fails_naming_it_and_what_to_do():
+    taken = socket.socket()
+    try:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = doctor("--port", str(port), "--discovery-port", str(free_udp_port()))
+    finally:
+        taken.close()
+    status, detail = lines(out.stdout)["TCP port"]
+    assert status == "FAIL", out.stdout
+    assert f"TCP port {port}: cannot listen" in out.stdout
+    assert "--port" in detail and "in use" in detail.lower()
+    assert out.returncode == 1
+    assert "FAILed" in out.stdout.splitlines()[-1]
+
+
+def test_tcp_port_alias_and_bad_options():
+    bad = doctor("--tcp-port", "70000")
+    assert bad.returncode == 2 and "--port must be 0..65535" in bad.stderr
+    group = doctor("--group", "10.0.0.1")
+    assert group.returncode == 2 and "multicast" in group.stderr
+
+
+def test_help_says_the_exit_status_without_importing_torch():
+    out = subprocess.run([sys.executable, "-m", "p2ptrain", "doctor", "--help"], check=False, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "Exit status: 0 when no check FAILed, 1 otherwise" in " ".join(out.stdout.split())
+    assert "--discovery-port" in out.stdout and "--tcp-port" in out.stdout
+    code = "import sys; from p2ptrain.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    probe = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+    assert probe.stdout.strip() == "False", probe.stderr
+
+
+@requires_netns
+def test_in_a_lan_beacons_come_back_and_reach_another_host(make_lan):  # noqa: F811  (the fixture)
+    lan = make_lan(2)
+    # peers lists who it heard in the last 5 s (beacon.HEARD_TTL): listening 4.5 s, it cannot forget the doctor
+    listener = lan.popen(1, [sys.executable, "-m", "p2ptrain", "peers", "--all-clusters", "--seconds", "4.5"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_line(listener, "listening for", timeout=20)
+        out = lan.run(0, [sys.executable, "-m", "p2ptrain", "doctor"], cwd=REPO, timeout=60)  # the defaults
+        heard, _ = listener.communicate(timeout=30)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.communicate()
+    found = lines(out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert found["interfaces"][0] == "ok" and "10.77.0.10 on eth0 (wired)" in found["interfaces"][1]
+    assert found["multicast beacons"] == ("ok", "sent to 239.255.77.77:29477 via eth0 and heard back")
+    assert found["broadcast beacons"] == ("ok", "sent to 10.77.0.255:29477 on eth0 and heard back")
+    assert "TCP port 7000: listening on 0.0.0.0:7000 and reached at 10.77.0.10:7000" in out.stdout
+    assert re.search(r"10\.77\.0\.10 +7000 +- +0 +doctor +p2ptrain-doctor", heard), heard
+
+    lan.set_link(0, False)  # the cable pulled: only loopback is left
+    alone = lan.run(0, [sys.executable, "-m", "p2ptrain", "doctor", "--port", "0"], cwd=REPO, timeout=60)
+    status, detail = lines(alone.stdout)["interfaces"]
+    assert status == "warn" and "only loopback is up" in detail and "Connect to the LAN" in detail, alone.stdout
