@@ -57,6 +57,7 @@ class RoundRecord:
     round: int
     members: int
     samples: int  # the whole cluster's, this round
+    own_samples: int  # this peer's contribution to it
     wire_bytes: int  # what this peer sent in its ring (compressed)
     raw_bytes: int  # the same uncompressed
     seconds: float  # ring start to apply
@@ -112,6 +113,7 @@ class Cluster:
         self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
+        self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
         self._checksum = checksum
@@ -226,6 +228,7 @@ class Cluster:
                     continue
                 elif kind == "restored":
                     self.source.restore(args[0])
+                    self.loads.append(args[1])
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
                     actions = m.on_synced(args[1], now)
@@ -261,8 +264,9 @@ class Cluster:
                 self._ring_began[action.r] = loop.time()
                 self._rings[action.r] = loop.create_task(self._ring(action.r, action.view))
             elif isinstance(action, msg.Apply):
+                own = self._taken.get(action.r, (None, 0))[1]
                 self._apply(action.r, action.total_samples)
-                self._record(action.r, action.total_samples, action.view)
+                self._record(action.r, action.total_samples, own, action.view)
             elif isinstance(action, msg.PutBack):
                 self._put_back(action.r)
                 self._ring_stats.pop(action.r, None)
@@ -332,6 +336,7 @@ class Cluster:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
         else:
             self.transfer.serve(peer, ask_id, state, self.machine.sync_point())
+            self.machine.hold_for(peer, asyncio.get_running_loop().time())
 
     async def _fetch_state(self, source: str) -> None:
         """Download a snapshot, from ``source`` first, then from any synced member, until one loads."""
@@ -361,10 +366,10 @@ class Cluster:
         else:
             log.error("%s; this peer keeps training with the others", text)
 
-    def _record(self, r: int, total: int, view: tuple) -> None:
+    def _record(self, r: int, total: int, own: int, view: tuple) -> None:
         stats = self._ring_stats.pop(r, None)
         wire, raw = (stats.wire_bytes, stats.raw_bytes) if stats is not None else (0, 0)
         self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
         began = self._ring_began.pop(r, None)
         seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0
-        self.rounds.append(RoundRecord(r, len(view), total, wire, raw, seconds, time.time()))
+        self.rounds.append(RoundRecord(r, len(view), total, own, wire, raw, seconds, time.time()))

@@ -130,7 +130,7 @@ class _Join:
         self.stopping = False
         self._threads = 0
         self._train_task: asyncio.Task | None = None
-        self._records_seen = 0
+        self._records_seen = self._loads_seen = 0
         self.status = None
 
     async def run(self) -> int:
@@ -211,6 +211,11 @@ class _Join:
                 await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
             await peer.step(batch_size=n)
             self.own_samples += n
+            if metrics and len(peer.cluster.loads) > self._loads_seen:
+                for point in peer.cluster.loads[self._loads_seen:]:
+                    metrics.write(json.dumps({"event": "loaded", "time": time.time(), "round": point.round,
+                                              "version": point.version}) + "\n")
+                self._loads_seen = len(peer.cluster.loads)
             for record in self._new_records(peer):
                 self.rounds += 1
                 self.samples += record.samples
@@ -267,6 +272,7 @@ class _Join:
 
         out.write(json.dumps({
             "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
+            "own_samples": record.own_samples,
             "loss": self.last_loss, "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
             "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
             "dropped": getattr(peer, "dropped", 0), "param_checksum": param_checksum(peer.model)}) + "\n")
@@ -303,6 +309,7 @@ class _Join:
             with open(metrics_path, "a", encoding="utf-8") as out:
                 out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": self.rounds,
                                       "samples": self.samples, "own_samples": self.own_samples,
+                                      "dropped": getattr(peer, "dropped", 0),
                                       "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                                       "raw_bytes": c.raw_bytes, "param_checksum": checksum}) + "\n")
         if task.sample:

@@ -215,6 +215,14 @@ class RoundMachine:
             self.pending, self.lead, self.synced, self._left = None, None, False, True
         return self._run(now, go)
 
+    def hold_for(self, peer: str, now: float) -> list:
+        """We just sent ``peer`` our state. As leader, hold the next boundary (``join_hold`` at
+        most) until it reports that state, so that it does not fall behind while it loads."""
+        def go():
+            if self.lead is not None:
+                self._admit[peer], self._held[peer] = now + self.config.join_hold, self.history.version
+        return self._run(now, go)
+
     def sync_point(self) -> SyncPoint:
         return SyncPoint(self.history.version, self.history.digest, self.round, self.max_epoch)
 
@@ -480,7 +488,9 @@ class RoundMachine:
             theirs = Lineage(m["members"], d, v, m["min_id"] or s)
             if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
                 why = "behind" if rel == "ahead" else "split"
-                return self._resync(f"{why}: {s} has version {v}, its side {m['members']} peer(s)", s, now)
+                leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
+                src = leader if leader != self.id and self.table.is_live(leader) else s
+                return self._resync(f"{why}: {s} has version {v}, its side {m['members']} peer(s)", src, now)
         if not m["re"]:
             self._send(s, self._status(re=True))
 

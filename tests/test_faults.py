@@ -1,0 +1,164 @@
+"""Faults with real processes (``python -m p2ptrain join`` on loopback): a member killed with
+SIGKILL, the coordinator killed, a peer joining mid-training from other parameters, a graceful
+leave. After each, the survivors keep training, every sample they computed is applied (their
+per-round contributions add up to what they stepped, less batches voided by a state load,
+which are counted), and their parameters agree."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+_port = [26000 + (os.getpid() * 37) % 4000]
+
+
+class Peers:
+    """Join processes writing metrics and logs under tmp_path; all killed at the end."""
+
+    def __init__(self, tmp_path, extra=()):
+        self.tmp, self.extra, self.procs, self.ports = tmp_path, list(extra), {}, {}
+
+    def start(self, name, *, seed=0, max_rounds=100_000):
+        _port[0] += 1
+        port = _port[0]
+        others = ",".join(f"127.0.0.1:{q}" for n, q in self.ports.items() if n != name)
+        self.ports[name] = port
+        args = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k",
+                "--batch-size", "16", "--port", str(port), "--no-discovery", "--secret", "s", "--eval-every", "0",
+                "--seed", str(seed), "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"),
+                *(["--peers", others] if others else []), *self.extra]
+        err = open(self.tmp / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        err.close()
+
+    def records(self, name):
+        path = self.tmp / f"{name}.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in open(path):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                break
+        return out
+
+    def log(self, name):
+        return (self.tmp / f"{name}.log").read_text()
+
+    def wait(self, what, predicate, timeout=90):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0, -9)}
+            assert not dead, f"{dead} exited while waiting for {what}: {[self.log(n)[-1500:] for n in dead]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: " + \
+                " | ".join(f"{n}: {self.log(n)[-600:]}" for n in self.procs)
+            time.sleep(0.2)
+
+    def rounds(self, name, since_load=False):
+        """The per-round records; ``since_load``: only those after the peer last loaded state."""
+        out = []
+        for r in self.records(name):
+            if r.get("event") == "loaded" and since_load:
+                out = []
+            elif "round" in r and "event" not in r:
+                out.append(r)
+        return out
+
+    def coordinator(self):
+        """The peer whose log says it coordinates now (the last one that said so)."""
+        said = {n: self.log(n).rfind("coordinating from epoch") for n in self.procs if self.procs[n].poll() is None}
+        return max(said, key=said.get)
+
+    def stop_all(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait(timeout=30)
+
+
+def at_least(peers, names, n):
+    return lambda: all(len(peers.rounds(x)) >= n for x in names)
+
+
+def assert_nothing_lost_and_replicas_agree(peers, survivors):
+    """Each survivor's contributions, round by round, add up to what it stepped; and every
+    survivor holds the same parameters after each round they all applied."""
+    for name in survivors:
+        summary = peers.records(name)[-1]
+        assert summary.get("event") == "summary", peers.log(name)[-1500:]
+        applied = sum(r["own_samples"] for r in peers.rounds(name))
+        # a batch computed before loading the cluster's state (at the start) is void, and counted
+        assert applied + summary["dropped"] == summary["own_samples"], (name, applied, summary)
+        assert summary["dropped"] <= 4 * 16, summary
+    by_round = [{r["round"]: r["param_checksum"] for r in peers.rounds(n, since_load=True)} for n in survivors]
+    common = set.intersection(*(set(b) for b in by_round))
+    assert len(common) >= 5
+    for r in common:
+        assert len({b[r] for b in by_round}) == 1, f"replicas differ after round {r}"
+    assert len({peers.records(n)[-1]["param_checksum"] for n in survivors}) == 1
+
+
+def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
+    peers = Peers(tmp_path, extra=["--min-peers", "2"])
+    try:
+        for name in "abcd":
+            peers.start(name)
+        peers.wait("4 members", lambda: any(r["members"] == 4 for r in peers.rounds("a")))
+        peers.wait("rounds of 4", at_least(peers, "abcd", 8))
+        first = [n for n in "abcd" if n != peers.coordinator()][0]
+        peers.procs[first].send_signal(signal.SIGKILL)
+        left = [n for n in "abcd" if n != first]
+        base = {n: len(peers.rounds(n)) for n in left}
+        peers.wait("3 members go on", lambda: all(
+            sum(r["members"] == 3 for r in peers.rounds(n)[base[n]:]) >= 5 for n in left))
+        boss = peers.coordinator()
+        peers.procs[boss].send_signal(signal.SIGKILL)
+        survivors = [n for n in left if n != boss]
+        base = {n: len(peers.rounds(n)) for n in survivors}
+        peers.wait("2 members go on", lambda: all(
+            sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in survivors))
+        for n in survivors:
+            peers.procs[n].send_signal(signal.SIGTERM)  # a graceful end: exit 0, summary written
+        for n in survivors:
+            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        assert_nothing_lost_and_replicas_agree(peers, survivors)
+        rounds = [r["round"] for r in peers.rounds(survivors[0])]
+        assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds)  # the numbering went on
+    finally:
+        peers.stop_all()
+
+
+def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp_path):
+    peers = Peers(tmp_path, extra=["--min-peers", "2"])
+    try:
+        peers.start("a")
+        peers.start("b")
+        peers.wait("rounds of 2", at_least(peers, "ab", 10))
+        peers.start("c", seed=7)  # other initial parameters: only the state transfer makes it match
+        peers.wait("the joiner's rounds", at_least(peers, "c", 5))
+        assert "loaded the cluster's state" in peers.log("c")
+        peers.procs["a"].send_signal(signal.SIGTERM)
+        assert peers.procs["a"].wait(timeout=60) == 0, peers.log("a")[-1500:]
+        base = {n: len(peers.rounds(n)) for n in "bc"}
+        peers.wait("2 members go on", lambda: all(
+            sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in "bc"))
+        assert "said goodbye" in peers.log("b") + peers.log("c")
+        for n in "bc":
+            peers.procs[n].send_signal(signal.SIGTERM)
+        for n in "bc":
+            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        assert_nothing_lost_and_replicas_agree(peers, ["b", "c"])
+        joined = {r["round"]: r["param_checksum"] for r in peers.rounds("c", since_load=True)}
+        founders = {r["round"]: r["param_checksum"] for r in peers.rounds("a", since_load=True)}
+        shared = set(joined) & set(founders)
+        assert shared and all(joined[r] == founders[r] for r in shared)  # from its first round on
+    finally:
+        peers.stop_all()
