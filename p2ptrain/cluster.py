@@ -39,7 +39,7 @@ from p2ptrain import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import RingAllreduce
 from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
-from p2ptrain.membership import genesis
+from p2ptrain.membership import DEAD, genesis
 from p2ptrain.mesh import Mesh
 from p2ptrain.ring import chunk_elems_for
 from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
@@ -207,6 +207,9 @@ class Cluster:
             try:
                 if kind == "tick":
                     actions = m.on_tick(now)
+                    for peer in self.mesh.peers:
+                        if m.table.state(peer) == DEAD:
+                            self.mesh.disconnect(peer, "silent too long")
                 elif kind == "message":
                     actions = m.on_message(args[0], args[1], now)
                 elif kind == "connected":

@@ -229,7 +229,7 @@ class PeerTable:
 
 # -- lineage ---------------------------------------------------------------------------------
 DIGEST_BYTES = 16
-WINDOW = 64  # versions whose digest a History remembers (for comparing with a lagging peer)
+WINDOW = 1 << 16  # versions whose digest a History remembers (a split this long is still told apart)
 STATUS_WINDOW = 8  # of which a STATUS carries the newest
 
 
@@ -273,17 +273,26 @@ class History:
         return list(self._window.items())[-n:]
 
 
-def relation(mine: History, version: int, digest: bytes, recent: Iterable[tuple[int, bytes]]) -> str:
+def relation(mine: History, version: int, digest: bytes, recent: Iterable[tuple[int, bytes]],
+             at: tuple[int, bytes] | None = None, can_ask: bool = False) -> str:
     """How a peer's lineage relates to ours: ``same``; ``behind`` (it is on our chain, older);
-    ``ahead`` (we are on its chain, older); ``split`` (the chains differ). Too far apart to
-    tell counts as behind/ahead by version: the older one loads state either way."""
+    ``ahead`` (we are on its chain, older); ``split`` (the chains differ).
+
+    The newer side tells from its own history. The older side needs the newer one's digest at
+    its version: in ``recent`` (its newest few) or ``at`` (sent in reply to our STATUS). Without
+    it: ``unknown`` when we ``can_ask`` (send our STATUS; the reply carries ``at``), else by
+    version (a split longer than WINDOW looks like lagging: the older side loads state)."""
     if version == mine.version:
         return "same" if digest == mine.digest else "split"
     if version < mine.version:
         ours = mine.at(version)
         return "behind" if ours is None or ours == digest else "split"
     theirs = dict(recent).get(mine.version)
-    return "ahead" if theirs is None or theirs == mine.digest else "split"
+    if theirs is None and at is not None and at[0] == mine.version:
+        theirs = at[1]
+    if theirs is None:
+        return "unknown" if can_ask else "ahead"
+    return "ahead" if theirs == mine.digest else "split"
 
 
 class Lineage(NamedTuple):

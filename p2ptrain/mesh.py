@@ -158,6 +158,13 @@ class Mesh:
             raise LinkError(f"no link to peer {peer_id}")
         await link.send(header, payload, timeout)
 
+    def disconnect(self, peer_id: str, why: str) -> None:
+        """Close our link to a peer found dead (silent), so that a later dial can reach it again:
+        a pulled cable leaves TCP links open, silent, for many minutes."""
+        if peer_id in self._links:
+            log.info("closing the link to %s: %s", peer_id, why)
+            self._drop(peer_id, why)
+
     # -- admission ------------------------------------------------------------------------
     def _handshake(self) -> auth.Handshake:
         return auth.Handshake(cluster=self.cluster, peer_id=self.peer_id, secret=self._secret, info=self.info)

@@ -15,7 +15,8 @@ from p2ptrain.membership import STATUS_WINDOW, valid_id
 # -- round messages (frame headers; "t" is the type) ---------------------------------------------
 QUERY = "query"  # new leader -> candidates  {b}: report your state, obey ballot b
 STATUS = "status"  # any -> any  {synced, version, digest, round, members, min_id, window, pending,
-#                                log, promised, b (the QUERY/PROPOSE answered, or None), re (a reply)}
+#                                log, promised, b (the QUERY/PROPOSE answered, or None), re (a reply),
+#                                at ([v, our digest at v] in reply to a peer at version v, or None)}
 PROPOSE = "propose"  # leader -> view  {r, b, view}
 READY = "ready"  # member -> leader  {r, b, samples, version, digest}
 START = "start"  # leader -> view  {r, b, view, total}
@@ -83,7 +84,8 @@ _SCHEMA = {
              "members": _int, "min_id": lambda v: v if v == "" else _ids([v])[0],
              "window": lambda v: _pairs(v, STATUS_WINDOW, 2, lambda a, d: (_int(a), _of(bytes, 64)(d))),
              "log": lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
-             "pending": _opt(_pending), "promised": _opt(_ballot), "b": _opt(_ballot), "re": _of(bool)},
+             "pending": _opt(_pending), "promised": _opt(_ballot), "b": _opt(_ballot), "re": _of(bool),
+             "at": _opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0])},
     PROPOSE: {**_RB, "view": lambda v: _ids(v, view=True)},
     READY: {**_RB, "samples": _int, "version": _int, "digest": _of(bytes, 64)},
     START: {**_RB, "view": lambda v: _ids(v, view=True), "total": _int},

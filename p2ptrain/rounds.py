@@ -285,12 +285,15 @@ class RoundMachine:
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
          NACK: self._on_nack, GOODBYE: self._on_goodbye}[m["t"]](s, m, now)
 
-    def _status(self, b=None, re=False) -> dict:
+    def _status(self, b=None, re=False, their: int | None = None) -> dict:
+        """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``)."""
         p, ids = self.pending, self.table.live_synced()
+        at = self.history.at(their) if their is not None and their < self.history.version else None
         return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
                 "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
                 "window": [list(e) for e in self.history.recent()], "b": list(b) if b else None,
                 "promised": list(self.promised) if self.promised else None,
+                "at": [their, at] if at is not None else None,
                 "log": [[r, list(bb), c] for r, bb, c in self._log],
                 "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
                                   "view": list(p.view), "total": p.total}}
@@ -472,7 +475,9 @@ class RoundMachine:
         v, d, pd = m["version"], m["digest"], m["pending"]
         if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
             v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])  # about to commit it
-        rel = relation(self.history, v, d, m["window"])
+        rel = relation(self.history, v, d, m["window"], m.get("at"), can_ask=not m["re"])
+        if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
+            return self._send(s, self._status())
         if rel == "behind" and m["round"] < self.round and s in self._last_view:
             self.counters["stale_status"] += 1  # sent before a round we both took part in
             return
@@ -492,7 +497,7 @@ class RoundMachine:
                 src = leader if leader != self.id and self.table.is_live(leader) else s
                 return self._resync(f"{why}: {s} has version {v}, its side {m['members']} peer(s)", src, now)
         if not m["re"]:
-            self._send(s, self._status(re=True))
+            self._send(s, self._status(re=True, their=v))
 
     def _lineage(self) -> Lineage:
         ids = self.table.live_synced()
@@ -727,7 +732,8 @@ class RoundMachine:
                 else:
                     self._abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                      f"{', '.join(sorted(L.waiting))}", drop=L.waiting)
-        if self.synced and (p is None or p.started) and now - self._heard_lead > 2 * self.config.query_timeout:
+        quiet = min(2 * self.config.query_timeout, self.config.peer_timeout / 2)  # well before we seem dead
+        if self.synced and (p is None or p.started) and now - self._heard_lead > quiet:
             self._heard_lead = now  # no leader speaks to us: we may be left out, or in doubt, unheard
             self._broadcast(self._status(), self._peers())
         if p is not None and p.phase in (READIED, RINGED) and p.b[1] != self.id:

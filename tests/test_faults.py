@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,20 +22,25 @@ _port = [26000 + (os.getpid() * 37) % 4000]
 class Peers:
     """Join processes writing metrics and logs under tmp_path; all killed at the end."""
 
-    def __init__(self, tmp_path, extra=()):
-        self.tmp, self.extra, self.procs, self.ports = tmp_path, list(extra), {}, {}
+    def __init__(self, tmp_path, extra=(), lan=None):
+        self.tmp, self.extra, self.procs, self.ports, self.lan = tmp_path, list(extra), {}, {}, lan
 
-    def start(self, name, *, seed=0, max_rounds=100_000):
+    def start(self, name, *, seed=0, max_rounds=100_000, host=None, args=("--secret", "s")):
+        """On loopback with --peers (the peers started so far), or on ``lan`` host ``host`` by discovery."""
         _port[0] += 1
-        port = _port[0]
+        port = _port[0] if host is None else 7000
         others = ",".join(f"127.0.0.1:{q}" for n, q in self.ports.items() if n != name)
         self.ports[name] = port
-        args = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k",
-                "--batch-size", "16", "--port", str(port), "--no-discovery", "--secret", "s", "--eval-every", "0",
-                "--seed", str(seed), "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"),
-                *(["--peers", others] if others else []), *self.extra]
+        where = ["--no-discovery", *(["--peers", others] if others else [])] if host is None else []
+        cmd = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k",
+               "--batch-size", "16", "--port", str(port), "--eval-every", "0", "--seed", str(seed),
+               "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"), *where, *args,
+               *self.extra]
         err = open(self.tmp / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        if host is None:
+            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        else:
+            self.procs[name] = self.lan.popen(host, cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
         err.close()
 
     def records(self, name):
@@ -145,12 +151,14 @@ def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp
         peers.start("c", seed=7)  # other initial parameters: only the state transfer makes it match
         peers.wait("the joiner's rounds", at_least(peers, "c", 5))
         assert "loaded the cluster's state" in peers.log("c")
+        left = time.time()
         peers.procs["a"].send_signal(signal.SIGTERM)
         assert peers.procs["a"].wait(timeout=60) == 0, peers.log("a")[-1500:]
         base = {n: len(peers.rounds(n)) for n in "bc"}
         peers.wait("2 members go on", lambda: all(
             sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in "bc"))
-        assert "said goodbye" in peers.log("b") + peers.log("c")
+        reformed = min(r["time"] for r in peers.rounds("b") if r["time"] > left and r["members"] == 2)
+        assert reformed - left < 5.0  # at once on its goodbye, not after the 10 s silence timeout
         for n in "bc":
             peers.procs[n].send_signal(signal.SIGTERM)
         for n in "bc":
@@ -160,5 +168,63 @@ def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp
         founders = {r["round"]: r["param_checksum"] for r in peers.rounds("a", since_load=True)}
         shared = set(joined) & set(founders)
         assert shared and all(joined[r] == founders[r] for r in shared)  # from its first round on
+    finally:
+        peers.stop_all()
+
+
+def finish_all(peers, names):
+    for n in names:
+        peers.procs[n].send_signal(signal.SIGTERM)
+    for n in names:
+        assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+
+
+@requires_netns
+def test_discovery_alone_forms_one_ring_and_keeps_strangers_out(tmp_path, make_lan):
+    """Three hosts with no --peers find each other by beacons; a peer with the wrong secret and
+    one of another cluster are heard but never become members."""
+    lan = make_lan(5)
+    peers = Peers(tmp_path, lan=lan)
+    try:
+        for i, name in enumerate("abc"):
+            peers.start(name, host=i, args=("--secret", "s", "--min-peers", "3"))
+        peers.start("wrong", host=3, args=("--secret", "other"))
+        peers.start("elsewhere", host=4, args=("--secret", "s", "--cluster", "other"))
+        peers.wait("rounds of 3", at_least(peers, "abc", 20), timeout=120)
+        finish_all(peers, ["a", "b", "c", "wrong", "elsewhere"])
+        assert all(r["members"] == 3 for n in "abc" for r in peers.rounds(n))
+        assert all(r["members"] == 1 for n in ("wrong", "elsewhere") for r in peers.rounds(n))
+        assert_nothing_lost_and_replicas_agree(peers, ["a", "b", "c"])
+        assert "refused" in peers.log("wrong") or "secret" in peers.log("wrong")
+    finally:
+        peers.stop_all()
+
+
+@requires_netns
+def test_a_cable_pulled_splits_the_cluster_and_plugging_it_back_heals_it(tmp_path, make_lan):
+    """Host c loses its link: a and b detect it and go on; c goes on alone (min peers 1).
+    Replugged, the smaller side (c) loads the bigger side's state; then all three agree."""
+    lan = make_lan(3)
+    peers = Peers(tmp_path, lan=lan)
+    try:
+        for i, name in enumerate("abc"):
+            peers.start(name, host=i)
+        peers.wait("rounds of 3", lambda: all(sum(r["members"] == 3 for r in peers.rounds(n)) >= 10 for n in "abc"),
+                    timeout=120)
+        lan.set_link(2, False)
+        pulled = time.monotonic()
+        base = {n: len(peers.rounds(n)) for n in "abc"}
+        peers.wait("both sides go on", lambda: all(sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5
+                                                   for n in "ab")
+                   and sum(r["members"] == 1 for r in peers.rounds("c")[base["c"]:]) >= 5, timeout=60)
+        detected = time.monotonic() - pulled
+        lan.set_link(2, True)
+        base = {n: len(peers.rounds(n)) for n in "abc"}
+        peers.wait("healed", lambda: all(sum(r["members"] == 3 for r in peers.rounds(n)[base[n]:]) >= 5
+                                         for n in "abc"), timeout=90)
+        finish_all(peers, "abc")
+        assert "split" in peers.log("c"), peers.log("c")[-2000:]
+        assert_nothing_lost_and_replicas_agree(peers, ["a", "b", "c"])
+        print(f"split detected and both sides training again {detected:.1f} s after the cable was pulled")
     finally:
         peers.stop_all()

@@ -208,6 +208,22 @@ def test_history_window_and_relation():
     assert relation(long, 0, b"anything", []) == "behind"  # too old to tell: it loads state anyway
 
 
+def test_a_long_split_is_told_from_lagging_by_asking_the_newer_side():
+    """The older side cannot see a split older than the newer side's STATUS window: it asks,
+    and the reply carries the newer side's digest at its version (``at``)."""
+    common = [(r, ("a", "b", "c"), 3) for r in range(5)]
+    small = chain(common + [(r, ("c",), 1) for r in range(5, 8)])  # 3 rounds alone
+    big = chain(common + [(r, ("a", "b"), 2) for r in range(5, 40)])  # 35 rounds on the other side
+    lag = chain(common + [(r, ("a", "b"), 2) for r in range(5, 8)])  # on big's chain, far behind
+    for older in (small, lag):
+        assert relation(older, big.version, big.digest, big.recent(), can_ask=True) == "unknown"
+        assert relation(older, big.version, big.digest, big.recent()) == "ahead"  # (a reply: by version)
+    assert relation(big, small.version, small.digest, small.recent()) == "split"  # the newer side knows
+    at_small, at_lag = (small.version, big.at(small.version)), (lag.version, big.at(lag.version))
+    assert relation(small, big.version, big.digest, big.recent(), at=at_small) == "split"
+    assert relation(lag, big.version, big.digest, big.recent(), at=at_lag) == "ahead"
+
+
 def test_heal_decision_rules():
     big = Lineage(3, b"\x01", 10, "b")
     small = Lineage(2, b"\x02", 50, "a")
