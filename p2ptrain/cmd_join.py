@@ -131,6 +131,7 @@ class _Join:
         self._threads = 0
         self._train_task: asyncio.Task | None = None
         self._records_seen = self._loads_seen = 0
+        self._resumed_at = 0  # rounds counted before this run (from a checkpoint)
         self.status = None
 
     async def run(self) -> int:
@@ -154,6 +155,7 @@ class _Join:
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          step_timeout=float("inf"), **kwargs)
+        self._resume(peer, task)
         self._share_cores(peer, len([p for p in peers if p.rpartition(":")[0] in _local_hosts()]))
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()
@@ -172,8 +174,45 @@ class _Join:
             self.status.clear()
             if metrics:
                 metrics.close()
+        self._checkpoint(peer, task, final=True)
         self._summary(peer, task, model, device, metrics_path=a.metrics)
         return 0
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _resume(self, peer, task) -> None:
+        """With --checkpoint-dir: continue from the newest checkpoint there. A cluster already
+        running further along (or a bigger side) hands this peer its state instead."""
+        from p2ptrain.checkpoint import load_latest
+        from p2ptrain.tasks import fingerprint_diff, model_fingerprint
+
+        a = self.args
+        found = load_latest(a.checkpoint_dir) if a.checkpoint_dir else None
+        if found is None:
+            return
+        path, state = found
+        diff = fingerprint_diff(model_fingerprint(peer.model), state.get("fingerprint", []))
+        if diff:
+            raise ConfigError(f"{path} holds another model ({diff}): use another --checkpoint-dir, or the "
+                              "--task/--model-size it was written with")
+        peer.load_state_dict(state["peer"])
+        self.rounds, self.samples = int(state.get("rounds", 0)), int(state.get("samples", 0))
+        self._resumed_at = self.rounds
+        log.info("resuming from %s: round %d, %d rounds and %d samples so far", path, state.get("round", -1),
+                 self.rounds, self.samples)
+
+    def _checkpoint(self, peer, task, final: bool = False) -> None:
+        from p2ptrain.checkpoint import save_checkpoint
+        from p2ptrain.tasks import model_fingerprint
+
+        a = self.args
+        if not a.checkpoint_dir or (not final and self.rounds % a.checkpoint_every):
+            return
+        last = peer.cluster.rounds[-1].round if peer.cluster.rounds else -1
+        state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.model), "round": last,
+                 "rounds": self.rounds, "samples": self.samples,
+                 "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
+        path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
+        log.log(logging.INFO if final else logging.DEBUG, "checkpoint written: %s", path)
 
     def _install_signals(self) -> None:
         """Ctrl-C or SIGTERM: leave politely and exit 0. A second one: exit at once."""
@@ -223,6 +262,7 @@ class _Join:
                     self._write_metrics(metrics, peer, record)
                 if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
                     log.info("round %d  validation loss %.4f", record.round, task.evaluate(peer.model, device))
+                self._checkpoint(peer, task)
             now = time.monotonic()
             if now - last_log >= 0.5:
                 last_log = now
@@ -290,7 +330,7 @@ class _Join:
 
     def _done(self, start: float) -> bool:
         a = self.args
-        return (self.stopping or (a.max_rounds is not None and self.rounds >= a.max_rounds)
+        return (self.stopping or (a.max_rounds is not None and self.rounds - self._resumed_at >= a.max_rounds)
                 or (a.duration is not None and time.monotonic() - start >= a.duration))
 
     def _summary(self, peer, task, model, device, metrics_path) -> None:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import finish
@@ -98,3 +99,32 @@ def test_an_empty_secret_file_is_refused_not_an_open_cluster(tmp_path):
     p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--secret-file", str(empty), "--max-rounds", "1"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "secret is empty" in p.stderr
+
+
+def test_resumes_from_the_newest_checkpoint_after_kill_9(tmp_path):
+    ckpt, port = tmp_path / "ckpt", str(ports(1)[0])
+    args = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k", "--port", port,
+            "--no-discovery", "--eval-every", "0", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"]
+    first = subprocess.Popen([*args, "--max-rounds", "100000", "--metrics", str(tmp_path / "first.jsonl")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(ckpt.glob("ckpt-r*.pt"))) < 2:  # at least two checkpoints, then kill it mid-flight
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-1500:] if first.poll() else ""
+            time.sleep(0.1)
+        first.kill()
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    before = [r for r in records(tmp_path / "first.jsonl") if "event" not in r]
+    second = subprocess.run([*args, "--max-rounds", "10", "--metrics", str(tmp_path / "second.jsonl")],
+                            capture_output=True, text=True, timeout=150)
+    assert second.returncode == 0, second.stderr[-1500:]
+    assert "resuming from" in second.stderr
+    after = [r for r in records(tmp_path / "second.jsonl") if "event" not in r]
+    summary = records(tmp_path / "second.jsonl")[-1]
+    assert len(after) == 10 and summary["event"] == "summary"
+    assert after[0]["round"] >= 39  # it went on from a checkpoint of round 39 or later, not from round 0
+    assert after[0]["loss"] < before[0]["loss"] - 0.3  # with the trained parameters, not the initial ones
+    assert len(list(ckpt.glob("ckpt-r*.pt"))) <= 3 and not list(ckpt.glob(".ckpt-*"))  # kept 3; no temp left
