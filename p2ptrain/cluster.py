@@ -44,6 +44,7 @@ from p2ptrain.mesh import Mesh
 from p2ptrain.ring import chunk_elems_for
 from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.statesync import StateTransfer
+from p2ptrain.trace import NO_TRACE
 
 log = logging.getLogger("p2ptrain.cluster")
 TICK = 0.1
@@ -113,6 +114,7 @@ class Cluster:
         self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
+        self.trace = NO_TRACE  # or a p2ptrain.trace.Tracer: rounds, rings and applies as spans
         self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
@@ -268,7 +270,8 @@ class Cluster:
                 self._rings[action.r] = loop.create_task(self._ring(action.r, action.view))
             elif isinstance(action, msg.Apply):
                 own = self._taken.get(action.r, (None, 0))[1]
-                self._apply(action.r, action.total_samples)
+                with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
+                    self._apply(action.r, action.total_samples)
                 self._record(action.r, action.total_samples, own, action.view)
             elif isinstance(action, msg.PutBack):
                 self._put_back(action.r)
@@ -299,7 +302,8 @@ class Cluster:
             if n > 1:
                 run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                     recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
-                                    op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout)
+                                    op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
+                                    trace=self.trace)
                 self._ring_stats[r] = await run.run()
             self._results[r] = work
         except (P2PTrainError, KeyError, ValueError) as exc:
@@ -376,3 +380,7 @@ class Cluster:
         began = self._ring_began.pop(r, None)
         seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0
         self.rounds.append(RoundRecord(r, len(view), total, own, wire, raw, seconds, time.time()))
+        if began is not None:
+            now = self.trace.now()
+            self.trace.span(f"round {r}", "round", now - seconds, now, members=len(view), samples=total,
+                            wire_bytes=wire)

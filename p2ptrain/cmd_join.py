@@ -22,6 +22,7 @@ import time
 
 from p2ptrain.cli import secret_option
 from p2ptrain.errors import ConfigError
+from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
 log = logging.getLogger("p2ptrain.join")
@@ -83,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and a final {\"event\": \"summary\"}")
     g.add_argument("--eval-every", type=int, default=_env("eval_every", "100"),
                    help="validation loss every N rounds (default 100; 0 = only at the end)")
+    g.add_argument("--trace", default=_env("trace"), help="write a Chrome-trace timeline (compute, encode, send, "
+                   "receive, reduce, apply per round) to this file, for chrome://tracing or ui.perfetto.dev")
     g.add_argument("--checkpoint-dir", default=_env("checkpoint_dir"), help="write checkpoints here, and resume "
                    "from the newest one when the cluster starts from nothing")
     g.add_argument("--checkpoint-every", type=int, default=_env("checkpoint_every", "100"),
@@ -133,6 +136,7 @@ class _Join:
         self._records_seen = self._loads_seen = 0
         self._resumed_at = 0  # rounds counted before this run (from a checkpoint)
         self.status = None
+        self.trace = NO_TRACE
 
     async def run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
@@ -163,6 +167,10 @@ class _Join:
         try:
             async with peer:
                 log.info("peer %s listening on port %d (cluster %r)", peer.peer_id, peer.cluster.port, a.cluster)
+                if a.trace:
+                    from p2ptrain.trace import Tracer
+
+                    self.trace = peer.cluster.trace = Tracer(a.trace, f"p2ptrain peer {peer.peer_id}")
                 self._train_task = asyncio.get_running_loop().create_task(self._train(peer, task, device, metrics))
                 try:
                     await self._train_task
@@ -175,6 +183,9 @@ class _Join:
             if metrics:
                 metrics.close()
         self._checkpoint(peer, task, final=True)
+        if self.trace.enabled:
+            self.trace.write()
+            log.info("trace written to %s (open it in chrome://tracing or ui.perfetto.dev)", a.trace)
         self._summary(peer, task, model, device, metrics_path=a.metrics)
         return 0
 
@@ -241,14 +252,16 @@ class _Join:
         await self._wait_for_members(peer)
         start = last_log = time.monotonic()
         while not self._done(start):
-            batch = next(batches)
-            n = task.batch_size_of(batch)
-            loss = task.loss(peer.model, batch, device)
-            loss.backward()
-            self.last_loss = float(loss.detach())
-            if a.step_delay:
-                await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
-            await peer.step(batch_size=n)
+            with self.trace("compute", "compute"):
+                batch = next(batches)
+                n = task.batch_size_of(batch)
+                loss = task.loss(peer.model, batch, device)
+                loss.backward()
+                self.last_loss = float(loss.detach())
+                if a.step_delay:
+                    await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
+            with self.trace("step", "compute"):
+                await peer.step(batch_size=n)
             self.own_samples += n
             if metrics and len(peer.cluster.loads) > self._loads_seen:
                 for point in peer.cluster.loads[self._loads_seen:]:

@@ -39,6 +39,7 @@ from p2ptrain import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
 from p2ptrain.ring import RingPlan, Transfer
+from p2ptrain.trace import NO_TRACE
 from p2ptrain.transport import Link
 
 
@@ -74,7 +75,7 @@ class RingAllreduce:
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
-                 feedback: np.ndarray | None = None, executor: Executor | None = None):
+                 feedback: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
         self.work = work
@@ -83,6 +84,7 @@ class RingAllreduce:
         self.codec = codec
         self._recv_codec = codec if codec.is_identity or executor is None else parse_codec(codec.spec)
         self._executor = None if codec.is_identity else executor
+        self.trace = trace  # p2ptrain.trace: spans of encode, send, receive-wait, reduce per chunk
         self.op_id = op_id
         self.timeout = timeout
         self.feedback = feedback
@@ -127,7 +129,9 @@ class RingAllreduce:
                 await self._wait_arrived(t.after)
             src = self.work[t.start : t.stop]
             if t.reduce or t.g == owner_step:
+                began = self.trace.now()
                 params, payload = await self._offload(self._encode, src, not t.reduce)
+                self.trace.span("encode", "encode", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
             elif self.codec.is_identity:
                 params, payload = {}, [memoryview(src)]
             else:
@@ -135,7 +139,9 @@ class RingAllreduce:
                 payload = [forwarded]
             header = {"t": wire.CHUNK, "op": self.op_id, "g": t.g, "c": t.chunk, "n": self.plan.length,
                       "z": self.codec.spec, "p": params}
+            began = self.trace.now()
             await self.send_link.send(header, payload, timeout=self.timeout)
+            self.trace.span("send", "send", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
             self.stats.wire_bytes += sum(memoryview(p).nbytes for p in payload)
             self.stats.raw_bytes += src.nbytes
             if not (t.reduce or t.g == owner_step or self.codec.is_identity):
@@ -186,12 +192,17 @@ class RingAllreduce:
 
     async def _recv_all(self) -> None:
         for t in self.plan.recvs:
+            began = self.trace.now()
             frame = await self.recv_link.recv(timeout=self.timeout)
             while isinstance(frame.header.get("op"), int) and frame.header["op"] < self.op_id:
                 frame = await self.recv_link.recv(timeout=self.timeout)  # left by an aborted earlier call
+            arrived = self.trace.now()
+            self.trace.span("receive", "receive", began, arrived, round=self.op_id, step=t.g, chunk=t.chunk)
             params = self._check(frame, t)
             try:
                 await self._offload(self._absorb, t, params, frame.payload)
+                self.trace.span("reduce" if t.reduce else "decode", "reduce", arrived, self.trace.now(),
+                                round=self.op_id, step=t.g, chunk=t.chunk)
             except CodecError as exc:
                 raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
             self._arrived.add((t.g, t.chunk))

@@ -36,7 +36,8 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path, n):
     mine = ports(n)
     procs = [join("--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port), "--no-discovery",
                   "--port", str(port), "--min-peers", str(n), "--max-rounds", "25", "--compression", "int8",
-                  "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"))
+                  "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"),
+                  "--trace", str(tmp_path / f"t{port}.json"))
              for port in mine]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0] * n, [e[-1500:] for _, e in outs]
@@ -51,6 +52,13 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path, n):
     assert all(r["samples"] == 32 * n and r["members"] == n for r in ra)  # 32 per peer, all counted
     assert ra[-1]["wire_bytes"] < ra[-1]["raw_bytes"] / 3  # int8 on the wire
     assert "summary" in outs[0][0] and "sample:" in outs[0][0]
+    # the Chrome trace: every activity on its track, one span per round applied, chunks inside rounds
+    trace = json.load(open(tmp_path / f"t{mine[0]}.json"))["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    names = {e["name"].split()[0] for e in spans}
+    assert {"compute", "step", "encode", "send", "receive", "reduce", "decode", "apply", "round"} <= names
+    assert sum(e["name"].startswith("round ") for e in spans) == 25
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
 
 
 def test_alone_with_a_task_file_and_environment_options(tmp_path):
