@@ -208,6 +208,8 @@ class Cluster:
             now = loop.time()
             try:
                 if kind == "tick":
+                    for peer, heard in self.mesh.heard_at.items():  # any frame (pings too) is a sign of life
+                        m.table.message(peer, heard)
                     actions = m.on_tick(now)
                     for peer in self.mesh.peers:
                         if m.table.state(peer) == DEAD:

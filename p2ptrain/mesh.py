@@ -8,6 +8,7 @@ which routes what arrives:
   like a link (``recv``/``send``/``set_allocator``), so a ring runs over mesh links unchanged;
 - state transfer (``wire.STATE``: snapshots, model fingerprints) to ``on_state(peer_id, frame)``;
 - the link's own farewell (``wire.BYE``, sent by ``close``) ends the link;
+- keepalives (``wire.PING``, every KEEPALIVE seconds on every link) only refresh ``heard_at``;
 - everything else (round messages, the round machine's GOODBYE too) to ``on_message(peer_id, header)``.
 
 Two peers that dial each other at once end up with two links; both keep the one dialed by
@@ -31,6 +32,7 @@ from p2ptrain.errors import LinkError, P2PTrainError
 log = logging.getLogger("p2ptrain.mesh")
 
 RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
+KEEPALIVE = 2.0  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
 DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
 
 
@@ -99,12 +101,15 @@ class Mesh:
         self._failed_at: dict[tuple[str, int], float] = {}
         self._listener: transport.Listener | None = None
         self._closed = False
+        self._pinger: asyncio.Task | None = None
+        self.heard_at: dict[str, float] = {}  # peer id -> loop time of the last frame from it
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
         self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming)
         self.port = self._listener.port
         self.info["port"] = self.port
+        self._pinger = asyncio.get_running_loop().create_task(self._ping())
 
     async def close(self) -> None:
         """Say goodbye to every peer, then close links, dialers and the listener."""
@@ -114,7 +119,7 @@ class Mesh:
                 await link.send({"t": wire.BYE}, timeout=1.0)
             except P2PTrainError:
                 pass
-        tasks = [*self._dialing.values(), *self._readers.values(), *self._lingering]
+        tasks = [*self._dialing.values(), *self._readers.values(), *self._lingering, *filter(None, [self._pinger])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -217,12 +222,30 @@ class Mesh:
         task.add_done_callback(self._lingering.discard)
         loop.call_later(DUPLICATE_GRACE, link.close)
 
+    async def _ping(self) -> None:
+        while True:
+            await asyncio.sleep(KEEPALIVE)
+            for link in list(self._links.values()):
+                if not link.closed:
+                    asyncio.get_running_loop().create_task(self._ping_one(link))
+
+    @staticmethod
+    async def _ping_one(link: transport.Link) -> None:
+        try:
+            await link.send({"t": wire.PING}, timeout=KEEPALIVE * 5)
+        except P2PTrainError:
+            pass  # the reader reports the loss
+
     # -- routing --------------------------------------------------------------------------
     async def _read(self, pid: str, link: transport.Link) -> None:
         why = "link closed"
         try:
             while True:
                 frame = await link.recv()
+                if self._links.get(pid) is link:
+                    self.heard_at[pid] = asyncio.get_running_loop().time()
+                if frame.type == wire.PING:
+                    continue
                 if frame.type == wire.CHUNK:
                     if pid in self._channels:
                         self._channels[pid]._put(frame)
@@ -244,6 +267,7 @@ class Mesh:
 
     def _drop(self, pid: str, why: str, report: bool = True) -> None:
         link = self._links.pop(pid, None)
+        self.heard_at.pop(pid, None)
         self._dialer.pop(pid, None)
         self._addr.pop(pid, None)
         channel = self._channels.pop(pid, None)

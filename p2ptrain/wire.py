@@ -43,6 +43,7 @@ REJECT = "reject"
 CHUNK = "chunk"
 BYE = "bye"
 STATE = "state"  # state transfer: see p2ptrain.statesync
+PING = "ping"  # keepalive: a link that carries nothing else still shows its peer alive
 
 Allocator = Callable[[dict, int], memoryview]
 

@@ -78,9 +78,11 @@ class Peers:
         return out
 
     def coordinator(self):
-        """The peer whose log says it coordinates now (the last one that said so)."""
-        said = {n: self.log(n).rfind("coordinating from epoch") for n in self.procs if self.procs[n].poll() is None}
-        return max(said, key=said.get)
+        """The live peer whose log says it coordinates now: its last "coordinating from epoch"
+        comes after its last "no longer coordinating" (every peer leads itself at first)."""
+        leading = [n for n in self.procs if self.procs[n].poll() is None
+                   and self.log(n).rfind("coordinating from epoch") > self.log(n).rfind("no longer coordinating")]
+        return leading[0] if len(leading) == 1 else None  # (None: a takeover is under way)
 
     def stop_all(self):
         for p in self.procs.values():
@@ -119,12 +121,14 @@ def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
             peers.start(name)
         peers.wait("4 members", lambda: any(r["members"] == 4 for r in peers.rounds("a")))
         peers.wait("rounds of 4", at_least(peers, "abcd", 8))
+        peers.wait("one coordinator", lambda: peers.coordinator() is not None)
         first = [n for n in "abcd" if n != peers.coordinator()][0]
         peers.procs[first].send_signal(signal.SIGKILL)
         left = [n for n in "abcd" if n != first]
         base = {n: len(peers.rounds(n)) for n in left}
         peers.wait("3 members go on", lambda: all(
             sum(r["members"] == 3 for r in peers.rounds(n)[base[n]:]) >= 5 for n in left))
+        peers.wait("one coordinator", lambda: peers.coordinator() is not None)
         boss = peers.coordinator()
         peers.procs[boss].send_signal(signal.SIGKILL)
         survivors = [n for n in left if n != boss]
