@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from dataclasses import dataclass
 
@@ -171,3 +172,16 @@ class Handshake:
         msg = b"\0".join([b"proof", self.cluster.encode(), prover.encode(), verifier.encode(),
                           verifier_nonce, prover_nonce])
         return hmac.new(self._key, msg, hashlib.sha256).digest()
+
+
+_warned_open = False
+
+
+def warn_if_open(secret: bytes | None) -> None:
+    """Say once per process, plainly, that a peer without a secret admits anyone."""
+    global _warned_open
+    if secret is None and not _warned_open:
+        _warned_open = True
+        logging.getLogger("p2ptrain").warning(
+            "no secret set: anyone on this network can join and send gradients; set --secret (or secret=, "
+            "or P2PTRAIN_SECRET) to the same value on every peer")

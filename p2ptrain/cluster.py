@@ -35,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
+from p2ptrain import auth
 from p2ptrain import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import RingAllreduce
@@ -98,6 +99,7 @@ class Cluster:
                  start: SyncPoint | None = None):
         self.peer_id = peer_id
         self.source = source
+        self._secret = secret
         self.codec = parse_codec(compression)
         self.machine = RoundMachine(peer_id, config)
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
@@ -128,6 +130,7 @@ class Cluster:
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
 
     async def __aenter__(self) -> "Cluster":
+        auth.warn_if_open(self._secret)
         await self.mesh.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._actor()), loop.create_task(self._ticker())]

@@ -160,7 +160,9 @@ class _Join:
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          step_timeout=float("inf"), **kwargs)
         self._resume(peer, task)
-        self._share_cores(peer, len([p for p in peers if p.rpartition(":")[0] in _local_hosts()]))
+        own = {(h, a.port) for h in _local_hosts()}
+        self._share_cores(peer, len([p for p in peers if p.rpartition(":")[0] in _local_hosts()
+                                     and (p.rpartition(":")[0], int(p.rpartition(":")[2])) not in own]))
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()
         self._install_signals()

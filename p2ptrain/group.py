@@ -37,18 +37,6 @@ from p2ptrain.identity import new_peer_id
 from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
 
 log = logging.getLogger("p2ptrain.group")
-_warned_open = False
-
-
-def warn_if_open(secret: bytes | None) -> None:
-    """Say once per process, plainly, that a group without a secret admits anyone."""
-    global _warned_open
-    if secret is None and not _warned_open:
-        _warned_open = True
-        log.warning("no secret set: anyone on this network can join and send gradients; "
-                    "set secret= (or P2PTRAIN_SECRET) to the same value on every peer")
-
-
 class Group:
     """A static group of peers (see the module docstring). Use as an async context manager."""
 
@@ -137,7 +125,7 @@ class Group:
             return
 
     async def __aenter__(self) -> "Group":
-        warn_if_open(self._secret)
+        auth.warn_if_open(self._secret)
         if self.size == 1:
             return self
         host, port = parse_host_port(self.listen)

@@ -417,7 +417,7 @@ class RoundMachine:
             self._finish(p, m["t"] == COMMIT, now)
         else:
             self._withdraw(p)
-        if m["t"] == ABORT:
+        if m["t"] == ABORT and s != self.id:  # (a leader logged its own abort)
             self._emit(Log("info", f"round {m['r']} aborted: {m['reason']}"))
 
     def _withdraw(self, p: _Pending) -> None:
@@ -678,7 +678,8 @@ class RoundMachine:
                 self._tell.add(q)
         self._broadcast({"t": ABORT, "r": L.r, "b": list(L.b), "reason": reason[:MAX_REASON], "drop": drop},
                         sorted(set(L.view) | set(drop)))
-        self._emit(Log("warning", f"round {L.r} aborted: {reason}"))
+        routine = reason == "the leader is leaving" or reason.endswith("said goodbye")
+        self._emit(Log("info" if routine else "warning", f"round {L.r} aborted: {reason}"))
         L.phase, L.r = self._move(_LEADER, L.phase, ABORT), L.r + 1
 
     def _on_nack(self, s, m, now) -> None:
