@@ -2,10 +2,15 @@
 
     python examples/async_loop.py --min-peers 2     # on each machine of the LAN: they find each other
     python examples/async_loop.py --min-peers 2 --peers 10.0.0.2:7100   # where multicast is blocked
+    python examples/async_loop.py --min-peers 2 --staleness 1 --compression int8
 
-Every peer starts from the same parameters (the same seed) and trains on its own batches;
-each ``await peer.step(...)`` returns once the round holding this batch was applied, with
-the gradient averaged over every peer's samples (staleness 0: the mathematics of DDP).
+Every peer starts from the same parameters (the same seed) and trains on its own batches.
+With ``--staleness 0`` each ``await peer.step(...)`` returns once the round holding this
+batch was applied, with the gradient averaged over every peer's samples (the mathematics of
+DDP). With 1 or more it returns at once: the rounds run on the peer's own thread while the
+loop computes, and the averaged updates are applied in later steps, at most that many
+updates late. The cluster never runs on this program's event loop, so a forward and a
+backward that hold it do not stall a ring.
 """
 
 import argparse
@@ -27,15 +32,17 @@ async def main(args):
 
     async with p2ptrain.AsyncPeer(model, optimizer, listen=args.listen, peers=args.peers.split(",") if args.peers else [],
                                   discovery=args.discovery, min_peers=args.min_peers, compression=args.compression,
-                                  secret=args.secret) as peer:
-        for step in range(args.steps):
+                                  staleness=args.staleness, secret=args.secret) as peer:
+        step = 0
+        while peer.version < args.updates:  # the same updates on every peer: all stop together
             x = torch.randn(32, 20, generator=data)
             y = (x @ w > 0).long()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             await peer.step(batch_size=len(x))  # <- the only p2ptrain line in the loop
-            if step % 20 == 0 or step == args.steps - 1:
+            if step % 20 == 0 or peer.version >= args.updates:
                 print(f"step {step:4d}  loss {loss.item():.4f}  rounds applied {peer.version}", flush=True)
+            step += 1
 
 
 if __name__ == "__main__":
@@ -45,8 +52,9 @@ if __name__ == "__main__":
     p.add_argument("--min-peers", type=int, default=1)
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="use --peers only")
     p.add_argument("--compression", default="none")
+    p.add_argument("--staleness", type=int, default=0, help="0: synchronous; 1, 2: rounds overlap compute")
     p.add_argument("--secret", default=None)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--updates", type=int, default=100, help="train until the cluster applied this many")
     p.add_argument("--data-seed", type=int, default=None, help="default: a random one")
     a = p.parse_args()
     if a.data_seed is None:

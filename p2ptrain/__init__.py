@@ -3,7 +3,8 @@
 Public API (everything else is private by name):
 
 - ``Group``: a static group of peers and its ``allreduce`` (ring-allreduce over TCP).
-- ``AsyncPeer``: a training loop's member of a cluster (rounds, staleness 0 for now).
+- ``Peer``: a training loop's member of a cluster (``with peer: ... peer.step(batch_size=n)``).
+- ``AsyncPeer``: the same for asyncio programs (``async with``, ``await peer.step(...)``).
 - the exceptions of ``p2ptrain.errors``.
 """
 
@@ -37,21 +38,26 @@ def __getattr__(name: str):
         from p2ptrain.peer import AsyncPeer
 
         return AsyncPeer
+    if name == "Peer":
+        from p2ptrain.sync_peer import Peer
+
+        return Peer
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
 
 __all__ = [
     "AsyncPeer",
-    "Group",
-    "__version__",
-    "P2PTrainError",
-    "ConfigError",
-    "RemoteProtocolError",
-    "FrameError",
-    "CodecError",
-    "HandshakeError",
-    "LinkError",
-    "GroupError",
-    "FingerprintError",
     "CheckpointError",
     "ClosedError",
+    "CodecError",
+    "ConfigError",
+    "FingerprintError",
+    "FrameError",
+    "Group",
+    "GroupError",
+    "HandshakeError",
+    "LinkError",
+    "P2PTrainError",
+    "Peer",
+    "RemoteProtocolError",
+    "__version__",
 ]

@@ -300,21 +300,25 @@ class Cluster:
     # -- rounds ---------------------------------------------------------------------------
     async def _ring(self, r: int, view: tuple[str, ...]) -> None:
         vector, _ = self._taken[r]
-        work = vector.copy()
+        if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
+            self._results[r] = vector
+            self._rings.pop(r, None)
+            self._post("ring_done", r, True, None)
+            return
+        work = vector.copy()  # (the vector stays whole: an aborted round puts it back)
         ok = True
         try:
             rank, n = view.index(self.peer_id), len(view)
-            if n > 1:
-                run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
-                                    recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
-                                    op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
-                                    trace=self.trace)
-                self._ring_stats[r] = await run.run()
+            run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
+                                recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
+                                op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
+                                trace=self.trace)
+            self._ring_stats[r] = await run.run()
             self._results[r] = work
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok = False
-        checksum = hashlib.blake2b(work.tobytes(), digest_size=16).digest() if ok else None
+        checksum = hashlib.blake2b(memoryview(work).cast("B"), digest_size=16).digest() if ok else None
         self._rings.pop(r, None)
         self._post("ring_done", r, ok, checksum)
 

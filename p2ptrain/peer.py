@@ -1,44 +1,255 @@
-"""``AsyncPeer``: a training loop's view of the cluster (asyncio). Staleness 0 for now.
+"""``AsyncPeer``: a training loop's member of a cluster, for asyncio programs (``p2ptrain.Peer``,
+in ``sync_peer``, is the same for ordinary loops).
 
-    async with p2ptrain.AsyncPeer(model, optimizer, peers=["10.0.0.1:7000"], min_peers=2) as peer:
+    async with p2ptrain.AsyncPeer(model, optimizer, staleness=1, compression="int8") as peer:
         for x, y in loader:
             loss = F.cross_entropy(model(x.to(peer.device)), y.to(peer.device))
             loss.backward()
             await peer.step(batch_size=len(x))
 
-``step`` adds the batch's gradient, weighted by its sample count, into an accumulator on the
-model's device, offers it to the next round, and (staleness 0) returns once a round that
-holds it was applied: every member then set its gradients to ``sum(G_i) / sum(n_i)`` and ran
-its own optimizer step on the same values. An aborted round puts the contribution back and
-the next round carries it, so no sample is lost.
+How it works. The cluster (rounds, ring, discovery) runs on its own event loop on a daemon
+thread (``_LoopThread``), so a forward or backward that holds the caller's thread (or its
+event loop) never stalls a ring. ``step`` adds the batch's gradient times its sample count
+into an accumulator on the model's device (``_Accumulator``) and notes the parameter version
+it was computed on (the version counts the updates applied here). At a round's start the
+cluster takes the accumulator (``take``: swapped for a fresh one, so compute goes on); on
+commit every member holds ``sum(G_i)`` and ``sum(n_i)``. That averaged gradient is queued
+(``apply``) and applied in round order inside the next ``step``, on the caller's thread: set
+into ``p.grad``, clipped (``clip_grad_norm``), the optimizer steps (its own step hooks see
+it), then ``scheduler`` steps: once per applied update. Parameters change only inside
+``step``, never under a forward or a backward.
 
-Peers find each other by discovery (UDP beacons on the LAN) and through ``peers``; with
-``discovery=False`` only ``peers`` is used. Today every peer must start from the same
-parameters (same seed): joining a running
-cluster needs the state transfer that is not built yet (such a peer is refused with a log
-line). Asynchronous rounds (``staleness >= 1``) come with it.
+Staleness. A gradient computed on version v and applied to version V has staleness V - v.
+
+- 0: ``step`` returns once the round holding its batch was applied: DDP's mathematics.
+- tau >= 1 (stale-synchronous): ``step`` returns at once; rounds run at the network's pace
+  and each member contributes what it has. A member whose batch in progress would be staler
+  than tau after the round being collected does not contribute yet, so the round waits for
+  it: the fastest peer runs at most tau updates ahead of the slowest, a slow peer
+  contributes fewer samples, and nothing computed within the bound is dropped. A member with
+  nothing yet waits ``LINGER_S`` for its batch, then contributes nothing (rounds in which
+  nobody had anything back off to one per ``LINGER_MAX_S``). A peer that stops stepping
+  (evaluation, a checkpoint) is waited for only ``PATIENCE_*`` long; what it computed then
+  comes too late. ``step`` blocks only while more than tau of its batches wait and no round
+  is under way (too few peers, loading state). Anything staler than tau when its round
+  starts is dropped and counted (``dropped``).
+
+Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
+samples are applied, and two rounds more for what the others computed meanwhile. Loops should
+count the cluster's updates (``while peer.version < n``), not their own steps: a faster peer
+takes more steps, and one that left early could leave the others short of ``min_peers``.
+
+State: ``snapshot``/``restore`` serve the cluster's state transfer; a restore lands at the
+next safe point (in ``step``) and voids the gradients accumulated before it.
+``state_dict``/``load_state_dict`` are for checkpoints (load before entering).
+
+Failure: ``step`` raises ``GroupError`` when no round takes or applies its batch within
+``step_timeout``, whatever stopped the cluster (``FingerprintError``, ...), and
+``ClosedError`` after ``close``: never a bare timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import copy
 import hashlib
 import logging
-from typing import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from p2ptrain import auth
 from p2ptrain.cluster import Cluster
-from p2ptrain.device import device_kind
+from p2ptrain.codecs import parse_codec
+from p2ptrain.device import HostStaging, device_kind, pick_device
 from p2ptrain.discovery import Discovery, parse_host_port
-from p2ptrain.errors import ConfigError, GroupError
+from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
-from p2ptrain.rounds import RoundConfig
+from p2ptrain.membership import genesis
+from p2ptrain.rounds import RoundConfig, SyncPoint
 from p2ptrain.tasks import model_fingerprint, param_checksum
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 log = logging.getLogger("p2ptrain.peer")
+
+LINGER_S = 0.02  # a member with nothing yet waits this long for its batch before contributing nothing
+LINGER_MAX_S = 2.0  # ... doubling after each round in which no member had anything (an idle cluster:
+#                    a round every 2 s, under the leader's first stall warning, half its 5 s floor)
+PATIENCE_S, PATIENCE_STEPS = 2.0, 4.0  # a batch later than both (and than that many mean steps) is not waited for
+FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
+HISTORY = 1000  # updates kept in ``history``
+LOG_EVERY_S = 10.0  # a progress line at INFO at most this often (every update at DEBUG)
+
+
+@dataclass(frozen=True)
+class RoundMetrics:
+    """One update applied here. Bytes and seconds are this peer's view of its round."""
+    round: int  # the cluster's round number
+    version: int  # updates applied here, this one included
+    members: int
+    samples: int  # averaged in this update, all members together
+    local_samples: int  # of which this peer's
+    staleness: int  # of this peer's oldest gradient in it (updates between computing and applying)
+    staleness_max: int  # the largest so far
+    dropped: int  # samples dropped so far (staler than the bound, or void after loading state)
+    wire_bytes: int  # this peer's ring sent this much (compressed) ...
+    raw_bytes: int  # ... standing for this much float32
+    round_time: float  # seconds from taking this peer's contribution to the commit
+    compute_time: float  # mean seconds per step outside step() (data, forward, backward) since the last update
+    wait_time: float  # seconds step() blocked since the last update
+
+
+@dataclass
+class _Update:  # a committed round, waiting for the caller's thread to apply it
+    summed: np.ndarray | None  # None: nobody had anything (the round still counts for the lineage)
+    total: int
+    point: SyncPoint
+    metrics: RoundMetrics | None
+    held: _Out | None = None  # our contribution's memory, when the cluster handed it back as the result
+
+
+@dataclass
+class _Out:  # this peer's contribution, held by the cluster until applied or put back
+    buffer: torch.Tensor | None  # the device sum it came from, while that is the host array itself (CPU)
+    samples: int
+    batches: int
+    oldest: int | None
+    taken_at: float
+    members: int
+    array: np.ndarray | None = None
+    staging: HostStaging | None = None
+
+
+class _Accumulator:
+    """``sum(batch_size * grad)`` in a flat float32 buffer on the model's device, and what it
+    holds: samples, batches, the oldest parameter version. ``swap`` hands the sum over and
+    starts a fresh one; on CPU the handed-over buffer *is* the host array (no copy), elsewhere
+    ``to_host`` copies it to a host buffer (pinned on CUDA). The owner serializes calls."""
+
+    def __init__(self, params: list[torch.Tensor], device: torch.device):
+        self.params, self.device = params, device
+        self.numel = sum(p.numel() for p in params)
+        self._spare: list[torch.Tensor] = []
+        self._staging: list[HostStaging] = []
+        self._flat = self._fresh()
+        self._views = self._split(self._flat)
+        self.samples = self.batches = 0
+        self.oldest: int | None = None
+
+    def _fresh(self) -> torch.Tensor:
+        return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset: offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return views
+
+    def add(self, batch_size: int, version: int) -> None:
+        """Add the parameters' gradients times ``batch_size``, and clear them."""
+        f32_views, f32_grads = [], []
+        with torch.no_grad():
+            for p, view in zip(self.params, self._views):
+                g = p.grad
+                if g is None:
+                    continue
+                g = g.to_dense() if g.is_sparse else g
+                if g.dtype == torch.float32:
+                    f32_views.append(view)
+                    f32_grads.append(g)
+                else:
+                    view.add_(g.float(), alpha=float(batch_size))
+                p.grad = None
+            if f32_views:
+                torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
+        self.samples += batch_size
+        self.batches += 1
+        self.oldest = version if self.oldest is None else min(self.oldest, version)
+
+    def swap(self, members: int) -> _Out:
+        """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
+        out = _Out(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members)
+        self._flat = self._fresh()
+        self._views = self._split(self._flat)
+        self.samples = self.batches = 0
+        self.oldest = None
+        return out
+
+    def to_host(self, out: _Out) -> None:
+        if self.device.type == "cpu":
+            out.array = out.buffer.numpy()
+            return
+        out.staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
+        out.array = out.staging.to_host([out.buffer])
+        out.buffer.zero_()
+        self._spare.append(out.buffer)
+        out.buffer = None
+
+    def release(self, out: _Out) -> None:
+        """The cluster is done with ``out``: its memory is reused."""
+        if out.buffer is not None:
+            out.buffer.zero_()
+            self._spare.append(out.buffer)
+        if out.staging is not None:
+            self._staging.append(out.staging)
+
+    def merge(self, out: _Out) -> None:
+        """Take a contribution back (its round aborted): the next round carries it."""
+        self._flat.add_(out.buffer if out.buffer is not None else torch.from_numpy(out.array).to(self.device))
+        self.samples += out.samples
+        self.batches += out.batches
+        if out.oldest is not None:
+            self.oldest = out.oldest if self.oldest is None else min(self.oldest, out.oldest)
+        self.release(out)
+
+    def void(self) -> int:
+        """Drop what is held; returns the samples dropped."""
+        dropped = self.samples
+        self._flat.zero_()
+        self.samples = self.batches = 0
+        self.oldest = None
+        return dropped
+
+
+class _LoopThread:
+    """An event loop (uvloop when installed) on a daemon thread: where the cluster runs."""
+
+    def __init__(self, name: str):
+        try:
+            import uvloop
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro):
+        """Run ``coro`` there and wait; its exception is raised here, with its own type."""
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except BaseException:  # (Ctrl-C here: stop it there too)
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10.0)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def _listen_address(listen: str) -> tuple[str, int]:
@@ -49,46 +260,129 @@ def _listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _point(sync) -> SyncPoint | None:
+    return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
+
+
 class AsyncPeer:
-    """One member of a training cluster, for asyncio programs. See the module docstring."""
+    """One member of a training cluster, for asyncio programs. See the module docstring.
+
+    Keywords are the ``join`` flags: ``cluster``, ``secret``, ``peers``, ``listen``,
+    ``discovery``, ``compression``, ``staleness``, ``min_peers``, ``device`` (None: where the
+    model is; else the model is moved there). ``clip_grad_norm`` clips each averaged gradient;
+    ``scheduler`` steps once per applied update. ``target_batch_size`` is not built yet."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
                  discovery: bool = True, interface: str | None = None, compression: str = "none",
-                 staleness: int = 0, min_peers: int = 1, clip_grad_norm: float | None = None,
-                 step_timeout: float = 300.0):
-        if staleness != 0:
-            raise ConfigError("staleness must be 0 for now (asynchronous rounds are not built yet)")
-        if min_peers < 1:
-            raise ConfigError("min_peers must be at least 1")
-        self.model, self.optimizer = model, optimizer
+                 staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
+                 device: str | torch.device | None = None, clip_grad_norm: float | None = None,
+                 scheduler: Any = None, step_timeout: float = 300.0):
+        if type(staleness) is not int or staleness < 0:
+            raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
+        if target_batch_size is not None:
+            raise ConfigError("target_batch_size is not built yet: leave it out (each member contributes "
+                              "what it has, weighted by its samples)")
+        if type(min_peers) is not int or min_peers < 1:
+            raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+        if not step_timeout > 0:
+            raise ConfigError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
+        parse_codec(compression)  # a typo is reported here, not on entering
+        if device is not None:
+            model.to(pick_device(device))
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require gradients")
         self.device = self.params[0].device
+        if any(p.device != self.device for p in self.params):
+            raise ConfigError("the model's parameters are on several devices: p2ptrain trains a model on one device")
         self.peer_id = new_peer_id()
-        self.clip_grad_norm = clip_grad_norm
-        self.step_timeout = step_timeout
-        self.version = 0  # rounds applied here
+        self.staleness, self.min_peers = staleness, min_peers
+        self.clip_grad_norm, self.step_timeout = clip_grad_norm, step_timeout
         self._peers = [p.strip() for p in peers if p.strip()]
         for p in self._peers:
             parse_host_port(p)
-        self._cluster_name, self._secret = cluster, auth.secret_from(secret)
+        self._cluster_name, self._secret, self._compression = cluster, auth.secret_from(secret), compression
         self._discovery_on, self._interface = discovery, interface
+        self._host, self._port = _listen_address(listen)
+        self.cluster: Cluster | None = None  # built on entering (after a checkpoint may have been loaded)
         self.discovery: Discovery | None = None
-        host, port = _listen_address(listen)
-        numel = sum(p.numel() for p in self.params)
-        self._acc = torch.zeros(numel, dtype=torch.float32, device=self.device)
-        self._samples = 0
-        self._in_flight = 0  # samples taken by a round not yet applied or put back
-        self._changed = asyncio.Event()
-        checksum = hashlib.blake2b(param_checksum(model).encode(), digest_size=16).digest()
-        self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=checksum, cluster=cluster,
-                               secret=self._secret, host=host, port=port, compression=compression,
-                               config=RoundConfig(min_peers=min_peers), fingerprint=model_fingerprint(model))
+        self._thread: _LoopThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._proposer: asyncio.Task | None = None
+        self._start: SyncPoint | None = None  # a checkpoint's point (load_state_dict), else genesis
+        self._closed = False
 
-    async def __aenter__(self) -> "AsyncPeer":
+        # Shared with the cluster's callbacks (on its thread): guarded by _lock. _params_lock is
+        # held while the parameters change (an update, a state load), so a snapshot can refuse.
+        self._lock = threading.Lock()
+        self._params_lock = threading.Lock()
+        self._changed = asyncio.Event()  # (used on the cluster's loop only)
+        self._acc = _Accumulator(self.params, self.device)
+        self._out: _Out | None = None  # our contribution, in a round
+        self._queue: collections.deque[_Update] = collections.deque()
+        self.version = 0  # updates applied to the parameters here
+        self._committed = 0  # updates committed by the cluster (applied here, or queued)
+        self._computing_on = 0  # the version the batch in progress is computed on
+        self._computing = True  # False while the caller is inside step() (no batch in progress)
+        self._want_step = False  # a round waits for this peer's next batch: step() must say so
+        self._linger: asyncio.TimerHandle | None = None
+        self._linger_due = False
+        self._idle_rounds = 0  # consecutive rounds in which nobody had anything
+        self._rounds_seen = 0  # rounds committed with this peer in them
+        self._restore: dict | None = None
+        self._params_point: SyncPoint | None = None
+        self.dropped = 0  # samples dropped (too stale, or void after a state load)
+        self.staleness_max = 0
+        self.metrics: RoundMetrics | None = None  # the last update applied here
+        self.history: collections.deque[RoundMetrics] = collections.deque(maxlen=HISTORY)
+        self._compute_s = self._wait_s = 0.0
+        self._compute_n = 0
+        self._compute_mean = 0.0  # seconds per step outside step(), a moving mean
+        self._step_end = time.perf_counter()
+        self._checksum = b""
+        self._logged_at, self._logged_rounds, self._logged_samples = time.perf_counter(), 0, 0
+
+    # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
+    async def __aenter__(self) -> Self:
+        thread = self._start_thread()
+        try:
+            await asyncio.wrap_future(thread.submit(self._open()))
+        except BaseException:
+            thread.stop()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type=None, exc=None, tb=None) -> None:
+        """Leave politely. On a normal exit (staleness >= 1) first wait, a bounded while, for
+        this peer's last samples to be applied, so its last steps are not lost."""
+        if self._thread is not None and not self._closed:
+            try:
+                await asyncio.wrap_future(self._thread.submit(self._close(flush=exc_type is None)))
+            finally:
+                self._thread.stop()
+
+    async def close(self) -> None:
+        await self.__aexit__()
+
+    def _start_thread(self) -> _LoopThread:
+        if self._closed or self._thread is not None:
+            raise ClosedError("this peer was entered once already: create a new one to join again")
+        checksum = hashlib.blake2b(param_checksum(self.model).encode(), digest_size=16).digest()
+        self._params_point = self._start or SyncPoint(0, genesis(checksum), -1, 0)
+        self._checksum = checksum
+        self._thread = _LoopThread(f"p2ptrain-{self.peer_id[:8]}")
+        self._loop = self._thread.loop
+        return self._thread
+
+    async def _open(self) -> None:
+        self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
+                               cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
+                               compression=self._compression, config=RoundConfig(min_peers=self.min_peers),
+                               start=self._params_point, fingerprint=model_fingerprint(self.model))
         await self.cluster.__aenter__()
         # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
         self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,
@@ -100,15 +394,22 @@ class AsyncPeer:
             await self.cluster.close()
             raise
         self._proposer = asyncio.get_running_loop().create_task(self._propose())
-        return self
+        self._step_end = time.perf_counter()
 
-    async def __aexit__(self, *exc) -> None:
-        if self._proposer is not None:
-            self._proposer.cancel()
-            await asyncio.gather(self._proposer, return_exceptions=True)
-        await self.cluster.close()
-        if self.discovery is not None:
+    async def _close(self, flush: bool) -> None:
+        try:
+            if flush:
+                await self._flush()
+        finally:
+            self._closed = True
+            if self._linger is not None:
+                self._linger.cancel()
+            if self._proposer is not None:
+                self._proposer.cancel()
+                await asyncio.gather(self._proposer, return_exceptions=True)
+            await self.cluster.close()
             await self.discovery.__aexit__(None, None, None)
+            self._changed.set()
 
     async def _propose(self) -> None:
         """Keep offering every address heard or given to the mesh (it skips those linked)."""
@@ -117,59 +418,345 @@ class AsyncPeer:
                 self.cluster.propose(host, port)
             await asyncio.sleep(0.5)
 
-    # -- the training loop's side -----------------------------------------------------------
-    async def step(self, batch_size: int) -> None:
-        """Contribute this batch's gradients (after ``loss.backward()``); return once applied."""
-        if batch_size < 1:
-            raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
-        with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                if p.grad is not None:
-                    self._acc[offset : offset + n].add_(p.grad.reshape(-1), alpha=float(batch_size))
-                    p.grad = None
-                offset += n
-        self._samples += batch_size
-        self.cluster.contribution_available()
+    async def _flush(self) -> None:
+        """Staleness >= 1: stay until this peer's samples are applied, then two more rounds, so
+        that what the others computed before we left (taken by the next round, or held by
+        the one after for a batch in progress) is applied with us. At most ``FLUSH_S``."""
+        with self._lock:
+            self._computing = False  # no batch in progress any more: no round need wait for one
+            self._want_step = False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.step_timeout
-        while self._samples or self._in_flight:  # staleness 0: wait until our batch is applied
-            self.cluster.check()
-            self._changed.clear()
+        deadline, target = loop.time() + FLUSH_S, None
+
+        def blocked() -> bool:  # (under _lock)
+            nonlocal target
+            if not self.cluster.machine.table.can_train(self.min_peers)[0]:
+                return False
+            if self._acc.samples or self._out is not None:
+                return True
+            target = self._rounds_seen + 2 if target is None else target
+            return self._rounds_seen < target
+
+        if self.staleness:
+            self._notify()
             try:
-                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                raise GroupError(f"no round applied this peer's batch within {self.step_timeout:.0f} s "
-                                 f"(peers linked: {', '.join(self.cluster.mesh.peers) or 'none'})") from None
+                await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
+            except GroupError:
+                log.warning("leaving with %d samples not applied: no round took them within %.0f s",
+                            self._acc.samples, FLUSH_S)
+        with self._params_lock:
+            self._apply_queue()
 
-    # -- the cluster's side (Contributions) ---------------------------------------------------
-    def take(self) -> tuple[np.ndarray, int] | None:
-        if not self._samples:
-            return None
-        host = self._acc.to("cpu").numpy().copy()
-        samples, self._samples, self._in_flight = self._samples, 0, self._samples
-        self._acc.zero_()
-        return host, samples
+    # -- the training loop's side -------------------------------------------------------------
+    async def step(self, batch_size: int) -> int:
+        """Contribute this batch's gradients (call it after ``loss.backward()``) and apply the
+        updates committed since the last call. Returns how many were applied."""
+        if self._begin_step(batch_size):
+            await asyncio.wrap_future(self._thread.submit(self._wait(self._must_wait, self.step_timeout)))
+        return self._end_step()
 
-    def apply(self, summed: np.ndarray, total_samples: int) -> None:
-        grad = torch.from_numpy(summed).to(self.device).div_(float(total_samples))
+    def _step_blocking(self, batch_size: int) -> int:
+        """``step`` for a thread with no event loop (``sync_peer.Peer``)."""
+        if self._begin_step(batch_size):
+            self._thread.call(self._wait(self._must_wait, self.step_timeout))
+        return self._end_step()
+
+    def _begin_step(self, batch_size: int) -> bool:
+        """Accumulate this batch, apply what is queued. True: step must wait."""
+        if self._closed:
+            raise ClosedError("this peer is closed: create a new one to train again")
+        if self.cluster is None:
+            raise ClosedError("this peer is not open yet: enter it first (with peer: / async with peer:)")
+        if type(batch_size) is not int or batch_size < 1:
+            raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.cluster.check()
+        began = time.perf_counter()
+        with self._params_lock:
+            void = self._load_restore()
+            with self._lock:
+                self._compute_s += began - self._step_end
+                self._compute_n += 1
+                self._compute_mean += 0.1 * (began - self._step_end - self._compute_mean)
+                if void:  # computed on parameters just replaced
+                    for p in self.params:
+                        p.grad = None
+                    self.dropped += batch_size
+                else:
+                    self._acc.add(batch_size, self.version)
+                self._computing = False
+                notify, self._want_step = self._want_step, False
+            self._apply_queue()
+        if notify:
+            self._notify()
+        with self._lock:
+            return self._must_wait()
+
+    def _end_step(self) -> int:
+        with self._params_lock:
+            self._load_restore()
+            applied = self._apply_queue()
+            with self._lock:
+                self._computing_on, self._computing = self.version, True
+                self._step_end = time.perf_counter()
+        return applied
+
+    def _must_wait(self) -> bool:  # (under _lock)
+        if self.staleness == 0:  # our batch is applied before step() returns
+            return bool(self._acc.samples or self._out is not None)
+        return self._acc.batches > self.staleness and self._out is None
+
+    async def _wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
+        """On the cluster's loop, while the caller waits in step: wake on every change until
+        ``blocked()`` is false. A pending state load lands here too."""
+        loop = asyncio.get_running_loop()
+        began, deadline = time.perf_counter(), loop.time() + timeout
+        try:
+            while True:
+                self.cluster.check()
+                if self._closed and not flushing:
+                    raise ClosedError("this peer was closed while step() waited")
+                if self._restore is not None and self._params_lock.acquire(blocking=False):
+                    try:
+                        self._load_restore()
+                    finally:
+                        self._params_lock.release()
+                with self._lock:
+                    if not blocked():
+                        return
+                self._changed.clear()
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise GroupError(f"no round took or applied this peer's batch within {timeout:.0f} s "
+                                     f"({self.cluster.machine.table.can_train(self.min_peers)[1]}; linked: "
+                                     f"{', '.join(self.cluster.mesh.peers) or 'nobody'}): check that the other "
+                                     "peers run, with the same --cluster and --secret")
+                try:  # (woken by every change; at least twice a second, for the cluster's failures)
+                    await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                self._wait_s += time.perf_counter() - began
+
+    def _notify(self) -> None:
+        """Tell the cluster this peer has something now, from whichever thread we are on."""
+        if self._thread is not None and threading.current_thread() is self._thread.thread:
+            self.cluster.contribution_available()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.cluster.contribution_available)
+
+    def _apply_queue(self) -> int:
+        """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
+        applied = 0
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return applied
+                update = self._queue.popleft()
+            if update.summed is not None:
+                self._apply_update(update)
+                applied += 1
+            with self._lock:
+                self._params_point = update.point
+                self.version += update.summed is not None
+                if update.held is not None:  # (a peer alone: the ring's result was our own buffer)
+                    self._acc.release(update.held)
+            if update.metrics is not None:
+                self._publish(update.metrics)
+
+    def _apply_update(self, update: _Update) -> None:
+        grad = torch.from_numpy(update.summed)  # (ours: the cluster handed its ring result over)
+        grad = grad.to(self.device) if self.device.type != "cpu" else grad
+        grad.div_(float(update.total))
         offset = 0
         for p in self.params:
-            n = p.numel()
-            p.grad = grad[offset : offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
+            g = grad[offset: offset + p.numel()].view_as(p)
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+            offset += p.numel()
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         for p in self.params:
             p.grad = None
-        self.version += 1
-        self._in_flight = 0
+
+    def _publish(self, m: RoundMetrics) -> None:
+        record = self._cluster_record(m.round)
+        if record is not None:
+            m = replace(m, members=record.members, wire_bytes=record.wire_bytes, raw_bytes=record.raw_bytes)
+        self.metrics = m
+        self.history.append(m)
+        log.debug("round %d applied (version %d): %d samples (%d here) from %d members, staleness %d, %.3f s, "
+                  "%d bytes sent", m.round, m.version, m.samples, m.local_samples, m.members, m.staleness,
+                  m.round_time, m.wire_bytes)
+        self._logged_rounds += 1
+        self._logged_samples += m.samples
+        now = time.perf_counter()
+        if now - self._logged_at >= LOG_EVERY_S:
+            log.info("%d updates in %.0f s, %.0f samples/s, %d members, staleness max %d, %d samples dropped",
+                     self._logged_rounds, now - self._logged_at, self._logged_samples / (now - self._logged_at),
+                     m.members, self.staleness_max, self.dropped)
+            self._logged_at, self._logged_rounds, self._logged_samples = now, 0, 0
+
+    def _cluster_record(self, r: int):
+        """The cluster's record of round r (members, bytes), among its last few."""
+        rounds = getattr(self.cluster, "rounds", None) or ()
+        for i in range(1, min(len(rounds), 8) + 1):
+            try:
+                record = rounds[-i]
+            except IndexError:
+                return None
+            if record.round == r:
+                return record
+        return None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Model, optimizer, version, and the cluster's point at the last applied update: save
+        it as you save anything (``torch.save``). Call it between steps."""
+        with self._params_lock, self._lock:
+            p = self._params_point
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers
+        restarted from the same checkpoint form one cluster again."""
+        if self._thread is not None:
+            raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = self._committed = self._computing_on = int(state.get("version", 0))
+        self._start = _point(state.get("sync"))
+
+    # -- the cluster's side (Contributions; on the cluster's thread) ----------------------------
+    def take(self) -> tuple[np.ndarray, int] | None:
+        pending = self.cluster.machine.pending
+        with self._lock:
+            if self._restore is not None or self._out is not None:
+                return self._hold()
+            if self.staleness == 0:
+                if not self._acc.samples:
+                    return self._hold()
+            else:
+                late = time.perf_counter() - self._step_end
+                patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
+                if self._computing and late < patience and self._committed + 1 - self._computing_on > self.staleness:
+                    self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
+                    return self._hold()
+                if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
+                    dropped = self._acc.void()
+                    self.dropped += dropped
+                    log.info("dropped %d samples staler than %d updates", dropped, self.staleness)
+                if not self._acc.samples and not self._linger_due and (late < patience or not self._computing):
+                    self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
+                    return self._hold()
+            self._linger_due = False
+            out = self._out = self._acc.swap(len(pending.view) if pending is not None else 1)
+        self._acc.to_host(out)  # (that buffer is no longer step()'s)
+        self._changed.set()
+        return out.array, out.samples
+
+    def _hold(self) -> None:  # (under _lock) the round waits: step() must call contribution_available
+        self._want_step = True
+
+    def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then
+        when = self._loop.time() + wait
+        if self._linger is not None and self._linger.when() <= when:
+            return
+        if self._linger is not None:
+            self._linger.cancel()
+        self._linger = self._loop.call_at(when, self._lingered)
+
+    def _lingered(self) -> None:
+        with self._lock:
+            self._linger = None
+            self._linger_due = self._want_step  # (a round still waits for us)
+        if self._linger_due:
+            self.cluster.contribution_available()
+
+    def apply(self, summed: np.ndarray, total_samples: int) -> None:
+        point, now = self.cluster.machine.sync_point(), time.perf_counter()
+        with self._lock:
+            out, self._out = self._out, None
+            held = out if out is not None and total_samples and np.may_share_memory(summed, out.array) else None
+            if out is not None and held is None:
+                self._acc.release(out)
+            self._linger_due = False
+            self._rounds_seen += 1
+            if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on
+                self._idle_rounds += 1
+                if self._queue:
+                    self._queue.append(_Update(None, 0, point, None))
+                else:
+                    self._params_point = point
+            else:
+                self._idle_rounds = 0
+                stale = self._committed - out.oldest if out is not None and out.oldest is not None else 0
+                self.staleness_max = max(self.staleness_max, stale)
+                self._committed += 1
+                m = RoundMetrics(round=point.round, version=self._committed, members=out.members if out else 0,
+                                 samples=total_samples, local_samples=out.samples if out else 0, staleness=stale,
+                                 staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0, raw_bytes=0,
+                                 round_time=now - out.taken_at if out else 0.0,
+                                 compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
+                self._compute_s = self._wait_s = 0.0
+                self._compute_n = 0
+                self._queue.append(_Update(summed, total_samples, point, m, held))
         self._changed.set()
 
     def put_back(self, contribution: np.ndarray, samples: int) -> None:
-        self._acc.add_(torch.from_numpy(contribution).to(self.device))
-        self._samples += samples
-        self._in_flight = 0
+        with self._lock:
+            out = self._out
+            if out is None or contribution is not out.array:  # from before a state load: void (counted then)
+                return
+            self._out = None
+            self._acc.merge(out)
         self._changed.set()
+
+    def snapshot(self) -> dict | None:
+        """The state as of the last applied update, copied (the caller's thread may go on
+        training); None while updates are queued or being applied (ask again soon)."""
+        if not self._params_lock.acquire(blocking=False):
+            return None
+        try:
+            with self._lock:
+                if self._queue or self._restore is not None:
+                    return None
+                version, p = self.version, self.cluster.machine.sync_point()
+            return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
+                    "sync": [p.version, p.digest, p.round, p.epoch]}
+        finally:
+            self._params_lock.release()
+
+    def restore(self, state: dict) -> None:
+        """A member's snapshot: void what was accumulated here; load it at the next safe point."""
+        with self._lock:
+            dropped = self._acc.void()
+            if self._out is not None:  # the cluster forgets that round: its buffer is not reused
+                dropped, self._out = dropped + self._out.samples, None
+            self.dropped += dropped
+            self._queue.clear()
+            self._restore = state
+        if dropped:
+            log.info("loading the cluster's state: %d samples accumulated here are void", dropped)
+        self._changed.set()
+
+    def _load_restore(self) -> bool:
+        """Load a pending state (``_params_lock`` held; no forward or backward runs now)."""
+        with self._lock:
+            state, self._restore = self._restore, None
+        if state is None:
+            return False
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for p in self.params:
+            p.grad = None
+        with self._lock:
+            self.version = self._committed = self._computing_on = int(state.get("version", 0))
+            self._params_point = _point(state.get("sync"))
+            self._acc.void()
+            self._want_step = True
+        return True

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from helpers import finish
 from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
-from p2ptrain.peer import AsyncPeer
 from p2ptrain.errors import ConfigError
+from p2ptrain.peer import AsyncPeer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,10 +66,15 @@ async def test_staleness_0_equals_one_process_on_the_union(n):
         assert torch.equal(a, b)  # replicas bit-identical
 
 
-def test_options_not_built_yet_are_refused_clearly():
+def test_bad_options_are_refused_clearly():
     model, opt = model_and_optimizer()
-    with pytest.raises(ConfigError, match="staleness must be 0"):
-        AsyncPeer(model, opt, staleness=1)
+    with pytest.raises(ConfigError, match="target_batch_size is not built yet"):
+        AsyncPeer(model, opt, target_batch_size=64)
+    for bad, match in [({"staleness": -1}, "staleness must be"), ({"min_peers": 0}, "min_peers must be"),
+                       ({"compression": "int9"}, "int9"), ({"listen": "nonsense"}, "host:port"),
+                       ({"clip_grad_norm": 0}, "clip_grad_norm")]:
+        with pytest.raises(ConfigError, match=match):
+            AsyncPeer(model, opt, **bad)
 
 
 def test_async_example_trains_with_two_processes():
@@ -78,7 +83,7 @@ def test_async_example_trains_with_two_processes():
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = 12000 + (os.getpid() * 41) % 8000 + 9000  # below the ephemeral range, apart from other tests
-    cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--steps", "30",
+    cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--updates", "30",
            "--no-discovery"]
     procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{base + r}", "--peers", f"127.0.0.1:{base + 1 - r}"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -91,14 +96,14 @@ def test_async_example_trains_with_two_processes():
 
 
 @requires_netns
-def test_peers_on_three_hosts_find_each_other_by_discovery_alone(make_lan):
+def test_peers_on_three_hosts_find_each_other_by_discovery_alone(make_lan):  # noqa: F811 (a fixture)
     import os
     import sys
 
     lan = make_lan(3, ["1gbit"] * 3)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--listen", "0.0.0.0:7100",
-           "--min-peers", "3", "--steps", "20", "--secret", "lab-secret"]  # no --peers: beacons only
+           "--min-peers", "3", "--updates", "20", "--secret", "lab-secret"]  # no --peers: beacons only
     env = dict(os.environ, PYTHONPATH=repo)
     procs = [lan.popen(i, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
     outs = finish(procs, timeout=60)

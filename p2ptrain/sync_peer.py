@@ -1,0 +1,127 @@
+"""``Peer``: p2ptrain for an ordinary (synchronous) PyTorch loop.
+
+    peer = p2ptrain.Peer(model, optimizer, cluster="lab", compression="int8", staleness=1)
+    with peer:                                   # discover, join, sync state
+        for x, y in loader:
+            loss = F.cross_entropy(model(x.to(peer.device)), y.to(peer.device))
+            loss.backward()
+            peer.step(batch_size=len(x))         # contribute; apply averaged updates
+
+A thin facade over ``AsyncPeer`` (same keywords, same semantics): the cluster runs on its
+own event loop on a daemon thread, and ``step`` does its work on the caller's thread,
+crossing to that loop only when it must wait. Exceptions raised there (``GroupError``,
+``FingerprintError``, ``ClosedError``) reach the caller with their own type. ``close`` (or
+leaving the ``with`` block) leaves the cluster politely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2ptrain.peer import AsyncPeer, RoundMetrics
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+class Peer:
+    """One member of a training cluster, for a synchronous loop. Keywords: see ``AsyncPeer``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
+                 secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
+                 discovery: bool = True, interface: str | None = None, compression: str = "none",
+                 staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
+                 device: str | torch.device | None = None, clip_grad_norm: float | None = None,
+                 scheduler: Any = None, step_timeout: float = 300.0):
+        self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
+                               discovery=discovery, interface=interface, compression=compression,
+                               staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
+                               device=device, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
+                               step_timeout=step_timeout)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._leave(flush=exc_type is None)
+
+    def start(self) -> None:
+        """Open the peer (what ``with peer:`` does): listen, discover, join."""
+        p = self._peer
+        thread = p._start_thread()
+        try:
+            thread.call(p._open())
+        except BaseException:
+            thread.stop()
+            raise
+
+    def close(self) -> None:
+        """Leave the cluster politely (after a bounded wait for this peer's last samples)."""
+        self._leave(flush=True)
+
+    def _leave(self, flush: bool) -> None:
+        p = self._peer
+        if p._thread is not None and not p._closed:
+            try:
+                p._thread.call(p._close(flush))
+            finally:
+                p._thread.stop()
+
+    def step(self, batch_size: int) -> int:
+        """After ``loss.backward()``: contribute this batch, apply the updates committed since
+        the last call (returns how many). Blocks only as the staleness bound requires."""
+        return self._peer._step_blocking(batch_size)
+
+    def state_dict(self) -> dict:
+        return self._peer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._peer.load_state_dict(state)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._peer.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._peer.optimizer
+
+    @property
+    def device(self) -> torch.device:
+        return self._peer.device
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer.peer_id
+
+    @property
+    def version(self) -> int:
+        """Updates applied to the parameters here."""
+        return self._peer.version
+
+    @property
+    def metrics(self) -> RoundMetrics | None:
+        """The last update applied here."""
+        return self._peer.metrics
+
+    @property
+    def history(self):
+        """The last updates applied here (``RoundMetrics``, newest last)."""
+        return self._peer.history
+
+    @property
+    def dropped(self) -> int:
+        return self._peer.dropped
+
+    @property
+    def staleness_max(self) -> int:
+        return self._peer.staleness_max
+
+    @property
+    def port(self) -> int:
+        """The TCP port this peer listens on (once started)."""
+        return self._peer.cluster.port

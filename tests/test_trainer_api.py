@@ -1,0 +1,229 @@
+"""The trainer as a user sees it: the synchronous ``Peer`` (context manager, step, metrics,
+errors of their own type), clipping and the LR scheduler once per applied update,
+checkpoints, the state a joiner downloads (``snapshot``/``restore``), the examples and the
+overhead benchmark."""
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import finish, until
+
+from p2ptrain import (
+    AsyncPeer,
+    ClosedError,
+    ConfigError,
+    FingerprintError,
+    GroupError,
+    Peer,
+    snapshot,
+)
+from p2ptrain.tasks import param_checksum
+
+pytestmark = pytest.mark.timeout(90)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_port = [14000 + (os.getpid() * 31) % 9000]  # below the ephemeral range, apart from other tests
+
+
+def ports(n):
+    _port[0] += n + 1
+    return [_port[0] + i for i in range(n)]
+
+
+def make(seed=0, width=16, opt="sgd"):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
+    if opt == "adam":
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batch(seed, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def alone(model_and_opt, **options):
+    return Peer(*model_and_opt, listen="127.0.0.1:0", discovery=False, **options)
+
+
+def test_sync_peer_trains_alone_and_reports_each_update():
+    with alone(make()) as peer:
+        assert peer.device == torch.device("cpu")
+        for k in range(5):
+            x, y = batch(k)
+            F.cross_entropy(peer.model(x), y).backward()
+            assert peer.step(batch_size=len(x)) == 1  # staleness 0: this batch's update, applied
+            assert peer.version == k + 1
+            assert all(p.grad is None for p in peer.model.parameters())
+        m = peer.metrics
+        assert [h.version for h in peer.history] == [1, 2, 3, 4, 5]
+        assert (m.members, m.samples, m.local_samples, m.staleness, m.dropped) == (1, 8, 8, 0, 0)
+        assert m.wire_bytes == m.raw_bytes == 0 and m.round_time >= 0 and m.compute_time >= 0  # alone: no ring
+    with pytest.raises(ClosedError, match="closed"):
+        peer.step(batch_size=8)
+
+
+def test_errors_reach_the_caller_with_their_own_type():
+    peer = alone(make(), min_peers=2, step_timeout=0.5)
+    with pytest.raises(ClosedError, match="not open yet"):
+        peer.step(batch_size=8)
+    with pytest.raises(ConfigError, match="target_batch_size"):
+        alone(make(), target_batch_size=128)
+    with peer:
+        x, y = batch(0)
+        F.cross_entropy(peer.model(x), y).backward()
+        with pytest.raises(GroupError, match="waiting for 1 more peer"):  # never a bare timeout
+            peer.step(batch_size=len(x))
+        with pytest.raises(ConfigError, match="batch_size"):
+            peer.step(batch_size=0)
+        with pytest.raises(ConfigError, match="before entering"):
+            peer.load_state_dict(peer.state_dict())
+
+
+def test_a_peer_of_another_model_stops_with_fingerprint_error():
+    a, b = ports(2)
+    peers = [Peer(*make(width=w), listen=f"127.0.0.1:{port}", peers=[f"127.0.0.1:{other}"], discovery=False,
+                  min_peers=2, step_timeout=20) for w, port, other in ((16, a, b), (17, b, a))]
+    errors = []
+
+    def train(peer):
+        x, y = batch(0)
+        F.cross_entropy(peer.model(x), y).backward()
+        try:
+            peer.step(batch_size=len(x))
+        except Exception as exc:  # noqa: BLE001 - the test looks at its type
+            errors.append(exc)
+
+    try:
+        for p in peers:
+            p.start()
+        threads = [threading.Thread(target=train, args=(p,)) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for p in peers:
+            p.close()
+    assert len(errors) == 2 and all(isinstance(e, FingerprintError) for e in errors), errors
+    assert "parameter '0.weight' has shape" in str(errors[0])
+
+
+def test_clipping_and_the_scheduler_act_once_per_applied_update():
+    model, _ = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(  # the averaged, clipped gradient
+        torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()))
+    with alone((model, optimizer), clip_grad_norm=1e-3, scheduler=scheduler) as peer:
+        for k in range(3):
+            before = [p.detach().clone() for p in model.parameters()]
+            lr = optimizer.param_groups[0]["lr"]
+            x, y = batch(k)
+            F.cross_entropy(model(x), y).backward()
+            peer.step(batch_size=len(x))
+            moved = torch.stack([(p - b).norm() for p, b in zip(model.parameters(), before)]).norm().item()
+            assert moved == pytest.approx(lr * 1e-3, rel=1e-3)  # SGD moved by lr times the clipped norm
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.125)  # three updates, three halvings
+        assert seen == pytest.approx([1e-3] * 3, rel=1e-3)
+
+
+def test_a_checkpoint_resumes_the_same_parameters_optimizer_and_lineage():
+    with alone(make(opt="adam")) as first:
+        for k in range(3):
+            x, y = batch(k)
+            F.cross_entropy(first.model(x), y).backward()
+            first.step(batch_size=len(x))
+        saved = io.BytesIO()
+        torch.save(first.state_dict(), saved)  # as a user checkpoints anything
+        point = first._peer.cluster.machine.sync_point()
+    saved.seek(0)
+    resumed = alone(make(seed=5, opt="adam"))  # other starting parameters: the checkpoint wins
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    assert param_checksum(resumed.model) == param_checksum(first.model) and resumed.version == 3
+    with resumed:
+        assert resumed._peer.cluster.machine.sync_point() == point  # the same lineage: peers resumed together meet
+        x, y = batch(3)
+        F.cross_entropy(first.model(x), y).backward()  # the same next update on both
+        F.cross_entropy(resumed.model(x), y).backward()
+        first.optimizer.step()
+        resumed.step(batch_size=len(x))
+        assert resumed.version == 4
+    for a, b in zip(first.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+async def on_cluster_thread(peer, fn, *args):
+    """Call ``fn`` where the cluster calls it: on the peer's own event loop."""
+    async def call():
+        return fn(*args)
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), peer._loop))
+
+
+async def test_a_snapshot_restored_into_another_peer_gives_the_same_parameters_and_next_update():
+    a = AsyncPeer(*make(seed=0, opt="adam"), listen="127.0.0.1:0", discovery=False)
+    b = AsyncPeer(*make(seed=1, opt="adam"), listen="127.0.0.1:0", discovery=False)  # two clusters of one
+    async with a, b:
+        for k in range(3):
+            x, y = batch(k)
+            F.cross_entropy(a.model(x), y).backward()
+            await a.step(batch_size=len(x))
+        state = await on_cluster_thread(a, a.snapshot)
+        state = snapshot.unpack(b"".join(snapshot.pack(state)))  # as it travels: bytes, never pickle
+        await on_cluster_thread(b, b.restore, state)
+        x, y = batch(10)
+        F.cross_entropy(b.model(x), y).backward()  # computed on b's old parameters: void
+        assert await b.step(batch_size=len(x)) == 0
+        assert b.dropped == len(x) and b.version == a.version == 3
+        assert param_checksum(b.model) == param_checksum(a.model)
+        for peer in (a, b):  # the same next update
+            F.cross_entropy(peer.model(x), y).backward()
+            await peer.step(batch_size=len(x))
+        assert param_checksum(b.model) == param_checksum(a.model) and b.version == a.version == 4
+
+
+async def test_no_snapshot_while_an_update_waits_to_be_applied():
+    peer = AsyncPeer(*make(), listen="127.0.0.1:0", discovery=False, staleness=1)
+    async with peer:
+        x, y = batch(0)
+        F.cross_entropy(peer.model(x), y).backward()
+        await peer.step(batch_size=len(x))  # returns at once; its round commits in the background
+        await until(lambda: peer._queue)
+        assert await on_cluster_thread(peer, peer.snapshot) is None  # the parameters lag the cluster's point
+        F.cross_entropy(peer.model(x), y).backward()
+        await peer.step(batch_size=len(x))  # applies it
+        await until(lambda: not peer._queue)
+        state = await on_cluster_thread(peer, peer.snapshot)
+        assert state is not None and state["version"] == peer.version >= 1
+
+
+def test_custom_loop_example_trains_two_processes_asynchronously():
+    mine = ports(2)
+    cmd = [sys.executable, os.path.join(REPO, "examples", "custom_loop.py"), "--min-peers", "2", "--updates", "40",
+           "--no-discovery", "--staleness", "1", "--compression", "int8"]
+    procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{port}", "--peers", f"127.0.0.1:{other}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for port, other in ((mine[0], mine[1]), (mine[1], mine[0]))]
+    outs = finish(procs, timeout=60)
+    assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for _, e in outs]
+    for out, _ in outs:
+        lines = out.strip().splitlines()
+        losses = [float(line.split("loss")[1].split()[0]) for line in lines if line.startswith("step")]
+        assert losses[-1] < losses[0] and lines[-1].startswith("done:") and "2 members" in lines[-1], out
+
+
+def test_overhead_bench_quick():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    p = subprocess.run([sys.executable, "bench/overhead.py", "--quick"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=80, check=False)
+    assert p.returncode == 0, p.stderr[-1500:]
+    rows = [line for line in p.stdout.splitlines() if line.startswith(("| p2ptrain", "| plain"))]
+    assert [r.split("|")[1].strip() for r in rows] == ["plain", "p2ptrain s0", "p2ptrain s1"]
