@@ -1,0 +1,181 @@
+"""bench/lan.py's training part: which runs to make, the commands that make them, what they measured.
+
+A *run* is one training job on the first ``n`` peers: p2ptrain (the real ``python -m
+p2ptrain join`` command, one codec and staleness) or gloo (DDP, bench/_lan_ddp.py). Both
+write one JSON object per round (time, round, samples, loss, round_seconds, ...), read
+here by ``summarize``:
+
+- throughput: samples per second after a warm-up (the first tenth of the rounds, at least
+  one: process start, connection and first-step allocation are not training speed);
+  ``samples`` in a record is the cluster's total for that round;
+- the smoothed loss: an exponential moving average (beta 0.9, bias-corrected) of each
+  round's training loss, that of rank 0's own batch;
+- time to target: wall seconds from the start of round 1 until the smoothed loss first
+  drops below the target (None: not reached).
+
+Flags that ``join`` gained recently (``--staleness``, ``--step-delay``, ``--min-peers``,
+``--no-discovery``) are passed only when its parser has them. A join with
+``--no-discovery`` takes the *other* peers in ``--peers`` and its listen address in
+``--host``; one without it (the first, static-group join) takes the whole group and
+this peer's entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+EMA_BETA = 0.9
+CURVE_POINTS = 200
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training job: ``impl`` p2ptrain or gloo, on peers 0..n-1."""
+
+    index: int
+    impl: str
+    n: int
+    codec: str = "none"
+    staleness: int | None = None   # None: not passed (join's own default)
+
+    @property
+    def label(self) -> str:
+        if self.impl == "gloo":
+            return f"gloo DDP fp32, N={self.n}"
+        tau = "" if self.staleness is None else f", staleness {self.staleness}"
+        return f"p2ptrain {self.codec}{tau}, N={self.n}"
+
+
+def join_flags() -> set[str]:
+    """Every option ``python -m p2ptrain join`` takes today, hidden ones included (``--step-delay``)."""
+    from p2ptrain.cli import build_parser
+
+    parser = build_parser()
+    sub = next(x for x in parser._actions if isinstance(x, argparse._SubParsersAction))
+    return set(sub.choices["join"]._option_string_actions)
+
+
+def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[int],
+         flags: set[str], gloo: bool) -> tuple[list[Run], list[str]]:
+    """The runs, in order, and a line per thing that cannot be run with this join.
+
+    N=1 is run once per implementation: alone, a peer sends nothing, so its codec and
+    staleness change nothing; it is the base of every scaling efficiency.
+    """
+    skipped = []
+    taus: list[int | None] = []
+    for tau in staleness:
+        if "--staleness" in flags:
+            taus.append(tau)
+        elif tau == 0:
+            taus.append(None)  # join without --staleness is synchronous: staleness 0
+        else:
+            skipped.append(f"p2ptrain staleness {tau}: this join has no --staleness")
+    runs: list[Run] = []
+    for n in scaling:
+        if not 1 <= n <= n_peers:
+            continue
+        variants = [(c, t) for c in codecs for t in taus] if n > 1 else [(codecs[0], taus[0] if taus else None)]
+        for codec, tau in variants if taus else []:
+            runs.append(Run(len(runs), "p2ptrain", n, codec, tau))
+        if gloo:
+            runs.append(Run(len(runs), "gloo", n, "fp32"))
+    return runs, skipped
+
+
+def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_size: str,
+                 batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
+                 step_delay: float = 0.0, python: str = sys.executable) -> list[str]:
+    """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
+    host, port = own.rsplit(":", 1)
+    cmd = [python, "-m", "p2ptrain", "join", "--log-level", "warning", "--task", "synthetic",
+           "--model-size", model_size, "--batch-size", str(batch_size), "--seed", "0",
+           "--host", host, "--port", port, "--cluster", cluster, "--secret", secret,
+           "--metrics", str(metrics), "--max-rounds", str(rounds), "--compression", run.codec,
+           "--eval-every", "0", "--connect-timeout", "60"]
+    if "--no-discovery" in flags:  # the cluster join: the others, found without beacons
+        others = [p for p in peers if p != own]
+        cmd += ["--no-discovery"] + (["--peers", ",".join(others)] if others else [])
+    else:  # the static-group join: the whole group
+        cmd += ["--peers", ",".join(peers)]
+    if run.staleness is not None:
+        cmd += ["--staleness", str(run.staleness)]
+    if "--min-peers" in flags:
+        cmd += ["--min-peers", str(run.n)]
+    if step_delay and "--step-delay" in flags:
+        cmd += ["--step-delay", str(step_delay)]
+    return cmd
+
+
+def ddp_command(run: Run, *, rank: int, master: str, port: int, metrics: Path, model_size: str,
+                batch_size: int, rounds: int, step_delay: float, threads: int,
+                timeout: float, python: str = sys.executable) -> list[str]:
+    """The bench/_lan_ddp.py command line of rank ``rank`` in ``run``."""
+    script = Path(__file__).resolve().parent / "_lan_ddp.py"
+    return [python, str(script), "--rank", str(rank), "--world", str(run.n), "--master", master,
+            "--port", str(port), "--model-size", model_size, "--batch-size", str(batch_size),
+            "--rounds", str(rounds), "--metrics", str(metrics), "--step-delay", str(step_delay),
+            "--threads", str(threads), "--timeout", str(timeout)]
+
+
+# ------------------------------------------------------------------ reading a metrics file
+
+def read_metrics(path: Path) -> tuple[list[dict], dict]:
+    """The round records of a metrics file, in order, and its final ``{"event": "summary"}``
+    ({} if none); a torn last line (a process killed while writing) ends the reading."""
+    records, summary = [], {}
+    if not path.exists():
+        return records, summary
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if record.get("event") == "summary":
+            summary = record
+        elif "event" not in record:
+            records.append(record)
+    return records, summary
+
+
+def smoothed(losses: list[float], beta: float = EMA_BETA) -> list[float]:
+    """Bias-corrected exponential moving average (the first value is the first loss)."""
+    out, ema = [], 0.0
+    for i, x in enumerate(losses, 1):
+        ema = beta * ema + (1 - beta) * x
+        out.append(ema / (1 - beta ** i))
+    return out
+
+
+def summarize(records: list[dict], final: dict, target_loss: float | None) -> dict:
+    """Throughput, smoothed loss curve and time to target of one peer's metrics (module docstring);
+    ``final`` is the file's summary event, whose byte counts and checksum win when present."""
+    if not records:
+        return {"rounds": 0}
+    start = records[0]["time"] - records[0].get("round_seconds", 0.0)
+    times = [r["time"] - start for r in records]
+    if len(records) >= 2:
+        warm = min(len(records) - 2, max(0, len(records) // 10 - 1))
+        samples = sum(r["samples"] for r in records[warm + 1:])
+        seconds = times[-1] - times[warm]
+    else:
+        samples, seconds = records[0]["samples"], max(times[0], 1e-9)
+    ema = smoothed([r["loss"] for r in records])
+    reached = next((t for t, v in zip(times, ema) if target_loss is not None and v < target_loss), None)
+    step = max(1, len(records) // CURVE_POINTS)
+    last = records[-1]
+    return {
+        "rounds": len(records), "seconds": times[-1], "samples": sum(r["samples"] for r in records),
+        "samples_per_s": samples / seconds if seconds > 0 else None,
+        "time_to_target_s": reached, "final_loss": ema[-1],
+        "wire_bytes": final.get("wire_bytes", last.get("wire_bytes")),
+        "raw_bytes": final.get("raw_bytes", last.get("raw_bytes")),
+        "own_samples": final.get("own_samples"), "dropped": last.get("dropped"),
+        "staleness_max": max((r.get("staleness_max") or 0) for r in records),
+        "param_checksum": final.get("param_checksum", last.get("param_checksum")),
+        "curve": [[round(times[i], 4), round(ema[i], 5)] for i in range(0, len(records), step)],
+    }

@@ -1,0 +1,150 @@
+"""bench/lan.py runs end to end on a tiny configuration (so it cannot rot), and its arithmetic is right."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from netns_util import requires_netns
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import _lan_train
+
+pytestmark = [pytest.mark.timeout(200)]
+
+
+def lan(*args, timeout=180):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "bench/lan.py", *args], cwd=REPO, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, out, err, p.pid
+
+
+def check_quick_report(doc: dict, out: str) -> None:
+    """What a user reads off a quick 2-peer run: both implementations, every part, sane numbers."""
+    ar = {(r["impl"], r["codec"], r["size_bytes"]): r for r in doc["allreduce"]}
+    for size in (256 << 10, 1 << 20):
+        for key in (("gloo", "fp32", size), ("p2ptrain", "none", size), ("p2ptrain", "int8", size)):
+            assert ar[key]["median_s"] > 0 and ar[key]["busbw_Bps"] > 0, key
+        assert ar[("p2ptrain", "none", size)]["identical"] and ar[("p2ptrain", "int8", size)]["identical"]
+        assert 3 < ar[("p2ptrain", "int8", size)]["ratio"] < 5  # 1 byte per value plus block scales
+        assert 1e-4 < ar[("p2ptrain", "int8", size)]["err_sim"] < 0.05
+        assert ar[("p2ptrain", "none", size)]["err_sim"] < 1e-6
+    train = {(r["impl"], r["n"]): r for r in doc["train"]}
+    assert set(train) == {("p2ptrain", 1), ("p2ptrain", 2), ("gloo", 1), ("gloo", 2)}
+    for r in train.values():
+        assert r["ok"] and r["rounds"] == 30 and r["samples_per_s"] > 0, r
+        assert r["final_loss"] < 2.3  # ln(10) at the start: it learned
+        assert 0 < r["efficiency"] < 2.5
+    assert train[("p2ptrain", 2)]["identical"] is True
+    assert train[("p2ptrain", 2)]["samples"] == 30 * 2 * 64
+    assert doc["failed"] == []
+    assert "| N " in out and "busbw / gloo" in out and "scaling eff" in out
+
+
+def test_quick_local_run_reports_p2ptrain_beside_gloo(tmp_path):
+    code, out, err, _ = lan("--local", "2", "--quick", "--json", str(tmp_path / "lan.json"))
+    assert code == 0, out[-2000:] + err[-3000:]
+    check_quick_report(json.loads((tmp_path / "lan.json").read_text()), out)
+    assert "[lan 6/6]" in err  # the progress display: one line per phase
+
+
+@requires_netns
+def test_quick_run_across_emulated_hosts_at_100mbit(tmp_path):
+    code, out, err, pid = lan("--local", "2", "--quick", "--netns", "100mbit", "--json", str(tmp_path / "lan.json"))
+    assert code == 0, out[-2000:] + err[-3000:]
+    doc = json.loads((tmp_path / "lan.json").read_text())
+    check_quick_report(doc, out)
+    assert doc["config"]["link_bps"] == 100e6
+    big = [r for r in doc["allreduce"] if r["size_bytes"] == 1 << 20]
+    for r in big:  # the link is the limit: fp32 near TCP's ceiling, int8 well past the link rate
+        if r["codec"] in ("none", "fp32"):
+            assert 0.5 < r["of_link"] < 1.0, r
+        else:
+            assert r["of_link"] > 1.5, r
+    left = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=30).stdout
+    assert f"p2pt-{pid}-" not in left  # the launcher tore its hosts down
+
+
+def test_bad_options_are_refused_with_one_line():
+    code, _, err, _ = lan("--local", "2", "--netns", "1gbit,100mbit,100mbit", timeout=60)
+    assert code == 2 and "gives 3 rates for --local 2" in err
+    code, _, err, _ = lan("--peers", "127.0.0.1:29700,127.0.0.1:29800", "--host", "127.0.0.1", timeout=60)
+    assert code == 2 and "matches 2 entries" in err
+
+
+# ------------------------------------------------------------------ the arithmetic, without processes
+
+def records(losses, samples=100, dt=0.5):
+    return [{"time": 1000 + dt * (i + 1), "round": i + 1, "samples": samples, "loss": x, "round_seconds": dt}
+            for i, x in enumerate(losses)]
+
+
+def test_throughput_skips_the_warm_up_tenth():
+    recs = records([2.0] * 20)
+    for r in recs[1:]:  # a first round 5 s slower (connections, allocation) ...
+        r["time"] += 5.0
+    s = _lan_train.summarize(recs, {}, target_loss=None)
+    assert s["samples_per_s"] == pytest.approx(200)  # ... is not training speed
+    assert s["rounds"] == 20 and s["samples"] == 2000
+
+
+def test_time_to_target_uses_the_smoothed_loss():
+    losses = [2.0, 0.1] + [2.0] * 5 + [0.5] * 40   # one lucky batch is not "reached"
+    s = _lan_train.summarize(records(losses), {}, target_loss=1.0)
+    first_below = next(i for i, v in enumerate(_lan_train.smoothed(losses)) if v < 1.0)
+    assert first_below > 7
+    assert s["time_to_target_s"] == pytest.approx(0.5 * (first_below + 1))
+    assert _lan_train.summarize(records([2.0] * 10), {}, target_loss=1.0)["time_to_target_s"] is None
+
+
+def test_metrics_file_with_summary_event_and_torn_line(tmp_path):
+    f = tmp_path / "m.jsonl"
+    lines = [json.dumps(r) for r in records([2.0, 1.9])]
+    lines.append(json.dumps({"event": "summary", "wire_bytes": 7, "raw_bytes": 14, "param_checksum": "ab"}))
+    f.write_text("\n".join(lines) + '\n{"time": 1')
+    recs, final = _lan_train.read_metrics(f)
+    assert [r["round"] for r in recs] == [1, 2] and final["wire_bytes"] == 7
+    s = _lan_train.summarize(recs, final, None)
+    assert (s["wire_bytes"], s["param_checksum"]) == (7, "ab")
+
+
+def test_plan_runs_one_alone_per_implementation_and_says_what_it_skips():
+    runs, skipped = _lan_train.plan(3, [1, 2, 3], ["none", "int8"], [0, 1], flags=set(), gloo=True)
+    assert [(r.impl, r.n, r.codec, r.staleness) for r in runs] == [
+        ("p2ptrain", 1, "none", None), ("gloo", 1, "fp32", None),
+        ("p2ptrain", 2, "none", None), ("p2ptrain", 2, "int8", None), ("gloo", 2, "fp32", None),
+        ("p2ptrain", 3, "none", None), ("p2ptrain", 3, "int8", None), ("gloo", 3, "fp32", None)]
+    assert skipped == ["p2ptrain staleness 1: this join has no --staleness"]
+    runs, skipped = _lan_train.plan(2, [2], ["none"], [0, 1], flags={"--staleness"}, gloo=False)
+    assert [(r.n, r.staleness) for r in runs] == [(2, 0), (2, 1)] and not skipped
+
+
+def test_join_command_for_the_static_group_and_the_cluster_join(tmp_path):
+    run = _lan_train.Run(0, "p2ptrain", 2, "int8", 1)
+    peers = ["10.0.0.1:7010", "10.0.0.2:7010"]
+    kw = {"peers": peers, "own": peers[1], "metrics": tmp_path / "m", "model_size": "1m", "batch_size": 32,
+          "rounds": 5, "secret": "s", "cluster": "c"}
+    old = _lan_train.join_command(run, flags=set(), step_delay=0.2, **kw)
+    assert old[old.index("--peers") + 1] == ",".join(peers) and "--step-delay" not in old
+    new = _lan_train.join_command(run, flags={"--no-discovery", "--min-peers", "--step-delay"}, step_delay=0.2, **kw)
+    assert new[new.index("--peers") + 1] == peers[0] and "--no-discovery" in new
+    assert new[new.index("--host") + 1] == "10.0.0.2" and new[new.index("--port") + 1] == "7010"
+    assert new[new.index("--min-peers") + 1] == "2" and new[new.index("--step-delay") + 1] == "0.2"
+    assert new[new.index("--staleness") + 1] == "1" and new[new.index("--compression") + 1] == "int8"
+
+
+def test_join_flags_reads_the_parser_itself():
+    flags = _lan_train.join_flags()
+    assert {"--peers", "--metrics", "--max-rounds", "--compression"} <= flags
