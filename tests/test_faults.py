@@ -111,7 +111,10 @@ def assert_nothing_lost_and_replicas_agree(peers, survivors, max_dropped=4 * 16)
     assert len(common) >= 5
     for r in common:
         assert len({b[r] for b in by_round}) == 1, f"replicas differ after round {r}"
-    assert len({peers.records(n)[-1]["param_checksum"] for n in survivors}) == 1
+    # each ends with the parameters of the last round it applied (peers stopped at once may differ by
+    # the round in flight when they left: a leaver cannot know whether it committed)
+    for n in survivors:
+        assert peers.records(n)[-1]["param_checksum"] == peers.rounds(n)[-1]["param_checksum"]
 
 
 def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
@@ -220,12 +223,12 @@ def test_a_cable_pulled_splits_the_cluster_and_plugging_it_back_heals_it(tmp_pat
         base = {n: len(peers.rounds(n)) for n in "abc"}
         peers.wait("both sides go on", lambda: all(sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5
                                                    for n in "ab")
-                   and sum(r["members"] == 1 for r in peers.rounds("c")[base["c"]:]) >= 5, timeout=60)
+                   and sum(r["members"] == 1 for r in peers.rounds("c")[base["c"]:]) >= 5, timeout=120)
         detected = time.monotonic() - pulled
         lan.set_link(2, True)
         base = {n: len(peers.rounds(n)) for n in "abc"}
         peers.wait("healed", lambda: all(sum(r["members"] == 3 for r in peers.rounds(n)[base[n]:]) >= 5
-                                         for n in "abc"), timeout=90)
+                                         for n in "abc"), timeout=120)
         finish_all(peers, "abc")
         assert "split" in peers.log("c"), peers.log("c")[-2000:]
         # the smaller side's batches in flight when it loads the bigger side's state are void (and counted)
