@@ -64,6 +64,7 @@ class RoundRecord:
     raw_bytes: int  # the same uncompressed
     seconds: float  # ring start to apply
     time: float  # wall clock at apply (time.time())
+    index: int = 0  # 0, 1, 2 ... in the order applied here (readers on other threads resume from it)
 
 
 class RoundLog(collections.deque):
@@ -388,7 +389,7 @@ class Cluster:
         self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
         began = self._ring_began.pop(r, None)
         seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0
-        self.rounds.append(RoundRecord(r, len(view), total, own, wire, raw, seconds, time.time()))
+        self.rounds.append(RoundRecord(r, len(view), total, own, wire, raw, seconds, time.time(), self.rounds.total))
         if began is not None:
             now = self.trace.now()
             self.trace.span(f"round {r}", "round", now - seconds, now, members=len(view), samples=total,

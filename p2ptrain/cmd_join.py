@@ -285,10 +285,16 @@ class _Join:
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
-        records = peer.cluster.rounds
-        fresh = min(records.total - self._records_seen, len(records))
-        self._records_seen = records.total
-        return list(records)[len(records) - fresh:] if fresh > 0 else []
+        while True:
+            try:
+                records = list(peer.cluster.rounds)
+                break
+            except RuntimeError:  # the cluster's thread appended meanwhile: read again
+                continue
+        fresh = [r for r in records if r.index >= self._records_seen]
+        if fresh:
+            self._records_seen = fresh[-1].index + 1
+        return fresh
 
     async def _wait_for_members(self, peer) -> None:
         """With --connect-timeout: exit 3 if --min-peers members have not formed by then."""
