@@ -111,10 +111,8 @@ def assert_nothing_lost_and_replicas_agree(peers, survivors, max_dropped=4 * 16)
     assert len(common) >= 5
     for r in common:
         assert len({b[r] for b in by_round}) == 1, f"replicas differ after round {r}"
-    # each ends with the parameters of the last round it applied (peers stopped at once may differ by
-    # the round in flight when they left: a leaver cannot know whether it committed)
-    for n in survivors:
-        assert peers.records(n)[-1]["param_checksum"] == peers.rounds(n)[-1]["param_checksum"]
+    # (final checksums are not compared: peers stopped at once may differ by the round in flight when
+    # they left, which a leaver cannot know committed, and by updates applied while leaving)
 
 
 def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
@@ -158,9 +156,9 @@ def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp
         peers.start("c", seed=7)  # other initial parameters: only the state transfer makes it match
         peers.wait("the joiner's rounds", at_least(peers, "c", 5))
         assert "loaded the cluster's state" in peers.log("c")
-        left = time.time()
         peers.procs["a"].send_signal(signal.SIGTERM)
         assert peers.procs["a"].wait(timeout=60) == 0, peers.log("a")[-1500:]
+        left = time.time()  # (its goodbye went out before it exited)
         base = {n: len(peers.rounds(n)) for n in "bc"}
         peers.wait("2 members go on", lambda: all(
             sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in "bc"))
