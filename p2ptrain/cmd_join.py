@@ -140,6 +140,7 @@ class _Join:
 
     async def run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
+        from p2ptrain.discovery import parse_host_port
         from p2ptrain.peer import AsyncPeer
         from p2ptrain.tasks import load_task, validate_task
 
@@ -160,9 +161,10 @@ class _Join:
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          step_timeout=float("inf"), **kwargs)
         self._resume(peer, task)
-        own = {(h, a.port) for h in _local_hosts()}
-        self._share_cores(peer, len([p for p in peers if p.rpartition(":")[0] in _local_hosts()
-                                     and (p.rpartition(":")[0], int(p.rpartition(":")[2])) not in own]))
+        local = _local_hosts()  # (lists the interfaces: once)
+        ours = {(h, a.port) for h in local}
+        self._share_cores(peer, sum(host in local and (host, port) not in ours
+                                    for host, port in map(parse_host_port, peers)))
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()
         self._install_signals()

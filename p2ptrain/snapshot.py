@@ -17,6 +17,7 @@ and raises ``RemoteProtocolError`` on anything else: a bad snapshot is the sende
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from typing import Any, Iterable
 
@@ -93,8 +94,7 @@ def unpack(payload: bytes | bytearray | memoryview) -> Any:
         _need(isinstance(shape, list) and len(shape) <= 16 and all(type(n) is int and n >= 0 for n in shape),
               "a bad shape")
         _need(type(nbytes) is int and 0 <= nbytes <= view.nbytes - offset, "tensor data past the end")
-        itemsize = torch.empty(0, dtype=DTYPES[dtype]).element_size()
-        _need(int(np.prod(shape, dtype=np.int64)) * itemsize == nbytes, "a shape that does not match its bytes")
+        _need(math.prod(shape) * DTYPES[dtype].itemsize == nbytes, "a shape that does not match its bytes")
         raw = torch.frombuffer(bytearray(view[offset: offset + nbytes]), dtype=torch.uint8) if nbytes \
             else torch.empty(0, dtype=torch.uint8)
         tensors.append(raw.view(DTYPES[dtype]).reshape(shape))

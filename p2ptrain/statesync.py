@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import math
 from typing import Callable
 
 import msgpack
@@ -52,15 +53,8 @@ def _fp_bytes(fingerprint) -> bytes:
 
 def state_limit(fingerprint) -> int:
     """The largest snapshot we accept: parameters, optimizer moments and buffers several times over."""
-    nbytes = sum(torch.empty(0, dtype=getattr(torch, d)).element_size() * _prod(s) for _, s, d in fingerprint)
+    nbytes = sum(getattr(torch, d).itemsize * math.prod(s) for _, s, d in fingerprint)
     return 8 * nbytes + (64 << 20)
-
-
-def _prod(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= int(n)
-    return out
 
 
 def _need(ok: bool, what: str) -> None:
