@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import zlib
 from typing import Any, Iterable
 
 import msgpack
@@ -122,12 +123,14 @@ def unpack(payload: bytes | bytearray | memoryview) -> Any:
 
 
 def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A hex digest of each tensor's name, shape, dtype and raw bytes, in order: equal exactly
-    when two sets of parameters are bit-identical (``tasks.param_checksum`` is this over a model)."""
+    """A hex digest of each tensor's name, shape, dtype and raw bytes, in order: equal when two
+    sets of parameters are bit-identical, different for any changed bit (``tasks.param_checksum``
+    is this over a model). The bytes go through CRC-32 (about 6 GB/s, five times BLAKE2b: it runs
+    every round): it detects drift and damage, which is its job, not forgery (links are
+    authenticated)."""
     digest = hashlib.blake2b(digest_size=16)
     with torch.no_grad():
         for name, t in named:
-            digest.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
             raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            digest.update(raw.numpy().data)
+            digest.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{zlib.crc32(raw.numpy().data)}|".encode())
     return digest.hexdigest()
