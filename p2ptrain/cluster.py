@@ -14,6 +14,12 @@ returns, in order:
                          ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
 
+Reconciliation. Replicas on different device kinds (MPS, CUDA, CPU) drift in the last bits of
+the optimizer's arithmetic. The trainer reports its parameter checksum after each update
+(``parameters_at``); the leader sends its own to the members (a PARAMS message, outside the
+round machine), and a member whose checksum at the same point of the chain differs loads the
+leader's state (``RoundMachine.resync``), so replicas never wander apart.
+
 The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
 meeting a cluster that is ahead, or a bigger side after a split, makes the machine ask for a
@@ -51,6 +57,8 @@ log = logging.getLogger("p2ptrain.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
+PARAMS = "params"  # the leader's parameter checksum at a (version, digest): not a round message
+PARAMS_KEEP = 64  # checksums remembered per side, waiting for the other side's at the same point
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,9 @@ class Cluster:
         self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
+        self.reconciled = 0  # states loaded because our parameters differed from the leader's
+        self._own_sums: collections.OrderedDict = collections.OrderedDict()  # (version, digest) -> checksum
+        self._leader_sums: collections.OrderedDict = collections.OrderedDict()  # ... -> (leader, checksum)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
@@ -160,6 +171,11 @@ class Cluster:
         """The source has something now: rounds waiting for a contribution take it."""
         self._post("take")
 
+    def parameters_at(self, point: SyncPoint, checksum: str) -> None:
+        """The trainer's parameter checksum once the update ending at ``point`` is applied (call
+        on the cluster's loop): the leader tells the members, a member compares."""
+        self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "checksum": checksum})
+
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
         self.mesh.propose(host, port)
@@ -179,7 +195,7 @@ class Cluster:
 
     def _on_message(self, peer: str, header: dict) -> None:
         if peer not in self._foreign:
-            self._post("message", peer, header)
+            self._post("params" if header.get("t") == PARAMS else "message", peer, header)
 
     # -- the actor ------------------------------------------------------------------------
     def _post(self, kind: str, *args) -> None:
@@ -231,6 +247,8 @@ class Cluster:
                 elif kind == "take":
                     waiting, self._waiting_take = self._waiting_take, []
                     actions = [msg.Contribute(r) for r in waiting]
+                elif kind == "params":
+                    actions = self._on_params(args[0], args[1], now)
                 elif kind == "ask":
                     self._serve(*args)
                     continue
@@ -240,6 +258,8 @@ class Cluster:
                 elif kind == "restored":
                     self.source.restore(args[0])
                     self.loads.append(args[1])
+                    self._own_sums.clear()
+                    self._leader_sums.clear()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
                     actions = m.on_synced(args[1], now)
@@ -374,6 +394,32 @@ class Cluster:
             if members and source not in members:
                 source = members[int(loop.time()) % len(members)]
 
+    # -- reconciliation -------------------------------------------------------------------
+    def _on_params(self, peer: str, header: dict, now: float) -> list:
+        """A parameter checksum: ours (the trainer's) or the leader's. Compare at equal points."""
+        version, digest, checksum = header.get("version"), header.get("digest"), header.get("checksum")
+        if not (type(version) is int and version >= 0 and isinstance(digest, bytes) and len(digest) <= 64
+                and isinstance(checksum, str) and 0 < len(checksum) <= 64):
+            raise RemoteProtocolError("a malformed PARAMS message")
+        key, m = (version, digest), self.machine
+        if peer == self.peer_id:
+            _remember(self._own_sums, key, checksum)
+            if m.is_leader:
+                members = tuple(p for p in m.table.live_synced() if p != self.peer_id)
+                return [msg.Broadcast({"t": PARAMS, **header}, members)] if members else []
+        elif peer == (m.promised or (0, None))[1]:
+            _remember(self._leader_sums, key, (peer, checksum))
+        else:
+            return []  # (a leader we no longer follow)
+        mine, theirs = self._own_sums.get(key), self._leader_sums.get(key)
+        if mine is None or theirs is None or mine == theirs[1] or not m.synced or m.is_leader:
+            return []
+        self._leader_sums.pop(key)
+        self.reconciled += 1
+        log.warning("parameters differ from the leader %s's after update %d (%s here, %s there: device kinds "
+                    "round differently); loading its state", theirs[0], version, mine[:8], theirs[1][:8])
+        return m.resync(f"parameters differ from the leader's at version {version}", theirs[0], now)
+
     def _foreign_model(self, peer: str, diff: str) -> None:
         fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
         text = f"peer {peer} trains another model ({diff}); it is not admitted"
@@ -394,3 +440,9 @@ class Cluster:
             now = self.trace.now()
             self.trace.span(f"round {r}", "round", now - seconds, now, members=len(view), samples=total,
                             wire_bytes=wire)
+
+
+def _remember(table: collections.OrderedDict, key, value) -> None:
+    table[key] = value
+    while len(table) > PARAMS_KEEP:
+        table.popitem(last=False)

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "N >= 1: rounds run at the network's pace, no gradient applied more than N rounds stale")
     g.add_argument("--target-batch-size", type=int, default=_env("target_batch_size"),
                    help="with --staleness >= 1: a round starts once the members hold this many samples")
+    g.add_argument("--reconcile-every", type=int, default=_env("reconcile_every", "1"),
+                   help="compare parameter checksums with the coordinator's every N updates; a peer that "
+                   "differs (another device kind rounds differently) loads its state (default 1; 0: never)")
     g.add_argument("--max-rounds", type=int, default=_env("max_rounds"),
                    help="stop after this many rounds (default 300 when --duration is not given)")
     g.add_argument("--duration", type=float, default=_env("duration"), help="stop after this many seconds")
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_rounds is None and args.duration is None:
         args.max_rounds = 300
     for name, low in (("max_rounds", 1), ("batch_size", 1), ("min_peers", 1), ("staleness", 0),
-                      ("target_batch_size", 1), ("checkpoint_every", 1), ("eval_every", 0)):
+                      ("target_batch_size", 1), ("checkpoint_every", 1), ("eval_every", 0), ("reconcile_every", 0)):
         value = getattr(args, name)
         if value is not None and int(value) < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}")
@@ -159,7 +162,7 @@ class _Join:
         peer = AsyncPeer(model, optimizer, cluster=a.cluster, secret=self.secret, peers=peers,
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
-                         step_timeout=float("inf"), **kwargs)
+                         reconcile_every=a.reconcile_every, step_timeout=float("inf"), **kwargs)
         self._resume(peer, task)
         local = _local_hosts()  # (lists the interfaces: once)
         ours = {(h, a.port) for h in local}

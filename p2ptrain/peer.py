@@ -106,6 +106,7 @@ class RoundMetrics:
     round_time: float  # seconds from taking this peer's contribution to the commit
     compute_time: float  # mean seconds per step outside step() (data, forward, backward) since the last update
     wait_time: float  # seconds step() blocked since the last update
+    param_checksum: str = ""  # of the parameters after this update (compared with the leader's); "" alone
 
 
 @dataclass
@@ -115,6 +116,7 @@ class _Update:  # a committed round, waiting for the caller's thread to apply it
     point: SyncPoint
     metrics: RoundMetrics | None
     held: _Out | None = None  # our contribution's memory, when the cluster handed it back as the result
+    compare: bool = False  # others are synced: report the parameter checksum after applying it
 
 
 @dataclass
@@ -270,14 +272,17 @@ class AsyncPeer:
     Keywords are the ``join`` flags: ``cluster``, ``secret``, ``peers``, ``listen``,
     ``discovery``, ``compression``, ``staleness``, ``min_peers``, ``device`` (None: where the
     model is; else the model is moved there). ``clip_grad_norm`` clips each averaged gradient;
-    ``scheduler`` steps once per applied update. ``target_batch_size`` is not built yet."""
+    ``scheduler`` steps once per applied update. ``reconcile_every``: compare the parameter
+    checksum with the leader's after every that many updates (0: never); a member that differs
+    (device kinds round differently) loads the leader's state. ``target_batch_size`` is not
+    built yet."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
                  discovery: bool = True, interface: str | None = None, compression: str = "none",
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
-                 scheduler: Any = None, step_timeout: float = 300.0):
+                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1):
         if type(staleness) is not int or staleness < 0:
             raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
         if target_batch_size is not None:
@@ -287,6 +292,9 @@ class AsyncPeer:
             raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+        if type(reconcile_every) is not int or reconcile_every < 0:
+            raise ConfigError(f"reconcile_every must be an int >= 0 (0: never compare parameters), got "
+                              f"{reconcile_every!r}")
         if not step_timeout > 0:
             raise ConfigError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
         parse_codec(compression)  # a typo is reported here, not on entering
@@ -302,6 +310,7 @@ class AsyncPeer:
         self.peer_id = new_peer_id()
         self.staleness, self.min_peers = staleness, min_peers
         self.clip_grad_norm, self.step_timeout = clip_grad_norm, step_timeout
+        self.reconcile_every = reconcile_every
         self._peers = [p.strip() for p in peers if p.strip()]
         for p in self._peers:
             parse_host_port(p)
@@ -561,8 +570,13 @@ class AsyncPeer:
                 self.version += update.summed is not None
                 if update.held is not None:  # (a peer alone: the ring's result was our own buffer)
                     self._acc.release(update.held)
-            if update.metrics is not None:
-                self._publish(update.metrics)
+            metrics = update.metrics
+            if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
+                checksum = param_checksum(self.model)  # the leader's cluster compares it with its own
+                self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, checksum)
+                metrics = metrics and replace(metrics, param_checksum=checksum)
+            if metrics is not None:
+                self._publish(metrics)
 
     def _apply_update(self, update: _Update) -> None:
         grad = torch.from_numpy(update.summed)  # (ours: the cluster handed its ring result over)
@@ -678,6 +692,7 @@ class AsyncPeer:
 
     def apply(self, summed: np.ndarray, total_samples: int) -> None:
         point, now = self.cluster.machine.sync_point(), time.perf_counter()
+        compare = len(self.cluster.machine.table.live_synced()) > 1
         with self._lock:
             out, self._out = self._out, None
             held = out if out is not None and total_samples and np.may_share_memory(summed, out.array) else None
@@ -687,7 +702,7 @@ class AsyncPeer:
             self._rounds_seen += 1
             if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on
                 self._idle_rounds += 1
-                if self._queue:
+                if self._queue:  # (parameters do not change: nothing to compare)
                     self._queue.append(_Update(None, 0, point, None))
                 else:
                     self._params_point = point
@@ -703,7 +718,7 @@ class AsyncPeer:
                                  compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
                 self._compute_s = self._wait_s = 0.0
                 self._compute_n = 0
-                self._queue.append(_Update(summed, total_samples, point, m, held))
+                self._queue.append(_Update(summed, total_samples, point, m, held, compare))
         self._changed.set()
 
     def put_back(self, contribution: np.ndarray, samples: int) -> None:

@@ -23,8 +23,18 @@ START = "start"  # leader -> view  {r, b, view, total}
 DONE = "done"  # member -> leader  {r, b, ok, checksum}
 COMMIT = "commit"  # leader -> view  {r, b}
 ABORT = "abort"  # leader -> view and the dropped  {r, b, reason, drop}
-NACK = "nack"  # member -> a leader it does not obey  {r, b (the ballot it obeys), reason}
+NACK = "nack"  # member -> a leader it does not obey  {r, b (the ballot it obeys), reason, missing (the
+#                  view's peers it has no link to; absent from older peers)}
 GOODBYE = "goodbye"  # a leaving peer -> all  {}
+
+# A member's phase in the attempt it takes part in (a STATUS reports it as "pending"; None: idle).
+PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"
+
+
+def beats(a: tuple | None, b: tuple | None) -> bool:
+    """Ballot a is better than b: a higher epoch, or the same epoch and a smaller id."""
+    return b is None or (a is not None and (a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])))
+
 
 # Security limits on what a peer may send (the frame layer bounds the header to 16 KiB too).
 MAX_VIEW = 256
@@ -92,14 +102,15 @@ _SCHEMA = {
     DONE: {**_RB, "ok": _of(bool), "checksum": _opt(_of(bytes, 64))},
     COMMIT: _RB,
     ABORT: {**_RB, "reason": _of(str, MAX_REASON), "drop": _ids},
-    NACK: {"r": lambda v: _int(v, -1), "b": _ballot, "reason": _of(str, MAX_REASON)},
+    NACK: {"r": lambda v: _int(v, -1), "b": _ballot, "reason": _of(str, MAX_REASON), "missing": _opt(_ids)},
     GOODBYE: {},
 }
 
 
 def parse(msg: object) -> dict:
     """A round message, checked field by field: the fields of its type, normalised (ballots and
-    views as tuples); unknown fields are dropped. Raises ``RemoteProtocolError`` on anything else."""
+    views as tuples); unknown fields are dropped, and an optional one that is absent (a NACK's
+    ``missing`` from an older peer) reads as None. Raises ``RemoteProtocolError`` on anything else."""
     _need(isinstance(msg, dict) and isinstance(msg.get("t"), str) and msg["t"] in _SCHEMA, "unknown message type")
     return {"t": msg["t"], **{name: check(msg.get(name)) for name, check in _SCHEMA[msg["t"]].items()}}
 

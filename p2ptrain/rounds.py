@@ -2,7 +2,7 @@
 
 Theory of operation. One ``RoundMachine`` per peer. The *leader* (``PeerTable.coordinator``)
 sequences numbered rounds; every peer, the leader too, is a *member* of the rounds whose view
-names it. A round is a two-phase commit around the ring (messages: ``membership.parse``):
+names it. A round is a two-phase commit around the ring (messages: ``roundmsg.parse``):
 
     leader                               member
     PROPOSE {r, b, view}        ------>  Contribute(r): the host swaps its accumulator, then
@@ -16,13 +16,11 @@ An attempt that never STARTed leaves no trace (its contribution is put back; no 
 Only a started attempt has an outcome; ``round`` is the last one here. Leaders never reuse
 a round number they have seen.
 
-Ballots. A leader holds b = (epoch, its id). A member obeys the best ballot it has seen
-(higher epoch; on a tie the smaller id) and answers a worse one with NACK, so two peers that
-lead "for a moment" resolve deterministically and the loser steps down. A new leader takes a
-fresh epoch and first asks every candidate for its STATUS (QUERY): once a member answered,
-the old leader's COMMIT no longer reaches it (fencing). An attempt left in doubt by a lost
-leader commits where a survivor already committed it and aborts everywhere else; a leader's
-decision, once taken, is final.
+Ballots. Every message of a leader carries its ballot b = (epoch, its id). A member obeys
+the best ballot it has seen (higher epoch; on a tie the smaller id) and answers a worse one,
+or a view naming a peer it has no link to, with NACK. The leader's side (taking the lead,
+fencing, attempts left in doubt, refusals under partial connectivity) is ``p2ptrain.leader``,
+a mixin of ``RoundMachine``; this module is the round and the member's side.
 
 Lineage. Committed rounds form a hash chain (``membership.History``). READY carries (version,
 digest): a member whose chain differs from the leader's is dropped. Peers compare chains in
@@ -30,15 +28,11 @@ STATUS (on connect, after loading state, when told, when idle too long): on one 
 peer behind loads state (``Resync``); across a split ``heal_decision`` picks the side. The
 leader holds the boundary (``join_hold``) while a joiner catches up.
 
-Transitions (``_MEMBER`` and ``_LEADER``; ``_move`` refuses any other):
+Transitions (``_MEMBER``, and ``leader._LEADER`` for the leader; ``_move`` refuses any other):
     member: idle -PROPOSE-> proposed -contribution-> ready -START-> ring -ring_done-> done
             done -COMMIT-> idle (Apply);  any -ABORT-> idle (PutBack);
             proposed|ready -PROPOSE of a better ballot, same round-> same phase (READY again)
             proposed|ready -a better ballot, leader lost-> idle (withdrawn, PutBack)
-    leader: none -takeover-> querying -all STATUS or timeout-> between
-            between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
-            collecting|running -failure, timeout, peer lost, superseded-> between (ABORT)
-            querying|between -superseded, loading state, a smaller peer served-> none
 Call order: hand each event to one method; carry out the returned actions in order. A
 malformed or impossible message raises ``RemoteProtocolError`` (drop that link); a stale
 one is counted in ``counters``.
@@ -46,18 +40,16 @@ one is counted in ``counters``.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
+from p2ptrain.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
 from p2ptrain.membership import SYNCED, SYNCING, History, Lineage, PeerTable, RoundTimer, heal_decision, relation
-from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, LOG_KEEP, MAX_REASON, NACK, PROPOSE, QUERY, READY, START,
-                               STATUS, Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing,
-                               parse)
-
-PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"  # member phases (None: idle)
-REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
-QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)
+from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
+                               RING, RINGED, START, STATUS, Apply, Broadcast, Contribute, Log, PutBack, Resync, Send,
+                               Stall, StartRing, beats, parse)
 
 # (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
 _MEMBER = {
@@ -69,15 +61,6 @@ _MEMBER = {
     (PROPOSED, PROPOSE): PROPOSED, (READIED, PROPOSE): READIED,  # same round, better ballot (READY again)
     (PROPOSED, "withdraw"): None, (READIED, "withdraw"): None,  # never started: no trace (PutBack)
     (PROPOSED, ABORT): None, (READIED, ABORT): None, (RING, ABORT): None, (RINGED, ABORT): None,  # -> PutBack
-}
-_LEADER = {
-    (None, "takeover"): QUERYING,  # -> QUERY to every candidate
-    (QUERYING, "recovered"): BETWEEN,  # -> COMMIT/ABORT of attempts left in doubt
-    (BETWEEN, PROPOSE): COLLECTING,
-    (COLLECTING, START): RUNNING,
-    (RUNNING, COMMIT): BETWEEN,
-    (COLLECTING, ABORT): BETWEEN, (RUNNING, ABORT): BETWEEN,
-    (QUERYING, "step_down"): None, (BETWEEN, "step_down"): None,  # (collecting/running abort first)
 }
 
 
@@ -101,11 +84,6 @@ class RoundConfig:
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
 
 
-def _beats(a: tuple | None, b: tuple | None) -> bool:
-    """Ballot a is better than b: a higher epoch, or the same epoch and a smaller id."""
-    return b is None or (a is not None and (a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])))
-
-
 @dataclass
 class _Pending:  # the attempt this peer takes part in as a member
     r: int
@@ -123,20 +101,7 @@ class _Pending:  # the attempt this peer takes part in as a member
         return self.phase in (RING, RINGED)
 
 
-@dataclass
-class _Lead:  # the attempts this peer sequences as leader
-    b: tuple
-    phase: str
-    r: int  # the round in flight, or the next one to propose
-    since: float
-    view: tuple = ()
-    waiting: set = field(default_factory=set)
-    got: dict = field(default_factory=dict)
-    failed: set = field(default_factory=set)
-    mark: float = 0.5
-
-
-class RoundMachine:
+class RoundMachine(LeaderRole):
     """One peer's rounds. It starts not synced: call ``on_synced`` with a founder's SyncPoint or
     a snapshot's ``sync_point()``. The host feeds beacons to ``table.heard`` itself and calls
     ``on_tick`` about every 100 ms; every other event comes through the ``on_*`` methods."""
@@ -148,24 +113,19 @@ class RoundMachine:
         self.promised: tuple | None = None  # the best ballot seen: the leader we obey
         self.max_epoch = 0
         self.pending: _Pending | None = None
-        self.lead: _Lead | None = None
+        self._init_leader()  # lead (the attempts we sequence), and the leader's bookkeeping
         self.counters: Counter = Counter()
         self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
-        self._decided: OrderedDict = OrderedDict()  # attempt -> committed, as decided by us as leader
         self._seen_r = -1  # the highest round number seen in any proposal
         self._proposed: tuple = ()  # the last attempt proposed to us that we took up
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
         self._hello, self._hello_until = set(), 0.0  # after on_synced: STATUS still awaited
-        self._admit: dict = {}  # joiners catching up: peer -> hold the boundary until
-        self._held: dict = {}  # the version a joiner had when we last held for it
         self._deferred: dict = {}  # STATUS that arrived while our own version was in flight
         self._tell: set = set()  # peers to send our STATUS once this event is handled
-        self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
-        self._nbytes, self._said_waiting, self._left = 0, False, False
+        self._nbytes, self._left = 0, False
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
-        self._refused_until = float("-inf")  # no proposal before this (a member just refused one)
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
 
@@ -219,7 +179,7 @@ class RoundMachine:
         """We just sent ``peer`` our state. As leader, hold the next boundary (``join_hold`` at
         most) until it reports that state, so that it does not fall behind while it loads."""
         def go():
-            if self.lead is not None:
+            if self.lead is not None and not self._is_left_out(peer, now):
                 self._admit[peer], self._held[peer] = now + self.config.join_hold, self.history.version
         return self._run(now, go)
 
@@ -309,9 +269,10 @@ class RoundMachine:
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
 
-    def _nack(self, to: str, r: int, reason: str) -> None:
+    def _nack(self, to: str, r: int, reason: str, missing=()) -> None:
         if to != self.id:
-            self._send(to, {"t": NACK, "r": r, "b": list(self.promised or (0, self.id)), "reason": reason})
+            self._send(to, {"t": NACK, "r": r, "b": list(self.promised or (0, self.id)), "reason": reason,
+                            "missing": list(missing)})
 
     def _promise(self, b: tuple, now: float, keep: int = -1) -> None:
         """Obey ballot b from now on. An unstarted attempt of another ballot can never start
@@ -327,7 +288,7 @@ class RoundMachine:
     def _on_query(self, s, m, now) -> None:
         if m["b"][1] != s:
             raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
-        if self.synced and _beats(self.promised, m["b"]):
+        if self.synced and beats(self.promised, m["b"]):
             return self._nack(s, -1, "superseded")
         if self.synced:
             self._promise(m["b"], now)
@@ -339,12 +300,13 @@ class RoundMachine:
             raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
         if not self.synced or r <= self.round:
             self.counters["old_round" if self.synced else "unsynced"] += 1
-        elif _beats(self.promised, b):
+        elif beats(self.promised, b):
             self._nack(s, r, "superseded")
         elif self.id not in view or s not in view:
             self._nack(s, r, "the view does not hold us and the leader")
         elif any(q != self.id and not self.table.is_live(q) for q in view):
-            self._nack(s, r, "the view names a peer we are not connected to")
+            missing = [q for q in view if q != self.id and not self.table.is_live(q)]
+            self._nack(s, r, "the view names a peer we are not connected to", missing)
         elif p is not None and p.started:  # in doubt: this leader must resolve that attempt first
             self._promise(b, now)
             self._send(s, self._status(b, re=True))
@@ -382,7 +344,7 @@ class RoundMachine:
         p, r, b = self.pending, m["r"], m["b"]
         if s != (self.promised or (0, None))[1]:  # a leader we no longer obey: it must step down
             self.counters["superseded"] += 1
-            if _beats(self.promised, b):
+            if beats(self.promised, b):
                 self._nack(s, r, "superseded")
             return None
         if p is not None and (p.r, p.b) == (r, b):
@@ -446,7 +408,7 @@ class RoundMachine:
             self.history.append(p.r, p.view, p.total)
             self._last_view = p.view
             for q in self.table.live_synced():  # synced but not in the view: behind us now
-                if q not in p.view and self.table.unsynced(q) and self.lead:
+                if q not in p.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
                     self._tell.add(q)  # tell it, and hold the next boundary while it catches up
                     self._admit[q] = now + self.config.join_hold
             for q in p.view:
@@ -494,7 +456,7 @@ class RoundMachine:
             self._admit.pop(s, None)
             self._held.pop(s, None)
         else:
-            if rel == "behind" and self.lead and self._held.get(s, -1) < v:  # a joiner that made progress
+            if rel == "behind" and self.lead and self._held.get(s, -1) < v and not self._is_left_out(s, now):
                 self._held[s], self._admit[s] = v, now + self.config.join_hold
             self.table.unsynced(s)
             self._gone(s, now, f"holds another state ({rel})")
@@ -535,181 +497,8 @@ class RoundMachine:
             self._abort(now, f"{s} {why}", drop=[s])
         if p is not None and not p.started and p.b[1] == s:
             self._withdraw(p)
-
-    # -- leader side -------------------------------------------------------------------------
-    def _drive(self, now: float, tick: bool) -> None:
-        L = self.lead
-        if not self.synced:
-            return
-        if L is None:
-            if tick and self._should_lead(now):
-                self._takeover(now)
-        elif L.phase == QUERYING and not L.waiting:
-            self._recover()
-        elif L.phase == BETWEEN and self.table.coordinator() != self.id:
-            self._step_down(now, f"handing the lead over to {self.table.coordinator()}")
-        elif L.phase == BETWEEN:
-            self._propose(now)
-
-    def _should_lead(self, now: float) -> bool:
-        if self.table.coordinator() != self.id or (self._hello and now < self._hello_until):
-            return False  # (not before we heard who else is synced)
-        if now < self._no_lead_until and self.table.state(self._rival) != SYNCED:
-            return False  # a rival we cannot see leads: do not flip-flop with it every round
-        owner, p = (self.promised or (0, None))[1], self.pending
-        owner_alive = owner != self.id and self.table.state(owner) == SYNCED
-        if p is not None and p.started:  # in doubt: only once its leader is gone
-            return not owner_alive
-        return not (owner_alive and owner < self.id)  # a smaller live leader keeps the lead
-
-    def _takeover(self, now: float) -> None:
-        b = (self.max_epoch + 1, self.id)
-        self._promise(b, now)
-        cands = set(self.table.live_synced()) - {self.id}
-        r = max(self.round, self._seen_r, self.pending.r if self.pending else -1) + 1
-        self.lead = _Lead(b, self._move(_LEADER, None, "takeover"), r, now, waiting=cands)
-        self._broadcast({"t": QUERY, "b": list(b)}, sorted(cands))
-        self._emit(Log("info", f"coordinating from epoch {b[0]}: asking {len(cands)} peer(s) for their state"))
-
-    def _recover(self) -> None:
-        L = self.lead
-        got = {p: st for p, st in L.got.items() if st["synced"]}
-        got[self.id] = parse(self._status(L.b))
-        for st in got.values():
-            L.r = max(L.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
-        after = self._resolve(got)
-        for p in set(L.got) | set(after):
-            if after.get(p) != after[self.id]:  # not synced, or another state: it hears ours
-                self.table.unsynced(p)
-                self._tell.add(p)
-        L.phase, L.got = self._move(_LEADER, L.phase, "recovered"), {}
-
-    def _resolve(self, got: dict) -> dict:
-        """Decide the attempts that members report pending: commit where anyone committed it,
-        abort otherwise; our decision, once taken, is final. A member that did not finish
-        the ring of a committed attempt is told ABORT (it is behind, and will load state).
-        Returns each member's (version, digest) after the decision."""
-        learned, after = {}, {}
-        for r, b, c in [e for st in got.values() for e in st["log"]] + list(self._log):
-            learned[(r, b)] = learned.get((r, b), False) or c
-        for p, st in got.items():
-            v, d, pd = st["version"], st["digest"], st["pending"]
-            if pd is not None:
-                key = (pd["r"], pd["b"])
-                outcome = self._decided.get(key, learned.get(key, False))
-                if pd["phase"] in (RING, RINGED):
-                    self._decide(key, outcome)
-                if outcome and pd["phase"] == RINGED and pd["ok"]:
-                    v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])
-                    self._send(p, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
-                else:
-                    self._send(p, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
-                                   "reason": "its leader was lost"})
-            after[p] = (v, d)
-        return after
-
-    def _decide(self, key: tuple, committed: bool) -> None:
-        self._decided[key] = committed
-        while len(self._decided) > 64:
-            self._decided.popitem(last=False)
-
-    def _propose(self, now: float) -> None:
-        L = self.lead
-        ok, why = self.table.can_train(self.config.min_peers)
-        if not ok:
-            if not self._said_waiting:
-                self._said_waiting = True
-                self._emit(Log("info", why))
-            return
-        self._said_waiting = False
-        if now < self._refused_until:
-            return
-        self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
-        if self._admit:
-            return  # at the boundary, for a joiner catching up
-        L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), tuple(self.table.live_synced())
-        L.since, L.mark, L.waiting, L.got, L.failed = now, self.config.stall_warn, set(L.view), {}, set()
-        self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view)}, L.view)
-
-    def _lead_msg(self, s, m) -> _Lead | None:
-        """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
-        L = self.lead
-        if L is None or L.phase != (COLLECTING if m["t"] == READY else RUNNING) or (m["r"], m["b"]) != (L.r, L.b):
-            self.counters["stale"] += 1
-            return None
-        if s not in L.waiting:
-            raise RemoteProtocolError(f"{m['t'].upper()} from a peer not waited for in this round")
-        L.waiting.discard(s)
-        return L
-
-    def _on_ready(self, s, m, now) -> None:
-        L = self._lead_msg(s, m)
-        if L is None:
-            return
-        if (m["version"], m["digest"]) != (self.history.version, self.history.digest):
-            self.table.unsynced(s)
-            return self._abort(now, f"{s} holds another state", drop=[s])
-        L.got[s] = m["samples"]
-        if not L.waiting:
-            self.timers["ready"].record(now - L.since)
-            L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn
-            L.waiting = set(L.view)
-            self._broadcast({"t": START, "r": L.r, "b": list(L.b), "view": list(L.view),
-                             "total": sum(L.got.values())}, L.view)
-
-    def _on_done(self, s, m, now) -> None:
-        L = self._lead_msg(s, m)
-        if L is None:
-            return
-        self.table.report(s, m["r"], m["checksum"])
-        if not m["ok"]:
-            L.failed.add(s)
-        if L.waiting:
-            return
-        if L.failed:
-            return self._abort(now, f"the ring failed at {', '.join(sorted(L.failed))}", drop=[])
-        self.timers["ring"].record(now - L.since, self._link_bytes(len(L.view)))
-        sums = {self.table.get(p).checksum for p in L.view if self.table.get(p)} - {None}
-        if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
-            self._emit(Log("info", f"round {L.r}: parameter checksums differ ({len(sums)} kinds)"))
-        self._decide((L.r, L.b), True)
-        self._broadcast({"t": COMMIT, "r": L.r, "b": list(L.b)}, L.view)
-        L.phase, L.r = self._move(_LEADER, L.phase, COMMIT), L.r + 1
-
-    def _abort(self, now: float, reason: str, drop, tell=True) -> None:
-        L, drop = self.lead, sorted(set(drop))
-        if L.phase == RUNNING:
-            self._decide((L.r, L.b), False)
-        for q in set(drop) - {self.id}:
-            self.table.unsynced(q)
-            if tell:  # it may be alive: our STATUS lets it show its own and come back
-                self._tell.add(q)
-        self._broadcast({"t": ABORT, "r": L.r, "b": list(L.b), "reason": reason[:MAX_REASON], "drop": drop},
-                        sorted(set(L.view) | set(drop)))
-        routine = reason == "the leader is leaving" or reason.endswith("said goodbye")
-        self._emit(Log("info" if routine else "warning", f"round {L.r} aborted: {reason}"))
-        L.phase, L.r = self._move(_LEADER, L.phase, ABORT), L.r + 1
-
-    def _on_nack(self, s, m, now) -> None:
-        L = self.lead
-        self.max_epoch = max(self.max_epoch, m["b"][0])
-        if L is not None and _beats(m["b"], L.b):
-            self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
-        elif L is not None and m["r"] == L.r and L.phase == COLLECTING and s in L.view:
-            # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
-            # forming refuses for a moment; waiting for its idle re-announce took 10 s), and
-            # the next proposal waits REFUSAL_BACKOFF so that a refusal cannot loop at once.
-            self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[s])
-            self._refused_until = now + REFUSAL_BACKOFF
-
-    def _step_down(self, now: float, why: str, rival: str = "") -> None:
-        if self.lead.phase in (COLLECTING, RUNNING):
-            self._abort(now, why, drop=[])
-        self._move(_LEADER, self.lead.phase, "step_down")
-        self.lead = None
-        if rival:
-            self._rival, self._no_lead_until = rival, now + self.config.query_timeout
-        self._emit(Log("info", f"no longer coordinating: {why}"))
+        if s == self._rival and not self.table.is_live(s):  # lost (link, goodbye, silence), not just behind
+            self._rival, self._no_lead_until = "", float("-inf")  # the leader we backed off from is gone
 
     # -- time --------------------------------------------------------------------------------
     def _link_bytes(self, n: int) -> int:

@@ -12,7 +12,7 @@ from p2ptrain import roundmsg as M
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.membership import SYNCED, genesis
 from p2ptrain.roundmsg import Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing
-from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.rounds import REFUSAL_BACKOFF, RoundConfig, RoundMachine, SyncPoint
 
 GENESIS = SyncPoint(0, genesis(b"same init"), -1, 0)
 
@@ -358,6 +358,7 @@ def test_view_naming_unknown_peer_or_not_us_is_refused_with_nack():
     b = net.m["b"]
     out = b.on_message("a", {"t": M.PROPOSE, "r": 5, "b": [3, "a"], "view": ["a", "b", "zz"]}, net.now)
     assert [x.msg["t"] for x in out] == [M.NACK] and "not connected" in out[0].msg["reason"]
+    assert out[0].msg["missing"] == ["zz"]
     out = b.on_message("a", {"t": M.PROPOSE, "r": 5, "b": [3, "a"], "view": ["a", "c"]}, net.now)
     assert [x.msg["t"] for x in out] == [M.NACK] and b.pending is None
 
@@ -395,6 +396,11 @@ def test_parse_normalises_and_drops_unknown_fields():
     assert m == {"t": M.PROPOSE, "r": 3, "b": (2, "a"), "view": ("a", "b")}
 
 
+def test_nack_of_an_older_peer_without_missing_parses():
+    m = M.parse({"t": M.NACK, "r": 3, "b": [2, "a"], "reason": "x"})
+    assert m == {"t": M.NACK, "r": 3, "b": (2, "a"), "reason": "x", "missing": None}
+
+
 VALID = {
     M.QUERY: {"t": M.QUERY, "b": [1, "a"]},
     M.PROPOSE: {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "b"]},
@@ -403,7 +409,7 @@ VALID = {
     M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None},
     M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"]},
     M.ABORT: {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x", "drop": ["c"]},
-    M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x"},
+    M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x", "missing": ["c"]},
     M.GOODBYE: {"t": M.GOODBYE},
     M.STATUS: {"t": M.STATUS, "synced": True, "version": 0, "digest": b"", "round": -1, "members": 1, "min_id": "",
                "window": [[0, b""]], "log": [[0, [1, "a"], True]], "promised": None, "b": None, "re": False,
@@ -444,6 +450,9 @@ def test_parse_accepts_or_raises_remote_protocol_error_only(t, data):
     {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 1.5, "version": 0, "digest": b""},
     {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": 1, "checksum": None},
     {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x" * 1000, "drop": []},
+    {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": [1]},
+    {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": "c"},
+    {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": ["p%03d" % i for i in range(M.MAX_VIEW + 1)]},
     {"t": M.STATUS, "synced": True},
 ])
 def test_malformed_messages_raise_remote_protocol_error(msg):
@@ -484,6 +493,84 @@ def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
     net.settle()
     assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["c"]]
     assert net.applied("a")[-1][1] == ("a", "b")  # the next round ran at once, without c
+
+
+# -- partial connectivity: a member has no link to a peer the leader sees ------------------------
+def proposals(net, leader="a"):
+    return [tuple(m["view"]) for m in net.sent(leader, M.PROPOSE)]
+
+
+def test_refused_for_a_peer_it_cannot_reach_next_view_leaves_that_peer_out_and_commits():
+    net = cluster("abcd", run=0.5)
+    n = len(proposals(net))
+    net.cut("b", "d")  # a, c see both; b and d never get a link to each other
+    net.tick()
+    nacks = net.sent("b", M.NACK)
+    assert len(nacks) == 1 and nacks[0]["missing"] == ["d"]
+    refused = proposals(net).index(("a", "b", "c", "d"), n)
+    k = len(net.applied("a"))
+    assert proposals(net)[refused + 1] == ("a", "b", "c")  # at once, not after a back-off
+    net.run(0.3)
+    assert [x[1] for x in net.applied("a")[k:] if x[1] == ("a", "b", "c")]
+    logs = [x.text for x in net.of("a", Log) if x.level == "info" and "leaving" in x.text]
+    assert logs == ["leaving d out of the rounds for 2 s: b is not connected to d"]
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_left_out_peer_is_back_in_the_view_once_its_time_out_is_over():
+    net = cluster("abcd", run=0.5)
+    net.cut("b", "d")
+    net.tick()
+    net.reconnect("b", "d")
+    net.run(1.5)
+    assert {v for v in proposals(net)[-5:]} == {("a", "b", "c")}  # still left out
+    net.run(2.0)
+    assert proposals(net)[-1] == ("a", "b", "c", "d")
+    assert net.applied("d")[-1][1] == ("a", "b", "c", "d")
+    assert "d" not in net.m["a"]._left_out  # it took part again: a later refusal starts from 2 s
+    net.check_safety()
+    net.check_nothing_lost()
+
+
+def test_refusals_do_not_loop_the_rest_keep_training():
+    """The leader kept proposing a view a member refused, every 0.3 s for 14 minutes: now each
+    refusal leaves the peer out twice as long (2, 4, 8, 16 s), and rounds go on without it."""
+    net = cluster("abcd", run=0.5)
+    k = len(net.applied("a"))
+    net.cut("b", "d")
+    net.run(20.0)
+    outs = [x.text.split(": ")[0] for x in net.of("a", Log) if "leaving" in x.text]
+    assert outs == [f"leaving d out of the rounds for {s} s" for s in (2, 4, 8, 16)]
+    loads = len(net.resyncs["d"])
+    net.run(10.0)
+    assert len(net.resyncs["d"]) == loads  # left out, d does not load state again and again meanwhile
+    assert len(net.sent("b", M.NACK)) == 4 and len(net.sent("a", M.ABORT)) == 4
+    assert len(net.applied("a")) - k > 250  # (a round per 0.1 s tick)
+    net.reconnect("b", "d")
+    net.run(32.0)  # (the last time out: 30 s at most)
+    assert net.applied("d")[-1][1] == ("a", "b", "c", "d")
+    net.check_safety()
+    net.check_nothing_lost()
+
+
+def test_member_that_reaches_fewer_peers_than_it_misses_is_the_one_left_out():
+    net = cluster("abcd", run=0.5)
+    net.cut("b", "c")
+    net.cut("b", "d")
+    net.run(0.5)
+    assert net.applied("a")[-1][1] == ("a", "c", "d")
+    assert [x.text for x in net.of("a", Log) if "leaving" in x.text] == \
+        ["leaving b out of the rounds for 2 s: b is not connected to c, d"]
+
+
+def test_refusal_without_missing_from_an_older_peer_drops_it_and_backs_off():
+    net = cluster("abc", run=0.3)
+    net.hold_a_round("")  # a proposed and waits for READY
+    L = net.m["a"].lead
+    net.handle("a", net.m["a"].on_message("b", {"t": M.NACK, "r": L.r, "b": list(L.b), "reason": "x"}, net.now))
+    assert net.sent("a", M.ABORT)[-1]["drop"] == ["b"] and net.m["a"]._left_out == {}
+    assert net.m["a"]._refused_until == net.now + REFUSAL_BACKOFF
 
 
 def test_goodbye_reforms_at_once():
@@ -600,6 +687,39 @@ def test_two_coordinators_both_propose_round_r_exactly_one_commits():
     assert firsts["a"] == firsts["c"] == [(0, ("a", "c"), 22)] and firsts["b"] == []
     net.check_safety()
     net.check_same_outcomes()
+
+
+@pytest.mark.parametrize("how", ["lost", "goodbye", "silent"])
+def test_rival_that_stepped_us_down_is_lost_we_take_over_at_once(how):
+    """b leads for a moment, c follows a (a better ballot): b backs off from a, which it does not
+    see as synced. a is then lost: b takes over at the next tick, not when the back-off ends."""
+    net = Net("abc", auto=False, peer_timeout=2.0)  # (query_timeout 5 s: the back-off outlasts a silence)
+    net.found()
+    net.m["a"].table.unsynced("b")
+    net.m["b"].table.unsynced("a")
+    net.hold("a", "b").hold("b", "a")
+    net.tick()
+    net.settle()
+    assert net.m["a"].is_leader and not net.m["b"].is_leader and net.m["c"].promised == (1, "a")
+    assert net.m["b"]._no_lead_until > net.now + 4  # backing off from a
+    if how == "goodbye":
+        net.release("a", "b")
+        net.handle("a", net.m["a"].leave(net.now))
+        net.settle()
+        net.crashed.add("a")
+    else:
+        net.crash("a")
+        if how == "lost":
+            for p in "bc":
+                net.handle(p, net.m[p].on_peer_lost("a", net.now))
+    net.auto = True
+    t0 = net.now
+    while not net.m["b"].is_leader and net.now < t0 + 10:
+        net.tick()
+    assert net.now - t0 < (2.5 if how == "silent" else 0.15)
+    net.run(1.0)
+    assert net.applied("c")[-1][1] == ("b", "c")
+    net.check_safety()
 
 
 def test_joiner_enters_at_a_boundary_after_synced_and_then_leads():

@@ -1,0 +1,73 @@
+"""Reconciliation: replicas that drift apart (as an MPS and a CUDA replica do, in the last
+bits of the optimizer's arithmetic) are found by their parameter checksums and brought back
+to the leader's state; replicas that agree are never reloaded."""
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads
+
+from p2ptrain import ConfigError, Peer
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def loop(peer, rank, steps, nudge_at=None, nudged=None):
+    g = torch.Generator().manual_seed(100 + rank)
+    k = 0
+    while peer.version < steps:  # (the cluster's updates: a batch voided by a state load is not one)
+        x = torch.randn(32, 16, generator=g)
+        F.cross_entropy(peer.model(x), label(x)).backward()
+        peer.step(batch_size=32)
+        k += 1
+        if k == nudge_at:  # between steps: one ulp on one weight, as another device kind would round
+            with torch.no_grad():
+                w = next(peer.model.parameters())
+                w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
+            nudged.append(peer.version)
+
+
+def checksums(peer):
+    return [m.param_checksum for m in peer.history]
+
+
+def by_version(peer):
+    return {m.version: m.param_checksum for m in peer.history}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_replica_that_drifts_is_reloaded_from_the_leader(staleness):
+    peers = open_peers([make_adam] * 2, staleness=staleness)
+    nudged = []  # the version nudged
+    try:
+        drifter = max((0, 1), key=lambda r: peers[r].peer_id)  # the smallest id leads: nudge the other
+        run_threads([lambda r=r: loop(peers[r], r, 20, nudge_at=5 if r == drifter else None, nudged=nudged)
+                     for r in range(2)])
+    finally:
+        close_all(peers)
+    assert len(nudged) == 1
+    assert peers[drifter].cluster.reconciled >= 1 and peers[1 - drifter].cluster.reconciled == 0
+    assert len(peers[drifter].cluster.loads) >= 1  # it loaded the leader's state
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)  # bit-identical again
+    mine, theirs = by_version(peers[0]), by_version(peers[1])
+    before = [v for v in mine if v <= nudged[0]]
+    assert before and all(mine[v] == theirs[v] != "" for v in before)  # equal up to the nudge
+    assert any(mine[v] != theirs[v] for v in mine.keys() & theirs.keys())  # seen to differ
+    assert mine[20] == theirs[20] != ""  # and equal again at the end
+
+
+def test_replicas_that_agree_compare_every_update_and_never_reload():
+    peers = open_peers([make_adam] * 2, staleness=0)
+    try:
+        run_threads([lambda r=r: loop(peers[r], r, 12) for r in range(2)])
+    finally:
+        close_all(peers)
+    assert [p.cluster.reconciled for p in peers] == [0, 0] and [len(p.cluster.loads) for p in peers] == [0, 0]
+    assert checksums(peers[0]) == checksums(peers[1]) and all(checksums(peers[0]))
+
+
+def test_reconcile_every_is_checked():
+    with pytest.raises(ConfigError, match="reconcile_every"):
+        Peer(*make_adam(), reconcile_every=-1, discovery=False)
