@@ -1,0 +1,295 @@
+"""The leader role of the round machine: taking the lead, proposing, deciding. Pure code, no I/O.
+
+``LeaderRole`` is a mixin of ``p2ptrain.rounds.RoundMachine``: its state and plumbing (``_send``,
+``_broadcast``, ``_emit``, ``_move``, ``table``, ``history``) are the machine's. ``rounds`` tells
+the round itself and the member side; this module is what only the peer that sequences rounds
+does. The machine calls ``_drive`` after every event, and ``_on_ready``, ``_on_done``,
+``_on_nack`` for the messages a leader receives.
+
+Ballots. A leader holds b = (epoch, its id). A member obeys the best ballot it has seen
+(higher epoch; on a tie the smaller id) and answers a worse one with NACK, so two peers that
+lead "for a moment" resolve deterministically and the loser steps down. A new leader takes a
+fresh epoch and first asks every candidate for its STATUS (QUERY): once a member answered,
+the old leader's COMMIT no longer reaches it (fencing). An attempt left in doubt by a lost
+leader commits where a survivor already committed it and aborts everywhere else; a leader's
+decision, once taken, is final.
+
+Who leads. The smallest live synced peer (``PeerTable.coordinator``), on a tick, once it heard
+who else is synced. A leader superseded by a rival it does not see as synced backs off for
+``query_timeout`` instead of flip-flopping with it every round; the back-off ends as soon as
+that rival is lost (link lost, goodbye, silent), so that a rival that dies costs a tick.
+
+Refusals. A member refuses (NACK) a view naming a peer it has no link to, and names them
+(``missing``). The leader aborts and leaves those peers out of its views for LEAVE_OUT
+seconds, doubling while refusals repeat (LEAVE_OUT_MAX at most), so the rest keep training
+under partial connectivity; if the refuser misses more of the view than it reaches, the
+refuser is left out instead. A left-out peer still hears every COMMIT (a leader that speaks
+to it keeps it from asking around and loading state again and again); when its time is over
+it hears our STATUS, catches up (we hold the boundary) and is in the next view. A refusal
+that names nobody (an older peer) drops the refuser and delays the next proposal by
+REFUSAL_BACKOFF, so that it cannot loop at once.
+
+Transitions (``_LEADER``; ``_move`` refuses any other):
+    none -takeover-> querying -all STATUS or timeout-> between
+    between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
+    collecting|running -failure, timeout, peer lost, superseded-> between (ABORT)
+    querying|between -superseded, loading state, a smaller peer served-> none
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.membership import SYNCED, History
+from p2ptrain.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, beats,
+                               parse)
+
+QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)
+REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
+LEAVE_OUT, LEAVE_OUT_MAX = 2.0, 30.0  # a peer a member cannot reach stays out of views this long, doubling
+
+# (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
+_LEADER = {
+    (None, "takeover"): QUERYING,  # -> QUERY to every candidate
+    (QUERYING, "recovered"): BETWEEN,  # -> COMMIT/ABORT of attempts left in doubt
+    (BETWEEN, PROPOSE): COLLECTING,
+    (COLLECTING, START): RUNNING,
+    (RUNNING, COMMIT): BETWEEN,
+    (COLLECTING, ABORT): BETWEEN, (RUNNING, ABORT): BETWEEN,
+    (QUERYING, "step_down"): None, (BETWEEN, "step_down"): None,  # (collecting/running abort first)
+}
+
+
+@dataclass
+class _Lead:  # the attempts this peer sequences as leader
+    b: tuple
+    phase: str
+    r: int  # the round in flight, or the next one to propose
+    since: float
+    view: tuple = ()
+    waiting: set = field(default_factory=set)
+    got: dict = field(default_factory=dict)
+    failed: set = field(default_factory=set)
+    mark: float = 0.5
+
+
+class LeaderRole:
+    """The leader's half of ``RoundMachine`` (a mixin: it has no state or plumbing of its own
+    but what ``_init_leader`` sets)."""
+
+    def _init_leader(self) -> None:
+        self.lead: _Lead | None = None
+        self._decided: OrderedDict = OrderedDict()  # attempt -> committed, as decided by us as leader
+        self._admit: dict = {}  # joiners catching up: peer -> hold the boundary until
+        self._held: dict = {}  # the version a joiner had when we last held for it
+        self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
+        self._refused_until = float("-inf")  # no proposal before this (a member just refused one)
+        self._left_out: dict = {}  # peer a member could not reach -> (out of our views until, for how long)
+        self._said_waiting = False
+
+    def _drive(self, now: float, tick: bool) -> None:
+        L = self.lead
+        if not self.synced:
+            return
+        if L is None:
+            if tick and self._should_lead(now):
+                self._takeover(now)
+        elif L.phase == QUERYING and not L.waiting:
+            self._recover()
+        elif L.phase == BETWEEN and self.table.coordinator() != self.id:
+            self._step_down(now, f"handing the lead over to {self.table.coordinator()}")
+        elif L.phase == BETWEEN:
+            self._propose(now)
+
+    def _should_lead(self, now: float) -> bool:
+        if self.table.coordinator() != self.id or (self._hello and now < self._hello_until):
+            return False  # (not before we heard who else is synced)
+        if now < self._no_lead_until and self.table.state(self._rival) != SYNCED:
+            return False  # a rival we cannot see leads: do not flip-flop with it every round
+        owner, p = (self.promised or (0, None))[1], self.pending
+        owner_alive = owner != self.id and self.table.state(owner) == SYNCED
+        if p is not None and p.started:  # in doubt: only once its leader is gone
+            return not owner_alive
+        return not (owner_alive and owner < self.id)  # a smaller live leader keeps the lead
+
+    def _takeover(self, now: float) -> None:
+        b = (self.max_epoch + 1, self.id)
+        self._promise(b, now)
+        cands = set(self.table.live_synced()) - {self.id}
+        r = max(self.round, self._seen_r, self.pending.r if self.pending else -1) + 1
+        self.lead = _Lead(b, self._move(_LEADER, None, "takeover"), r, now, waiting=cands)
+        self._broadcast({"t": QUERY, "b": list(b)}, sorted(cands))
+        self._emit(Log("info", f"coordinating from epoch {b[0]}: asking {len(cands)} peer(s) for their state"))
+
+    def _recover(self) -> None:
+        L = self.lead
+        got = {p: st for p, st in L.got.items() if st["synced"]}
+        got[self.id] = parse(self._status(L.b))
+        for st in got.values():
+            L.r = max(L.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
+        after = self._resolve(got)
+        for p in set(L.got) | set(after):
+            if after.get(p) != after[self.id]:  # not synced, or another state: it hears ours
+                self.table.unsynced(p)
+                self._tell.add(p)
+        L.phase, L.got = self._move(_LEADER, L.phase, "recovered"), {}
+
+    def _resolve(self, got: dict) -> dict:
+        """Decide the attempts that members report pending: commit where anyone committed it,
+        abort otherwise; our decision, once taken, is final. A member that did not finish
+        the ring of a committed attempt is told ABORT (it is behind, and will load state).
+        Returns each member's (version, digest) after the decision."""
+        learned, after = {}, {}
+        for r, b, c in [e for st in got.values() for e in st["log"]] + list(self._log):
+            learned[(r, b)] = learned.get((r, b), False) or c
+        for p, st in got.items():
+            v, d, pd = st["version"], st["digest"], st["pending"]
+            if pd is not None:
+                key = (pd["r"], pd["b"])
+                outcome = self._decided.get(key, learned.get(key, False))
+                if pd["phase"] in (RING, RINGED):
+                    self._decide(key, outcome)
+                if outcome and pd["phase"] == RINGED and pd["ok"]:
+                    v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])
+                    self._send(p, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
+                else:
+                    self._send(p, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
+                                   "reason": "its leader was lost"})
+            after[p] = (v, d)
+        return after
+
+    def _decide(self, key: tuple, committed: bool) -> None:
+        self._decided[key] = committed
+        while len(self._decided) > 64:
+            self._decided.popitem(last=False)
+
+    def _propose(self, now: float) -> None:
+        L = self.lead
+        ok, why = self.table.can_train(self.config.min_peers)
+        if not ok:
+            if not self._said_waiting:
+                self._said_waiting = True
+                self._emit(Log("info", why))
+            return
+        self._said_waiting = False
+        if now < self._refused_until:
+            return
+        for q, (until, secs) in list(self._left_out.items()):
+            if q not in self.table:
+                del self._left_out[q]
+            elif float("-inf") < until <= now:  # its time out is over: it hears our state,
+                self._left_out[q] = (float("-inf"), secs)  # loads it if behind, and is in the next view
+                self._tell.add(q)
+        self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
+        if self._admit:
+            return  # at the boundary, for a joiner catching up
+        view = tuple(p for p in self.table.live_synced() if p == self.id or not self._is_left_out(p, now))
+        if len(view) < self.config.min_peers:
+            return  # (peers left out for a while: wait for them)
+        L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), view
+        L.since, L.mark, L.waiting, L.got, L.failed = now, self.config.stall_warn, set(L.view), {}, set()
+        self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view)}, L.view)
+
+    def _lead_msg(self, s, m) -> _Lead | None:
+        """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
+        L = self.lead
+        if L is None or L.phase != (COLLECTING if m["t"] == READY else RUNNING) or (m["r"], m["b"]) != (L.r, L.b):
+            self.counters["stale"] += 1
+            return None
+        if s not in L.waiting:
+            raise RemoteProtocolError(f"{m['t'].upper()} from a peer not waited for in this round")
+        L.waiting.discard(s)
+        return L
+
+    def _on_ready(self, s, m, now) -> None:
+        L = self._lead_msg(s, m)
+        if L is None:
+            return
+        if (m["version"], m["digest"]) != (self.history.version, self.history.digest):
+            self.table.unsynced(s)
+            return self._abort(now, f"{s} holds another state", drop=[s])
+        L.got[s] = m["samples"]
+        if not L.waiting:
+            self.timers["ready"].record(now - L.since)
+            L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn
+            L.waiting = set(L.view)
+            self._broadcast({"t": START, "r": L.r, "b": list(L.b), "view": list(L.view),
+                             "total": sum(L.got.values())}, L.view)
+
+    def _on_done(self, s, m, now) -> None:
+        L = self._lead_msg(s, m)
+        if L is None:
+            return
+        self.table.report(s, m["r"], m["checksum"])
+        if not m["ok"]:
+            L.failed.add(s)
+        if L.waiting:
+            return
+        if L.failed:
+            return self._abort(now, f"the ring failed at {', '.join(sorted(L.failed))}", drop=[])
+        self.timers["ring"].record(now - L.since, self._link_bytes(len(L.view)))
+        sums = {self.table.get(p).checksum for p in L.view if self.table.get(p)} - {None}
+        if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
+            self._emit(Log("info", f"round {L.r}: parameter checksums differ ({len(sums)} kinds)"))
+        self._decide((L.r, L.b), True)
+        for p in L.view:  # in a round that worked: a later refusal starts from LEAVE_OUT again
+            self._left_out.pop(p, None)
+        # The peers left out hear it too: a leader that speaks to them keeps them from asking
+        # around, finding themselves behind and loading state again every round meanwhile.
+        out = [p for p in self._left_out if self._is_left_out(p, now) and self.table.is_live(p)]
+        self._broadcast({"t": COMMIT, "r": L.r, "b": list(L.b)}, sorted(set(L.view) | set(out)))
+        L.phase, L.r = self._move(_LEADER, L.phase, COMMIT), L.r + 1
+
+    def _abort(self, now: float, reason: str, drop, tell=True) -> None:
+        L, drop = self.lead, sorted(set(drop))
+        if L.phase == RUNNING:
+            self._decide((L.r, L.b), False)
+        for q in set(drop) - {self.id}:
+            self.table.unsynced(q)
+            if tell:  # it may be alive: our STATUS lets it show its own and come back
+                self._tell.add(q)
+        self._broadcast({"t": ABORT, "r": L.r, "b": list(L.b), "reason": reason[:MAX_REASON], "drop": drop},
+                        sorted(set(L.view) | set(drop)))
+        routine = reason == "the leader is leaving" or reason.endswith("said goodbye")
+        self._emit(Log("info" if routine else "warning", f"round {L.r} aborted: {reason}"))
+        L.phase, L.r = self._move(_LEADER, L.phase, ABORT), L.r + 1
+
+    def _on_nack(self, s, m, now) -> None:
+        L = self.lead
+        self.max_epoch = max(self.max_epoch, m["b"][0])
+        if L is not None and beats(m["b"], L.b):
+            self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
+        elif L is not None and m["r"] == L.r and L.phase == COLLECTING and s in L.view:
+            missing = sorted(set(m["missing"] or ()) & set(L.view) - {self.id, s})
+            if missing:  # it has no link to them: leave them out a while (or it, if they are more)
+                out = missing if 2 * len(missing) <= len(L.view) - 1 else [s]
+                self._leave_out(out, now, f"{s} is not connected to {', '.join(missing)}")
+                return self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[])
+            # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
+            # forming refuses for a moment; waiting for its idle re-announce took 10 s), and
+            # the next proposal waits REFUSAL_BACKOFF so that a refusal cannot loop at once.
+            self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[s])
+            self._refused_until = now + REFUSAL_BACKOFF
+
+    def _leave_out(self, peers, now: float, why: str) -> None:
+        """Partial connectivity: views leave ``peers`` out for LEAVE_OUT seconds, doubling while
+        refusals repeat (up to LEAVE_OUT_MAX), so that the others train meanwhile. A round
+        that commits with a peer in it clears its record."""
+        for q in peers:
+            secs = min(2 * self._left_out.get(q, (0.0, LEAVE_OUT / 2))[1], LEAVE_OUT_MAX)
+            self._left_out[q] = (now + secs, secs)
+            self._emit(Log("info", f"leaving {q} out of the rounds for {secs:g} s: {why}"))
+
+    def _is_left_out(self, peer: str, now: float) -> bool:
+        return self._left_out.get(peer, (float("-inf"),))[0] > now
+
+    def _step_down(self, now: float, why: str, rival: str = "") -> None:
+        if self.lead.phase in (COLLECTING, RUNNING):
+            self._abort(now, why, drop=[])
+        self._move(_LEADER, self.lead.phase, "step_down")
+        self.lead = None
+        if rival:
+            self._rival, self._no_lead_until = rival, now + self.config.query_timeout
+        self._emit(Log("info", f"no longer coordinating: {why}"))
