@@ -17,8 +17,9 @@ returns, in order:
 Reconciliation. Replicas on different device kinds (MPS, CUDA, CPU) drift in the last bits of
 the optimizer's arithmetic. The trainer reports its parameter checksum after each update
 (``parameters_at``); the leader sends its own to the members (a PARAMS message, outside the
-round machine), and a member whose checksum at the same point of the chain differs loads the
-leader's state (``RoundMachine.resync``), so replicas never wander apart.
+round machine). A member whose checksum at the same point of the chain differs downloads the
+leader's state while it goes on taking part in rounds, and the trainer loads it when its own
+parameters reach that point (``source.reconcile``): nothing it computed is voided.
 
 The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
@@ -46,7 +47,7 @@ from p2ptrain import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import RingAllreduce
 from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
-from p2ptrain.membership import DEAD, genesis
+from p2ptrain.membership import DEAD, SYNCED, genesis
 from p2ptrain.mesh import Mesh
 from p2ptrain.ring import chunk_elems_for
 from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
@@ -97,6 +98,8 @@ class Contributions(Protocol):
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
     def snapshot(self) -> dict | None: ...  # {"model": {name: tensor}, ...} as of the last apply(); None: not now
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
+    def reconcile(self, state: dict, point: SyncPoint) -> None: ...  # the leader's state at point: load it
+    #                                                   when ours reach that point; keep what is accumulated
 
 
 class Cluster:
@@ -121,6 +124,7 @@ class Cluster:
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._fetcher: asyncio.Task | None = None
+        self._reconciler: asyncio.Task | None = None
         self._ring_stats: dict[int, object] = {}
         self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
@@ -160,7 +164,7 @@ class Cluster:
             await asyncio.wait_for(done, 2.0)
         except asyncio.TimeoutError:
             pass
-        fetcher = [self._fetcher] if self._fetcher else []
+        fetcher = [t for t in (self._fetcher, self._reconciler) if t]
         for task in [*self._tasks, *self._rings.values(), *fetcher]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._rings.values(), *fetcher, return_exceptions=True)
@@ -373,7 +377,8 @@ class Cluster:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
         else:
             self.transfer.serve(peer, ask_id, state, self.machine.sync_point())
-            self.machine.hold_for(peer, asyncio.get_running_loop().time())
+            if self.machine.table.state(peer) != SYNCED:  # a joiner: hold the next round while it loads
+                self.machine.hold_for(peer, asyncio.get_running_loop().time())
 
     async def _fetch_state(self, source: str) -> None:
         """Download a snapshot, from ``source`` first, then from any synced member, until one loads."""
@@ -415,10 +420,20 @@ class Cluster:
         if mine is None or theirs is None or mine == theirs[1] or not m.synced or m.is_leader:
             return []
         self._leader_sums.pop(key)
+        if self._reconciler is None or self._reconciler.done():
+            log.info("parameters differ from the leader %s's after update %d (%s here, %s there: device kinds "
+                     "round differently); loading its state", theirs[0], version, mine[:8], theirs[1][:8])
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile(theirs[0]))
+        return []
+
+    async def _reconcile(self, leader: str) -> None:
+        try:
+            state, point = await self.transfer.fetch(leader)
+        except P2PTrainError as exc:  # the next comparison that differs tries again
+            log.warning("could not load the leader's state to reconcile: %s", exc)
+            return
         self.reconciled += 1
-        log.warning("parameters differ from the leader %s's after update %d (%s here, %s there: device kinds "
-                    "round differently); loading its state", theirs[0], version, mine[:8], theirs[1][:8])
-        return m.resync(f"parameters differ from the leader's at version {version}", theirs[0], now)
+        self.source.reconcile(state, point)
 
     def _foreign_model(self, peer: str, diff: str) -> None:
         fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]

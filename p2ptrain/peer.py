@@ -343,6 +343,7 @@ class AsyncPeer:
         self._idle_rounds = 0  # consecutive rounds in which nobody had anything
         self._rounds_seen = 0  # rounds committed with this peer in them
         self._restore: dict | None = None
+        self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
         self._params_point: SyncPoint | None = None
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
         self.staleness_max = 0
@@ -558,6 +559,7 @@ class AsyncPeer:
         """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
         applied = 0
         while True:
+            self._load_reconcile()
             with self._lock:
                 if not self._queue:
                     return applied
@@ -754,10 +756,32 @@ class AsyncPeer:
                 dropped, self._out = dropped + self._out.samples, None
             self.dropped += dropped
             self._queue.clear()
-            self._restore = state
+            self._restore, self._reconcile = state, None
         if dropped:
             log.info("loading the cluster's state: %d samples accumulated here are void", dropped)
         self._changed.set()
+
+    def reconcile(self, state: dict, point: SyncPoint) -> None:
+        """The leader's state at ``point`` (our parameters differed from its): loaded in place of
+        ours once ours reach that point; what is accumulated stays (it differs by rounding only)."""
+        with self._lock:
+            self._reconcile = (state, point)
+        self._changed.set()
+
+    def _load_reconcile(self) -> None:
+        """(``_params_lock`` held) Ours at the leader's point: take its parameters and optimizer."""
+        with self._lock:
+            if self._reconcile is None or self._params_point is None:
+                return
+            (state, point), here = self._reconcile, self._params_point
+            if here.version < point.version:
+                return  # not there yet
+            self._reconcile = None
+        if (here.version, here.digest) != (point.version, point.digest):
+            log.debug("the leader's state for version %d came after ours passed it", point.version)
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def _load_restore(self) -> bool:
         """Load a pending state (``_params_lock`` held; no forward or backward runs now)."""

@@ -183,14 +183,6 @@ class RoundMachine(LeaderRole):
                 self._admit[peer], self._held[peer] = now + self.config.join_hold, self.history.version
         return self._run(now, go)
 
-    def resync(self, reason: str, source: str, now: float) -> list:
-        """Load ``source``'s state although we are on its chain (our parameters drifted from
-        the leader's: ``Cluster`` compares parameter checksums). Ignored while not synced."""
-        def go():
-            if self.synced and source != self.id:
-                self._resync(reason, source, now)
-        return self._run(now, go)
-
     def sync_point(self) -> SyncPoint:
         return SyncPoint(self.history.version, self.history.digest, self.round, self.max_epoch)
 
