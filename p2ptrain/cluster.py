@@ -99,6 +99,7 @@ class Contributions(Protocol):
     def snapshot(self) -> dict | None: ...  # {"model": {name: tensor}, ...} as of the last apply(); None: not now
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
     def reconcile(self, state: dict, point: SyncPoint) -> None: ...  # the leader's state at point: load it
+    def held(self) -> int: ...  # samples accumulated and not taken (target_batch_size: the leader counts them)
     #                                                   when ours reach that point; keep what is accumulated
 
 
@@ -180,6 +181,11 @@ class Cluster:
         on the cluster's loop): the leader tells the members, a member compares."""
         self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "checksum": checksum})
 
+    def holding(self) -> None:
+        """With ``target_batch_size``: what the source holds changed (call on the cluster's
+        loop); the leader hears the count (``source.held()``, read when the message goes)."""
+        self._post("holding")
+
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
         self.mesh.propose(host, port)
@@ -251,6 +257,8 @@ class Cluster:
                 elif kind == "take":
                     waiting, self._waiting_take = self._waiting_take, []
                     actions = [msg.Contribute(r) for r in waiting]
+                elif kind == "holding":
+                    actions = m.on_holding(self.source.held(), now)
                 elif kind == "params":
                     actions = self._on_params(args[0], args[1], now)
                 elif kind == "ask":

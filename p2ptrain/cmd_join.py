@@ -105,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and int(value) < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}")
+    if args.target_batch_size is not None and args.staleness == 0:
+        raise ConfigError("--target-batch-size needs --staleness 1 or more (at 0 each round takes one batch "
+                          "from every peer)")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
     # Cheap checks first: a typo is reported before torch and the task load.

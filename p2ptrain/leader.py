@@ -29,6 +29,11 @@ it hears our STATUS, catches up (we hold the boundary) and is in the next view. 
 that names nobody (an older peer) drops the refuser and delays the next proposal by
 REFUSAL_BACKOFF, so that it cannot loop at once.
 
+Target batch size. With ``RoundConfig.target_batch_size`` the leader proposes only once the
+members of its view hold that many samples together, as their HAVE messages (and its own
+trainer) say. A member's HAVE follows its READY on the same link, so a count is reset on READY
+and what comes after it counts the fresh accumulator.
+
 Transitions (``_LEADER``; ``_move`` refuses any other):
     none -takeover-> querying -all STATUS or timeout-> between
     between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
@@ -188,6 +193,9 @@ class LeaderRole:
         view = tuple(p for p in self.table.live_synced() if p == self.id or not self._is_left_out(p, now))
         if len(view) < self.config.min_peers:
             return  # (peers left out for a while: wait for them)
+        target = self.config.target_batch_size
+        if target and sum(self._have.get(p, 0) for p in view) < target:
+            return  # the members do not hold target_batch_size samples yet: their next HAVE asks again
         L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), view
         L.since, L.mark, L.waiting, L.got, L.failed = now, self.config.stall_warn, set(L.view), {}, set()
         self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view)}, L.view)
@@ -211,6 +219,7 @@ class LeaderRole:
             self.table.unsynced(s)
             return self._abort(now, f"{s} holds another state", drop=[s])
         L.got[s] = m["samples"]
+        self._have[s] = 0  # (it swapped its accumulator: its next HAVE counts from there)
         if not L.waiting:
             self.timers["ready"].record(now - L.since)
             L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn

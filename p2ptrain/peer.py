@@ -33,6 +33,10 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   comes too late. ``step`` blocks only while more than tau of its batches wait and no round
   is under way (too few peers, loading state). Anything staler than tau when its round
   starts is dropped and counted (``dropped``).
+- ``target_batch_size=B`` (with tau >= 1): after each step the cluster tells the leader what
+  this peer holds (``held``); the leader proposes once its view holds B samples together.
+  Batches pile up on one version while a round waits for samples, so they are no staler for
+  it; ``step`` blocks only once this peer alone holds B and no round takes it.
 
 Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
 samples are applied, and two rounds more for what the others computed meanwhile. Loops should
@@ -274,8 +278,8 @@ class AsyncPeer:
     model is; else the model is moved there). ``clip_grad_norm`` clips each averaged gradient;
     ``scheduler`` steps once per applied update. ``reconcile_every``: compare the parameter
     checksum with the leader's after every that many updates (0: never); a member that differs
-    (device kinds round differently) loads the leader's state. ``target_batch_size`` is not
-    built yet."""
+    (device kinds round differently) loads the leader's state. ``target_batch_size`` (with
+    staleness >= 1): a round starts once the members together hold that many samples."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
@@ -285,9 +289,11 @@ class AsyncPeer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1):
         if type(staleness) is not int or staleness < 0:
             raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
-        if target_batch_size is not None:
-            raise ConfigError("target_batch_size is not built yet: leave it out (each member contributes "
-                              "what it has, weighted by its samples)")
+        if target_batch_size is not None and (type(target_batch_size) is not int or target_batch_size < 1):
+            raise ConfigError(f"target_batch_size must be an int >= 1, got {target_batch_size!r}")
+        if target_batch_size is not None and staleness == 0:
+            raise ConfigError("target_batch_size needs staleness >= 1 (at staleness 0 each round takes one batch "
+                              "from every member)")
         if type(min_peers) is not int or min_peers < 1:
             raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -311,6 +317,7 @@ class AsyncPeer:
         self.staleness, self.min_peers = staleness, min_peers
         self.clip_grad_norm, self.step_timeout = clip_grad_norm, step_timeout
         self.reconcile_every = reconcile_every
+        self.target_batch_size = target_batch_size
         self._peers = [p.strip() for p in peers if p.strip()]
         for p in self._peers:
             parse_host_port(p)
@@ -391,7 +398,7 @@ class AsyncPeer:
     async def _open(self) -> None:
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
-                               compression=self._compression, config=RoundConfig(min_peers=self.min_peers),
+                               compression=self._compression, config=RoundConfig(min_peers=self.min_peers, target_batch_size=self.target_batch_size or 0),
                                start=self._params_point, fingerprint=model_fingerprint(self.model))
         await self.cluster.__aenter__()
         # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
@@ -447,7 +454,9 @@ class AsyncPeer:
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
-        if self.staleness:
+        if self.target_batch_size:  # (the others may never make up the target: no waiting for it)
+            log.info("leaving: %d samples held here are not applied", self._acc.samples)
+        elif self.staleness:
             self._notify()
             try:
                 await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
@@ -498,6 +507,8 @@ class AsyncPeer:
             self._apply_queue()
         if notify:
             self._notify()
+        if self.target_batch_size:
+            self._notify(self.cluster.holding)
         with self._lock:
             return self._must_wait()
 
@@ -513,6 +524,8 @@ class AsyncPeer:
     def _must_wait(self) -> bool:  # (under _lock)
         if self.staleness == 0:  # our batch is applied before step() returns
             return bool(self._acc.samples or self._out is not None)
+        if self.target_batch_size:  # rounds wait for samples: block only once we alone hold the target
+            return self._acc.samples >= self.target_batch_size and self._out is None
         return self._acc.batches > self.staleness and self._out is None
 
     async def _wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
@@ -548,12 +561,14 @@ class AsyncPeer:
             with self._lock:
                 self._wait_s += time.perf_counter() - began
 
-    def _notify(self) -> None:
-        """Tell the cluster this peer has something now, from whichever thread we are on."""
+    def _notify(self, tell: Callable[[], None] | None = None) -> None:
+        """Tell the cluster this peer has something now (or call ``tell`` there), from whichever
+        thread we are on."""
+        tell = tell or self.cluster.contribution_available
         if self._thread is not None and threading.current_thread() is self._thread.thread:
-            self.cluster.contribution_available()
+            tell()
         elif not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.cluster.contribution_available)
+            self._loop.call_soon_threadsafe(tell)
 
     def _apply_queue(self) -> int:
         """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
@@ -730,7 +745,13 @@ class AsyncPeer:
                 return
             self._out = None
             self._acc.merge(out)
+        if self.target_batch_size:
+            self.cluster.holding()
         self._changed.set()
+
+    def held(self) -> int:
+        with self._lock:
+            return self._acc.samples
 
     def snapshot(self) -> dict | None:
         """The state as of the last applied update, copied (the caller's thread may go on

@@ -26,6 +26,7 @@ ABORT = "abort"  # leader -> view and the dropped  {r, b, reason, drop}
 NACK = "nack"  # member -> a leader it does not obey  {r, b (the ballot it obeys), reason, missing (the
 #                  view's peers it has no link to; absent from older peers)}
 GOODBYE = "goodbye"  # a leaving peer -> all  {}
+HAVE = "have"  # member -> the leader it obeys  {samples}: what its trainer holds now (target_batch_size)
 
 # A member's phase in the attempt it takes part in (a STATUS reports it as "pending"; None: idle).
 PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"
@@ -104,6 +105,7 @@ _SCHEMA = {
     ABORT: {**_RB, "reason": _of(str, MAX_REASON), "drop": _ids},
     NACK: {"r": lambda v: _int(v, -1), "b": _ballot, "reason": _of(str, MAX_REASON), "missing": _opt(_ids)},
     GOODBYE: {},
+    HAVE: {"samples": _int},
 }
 
 

@@ -47,7 +47,7 @@ from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
 from p2ptrain.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
 from p2ptrain.membership import SYNCED, SYNCING, History, Lineage, PeerTable, RoundTimer, heal_decision, relation
-from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
+from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
                                RING, RINGED, START, STATUS, Apply, Broadcast, Contribute, Log, PutBack, Resync, Send,
                                Stall, StartRing, beats, parse)
 
@@ -82,6 +82,7 @@ class RoundConfig:
     floor: float = RoundTimer.FLOOR_S  # the shortest deadline of a phase (see RoundTimer)
     stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
+    target_batch_size: int = 0  # > 0: the leader proposes once its view holds this many samples (HAVE)
 
 
 @dataclass
@@ -126,6 +127,8 @@ class RoundMachine(LeaderRole):
         self._tell: set = set()  # peers to send our STATUS once this event is handled
         self._nbytes, self._left = 0, False
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
+        self._holding = 0  # what our trainer holds (target_batch_size), as last told to the leader
+        self._have: dict = {}  # peer -> what it holds, from its HAVE messages (the leader counts them)
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
 
@@ -243,7 +246,7 @@ class RoundMachine(LeaderRole):
             self._seen_r, self._heard_lead = max(self._seen_r, m.get("r", -1)), now
         {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
-         NACK: self._on_nack, GOODBYE: self._on_goodbye}[m["t"]](s, m, now)
+         NACK: self._on_nack, GOODBYE: self._on_goodbye, HAVE: self._on_have}[m["t"]](s, m, now)
 
     def _status(self, b=None, re=False, their: int | None = None) -> dict:
         """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``)."""
@@ -272,9 +275,32 @@ class RoundMachine(LeaderRole):
         p = self.pending
         if p is not None and not p.started and p.b != b and p.r != keep:
             self._withdraw(p)
+        new_leader = (self.promised or (0, None))[1] != b[1]
         self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
         if self.lead and self.lead.b != b:
             self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
+        if new_leader and self.config.target_batch_size:
+            self._tell_holding()
+
+    def on_holding(self, samples: int, now: float) -> list:
+        """With ``target_batch_size``: our trainer holds ``samples`` now (after a step, a put-back).
+        The leader we obey hears it (HAVE) when it changes; as leader we count it ourselves."""
+        if type(samples) is not int or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+
+        def go():
+            if samples != self._holding:
+                self._holding = samples
+                self._tell_holding()
+        return self._run(now, go)
+
+    def _tell_holding(self) -> None:
+        leader = (self.promised or (0, None))[1]
+        if leader is not None and self.synced:
+            self._send(leader, {"t": HAVE, "samples": self._holding})
+
+    def _on_have(self, s, m, now) -> None:
+        self._have[s] = m["samples"]  # (in order with its READY on one link: counts after that READY)
 
     # -- member side -------------------------------------------------------------------------
     def _on_query(self, s, m, now) -> None:
@@ -326,6 +352,7 @@ class RoundMachine(LeaderRole):
             return self._emit(PutBack(r))
         p.phase, p.samples, p.since = self._move(_MEMBER, p.phase, "contribution"), samples, now
         self._send(p.b[1], self._ready_msg(p))
+        self._holding = 0  # (the leader counts us from zero after this READY)
 
     def _ready_msg(self, p: _Pending) -> dict:
         return {"t": READY, "r": p.r, "b": list(p.b), "samples": p.samples,

@@ -83,6 +83,8 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     (["--task", "/nonexistent/task.py"], "task.py"),
     (["--secret", "a", "--secret-file", "b"], "not both"),
     (["--batch-size", "many"], "invalid int value"),
+    (["--target-batch-size", "256"], "needs --staleness 1 or more"),
+    (["--reconcile-every", "-1"], "at least 0"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):
     p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--max-rounds", "1", *args],

@@ -68,8 +68,10 @@ async def test_staleness_0_equals_one_process_on_the_union(n):
 
 def test_bad_options_are_refused_clearly():
     model, opt = model_and_optimizer()
-    with pytest.raises(ConfigError, match="target_batch_size is not built yet"):
+    with pytest.raises(ConfigError, match="target_batch_size needs staleness >= 1"):
         AsyncPeer(model, opt, target_batch_size=64)
+    with pytest.raises(ConfigError, match="target_batch_size must be an int >= 1"):
+        AsyncPeer(model, opt, target_batch_size=0, staleness=1)
     for bad, match in [({"staleness": -1}, "staleness must be"), ({"min_peers": 0}, "min_peers must be"),
                        ({"compression": "int9"}, "int9"), ({"listen": "nonsense"}, "host:port"),
                        ({"clip_grad_norm": 0}, "clip_grad_norm")]:

@@ -74,7 +74,7 @@ def test_errors_reach_the_caller_with_their_own_type():
     peer = alone(make(), min_peers=2, step_timeout=0.5)
     with pytest.raises(ClosedError, match="not open yet"):
         peer.step(batch_size=8)
-    with pytest.raises(ConfigError, match="target_batch_size"):
+    with pytest.raises(ConfigError, match="target_batch_size needs staleness"):
         alone(make(), target_batch_size=128)
     with peer:
         x, y = batch(0)

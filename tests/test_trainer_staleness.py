@@ -206,3 +206,22 @@ def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():
     for p in peers[1:]:
         for a, b in zip(peers[0].model.parameters(), p.model.parameters()):
             assert torch.equal(a, b)
+
+
+def test_target_batch_size_starts_each_round_once_the_members_hold_it():
+    """target_batch_size=320 with batches of 32 and one peer 8x slower: every update averages at
+    least 320 samples (ten batches or more between them; without the target, rounds here take
+    what the members hold, 32 to 256), the slow one's samples count by weight, nothing is
+    dropped, and both apply the same updates."""
+    peers = open_peers([make_adam] * 2, staleness=1, target_batch_size=320)
+    try:
+        run_threads([lambda: train_loop(peers[0], 0, steps=60, compute_s=0.005),
+                     lambda: train_loop(peers[1], 1, steps=15, compute_s=0.04)])
+    finally:
+        close_all(peers)
+    for p in peers:
+        sizes = [m.samples for m in p.history]
+        assert len(sizes) >= 3 and min(sizes) >= 320, sizes
+        assert p.dropped == 0
+    assert [m.samples for m in peers[0].history] == [m.samples for m in peers[1].history]
+    assert sum(m.local_samples for m in peers[1].history) > 0  # the slow one's samples are in
