@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from p2ptrain import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective import RingAllreduce
 from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
-from p2ptrain.membership import DEAD, SYNCED, genesis
+from p2ptrain.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.mesh import Mesh
 from p2ptrain.ring import chunk_elems_for
 from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
@@ -58,6 +59,7 @@ log = logging.getLogger("p2ptrain.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
+LINEAGE = "lineage"  # a served snapshot's key for the member's History window ([[version, digest], ...])
 PARAMS = "params"  # the leader's parameter checksum at a (version, digest): not a round message
 PARAMS_KEEP = 64  # checksums remembered per side, waiting for the other side's at the same point
 
@@ -268,13 +270,14 @@ class Cluster:
                     self._foreign_model(*args)
                     continue
                 elif kind == "restored":
+                    window = tuple(args[0].pop(LINEAGE, None) or ())
                     self.source.restore(args[0])
                     self.loads.append(args[1])
                     self._own_sums.clear()
                     self._leader_sums.clear()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
-                    actions = m.on_synced(args[1], now)
+                    actions = m.on_synced(dataclasses.replace(args[1], window=window), now)
                 elif kind == "leave":
                     await self._carry_out(m.leave(now))
                     args[0].set_result(None)
@@ -383,8 +386,9 @@ class Cluster:
             asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2)
         elif state is None:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
-        else:
-            self.transfer.serve(peer, ask_id, state, self.machine.sync_point())
+        else:  # (our History goes with it: the joiner can then tell a split from lagging, as we can)
+            lineage = [[v, d] for v, d in self.machine.history.recent(WINDOW)]
+            self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, self.machine.sync_point())
             if self.machine.table.state(peer) != SYNCED:  # a joiner: hold the next round while it loads
                 self.machine.hold_for(peer, asyncio.get_running_loop().time())
 
@@ -437,6 +441,7 @@ class Cluster:
     async def _reconcile(self, leader: str) -> None:
         try:
             state, point = await self.transfer.fetch(leader)
+            state.pop(LINEAGE, None)
         except P2PTrainError as exc:  # the next comparison that differs tries again
             log.warning("could not load the leader's state to reconcile: %s", exc)
             return

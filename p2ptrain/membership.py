@@ -245,10 +245,18 @@ class History:
     disagree on which rounds aborted hold the same parameters and the same digest.
     """
 
-    def __init__(self, version: int = 0, digest: bytes | None = None):
+    def __init__(self, version: int = 0, digest: bytes | None = None, window: Iterable = ()):
+        """``window``: the (version, digest) pairs before and at ``version`` of a member whose
+        state we loaded (its snapshot carries them), so that we can still tell a split from
+        lagging against older versions. Pairs that do not form a chain ending here are ignored."""
         self.version = version
         self.digest = genesis() if digest is None else digest
         self._window: OrderedDict[int, bytes] = OrderedDict([(version, self.digest)])
+        pairs = [tuple(e) for e in window if isinstance(e, (list, tuple)) and len(e) == 2][-WINDOW:]
+        if (pairs and pairs[-1] == (version, self.digest)
+                and all(type(v) is int and isinstance(d, bytes) and len(d) == DIGEST_BYTES for v, d in pairs)
+                and all(b[0] == a[0] + 1 for a, b in zip(pairs, pairs[1:]))):
+            self._window = OrderedDict(pairs)
 
     @staticmethod
     def next_digest(digest: bytes, round: int, view: Iterable[str], total: int) -> bytes:

@@ -41,7 +41,7 @@ one is counted in ``counters``.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
@@ -72,6 +72,7 @@ class SyncPoint:
     digest: bytes
     round: int
     epoch: int
+    window: tuple = field(default=(), compare=False, repr=False)  # the member's History before it
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class RoundMachine(LeaderRole):
 
     def on_synced(self, point: SyncPoint, now: float) -> list:
         """Our state is now the one ``point`` describes (a snapshot, or a founder's genesis)."""
-        self.history, self.round = History(point.version, point.digest), point.round
+        self.history, self.round = History(point.version, point.digest, point.window), point.round
         self.synced, self.pending, self.promised, self._asked = True, None, None, set()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
         self._set_self()

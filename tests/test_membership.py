@@ -268,3 +268,16 @@ def test_round_timer_floor_bytes_and_median_mad():
     assert slow.deadline() == pytest.approx(12.0)
     with pytest.raises(ValueError):
         RoundTimer(floor=0)
+
+
+def test_a_history_resumed_from_a_members_window_knows_its_older_versions():
+    member = History()
+    for r in range(20):
+        member.append(r, ["a", "b"], 3)
+    window = member.recent(10)
+    resumed = History(member.version, member.digest, window)
+    assert resumed.at(member.version - 9) == member.at(member.version - 9) is not None
+    assert mb.relation(resumed, member.version - 5, b"x" * 16, []) == "split"  # not "behind": it can tell
+    for bad in (window[:-1], window[::2], [(v, d[:3]) for v, d in window], [("1", b"x")], [None]):
+        fresh = History(member.version, member.digest, bad)  # not a chain ending here: ignored
+        assert fresh.at(member.version - 1) is None and fresh.at(member.version) == member.digest

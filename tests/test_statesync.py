@@ -77,6 +77,9 @@ async def test_a_joiner_loads_the_state_and_then_applies_the_same_rounds():
         # from the snapshot on, the joiner holds the founders' parameters at every version
         joined = trainers[2].restored[0]
         assert joined >= 3
+        # and the founders' History before it (a split older than the join is still told apart)
+        older = joiner.machine.history.at(joined - 2)
+        assert older is not None and older == founders[0].machine.history.at(joined - 2)
         for v, w in trainers[2].seen.items():
             assert v >= joined and torch.equal(w, trainers[0].seen[v]) and torch.equal(w, trainers[1].seen[v])
         # and its samples count: rounds after the join sum three contributions (1 + 2 + 3)
