@@ -136,6 +136,7 @@ class Cluster:
         self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
+        self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
         self.reconciled = 0  # states loaded because our parameters differed from the leader's
         self._own_sums: collections.OrderedDict = collections.OrderedDict()  # (version, digest) -> checksum
         self._leader_sums: collections.OrderedDict = collections.OrderedDict()  # ... -> (leader, checksum)
@@ -243,6 +244,7 @@ class Cluster:
                     for peer, heard in self.mesh.heard_at.items():  # any frame (pings too) is a sign of life
                         m.table.message(peer, heard)
                     actions = m.on_tick(now)
+                    self.members = len(m.table.live_synced())
                     for peer in self.mesh.peers:
                         if m.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")

@@ -313,11 +313,11 @@ class _Join:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + a.connect_timeout
-        while len(peer.cluster.machine.table.live_synced()) < a.min_peers:
+        while peer.members < a.min_peers:
             if loop.time() > deadline:
                 linked = peer.cluster.mesh.addresses
                 missing = [f"{h}:{p}" for h, p in peer.discovery.static_addresses if (h, p) not in linked]
-                raise GroupError(f"only {len(peer.cluster.machine.table.live_synced())} of --min-peers "
+                raise GroupError(f"only {peer.members} of --min-peers "
                                  f"{a.min_peers} members after {a.connect_timeout:.0f} s"
                                  + (f"; not reached: {', '.join(missing)}" if missing else "")
                                  + "; check that every peer runs with the same --cluster and --secret, "
@@ -349,7 +349,7 @@ class _Join:
 
     def _report(self, peer, elapsed: float) -> None:
         c = peer.cluster
-        members = len(c.machine.table.live_synced())
+        members = peer.members
         ratio = c.raw_bytes / c.wire_bytes if c.wire_bytes else 1.0
         text = (f"round {self.rounds}  members {members}  loss {self.last_loss:.3f}  samples/s "
                 f"{self.own_samples / elapsed:.0f} own, {self.samples / elapsed:.0f} cluster  "

@@ -8,9 +8,9 @@ in ``sync_peer``, is the same for ordinary loops).
             await peer.step(batch_size=len(x))
 
 How it works. The cluster (rounds, ring, discovery) runs on its own event loop on a daemon
-thread (``_LoopThread``), so a forward or backward that holds the caller's thread (or its
+thread (``LoopThread``), so a forward or backward that holds the caller's thread (or its
 event loop) never stalls a ring. ``step`` adds the batch's gradient times its sample count
-into an accumulator on the model's device (``_Accumulator``) and notes the parameter version
+into an accumulator on the model's device (``Accumulator``) and notes the parameter version
 it was computed on (the version counts the updates applied here). At a round's start the
 cluster takes the accumulator (``take``: swapped for a fresh one, so compute goes on); on
 commit every member holds ``sum(G_i)`` and ``sum(n_i)``. That averaged gradient is queued
@@ -56,14 +56,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import copy
 import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,10 +71,12 @@ import torch
 from p2ptrain import auth
 from p2ptrain.cluster import Cluster
 from p2ptrain.codecs import parse_codec
-from p2ptrain.device import HostStaging, device_kind, pick_device
+from p2ptrain.accumulator import RoundMetrics, Accumulator, Outgoing, CommittedUpdate
+from p2ptrain.device import device_kind, pick_device
 from p2ptrain.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
+from p2ptrain.loopthread import LoopThread
 from p2ptrain.membership import genesis
 from p2ptrain.rounds import RoundConfig, SyncPoint
 from p2ptrain.tasks import model_fingerprint, param_checksum
@@ -92,170 +93,6 @@ PATIENCE_S, PATIENCE_STEPS = 2.0, 4.0  # a batch later than both (and than that 
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``
 LOG_EVERY_S = 10.0  # a progress line at INFO at most this often (every update at DEBUG)
-
-
-@dataclass(frozen=True)
-class RoundMetrics:
-    """One update applied here. Bytes and seconds are this peer's view of its round."""
-    round: int  # the cluster's round number
-    version: int  # updates applied here, this one included
-    members: int
-    samples: int  # averaged in this update, all members together
-    local_samples: int  # of which this peer's
-    staleness: int  # of this peer's oldest gradient in it (updates between computing and applying)
-    staleness_max: int  # the largest so far
-    dropped: int  # samples dropped so far (staler than the bound, or void after loading state)
-    wire_bytes: int  # this peer's ring sent this much (compressed) ...
-    raw_bytes: int  # ... standing for this much float32
-    round_time: float  # seconds from taking this peer's contribution to the commit
-    compute_time: float  # mean seconds per step outside step() (data, forward, backward) since the last update
-    wait_time: float  # seconds step() blocked since the last update
-    param_checksum: str = ""  # of the parameters after this update (compared with the leader's); "" alone
-
-
-@dataclass
-class _Update:  # a committed round, waiting for the caller's thread to apply it
-    summed: np.ndarray | None  # None: nobody had anything (the round still counts for the lineage)
-    total: int
-    point: SyncPoint
-    metrics: RoundMetrics | None
-    held: _Out | None = None  # our contribution's memory, when the cluster handed it back as the result
-    compare: bool = False  # others are synced: report the parameter checksum after applying it
-
-
-@dataclass
-class _Out:  # this peer's contribution, held by the cluster until applied or put back
-    buffer: torch.Tensor | None  # the device sum it came from, while that is the host array itself (CPU)
-    samples: int
-    batches: int
-    oldest: int | None
-    taken_at: float
-    members: int
-    array: np.ndarray | None = None
-    staging: HostStaging | None = None
-
-
-class _Accumulator:
-    """``sum(batch_size * grad)`` in a flat float32 buffer on the model's device, and what it
-    holds: samples, batches, the oldest parameter version. ``swap`` hands the sum over and
-    starts a fresh one; on CPU the handed-over buffer *is* the host array (no copy), elsewhere
-    ``to_host`` copies it to a host buffer (pinned on CUDA). The owner serializes calls."""
-
-    def __init__(self, params: list[torch.Tensor], device: torch.device):
-        self.params, self.device = params, device
-        self.numel = sum(p.numel() for p in params)
-        self._spare: list[torch.Tensor] = []
-        self._staging: list[HostStaging] = []
-        self._flat = self._fresh()
-        self._views = self._split(self._flat)
-        self.samples = self.batches = 0
-        self.oldest: int | None = None
-
-    def _fresh(self) -> torch.Tensor:
-        return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in self.params:
-            views.append(flat[offset: offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
-
-    def add(self, batch_size: int, version: int) -> None:
-        """Add the parameters' gradients times ``batch_size``, and clear them."""
-        f32_views, f32_grads = [], []
-        with torch.no_grad():
-            for p, view in zip(self.params, self._views):
-                g = p.grad
-                if g is None:
-                    continue
-                g = g.to_dense() if g.is_sparse else g
-                if g.dtype == torch.float32:
-                    f32_views.append(view)
-                    f32_grads.append(g)
-                else:
-                    view.add_(g.float(), alpha=float(batch_size))
-                p.grad = None
-            if f32_views:
-                torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
-        self.samples += batch_size
-        self.batches += 1
-        self.oldest = version if self.oldest is None else min(self.oldest, version)
-
-    def swap(self, members: int) -> _Out:
-        """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
-        out = _Out(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members)
-        self._flat = self._fresh()
-        self._views = self._split(self._flat)
-        self.samples = self.batches = 0
-        self.oldest = None
-        return out
-
-    def to_host(self, out: _Out) -> None:
-        if self.device.type == "cpu":
-            out.array = out.buffer.numpy()
-            return
-        out.staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
-        out.array = out.staging.to_host([out.buffer])
-        out.buffer.zero_()
-        self._spare.append(out.buffer)
-        out.buffer = None
-
-    def release(self, out: _Out) -> None:
-        """The cluster is done with ``out``: its memory is reused."""
-        if out.buffer is not None:
-            out.buffer.zero_()
-            self._spare.append(out.buffer)
-        if out.staging is not None:
-            self._staging.append(out.staging)
-
-    def merge(self, out: _Out) -> None:
-        """Take a contribution back (its round aborted): the next round carries it."""
-        self._flat.add_(out.buffer if out.buffer is not None else torch.from_numpy(out.array).to(self.device))
-        self.samples += out.samples
-        self.batches += out.batches
-        if out.oldest is not None:
-            self.oldest = out.oldest if self.oldest is None else min(self.oldest, out.oldest)
-        self.release(out)
-
-    def void(self) -> int:
-        """Drop what is held; returns the samples dropped."""
-        dropped = self.samples
-        self._flat.zero_()
-        self.samples = self.batches = 0
-        self.oldest = None
-        return dropped
-
-
-class _LoopThread:
-    """An event loop (uvloop when installed) on a daemon thread: where the cluster runs."""
-
-    def __init__(self, name: str):
-        try:
-            import uvloop
-            self.loop = uvloop.new_event_loop()
-        except ImportError:
-            self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro):
-        """Run ``coro`` there and wait; its exception is raised here, with its own type."""
-        future = self.submit(coro)
-        try:
-            return future.result()
-        except BaseException:  # (Ctrl-C here: stop it there too)
-            future.cancel()
-            raise
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10.0)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def _listen_address(listen: str) -> tuple[str, int]:
@@ -326,7 +163,7 @@ class AsyncPeer:
         self._host, self._port = _listen_address(listen)
         self.cluster: Cluster | None = None  # built on entering (after a checkpoint may have been loaded)
         self.discovery: Discovery | None = None
-        self._thread: _LoopThread | None = None
+        self._thread: LoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proposer: asyncio.Task | None = None
         self._start: SyncPoint | None = None  # a checkpoint's point (load_state_dict), else genesis
@@ -337,9 +174,9 @@ class AsyncPeer:
         self._lock = threading.Lock()
         self._params_lock = threading.Lock()
         self._changed = asyncio.Event()  # (used on the cluster's loop only)
-        self._acc = _Accumulator(self.params, self.device)
-        self._out: _Out | None = None  # our contribution, in a round
-        self._queue: collections.deque[_Update] = collections.deque()
+        self._acc = Accumulator(self.params, self.device)
+        self._out: Outgoing | None = None  # our contribution, in a round
+        self._queue: collections.deque[CommittedUpdate] = collections.deque()
         self.version = 0  # updates applied to the parameters here
         self._committed = 0  # updates committed by the cluster (applied here, or queued)
         self._computing_on = 0  # the version the batch in progress is computed on
@@ -363,6 +200,11 @@ class AsyncPeer:
         self._checksum = b""
         self._logged_at, self._logged_rounds, self._logged_samples = time.perf_counter(), 0, 0
 
+    @property
+    def members(self) -> int:
+        """Live synced peers, this one included (updated ten times a second; any thread may read it)."""
+        return self.cluster.members if self.cluster is not None else 0
+
     # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
     async def __aenter__(self) -> Self:
         thread = self._start_thread()
@@ -385,13 +227,13 @@ class AsyncPeer:
     async def close(self) -> None:
         await self.__aexit__()
 
-    def _start_thread(self) -> _LoopThread:
+    def _start_thread(self) -> LoopThread:
         if self._closed or self._thread is not None:
             raise ClosedError("this peer was entered once already: create a new one to join again")
         checksum = hashlib.blake2b(param_checksum(self.model).encode(), digest_size=16).digest()
         self._params_point = self._start or SyncPoint(0, genesis(checksum), -1, 0)
         self._checksum = checksum
-        self._thread = _LoopThread(f"p2ptrain-{self.peer_id[:8]}")
+        self._thread = LoopThread(f"p2ptrain-{self.peer_id[:8]}")
         self._loop = self._thread.loop
         return self._thread
 
@@ -595,7 +437,7 @@ class AsyncPeer:
             if metrics is not None:
                 self._publish(metrics)
 
-    def _apply_update(self, update: _Update) -> None:
+    def _apply_update(self, update: CommittedUpdate) -> None:
         grad = torch.from_numpy(update.summed)  # (ours: the cluster handed its ring result over)
         grad = grad.to(self.device) if self.device.type != "cpu" else grad
         grad.div_(float(update.total))
@@ -720,7 +562,7 @@ class AsyncPeer:
             if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on
                 self._idle_rounds += 1
                 if self._queue:  # (parameters do not change: nothing to compare)
-                    self._queue.append(_Update(None, 0, point, None))
+                    self._queue.append(CommittedUpdate(None, 0, point, None))
                 else:
                     self._params_point = point
             else:
@@ -735,7 +577,7 @@ class AsyncPeer:
                                  compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
                 self._compute_s = self._wait_s = 0.0
                 self._compute_n = 0
-                self._queue.append(_Update(summed, total_samples, point, m, held, compare))
+                self._queue.append(CommittedUpdate(summed, total_samples, point, m, held, compare))
         self._changed.set()
 
     def put_back(self, contribution: np.ndarray, samples: int) -> None:

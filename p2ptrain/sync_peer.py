@@ -122,6 +122,11 @@ class Peer:
         return self._peer.staleness_max
 
     @property
+    def members(self) -> int:
+        """Live synced peers, this one included."""
+        return self._peer.members
+
+    @property
     def cluster(self):
         """The ``Cluster`` (rounds, mesh, ``reconciled``, ``loads``) once started: for inspection."""
         return self._peer.cluster

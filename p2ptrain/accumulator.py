@@ -1,0 +1,153 @@
+"""The accumulator: what a peer has computed and not contributed yet, on the model's device.
+
+``step`` adds each batch's gradients times its sample count (``Accumulator.add``); a round
+takes the sum (``swap``: a fresh buffer takes the next batches at once) and moves it to host
+memory for the ring (``to_host``: no copy on CPU, pinned on CUDA); an aborted round gives it
+back (``merge``); a state load voids it (``void``). ``RoundMetrics`` is what a peer reports
+per applied update; ``CommittedUpdate`` and ``Outgoing`` are the records ``peer.AsyncPeer`` keeps while a
+round holds its contribution or an update waits for the caller's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from p2ptrain.device import HostStaging
+from p2ptrain.rounds import SyncPoint
+
+
+@dataclass(frozen=True)
+class RoundMetrics:
+    """One update applied here. Bytes and seconds are this peer's view of its round."""
+    round: int  # the cluster's round number
+    version: int  # updates applied here, this one included
+    members: int
+    samples: int  # averaged in this update, all members together
+    local_samples: int  # of which this peer's
+    staleness: int  # of this peer's oldest gradient in it (updates between computing and applying)
+    staleness_max: int  # the largest so far
+    dropped: int  # samples dropped so far (staler than the bound, or void after loading state)
+    wire_bytes: int  # this peer's ring sent this much (compressed) ...
+    raw_bytes: int  # ... standing for this much float32
+    round_time: float  # seconds from taking this peer's contribution to the commit
+    compute_time: float  # mean seconds per step outside step() (data, forward, backward) since the last update
+    wait_time: float  # seconds step() blocked since the last update
+    param_checksum: str = ""  # of the parameters after this update (compared with the leader's); "" alone
+
+
+@dataclass
+class CommittedUpdate:  # a committed round, waiting for the caller's thread to apply it
+    summed: np.ndarray | None  # None: nobody had anything (the round still counts for the lineage)
+    total: int
+    point: SyncPoint
+    metrics: RoundMetrics | None
+    held: Outgoing | None = None  # our contribution's memory, when the cluster handed it back as the result
+    compare: bool = False  # others are synced: report the parameter checksum after applying it
+
+
+@dataclass
+class Outgoing:  # this peer's contribution, held by the cluster until applied or put back
+    buffer: torch.Tensor | None  # the device sum it came from, while that is the host array itself (CPU)
+    samples: int
+    batches: int
+    oldest: int | None
+    taken_at: float
+    members: int
+    array: np.ndarray | None = None
+    staging: HostStaging | None = None
+
+
+class Accumulator:
+    """``sum(batch_size * grad)`` in a flat float32 buffer on the model's device, and what it
+    holds: samples, batches, the oldest parameter version. ``swap`` hands the sum over and
+    starts a fresh one; on CPU the handed-over buffer *is* the host array (no copy), elsewhere
+    ``to_host`` copies it to a host buffer (pinned on CUDA). The owner serializes calls."""
+
+    def __init__(self, params: list[torch.Tensor], device: torch.device):
+        self.params, self.device = params, device
+        self.numel = sum(p.numel() for p in params)
+        self._spare: list[torch.Tensor] = []
+        self._staging: list[HostStaging] = []
+        self._flat = self._fresh()
+        self._views = self._split(self._flat)
+        self.samples = self.batches = 0
+        self.oldest: int | None = None
+
+    def _fresh(self) -> torch.Tensor:
+        return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset: offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return views
+
+    def add(self, batch_size: int, version: int) -> None:
+        """Add the parameters' gradients times ``batch_size``, and clear them."""
+        f32_views, f32_grads = [], []
+        with torch.no_grad():
+            for p, view in zip(self.params, self._views):
+                g = p.grad
+                if g is None:
+                    continue
+                g = g.to_dense() if g.is_sparse else g
+                if g.dtype == torch.float32:
+                    f32_views.append(view)
+                    f32_grads.append(g)
+                else:
+                    view.add_(g.float(), alpha=float(batch_size))
+                p.grad = None
+            if f32_views:
+                torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
+        self.samples += batch_size
+        self.batches += 1
+        self.oldest = version if self.oldest is None else min(self.oldest, version)
+
+    def swap(self, members: int) -> Outgoing:
+        """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
+        out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members)
+        self._flat = self._fresh()
+        self._views = self._split(self._flat)
+        self.samples = self.batches = 0
+        self.oldest = None
+        return out
+
+    def to_host(self, out: Outgoing) -> None:
+        if self.device.type == "cpu":
+            out.array = out.buffer.numpy()
+            return
+        out.staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
+        out.array = out.staging.to_host([out.buffer])
+        out.buffer.zero_()
+        self._spare.append(out.buffer)
+        out.buffer = None
+
+    def release(self, out: Outgoing) -> None:
+        """The cluster is done with ``out``: its memory is reused."""
+        if out.buffer is not None:
+            out.buffer.zero_()
+            self._spare.append(out.buffer)
+        if out.staging is not None:
+            self._staging.append(out.staging)
+
+    def merge(self, out: Outgoing) -> None:
+        """Take a contribution back (its round aborted): the next round carries it."""
+        self._flat.add_(out.buffer if out.buffer is not None else torch.from_numpy(out.array).to(self.device))
+        self.samples += out.samples
+        self.batches += out.batches
+        if out.oldest is not None:
+            self.oldest = out.oldest if self.oldest is None else min(self.oldest, out.oldest)
+        self.release(out)
+
+    def void(self) -> int:
+        """Drop what is held; returns the samples dropped."""
+        dropped = self.samples
+        self._flat.zero_()
+        self.samples = self.batches = 0
+        self.oldest = None
+        return dropped
