@@ -151,13 +151,19 @@ class _Join:
         from p2ptrain.tasks import load_task, validate_task
 
         a = self.args
+        peers = [p.strip() for p in a.peers.split(",") if p.strip()] if a.peers else []
+        local = _local_hosts()  # (lists the interfaces: once)
+        ours = {(h, a.port) for h in local}
+        # Before the task is built: torch's thread pools spin while they wait, and several
+        # peers of one machine building their tasks with all its cores each take ten times longer.
+        self._share_cores(sum(host in local and (host, port) not in ours
+                               for host, port in map(parse_host_port, peers)))
         device = pick_device(a.device)
         task = load_task(a.task, {"seed": a.seed, "data": a.data, "model_size": a.model_size,
                                   "batch_size": a.batch_size, "device": str(device)})
         validate_task(task, device)
         model = task.model.to(device)
         optimizer = task.make_optimizer(model.parameters(), a.lr if a.lr is not None else task.default_lr)
-        peers = [p.strip() for p in a.peers.split(",") if p.strip()] if a.peers else []
         log.info("task %s (%s), %d parameters, on %s; compression %s, staleness %d, min peers %d",
                  task.name, task.info, task.num_parameters(), device_kind(device), a.compression, a.staleness,
                  a.min_peers)
@@ -167,10 +173,6 @@ class _Join:
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          reconcile_every=a.reconcile_every, step_timeout=float("inf"), **kwargs)
         self._resume(peer, task)
-        local = _local_hosts()  # (lists the interfaces: once)
-        ours = {(h, a.port) for h in local}
-        self._share_cores(peer, sum(host in local and (host, port) not in ours
-                                    for host, port in map(parse_host_port, peers)))
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()
         self._install_signals()
@@ -324,7 +326,7 @@ class _Join:
                                  "and that the port is open")
             await asyncio.sleep(0.1)
 
-    def _share_cores(self, peer, local_peers: int) -> None:
+    def _share_cores(self, local_peers: int) -> None:
         """Several peers on one machine: split its cores among them. Torch's thread pools
         spin while they wait, and two of them on the same cores stall each other for seconds."""
         import torch
