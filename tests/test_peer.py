@@ -87,8 +87,9 @@ def test_async_example_trains_with_two_processes():
     base = 12000 + (os.getpid() * 41) % 8000 + 9000  # below the ephemeral range, apart from other tests
     cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--updates", "30",
            "--no-discovery"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # a torch thread each, as on two machines (not two spinning pools)
     procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{base + r}", "--peers", f"127.0.0.1:{base + 1 - r}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = finish(procs, timeout=50)
     assert [p.returncode for p in procs] == [0, 0], [e[-1000:] for _, e in outs]
     for out, _ in outs:
@@ -106,7 +107,7 @@ def test_peers_on_three_hosts_find_each_other_by_discovery_alone(make_lan):  # n
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--listen", "0.0.0.0:7100",
            "--min-peers", "3", "--updates", "20", "--secret", "lab-secret"]  # no --peers: beacons only
-    env = dict(os.environ, PYTHONPATH=repo)
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")  # a torch thread per host: they share the cores
     procs = [lan.popen(i, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
     outs = finish(procs, timeout=60)
     assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for _, e in outs]

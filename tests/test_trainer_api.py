@@ -209,7 +209,8 @@ def test_custom_loop_example_trains_two_processes_asynchronously():
     mine = ports(2)
     cmd = [sys.executable, os.path.join(REPO, "examples", "custom_loop.py"), "--min-peers", "2", "--updates", "40",
            "--no-discovery", "--staleness", "1", "--compression", "int8"]
-    procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{port}", "--peers", f"127.0.0.1:{other}"],
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # a torch thread each, as on two machines (not two spinning pools)
+    procs = [subprocess.Popen(cmd + ["--listen", f"127.0.0.1:{port}", "--peers", f"127.0.0.1:{other}"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for port, other in ((mine[0], mine[1]), (mine[1], mine[0]))]
     outs = finish(procs, timeout=60)
