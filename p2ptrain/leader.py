@@ -20,10 +20,13 @@ who else is synced. A leader superseded by a rival it does not see as synced bac
 that rival is lost (link lost, goodbye, silent), so that a rival that dies costs a tick.
 
 Refusals. A member refuses (NACK) a view naming a peer it has no link to, and names them
-(``missing``). The leader aborts and leaves those peers out of its views for LEAVE_OUT
-seconds, doubling while refusals repeat (LEAVE_OUT_MAX at most), so the rest keep training
-under partial connectivity; if the refuser misses more of the view than it reaches, the
-refuser is left out instead. A left-out peer still hears every COMMIT (a leader that speaks
+(``missing``). The first time, the link is most likely re-forming (a replugged cable, a
+mesh still forming): the refuser is dropped, hears our STATUS, and the next proposal waits
+REFUSAL_BACKOFF. A peer named missing again within MISSING_AGAIN seconds is left out of our
+views for LEAVE_OUT seconds, doubling while refusals repeat (LEAVE_OUT_MAX at most), so the
+rest keep training under partial connectivity; if the refuser misses more of the view than it
+reaches, the refuser is left out instead. (Leaving a peer out at the first refusal made it
+chase the leader's version, loading state again and again while it was out.) A left-out peer still hears every COMMIT (a leader that speaks
 to it keeps it from asking around and loading state again and again); when its time is over
 it hears our STATUS, catches up (we hold the boundary) and is in the next view. A refusal
 that names nobody (an older peer) drops the refuser and delays the next proposal by
@@ -54,6 +57,7 @@ from p2ptrain.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY,
 QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)
 REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
 LEAVE_OUT, LEAVE_OUT_MAX = 2.0, 30.0  # a peer a member cannot reach stays out of views this long, doubling
+MISSING_AGAIN = 5.0  # a peer named missing twice within this many seconds is left out (once: a link re-forming)
 
 # (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
 _LEADER = {
@@ -92,6 +96,7 @@ class LeaderRole:
         self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
         self._refused_until = float("-inf")  # no proposal before this (a member just refused one)
         self._left_out: dict = {}  # peer a member could not reach -> (out of our views until, for how long)
+        self._missing_at: dict = {}  # peer a member last said it could not reach -> when
         self._said_waiting = False
 
     def _drive(self, now: float, tick: bool) -> None:
@@ -272,7 +277,10 @@ class LeaderRole:
             self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
         elif L is not None and m["r"] == L.r and L.phase == COLLECTING and s in L.view:
             missing = sorted(set(m["missing"] or ()) & set(L.view) - {self.id, s})
-            if missing:  # it has no link to them: leave them out a while (or it, if they are more)
+            again = [q for q in missing  # (a peer left out before, and not in a round since, counts too)
+                     if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
+            self._missing_at.update((q, now) for q in missing)
+            if again:  # no link to them, again: leave them out a while (or it, if they are more)
                 out = missing if 2 * len(missing) <= len(L.view) - 1 else [s]
                 self._leave_out(out, now, f"{s} is not connected to {', '.join(missing)}")
                 return self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[])
