@@ -137,7 +137,7 @@ class Cluster:
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
         self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
-        self.reconciled = 0  # states loaded because our parameters differed from the leader's
+        self.reconciled = 0  # leader states downloaded because our parameters differed from its
         self._own_sums: collections.OrderedDict = collections.OrderedDict()  # (version, digest) -> checksum
         self._leader_sums: collections.OrderedDict = collections.OrderedDict()  # ... -> (leader, checksum)
         self._checksum = checksum
