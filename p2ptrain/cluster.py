@@ -388,11 +388,12 @@ class Cluster:
             asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2)
         elif state is None:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
-        else:  # (our History goes with it: the joiner can then tell a split from lagging, as we can)
-            lineage = [[v, d] for v, d in self.machine.history.recent(WINDOW)]
+        elif self.machine.table.state(peer) == SYNCED:  # a member reconciling: our parameters only
+            self.transfer.serve(peer, ask_id, state, self.machine.sync_point())
+        else:  # a joiner: with our History (it can then tell a split from lagging, as we can), and we
+            lineage = [[v, d] for v, d in self.machine.history.recent(WINDOW)]  # hold the next round
             self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, self.machine.sync_point())
-            if self.machine.table.state(peer) != SYNCED:  # a joiner: hold the next round while it loads
-                self.machine.hold_for(peer, asyncio.get_running_loop().time())
+            self.machine.hold_for(peer, asyncio.get_running_loop().time())
 
     async def _fetch_state(self, source: str) -> None:
         """Download a snapshot, from ``source`` first, then from any synced member, until one loads."""
