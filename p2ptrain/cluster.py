@@ -101,8 +101,8 @@ class Contributions(Protocol):
     def snapshot(self) -> dict | None: ...  # {"model": {name: tensor}, ...} as of the last apply(); None: not now
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
     def reconcile(self, state: dict, point: SyncPoint) -> None: ...  # the leader's state at point: load it
-    def held(self) -> int: ...  # samples accumulated and not taken (target_batch_size: the leader counts them)
     #                                                   when ours reach that point; keep what is accumulated
+    def held(self) -> int: ...  # samples accumulated and not taken (target_batch_size: the leader counts them)
 
 
 class Cluster:

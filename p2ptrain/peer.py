@@ -39,7 +39,8 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   it; ``step`` blocks only once this peer alone holds B and no round takes it.
 
 Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
-samples are applied, and two rounds more for what the others computed meanwhile. Loops should
+samples are applied, and two rounds more for what the others computed meanwhile (not with
+``target_batch_size``: the others may never make up the target; what it holds is logged). Loops should
 count the cluster's updates (``while peer.version < n``), not their own steps: a faster peer
 takes more steps, and one that left early could leave the others short of ``min_peers``.
 
