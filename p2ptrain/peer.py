@@ -19,18 +19,21 @@ into ``p.grad``, clipped (``clip_grad_norm``), the optimizer steps (its own step
 it), then ``scheduler`` steps: once per applied update. Parameters change only inside
 ``step``, never under a forward or a backward.
 
+This module is the caller's side (lifetime, ``step``, applying updates, metrics, checkpoints);
+what the cluster calls on its thread (``cluster.Contributions``: ``take``, ``apply``,
+``put_back``, ``held``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
+``contributions.ContributionsSide``. Past ``take``: ``cluster`` (rounds), ``collective`` (the
+ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
+
 Staleness. A gradient computed on version v and applied to version V has staleness V - v.
 
 - 0: ``step`` returns once the round holding its batch was applied: DDP's mathematics.
 - tau >= 1 (stale-synchronous): ``step`` returns at once; rounds run at the network's pace
   and each member contributes what it has. A member whose batch in progress would be staler
   than tau after the round being collected does not contribute yet, so the round waits for
-  it: the fastest peer runs at most tau updates ahead of the slowest, a slow peer
-  contributes fewer samples, and nothing computed within the bound is dropped. A member with
-  nothing yet waits ``LINGER_S`` for its batch, then contributes nothing (rounds in which
-  nobody had anything back off to one per ``LINGER_MAX_S``). A peer that stops stepping
-  (evaluation, a checkpoint) is waited for only ``PATIENCE_*`` long; what it computed then
-  comes too late. ``step`` blocks only while more than tau of its batches wait and no round
+  it (a bounded while: ``contributions``): the fastest peer runs at most tau updates ahead of
+  the slowest, a slow peer contributes fewer samples, and nothing computed within the bound
+  is dropped. ``step`` blocks only while more than tau of its batches wait and no round
   is under way (too few peers, loading state). Anything staler than tau when its round
   starts is dropped and counted (``dropped``).
 - ``target_batch_size=B`` (with tau >= 1): after each step the cluster tells the leader what
@@ -57,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import copy
 import hashlib
 import logging
 import threading
@@ -66,13 +68,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from p2ptrain import auth
+from p2ptrain.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
 from p2ptrain.cluster import Cluster
 from p2ptrain.codecs import parse_codec
-from p2ptrain.accumulator import RoundMetrics, Accumulator, Outgoing, CommittedUpdate
+from p2ptrain.contributions import ContributionsSide, _point
 from p2ptrain.device import device_kind, pick_device
 from p2ptrain.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ClosedError, ConfigError, GroupError
@@ -87,10 +89,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2ptrain.peer")
 
-LINGER_S = 0.02  # a member with nothing yet waits this long for its batch before contributing nothing
-LINGER_MAX_S = 2.0  # ... doubling after each round in which no member had anything (an idle cluster:
-#                    a round every 2 s, under the leader's first stall warning, half its 5 s floor)
-PATIENCE_S, PATIENCE_STEPS = 2.0, 4.0  # a batch later than both (and than that many mean steps) is not waited for
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``
 LOG_EVERY_S = 10.0  # a progress line at INFO at most this often (every update at DEBUG)
@@ -104,11 +102,7 @@ def _listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _point(sync) -> SyncPoint | None:
-    return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
-
-
-class AsyncPeer:
+class AsyncPeer(ContributionsSide):
     """One member of a training cluster, for asyncio programs. See the module docstring.
 
     Keywords are the ``join`` flags: ``cluster``, ``secret``, ``peers``, ``listen``,
@@ -503,163 +497,3 @@ class AsyncPeer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = self._committed = self._computing_on = int(state.get("version", 0))
         self._start = _point(state.get("sync"))
-
-    # -- the cluster's side (Contributions; on the cluster's thread) ----------------------------
-    def take(self) -> tuple[np.ndarray, int] | None:
-        pending = self.cluster.machine.pending
-        with self._lock:
-            if self._restore is not None or self._out is not None:
-                return self._hold()
-            if self.staleness == 0:
-                if not self._acc.samples:
-                    return self._hold()
-            else:
-                late = time.perf_counter() - self._step_end
-                patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
-                if self._computing and late < patience and self._committed + 1 - self._computing_on > self.staleness:
-                    self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
-                    return self._hold()
-                if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
-                    dropped = self._acc.void()
-                    self.dropped += dropped
-                    log.info("dropped %d samples staler than %d updates", dropped, self.staleness)
-                if not self._acc.samples and not self._linger_due and (late < patience or not self._computing):
-                    self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
-                    return self._hold()
-            self._linger_due = False
-            out = self._out = self._acc.swap(len(pending.view) if pending is not None else 1)
-        self._acc.to_host(out)  # (that buffer is no longer step()'s)
-        self._changed.set()
-        return out.array, out.samples
-
-    def _hold(self) -> None:  # (under _lock) the round waits: step() must call contribution_available
-        self._want_step = True
-
-    def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then
-        when = self._loop.time() + wait
-        if self._linger is not None and self._linger.when() <= when:
-            return
-        if self._linger is not None:
-            self._linger.cancel()
-        self._linger = self._loop.call_at(when, self._lingered)
-
-    def _lingered(self) -> None:
-        with self._lock:
-            self._linger = None
-            self._linger_due = self._want_step  # (a round still waits for us)
-        if self._linger_due:
-            self.cluster.contribution_available()
-
-    def apply(self, summed: np.ndarray, total_samples: int) -> None:
-        point, now = self.cluster.machine.sync_point(), time.perf_counter()
-        compare = len(self.cluster.machine.table.live_synced()) > 1
-        with self._lock:
-            out, self._out = self._out, None
-            held = out if out is not None and total_samples and np.may_share_memory(summed, out.array) else None
-            if out is not None and held is None:
-                self._acc.release(out)
-            self._linger_due = False
-            self._rounds_seen += 1
-            if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on
-                self._idle_rounds += 1
-                if self._queue:  # (parameters do not change: nothing to compare)
-                    self._queue.append(CommittedUpdate(None, 0, point, None))
-                else:
-                    self._params_point = point
-            else:
-                self._idle_rounds = 0
-                stale = self._committed - out.oldest if out is not None and out.oldest is not None else 0
-                self.staleness_max = max(self.staleness_max, stale)
-                self._committed += 1
-                m = RoundMetrics(round=point.round, version=self._committed, members=out.members if out else 0,
-                                 samples=total_samples, local_samples=out.samples if out else 0, staleness=stale,
-                                 staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0, raw_bytes=0,
-                                 round_time=now - out.taken_at if out else 0.0,
-                                 compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
-                self._compute_s = self._wait_s = 0.0
-                self._compute_n = 0
-                self._queue.append(CommittedUpdate(summed, total_samples, point, m, held, compare))
-        self._changed.set()
-
-    def put_back(self, contribution: np.ndarray, samples: int) -> None:
-        with self._lock:
-            out = self._out
-            if out is None or contribution is not out.array:  # from before a state load: void (counted then)
-                return
-            self._out = None
-            self._acc.merge(out)
-        if self.target_batch_size:
-            self.cluster.holding()
-        self._changed.set()
-
-    def held(self) -> int:
-        with self._lock:
-            return self._acc.samples
-
-    def snapshot(self) -> dict | None:
-        """The state as of the last applied update, copied (the caller's thread may go on
-        training); None while updates are queued or being applied (ask again soon)."""
-        if not self._params_lock.acquire(blocking=False):
-            return None
-        try:
-            with self._lock:
-                if self._queue or self._restore is not None:
-                    return None
-                version, p = self.version, self.cluster.machine.sync_point()
-            return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                    "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
-                    "sync": [p.version, p.digest, p.round, p.epoch]}
-        finally:
-            self._params_lock.release()
-
-    def restore(self, state: dict) -> None:
-        """A member's snapshot: void what was accumulated here; load it at the next safe point."""
-        with self._lock:
-            dropped = self._acc.void()
-            if self._out is not None:  # the cluster forgets that round: its buffer is not reused
-                dropped, self._out = dropped + self._out.samples, None
-            self.dropped += dropped
-            self._queue.clear()
-            self._restore, self._reconcile = state, None
-        if dropped:
-            log.info("loading the cluster's state: %d samples accumulated here are void", dropped)
-        self._changed.set()
-
-    def reconcile(self, state: dict, point: SyncPoint) -> None:
-        """The leader's state at ``point`` (our parameters differed from its): loaded in place of
-        ours once ours reach that point; what is accumulated stays (it differs by rounding only)."""
-        with self._lock:
-            self._reconcile = (state, point)
-        self._changed.set()
-
-    def _load_reconcile(self) -> None:
-        """(``_params_lock`` held) Ours at the leader's point: take its parameters and optimizer."""
-        with self._lock:
-            if self._reconcile is None or self._params_point is None:
-                return
-            (state, point), here = self._reconcile, self._params_point
-            if here.version < point.version:
-                return  # not there yet
-            self._reconcile = None
-        if (here.version, here.digest) != (point.version, point.digest):
-            log.debug("the leader's state for version %d came after ours passed it", point.version)
-            return
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def _load_restore(self) -> bool:
-        """Load a pending state (``_params_lock`` held; no forward or backward runs now)."""
-        with self._lock:
-            state, self._restore = self._restore, None
-        if state is None:
-            return False
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for p in self.params:
-            p.grad = None
-        with self._lock:
-            self.version = self._committed = self._computing_on = int(state.get("version", 0))
-            self._params_point = _point(state.get("sync"))
-            self._acc.void()
-            self._want_step = True
-        return True

@@ -1,0 +1,215 @@
+"""The cluster's side of ``AsyncPeer``: the ``Contributions`` it asks of the trainer (``cluster``).
+
+``ContributionsSide`` is a mixin of ``p2ptrain.peer.AsyncPeer``, as ``leader.LeaderRole`` is
+of ``RoundMachine``: it has no state of its own. It uses the peer's locks (``_lock``,
+``_params_lock``), its wake-up event ``_changed``, ``cluster`` and ``_loop``, the accumulator
+``_acc`` with ``_out`` (our contribution, in a round) and ``_queue`` (committed updates), the
+versions (``version``, ``_committed``, ``_computing_on``, ``_params_point``), the batch in
+progress (``_computing``, ``_want_step``, ``_step_end``, ``_compute_mean``), the linger timer
+(``_linger``, ``_linger_due``, ``_idle_rounds``), the state loads waiting for a safe point
+(``_restore``, ``_reconcile``), the counters (``dropped``, ``staleness_max``, ``_rounds_seen``,
+``_compute_s``, ``_compute_n``, ``_wait_s``), its settings (``staleness``,
+``target_batch_size``) and ``model``, ``optimizer``, ``params``. ``peer`` is the caller's side
+(``step`` and what it applies); this module is what the cluster calls.
+
+Call order. The cluster calls ``take`` when a round collects (our accumulator is swapped out, or
+None: nothing yet, and ``step`` or the linger timer calls ``contribution_available`` later),
+then ``apply`` on commit or ``put_back`` on abort; ``held`` when the leader counts samples;
+``snapshot``, ``restore`` and ``reconcile`` for state transfer. All of these run on the
+cluster's loop thread. A state handed over is loaded later, at a safe point, on the caller's
+thread (``_load_restore`` and ``_load_reconcile``, ``_params_lock`` held), never under a
+forward or a backward.
+
+When this member contributes (staleness tau >= 1; ``take``; the rules are ``peer``'s
+docstring): a member whose batch in progress would be staler than tau is waited for, but a
+peer that stops stepping (evaluation, a checkpoint) only ``PATIENCE_*`` long; what it computed
+then comes too late. A member with nothing yet waits ``LINGER_S`` for its batch, then
+contributes nothing (rounds in which nobody had anything back off to one per ``LINGER_MAX_S``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import numpy as np
+
+from p2ptrain.accumulator import CommittedUpdate, RoundMetrics
+from p2ptrain.rounds import SyncPoint
+
+log = logging.getLogger("p2ptrain.peer")  # (the peer's lines, under the peer's name)
+
+LINGER_S = 0.02  # a member with nothing yet waits this long for its batch before contributing nothing
+LINGER_MAX_S = 2.0  # ... doubling after each round in which no member had anything (an idle cluster:
+#                    a round every 2 s, under the leader's first stall warning, half its 5 s floor)
+PATIENCE_S, PATIENCE_STEPS = 2.0, 4.0  # a batch later than both (and than that many mean steps) is not waited for
+
+
+def _point(sync) -> SyncPoint | None:
+    """A ``state_dict``'s or snapshot's ``sync`` list as a ``SyncPoint`` (None: none)."""
+    return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
+
+
+class ContributionsSide:
+    """What the cluster calls on ``AsyncPeer`` (``cluster.Contributions``), on its loop thread.
+    A mixin: the state is the peer's (see the module docstring)."""
+
+    def take(self) -> tuple[np.ndarray, int] | None:
+        pending = self.cluster.machine.pending
+        with self._lock:
+            if self._restore is not None or self._out is not None:
+                return self._hold()
+            if self.staleness == 0:
+                if not self._acc.samples:
+                    return self._hold()
+            else:
+                late = time.perf_counter() - self._step_end
+                patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
+                if self._computing and late < patience and self._committed + 1 - self._computing_on > self.staleness:
+                    self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
+                    return self._hold()
+                if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
+                    dropped = self._acc.void()
+                    self.dropped += dropped
+                    log.info("dropped %d samples staler than %d updates", dropped, self.staleness)
+                if not self._acc.samples and not self._linger_due and (late < patience or not self._computing):
+                    self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
+                    return self._hold()
+            self._linger_due = False
+            out = self._out = self._acc.swap(len(pending.view) if pending is not None else 1)
+        self._acc.to_host(out)  # (that buffer is no longer step()'s)
+        self._changed.set()
+        return out.array, out.samples
+
+    def _hold(self) -> None:  # (under _lock) the round waits: step() must call contribution_available
+        self._want_step = True
+
+    def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then
+        when = self._loop.time() + wait
+        if self._linger is not None and self._linger.when() <= when:
+            return
+        if self._linger is not None:
+            self._linger.cancel()
+        self._linger = self._loop.call_at(when, self._lingered)
+
+    def _lingered(self) -> None:
+        with self._lock:
+            self._linger = None
+            self._linger_due = self._want_step  # (a round still waits for us)
+        if self._linger_due:
+            self.cluster.contribution_available()
+
+    def apply(self, summed: np.ndarray, total_samples: int) -> None:
+        point, now = self.cluster.machine.sync_point(), time.perf_counter()
+        compare = len(self.cluster.machine.table.live_synced()) > 1
+        with self._lock:
+            out, self._out = self._out, None
+            held = out if out is not None and total_samples and np.may_share_memory(summed, out.array) else None
+            if out is not None and held is None:
+                self._acc.release(out)
+            self._linger_due = False
+            self._rounds_seen += 1
+            if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on
+                self._idle_rounds += 1
+                if self._queue:  # (parameters do not change: nothing to compare)
+                    self._queue.append(CommittedUpdate(None, 0, point, None))
+                else:
+                    self._params_point = point
+            else:
+                self._idle_rounds = 0
+                stale = self._committed - out.oldest if out is not None and out.oldest is not None else 0
+                self.staleness_max = max(self.staleness_max, stale)
+                self._committed += 1
+                m = RoundMetrics(round=point.round, version=self._committed, members=out.members if out else 0,
+                                 samples=total_samples, local_samples=out.samples if out else 0, staleness=stale,
+                                 staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0, raw_bytes=0,
+                                 round_time=now - out.taken_at if out else 0.0,
+                                 compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
+                self._compute_s = self._wait_s = 0.0
+                self._compute_n = 0
+                self._queue.append(CommittedUpdate(summed, total_samples, point, m, held, compare))
+        self._changed.set()
+
+    def put_back(self, contribution: np.ndarray, samples: int) -> None:
+        with self._lock:
+            out = self._out
+            if out is None or contribution is not out.array:  # from before a state load: void (counted then)
+                return
+            self._out = None
+            self._acc.merge(out)
+        if self.target_batch_size:
+            self.cluster.holding()
+        self._changed.set()
+
+    def held(self) -> int:
+        with self._lock:
+            return self._acc.samples
+
+    def snapshot(self) -> dict | None:
+        """The state as of the last applied update, copied (the caller's thread may go on
+        training); None while updates are queued or being applied (ask again soon)."""
+        if not self._params_lock.acquire(blocking=False):
+            return None
+        try:
+            with self._lock:
+                if self._queue or self._restore is not None:
+                    return None
+                version, p = self.version, self.cluster.machine.sync_point()
+            return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
+                    "sync": [p.version, p.digest, p.round, p.epoch]}
+        finally:
+            self._params_lock.release()
+
+    def restore(self, state: dict) -> None:
+        """A member's snapshot: void what was accumulated here; load it at the next safe point."""
+        with self._lock:
+            dropped = self._acc.void()
+            if self._out is not None:  # the cluster forgets that round: its buffer is not reused
+                dropped, self._out = dropped + self._out.samples, None
+            self.dropped += dropped
+            self._queue.clear()
+            self._restore, self._reconcile = state, None
+        if dropped:
+            log.info("loading the cluster's state: %d samples accumulated here are void", dropped)
+        self._changed.set()
+
+    def reconcile(self, state: dict, point: SyncPoint) -> None:
+        """The leader's state at ``point`` (our parameters differed from its): loaded in place of
+        ours once ours reach that point; what is accumulated stays (it differs by rounding only)."""
+        with self._lock:
+            self._reconcile = (state, point)
+        self._changed.set()
+
+    def _load_reconcile(self) -> None:
+        """(``_params_lock`` held) Ours at the leader's point: take its parameters and optimizer."""
+        with self._lock:
+            if self._reconcile is None or self._params_point is None:
+                return
+            (state, point), here = self._reconcile, self._params_point
+            if here.version < point.version:
+                return  # not there yet
+            self._reconcile = None
+        if (here.version, here.digest) != (point.version, point.digest):
+            log.debug("the leader's state for version %d came after ours passed it", point.version)
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _load_restore(self) -> bool:
+        """Load a pending state (``_params_lock`` held; no forward or backward runs now)."""
+        with self._lock:
+            state, self._restore = self._restore, None
+        if state is None:
+            return False
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for p in self.params:
+            p.grad = None
+        with self._lock:
+            self.version = self._committed = self._computing_on = int(state.get("version", 0))
+            self._params_point = _point(state.get("sync"))
+            self._acc.void()
+            self._want_step = True
+        return True
