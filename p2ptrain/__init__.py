@@ -5,6 +5,7 @@ Public API (everything else is private by name):
 - ``Group``: a static group of peers and its ``allreduce`` (ring-allreduce over TCP).
 - ``Peer``: a training loop's member of a cluster (``with peer: ... peer.step(batch_size=n)``).
 - ``AsyncPeer``: the same for asyncio programs (``async with``, ``await peer.step(...)``).
+- ``DistributedOptimizer``: a ``Peer`` in Horovod's shape (wrap the optimizer; ``optimizer.step()``).
 - the exceptions of ``p2ptrain.errors``.
 """
 
@@ -42,6 +43,10 @@ def __getattr__(name: str):
         from p2ptrain.sync_peer import Peer
 
         return Peer
+    if name == "DistributedOptimizer":
+        from p2ptrain.distributed_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
 
 __all__ = [
@@ -50,6 +55,7 @@ __all__ = [
     "ClosedError",
     "CodecError",
     "ConfigError",
+    "DistributedOptimizer",
     "FingerprintError",
     "FrameError",
     "Group",

@@ -1,0 +1,147 @@
+"""``DistributedOptimizer``: a Horovod user's loop (wrap the optimizer, ``zero_grad``,
+``backward``, ``step``, an LR scheduler built on it) trains a cluster with ``Peer``'s
+mathematics, and every misuse is refused with a line that says what to do."""
+
+import io
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from p2ptrain import ConfigError, DistributedOptimizer
+from p2ptrain.tasks import param_checksum
+
+pytestmark = pytest.mark.timeout(60)
+_port = [23000 + (os.getpid() * 37) % 9000]
+
+
+def ports(n):
+    _port[0] += n + 1
+    return [_port[0] + i for i in range(n)]
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batch(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def alone(seed=0, **options):
+    model, inner = make(seed)
+    return model, DistributedOptimizer(inner, model, listen="127.0.0.1:0", discovery=False, **options)
+
+
+def test_two_peers_train_like_one_process_on_the_union_of_their_batches():
+    steps, sizes = 4, (8, 4)  # unequal batches: each is weighted by its samples
+    a, b = ports(2)
+    pairs = [make(seed=0) for _ in range(2)]
+    opts = [DistributedOptimizer(inner, model, listen=f"127.0.0.1:{port}", peers=[f"127.0.0.1:{other}"],
+                                 discovery=False, min_peers=2, step_timeout=30)
+            for (model, inner), port, other in zip(pairs, (a, b), (b, a))]
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in opts]
+    errors = []
+
+    def train(rank):
+        (model, _), opt, sched = pairs[rank], opts[rank], schedulers[rank]
+        try:
+            for k in range(steps):
+                x, y = batch(100 * rank + k, sizes[rank])
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step(batch_size=len(x))
+                sched.step()  # staleness 0: one update per step
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        for opt in opts:
+            opt.__enter__()
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+    finally:
+        for opt in opts:
+            opt.close()
+    assert not errors, errors
+    assert [opt.peer.version for opt in opts] == [steps, steps]
+    assert param_checksum(pairs[0][0]) == param_checksum(pairs[1][0])  # bit-identical replicas
+
+    model, inner = make(seed=0)  # one process, the union of both peers' batches, the same schedule
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    for k in range(steps):
+        xs, ys = zip(*(batch(100 * r + k, sizes[r]) for r in range(2)))
+        inner.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        inner.step()
+        sched.step()
+    for mine, theirs in zip(pairs[0][0].parameters(), model.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert pairs[0][1].param_groups[0]["lr"] == pytest.approx(0.1 / 2**steps)  # the scheduler moved the real lr
+
+
+def test_step_runs_the_closure_and_returns_its_loss():
+    model, opt = alone()
+    x, y = batch(0, 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with opt:
+        loss = opt.step(closure, batch_size=8)
+        assert isinstance(loss, torch.Tensor) and opt.peer.version == 1
+
+
+def test_a_checkpoint_of_optimizer_state_dict_resumes_parameters_and_lineage():
+    model, opt = alone()
+    with opt:
+        for k in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(batch(k, 8)[0]), batch(k, 8)[1]).backward()
+            opt.step(batch_size=8)
+        saved = io.BytesIO()
+        torch.save(opt.state_dict(), saved)
+    saved.seek(0)
+    model2, opt2 = alone(seed=7)
+    opt2.load_state_dict(torch.load(saved, weights_only=True))
+    assert param_checksum(model2) == param_checksum(model) and opt2.peer.version == 3
+
+
+def test_a_plain_optimizer_checkpoint_loads_into_the_wrapped_optimizer():
+    model, inner = make()
+    inner.param_groups[0]["lr"] = 0.01
+    plain = inner.state_dict()
+    _, opt = alone()
+    opt.load_state_dict(plain)
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
+def test_misuse_is_refused_with_a_line_that_says_what_to_do():
+    model, inner = make()
+    with pytest.raises(ConfigError, match="wraps a torch.optim.Optimizer"):
+        DistributedOptimizer(model, inner)  # arguments swapped
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not the model's"):
+        DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), model)
+    with pytest.raises(ConfigError, match="staleness"):
+        DistributedOptimizer(inner, model, staleness=-1)  # Peer's own checks
+    _, opt = alone()
+    with pytest.raises(ConfigError, match="cannot gain parameters"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(opt)
+    with opt:
+        with pytest.raises(ConfigError, match="before entering"):
+            opt.load_state_dict(inner.state_dict())
