@@ -162,7 +162,7 @@ class Peer:
         if any(set(s["flags"]) != flags for s in seen):
             self.notes.append("the peers' joins take different flags: run the same p2ptrain everywhere")
         runs, skipped = _lan_train.plan(self.world, a.scaling, a.train_codecs, a.staleness, flags,
-                                        gloo=a.gloo) if a.train else ([], [])
+                                        gloo=a.gloo, predict=a.weight_prediction) if a.train else ([], [])
         self.notes += skipped
         if a.step_delay and a.train and "--step-delay" not in flags:
             self.notes.append("--step-delay not applied: this join has no --step-delay (heterogeneity not measured)")

@@ -69,7 +69,7 @@ class Report:
         taking = everyone[:run.n]
         first = taking[0].get("summary") or {}
         sums = [x.get("summary", {}).get("param_checksum") for x in taking]
-        row = {"impl": run.impl, "codec": run.codec, "staleness": run.staleness, "n": run.n,
+        row = {"impl": run.impl, "codec": run.codec, "staleness": run.staleness, "predict": run.predict, "n": run.n,
                "ok": all(x["ok"] for x in taking),
                "error": next((f"peer {r}: {x['error']}" for r, x in enumerate(taking) if not x["ok"]), None),
                "identical": (len(set(sums)) == 1) if all(sums) else None,
@@ -132,6 +132,7 @@ class Report:
                   if r["impl"] != "gloo" and g and r.get("samples_per_s") and g.get("samples_per_s") else None)
             alone = r["n"] == 1 and r["impl"] == "p2ptrain"  # codec and staleness do not matter alone
             tau = "-" if alone or r["impl"] == "gloo" else (r["staleness"] or 0)
+            tau = f"{tau} +wp" if r.get("predict") else tau  # weight prediction
             rows.append([r["impl"], "-" if alone else r["codec"], tau,
                          r["n"], r.get("rounds", 0) if r["ok"] else "FAILED",
                          _f(r.get("samples_per_s"), ".0f"), _f(r.get("per_peer_samples_per_s"), ".0f"),

@@ -41,12 +41,14 @@ class Run:
     n: int
     codec: str = "none"
     staleness: int | None = None   # None: not passed (join's own default)
+    predict: bool = False   # join --weight-prediction
 
     @property
     def label(self) -> str:
         if self.impl == "gloo":
             return f"gloo DDP fp32, N={self.n}"
         tau = "" if self.staleness is None else f", staleness {self.staleness}"
+        tau += ", weight prediction" if self.predict else ""
         return f"p2ptrain {self.codec}{tau}, N={self.n}"
 
 
@@ -60,8 +62,10 @@ def join_flags() -> set[str]:
 
 
 def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[int],
-         flags: set[str], gloo: bool) -> tuple[list[Run], list[str]]:
+         flags: set[str], gloo: bool, predict: bool = False) -> tuple[list[Run], list[str]]:
     """The runs, in order, and a line per thing that cannot be run with this join.
+    ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
+    ``--weight-prediction``.
 
     N=1 is run once per implementation: alone, a peer sends nothing, so its codec and
     staleness change nothing; it is the base of every scaling efficiency.
@@ -82,6 +86,8 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
         variants = [(c, t) for c in codecs for t in taus] if n > 1 else [(codecs[0], taus[0] if taus else None)]
         for codec, tau in variants if taus else []:
             runs.append(Run(len(runs), "p2ptrain", n, codec, tau))
+            if predict and n > 1 and tau and "--weight-prediction" in flags:
+                runs.append(Run(len(runs), "p2ptrain", n, codec, tau, predict=True))
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
     return runs, skipped
@@ -104,6 +110,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--peers", ",".join(peers)]
     if run.staleness is not None:
         cmd += ["--staleness", str(run.staleness)]
+    if run.predict:
+        cmd += ["--weight-prediction"]
     if "--min-peers" in flags:
         cmd += ["--min-peers", str(run.n)]
     if step_delay and "--step-delay" in flags:

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--train-codecs", type=_csv(str), default=["none"], help="p2ptrain codecs for training (default none)")
     t.add_argument("--staleness", type=_csv(int), default=[0], help="p2ptrain staleness bounds (default 0)")
+    t.add_argument("--weight-prediction", action="store_true", help="run each p2ptrain staleness >= 1 "
+                   "training run a second time with join's --weight-prediction")
     t.add_argument("--model-size", help="synthetic task size (default 1m)")
     t.add_argument("--batch-size", type=int, help="samples per step per peer (default 128)")
     t.add_argument("--rounds", type=int, help="rounds (steps) per training run (default 100)")

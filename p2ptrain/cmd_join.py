@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "N >= 1: rounds run at the network's pace, no gradient applied more than N rounds stale")
     g.add_argument("--target-batch-size", type=int, default=_env("target_batch_size"),
                    help="with --staleness >= 1: a round starts once the members hold this many samples")
+    g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
+                   help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
+                   "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
     g.add_argument("--reconcile-every", type=int, default=_env("reconcile_every", "1"),
                    help="compare parameter checksums with the coordinator's every N updates; a peer that "
                    "differs (another device kind rounds differently) loads its state (default 1; 0: never)")
@@ -108,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     if args.target_batch_size is not None and args.staleness == 0:
         raise ConfigError("--target-batch-size needs --staleness 1 or more (at 0 each round takes one batch "
                           "from every peer)")
+    if args.weight_prediction and args.staleness == 0:
+        raise ConfigError("--weight-prediction needs --staleness 1 or more (at 0 every gradient is computed on the "
+                          "parameters it is applied to)")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
     # Cheap checks first: a typo is reported before torch and the task load.
@@ -171,7 +177,8 @@ class _Join:
         peer = AsyncPeer(model, optimizer, cluster=a.cluster, secret=self.secret, peers=peers,
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
-                         reconcile_every=a.reconcile_every, step_timeout=float("inf"), **kwargs)
+                         reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction,
+                         step_timeout=float("inf"), **kwargs)
         self._resume(peer, task)
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()

@@ -156,7 +156,7 @@ class ContributionsSide:
                 if self._queue or self._restore is not None:
                     return None
                 version, p = self.version, self.cluster.machine.sync_point()
-            return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            return {"model": {k: v.detach().clone() for k, v in self._true_state_dict().items()},
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
                     "sync": [p.version, p.digest, p.round, p.epoch]}
         finally:
@@ -194,8 +194,14 @@ class ContributionsSide:
         if (here.version, here.digest) != (point.version, point.digest):
             log.debug("the leader's state for version %d came after ours passed it", point.version)
             return
+        self._load_state(state)
+
+    def _load_state(self, state: dict) -> None:
+        """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self._predictor is not None:
+            self._predictor.forget()
 
     def _load_restore(self) -> bool:
         """Load a pending state (``_params_lock`` held; no forward or backward runs now)."""
@@ -203,8 +209,7 @@ class ContributionsSide:
             state, self._restore = self._restore, None
         if state is None:
             return False
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_state(state)
         for p in self.params:
             p.grad = None
         with self._lock:

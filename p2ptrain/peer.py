@@ -81,6 +81,7 @@ from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.loopthread import LoopThread
 from p2ptrain.membership import genesis
+from p2ptrain.prediction import WeightPredictor
 from p2ptrain.rounds import RoundConfig, SyncPoint
 from p2ptrain.tasks import model_fingerprint, param_checksum
 
@@ -111,14 +112,18 @@ class AsyncPeer(ContributionsSide):
     ``scheduler`` steps once per applied update. ``reconcile_every``: compare the parameter
     checksum with the leader's after every that many updates (0: never); a member that differs
     (device kinds round differently) loads the leader's state. ``target_batch_size`` (with
-    staleness >= 1): a round starts once the members together hold that many samples."""
+    staleness >= 1): a round starts once the members together hold that many samples.
+    ``weight_prediction`` (with staleness >= 1): batches are computed on the parameters moved
+    on by the last update, where they will nearly be when applied (``prediction``); the model
+    holds those between steps, ``state_dict`` the true ones."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
                  discovery: bool = True, interface: str | None = None, compression: str = "none",
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
-                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1):
+                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
+                 weight_prediction: bool = False):
         if type(staleness) is not int or staleness < 0:
             raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
         if target_batch_size is not None and (type(target_batch_size) is not int or target_batch_size < 1):
@@ -126,6 +131,9 @@ class AsyncPeer(ContributionsSide):
         if target_batch_size is not None and staleness == 0:
             raise ConfigError("target_batch_size needs staleness >= 1 (at staleness 0 each round takes one batch "
                               "from every member)")
+        if weight_prediction and staleness == 0:
+            raise ConfigError("weight_prediction needs staleness >= 1 (at staleness 0 every gradient is computed on "
+                              "the parameters it is applied to)")
         if type(min_peers) is not int or min_peers < 1:
             raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -170,6 +178,7 @@ class AsyncPeer(ContributionsSide):
         self._params_lock = threading.Lock()
         self._changed = asyncio.Event()  # (used on the cluster's loop only)
         self._acc = Accumulator(self.params, self.device)
+        self._predictor = WeightPredictor(self.params) if weight_prediction else None
         self._out: Outgoing | None = None  # our contribution, in a round
         self._queue: collections.deque[CommittedUpdate] = collections.deque()
         self.version = 0  # updates applied to the parameters here
@@ -263,6 +272,9 @@ class AsyncPeer(ContributionsSide):
                 await asyncio.gather(self._proposer, return_exceptions=True)
             await self.cluster.close()
             await self.discovery.__aexit__(None, None, None)
+            if self._predictor is not None:  # the model ends on the true parameters
+                with self._params_lock:
+                    self._predictor.restore()
             self._changed.set()
 
     async def _propose(self) -> None:
@@ -413,10 +425,14 @@ class AsyncPeer(ContributionsSide):
         while True:
             self._load_reconcile()
             with self._lock:
-                if not self._queue:
-                    return applied
-                update = self._queue.popleft()
+                update = self._queue.popleft() if self._queue else None
+            if update is None:
+                if self._predictor is not None:
+                    self._predictor.predict()
+                return applied
             if update.summed is not None:
+                if self._predictor is not None:
+                    self._predictor.before_update()
                 self._apply_update(update)
                 applied += 1
             with self._lock:
@@ -485,8 +501,12 @@ class AsyncPeer(ContributionsSide):
         it as you save anything (``torch.save``). Call it between steps."""
         with self._params_lock, self._lock:
             p = self._params_point
-            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
                     "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch]}
+
+    def _true_state_dict(self) -> dict:
+        """``model.state_dict()``, with the true parameters where the model holds predicted ones."""
+        return self.model.state_dict() if self._predictor is None else self._predictor.true_state_dict(self.model)
 
     def load_state_dict(self, state: dict) -> None:
         """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers

@@ -35,12 +35,14 @@ class Peer:
                  discovery: bool = True, interface: str | None = None, compression: str = "none",
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
-                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1):
+                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
+                 weight_prediction: bool = False):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                                device=device, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
-                               step_timeout=step_timeout, reconcile_every=reconcile_every)
+                               step_timeout=step_timeout, reconcile_every=reconcile_every,
+                               weight_prediction=weight_prediction)
 
     def __enter__(self) -> Self:
         self.start()

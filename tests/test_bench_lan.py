@@ -135,6 +135,12 @@ def test_plan_runs_one_alone_per_implementation_and_says_what_it_skips():
     assert skipped == ["p2ptrain staleness 1: this join has no --staleness"]
     runs, skipped = _lan_train.plan(2, [2], ["none"], [0, 1], flags={"--staleness"}, gloo=False)
     assert [(r.n, r.staleness) for r in runs] == [(2, 0), (2, 1)] and not skipped
+    runs, _ = _lan_train.plan(2, [1, 2], ["int8"], [0, 1], flags={"--staleness", "--weight-prediction"},
+                              gloo=False, predict=True)  # the staleness >= 1 runs once more, predicted
+    assert [(r.n, r.staleness, r.predict) for r in runs] == [(1, 0, False), (2, 0, False), (2, 1, False), (2, 1, True)]
+    cmd = _lan_train.join_command(runs[-1], peers=["a:1", "b:1"], own="a:1", metrics="m", model_size="1m",
+                                  batch_size=8, rounds=2, secret="s", cluster="c", flags=set())
+    assert cmd[-1] == "--weight-prediction" and "weight prediction" in runs[-1].label
 
 
 def test_join_command_for_the_static_group_and_the_cluster_join(tmp_path):

@@ -92,6 +92,7 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     (["--secret", "a", "--secret-file", "b"], "not both"),
     (["--batch-size", "many"], "invalid int value"),
     (["--target-batch-size", "256"], "needs --staleness 1 or more"),
+    (["--weight-prediction"], "--weight-prediction needs --staleness 1 or more"),
     (["--reconcile-every", "-1"], "at least 0"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):

@@ -1,0 +1,83 @@
+"""Weight prediction (staleness >= 1): batches are computed on the parameters moved on by the
+last update, while every update, checksum, snapshot and checkpoint uses the true ones, so
+the replicas stay bit-identical and a joiner downloads the true state."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads, train_loop
+
+from p2ptrain import ConfigError, Peer
+from p2ptrain.prediction import WeightPredictor
+from p2ptrain.tasks import param_checksum
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_the_predictor_moves_the_parameters_one_update_on_and_puts_the_true_ones_back_exactly():
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    predictor = WeightPredictor(params)
+    predictor.predict()
+    assert not predictor.predicted  # no update yet: nothing to repeat
+    w0 = [p.detach().clone() for p in params]
+    predictor.before_update()
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.25)  # an update
+    w1 = [p.detach().clone() for p in params]
+    predictor.predict()
+    assert predictor.predicted
+    for p, a, b in zip(params, w0, w1):
+        torch.testing.assert_close(p, b + (b - a))  # w1 + delta
+    state = predictor.true_state_dict(model)
+    assert torch.equal(state["weight"], w1[0]) and torch.equal(state["bias"], w1[1])
+    predictor.before_update()  # the next update starts from the true parameters, bit for bit
+    assert all(torch.equal(p, b) for p, b in zip(params, w1))
+    predictor.predict()
+    predictor.forget()  # a state was loaded over the predicted parameters: they are true now
+    assert not predictor.predicted and predictor.true_state_dict(model)["weight"] is not w1[0]
+
+
+def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_gets_the_true_ones():
+    peers = open_peers([make_adam] * 3, start=2, staleness=1, compression="int8", weight_prediction=True)
+    late = peers[2]
+    apart = []  # steps at which the model held other parameters than its state_dict
+
+    def watch(peer, rank, until_t):
+        g = torch.Generator().manual_seed(100 + rank)
+        while time.monotonic() < until_t:
+            x = torch.randn(32, 16, generator=g)
+            F.cross_entropy(peer.model(x), label(x)).backward()
+            time.sleep(0.01)
+            peer.step(batch_size=32)
+            true = peer.state_dict()["model"]
+            if any(not torch.equal(p, true[n]) for n, p in peer.model.named_parameters()):
+                apart.append(rank)
+
+    try:
+        end = time.monotonic() + 4.0
+
+        def join_late():
+            time.sleep(1.5)
+            late.start()
+            train_loop(late, 2, until_t=end, compute_s=0.01)
+
+        run_threads([lambda: watch(peers[0], 0, end), lambda: watch(peers[1], 1, end), join_late])
+        late.close()
+    finally:
+        close_all(peers)
+    assert set(apart) == {0, 1}  # both computed on predicted parameters
+    assert late.history[-1].members == 3 and late.version == peers[0].version == peers[1].version
+    assert [p.cluster.reconciled for p in peers] == [0, 0, 0]  # the checksums agreed: true parameters
+    for p in peers[1:]:  # closed: the models are bit-identical ...
+        for a, b in zip(peers[0].model.parameters(), p.model.parameters()):
+            assert torch.equal(a, b)
+    assert all(param_checksum(p.model) == p.metrics.param_checksum != "" for p in peers)  # ... on the true parameters
+
+
+def test_weight_prediction_needs_staleness():
+    with pytest.raises(ConfigError, match="weight_prediction needs staleness >= 1"):
+        Peer(*make_adam(), weight_prediction=True, discovery=False)
