@@ -74,3 +74,19 @@ def test_chunk_size_rule():
     assert chunk_elems_for(1 << 30, 2) == DEFAULT_CHUNK_ELEMS
     assert chunk_elems_for(16 << 20, 2) == (8 << 20) // 32
     assert chunk_elems_for(16 << 20, 2, max_elems=1024) == 1024
+
+
+def test_sparse_codecs_get_fewer_larger_chunks():
+    from p2ptrain.codecs import parse_codec
+    from p2ptrain.collective import _SPARSE_CHUNK_ELEMS, _chunk_elems
+    from p2ptrain.ring import chunk_elems_for
+
+    n = 16 << 20  # 64 MiB of float32
+    for size in (2, 4):
+        dense = chunk_elems_for(n, size)
+        for spec in ("none", "fp16", "int8", "topk:0.1"):  # payloads above 1/8 of float32
+            assert _chunk_elems(parse_codec(spec), dense, n, size) == dense
+        assert _chunk_elems(parse_codec("topk:0.01"), dense, n, size) == _SPARSE_CHUNK_ELEMS
+    # at least 1/8 of a segment, never smaller than asked
+    assert _chunk_elems(parse_codec("topk:0.01"), 1024, 80_000, 2) == 5000
+    assert _chunk_elems(parse_codec("topk:0.01"), 9000, 80_000, 2) == 9000

@@ -8,10 +8,13 @@ in ``_spec``; ``CODEC_CHOICES`` lists the forms). ``codec.encode(x)`` turns a 1-
 chunk into an ``Encoded``: small msgpack-able ``params`` for the frame header and a
 payload. The receiver, which knows the chunk's length ``n`` from the ring schedule,
 refuses payloads over ``codec.max_payload(n)`` before reading them, then calls
-``codec.decode(params, payload, out)``. Nothing in a payload or its params sizes an
-allocation without being checked against ``n``. Decoding is pure IEEE float32
-arithmetic, so the same bytes give bit-identical floats on every peer: the ring relies on
-it when each segment's owner encodes the final sum once and everyone decodes it.
+``codec.decode(params, payload, out)``. A sender that needs the decoded values itself
+(error feedback, the ring's owner adopting its final sum) gets them from
+``codec.encode_decoded(x, out)``, without decoding its own bytes. Nothing in a payload
+or its params sizes an allocation without being checked against ``n``. Decoding is pure
+IEEE float32 arithmetic, so the same bytes give bit-identical floats on every peer: the
+ring relies on it when each segment's owner encodes the final sum once and everyone
+decodes it.
 
 Error bounds, per value (y decoded from x; absmax over the chunk, absmax_b over x's block
 of 256), each stated again in its transform's docstring and checked as such by the tests:

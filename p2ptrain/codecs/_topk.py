@@ -17,7 +17,8 @@ from p2ptrain.codecs._codec import check_domain
 from p2ptrain.errors import CodecError, ConfigError
 
 _F4 = np.dtype("<f4")
-_SAMPLE = 8192  # values sampled to find a low bound for the top-k cut
+_ABS = np.uint32(0x7FFFFFFF)
+_SAMPLE = 4096  # values sampled to find a low bound for the top-k cut
 _DELTA = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
@@ -27,6 +28,10 @@ class TopK:
     Error bound: kept values are exact (``y[i] == x[i]``), every other ``y[i]`` is 0, and
     every dropped value is no larger in magnitude than the smallest kept one, so
     ``|x - y| <= min over kept |x|`` per value (the k-th largest |x| of the chunk).
+
+    Selection makes three passes over the chunk (|x| as bits, a compare against a bound
+    taken from a sample, the indices above it) into scratch arrays kept between calls
+    (an instance serves one thread at a time); the rest works on the few candidates.
     """
 
     name = "topk"
@@ -36,11 +41,14 @@ class TopK:
         if not 0 < ratio <= 1:
             raise ValueError("topk ratio must be in (0, 1]")
         self.ratio = ratio
+        self._num, self._den = ratio.numerator, ratio.denominator  # Fraction's are properties
+        self._mag = np.empty(0, np.uint32)
+        self._mask = np.empty(0, np.bool_)
 
     def k(self, n: int) -> int:
         if n == 0:
             return 0
-        return max(1, -(-self.ratio.numerator * n // self.ratio.denominator))
+        return max(1, -(-self._num * n // self._den))
 
     def max_raw(self, n: int) -> int:
         return 8 * self.k(n)
@@ -55,18 +63,21 @@ class TopK:
         n, k = x.size, self.k(x.size)
         if k == n:
             return np.arange(n)
+        if self._mag.size < n:
+            self._mag, self._mask = np.empty(n, np.uint32), np.empty(n, np.bool_)
         # |x| as integer bits: the same order as |x| for finite floats, NaN and inf above
         # them all, and exact ties.
-        mag = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF))
-        cand = _candidates(mag, k)
+        mag = np.bitwise_and(x.view(np.uint32), _ABS, out=self._mag[:n])
+        cand = _candidates(mag, k, self._mask[:n])
         sub = mag if cand is None else mag[cand]
         # np.sort, not np.partition: partition gets ~50x slower when one value (zero, in
         # sparse gradients) fills much of the array, and cand is small in the usual case.
         cut = np.sort(sub)[sub.size - k]
         take = sub > cut
-        ties = np.flatnonzero(sub == cut)[: k - int(np.count_nonzero(take))]
-        take[ties] = True
-        chosen = np.flatnonzero(take)
+        short = k - int(np.count_nonzero(take))
+        if short:
+            take[(sub == cut).nonzero()[0][:short]] = True
+        chosen = take.nonzero()[0]
         return chosen if cand is None else cand[chosen]
 
     def encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray]:
@@ -79,7 +90,9 @@ class TopK:
         vals = x[idx]
         # A non-finite or huge value would be among the kept ones: checking them suffices.
         check_domain(self.name, float(np.abs(vals).max()))
-        deltas = np.diff(idx, prepend=-1)
+        deltas = np.empty(k, np.int64)
+        deltas[0] = idx[0] + 1
+        np.subtract(idx[1:], idx[:-1], out=deltas[1:])
         top = int(deltas.max())
         w = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
         buf = np.empty((4 + w) * k, np.uint8)
@@ -88,8 +101,8 @@ class TopK:
         return {"w": w}, buf
 
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
-        out.fill(0)
         idx, vals = self._kept(n, params, raw)
+        out.fill(0)
         out[idx] = vals
 
     def add_raw(self, n: int, params: dict, raw, dst: np.ndarray) -> None:
@@ -113,19 +126,33 @@ class TopK:
         return idx, vals
 
 
-def _candidates(mag: np.ndarray, k: int) -> np.ndarray | None:
+def _candidates(mag: np.ndarray, k: int, mask: np.ndarray) -> np.ndarray | None:
     """Sorted indices of a small superset of the top k (None: all): mag above a low bound.
 
     The threshold comes from a strided sample, set ~4 sigma (plus 16) lower than the
     sample says the cut is; if too few values pass it anyway, all indices are candidates.
     Either way every value outside ranks below at least k inside, so the result is exact.
+    ``mask`` is scratch of mag's length.
     """
     n = mag.size
     sample = np.sort(mag[:: max(1, n // _SAMPLE)])
     expect = sample.size * k / n
     rank = int(expect + 4 * expect**0.5 + 16)
     if rank < sample.size:
-        cand = np.flatnonzero(mag >= sample[sample.size - rank])
+        cand = _nonzero(np.greater_equal(mag, sample[sample.size - rank], out=mask))
         if k <= cand.size <= n // 2:  # past half, gathering costs more than it saves
             return cand
     return None
+
+
+def _nonzero(mask: np.ndarray) -> np.ndarray:
+    """``mask.nonzero()[0]`` for a sparse 1-D bool mask, about twice as fast.
+
+    numpy's nonzero skips zero bytes eight at a time, a branch that a mask with ~2% of
+    its values set at random mispredicts often (~0.4 ns per value). Here it runs on the
+    mask packed to bits (one byte per 8 values), then on the bits of the non-zero bytes.
+    """
+    packed = np.packbits(mask, bitorder="little")
+    at = np.not_equal(packed, 0).nonzero()[0]
+    bits = np.unpackbits(packed[at], bitorder="little").view(np.bool_).nonzero()[0]
+    return at[bits >> 3] * 8 + (bits & 7)
