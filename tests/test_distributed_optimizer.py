@@ -5,11 +5,11 @@ mathematics, and every misuse is refused with a line that says what to do."""
 import io
 import os
 import pickle
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_trainer_staleness import close_all, run_threads
 
 from p2ptrain import ConfigError, DistributedOptimizer
 from p2ptrain.tasks import param_checksum
@@ -47,32 +47,22 @@ def test_two_peers_train_like_one_process_on_the_union_of_their_batches():
                                  discovery=False, min_peers=2, step_timeout=30)
             for (model, inner), port, other in zip(pairs, (a, b), (b, a))]
     schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in opts]
-    errors = []
 
     def train(rank):
         (model, _), opt, sched = pairs[rank], opts[rank], schedulers[rank]
-        try:
-            for k in range(steps):
-                x, y = batch(100 * rank + k, sizes[rank])
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step(batch_size=len(x))
-                sched.step()  # staleness 0: one update per step
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for k in range(steps):
+            x, y = batch(100 * rank + k, sizes[rank])
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step(batch_size=len(x))
+            sched.step()  # staleness 0: one update per step
 
     try:
         for opt in opts:
             opt.__enter__()
-        threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
+        run_threads([lambda r=r: train(r) for r in range(2)])
     finally:
-        for opt in opts:
-            opt.close()
-    assert not errors, errors
+        close_all(opts)
     assert [opt.peer.version for opt in opts] == [steps, steps]
     assert param_checksum(pairs[0][0]) == param_checksum(pairs[1][0])  # bit-identical replicas
 
