@@ -217,6 +217,8 @@ class LeaderRole:
         return L
 
     def _on_ready(self, s, m, now) -> None:
+        if self._answer_late_ready(s, m):
+            return
         L = self._lead_msg(s, m)
         if L is None:
             return
@@ -231,6 +233,28 @@ class LeaderRole:
             L.waiting = set(L.view)
             self._broadcast({"t": START, "r": L.r, "b": list(L.b), "view": list(L.view),
                              "total": sum(L.got.values())}, L.view)
+
+    def _answer_late_ready(self, s, m) -> bool:
+        """A READY (sent again) for an attempt of ours that collects no more. Its member waits
+        for a START or an ABORT that a broken link lost: tell it again, or it waits for ever
+        while we wait for it. A member that never started a ring is in no round that
+        committed (the ring needs every member of its view), so an attempt that is not
+        running is an ABORT for it."""
+        L, r, b = self.lead, m["r"], tuple(m["b"])
+        if b[1] != self.id:
+            return False
+        if L is not None and (r, b) == (L.r, L.b):
+            if L.phase == COLLECTING:
+                return s in L.got  # (counted already: that READY is here)
+            if L.phase == RUNNING and s in L.waiting and s in L.view:  # (already started: it ignores this)
+                self.counters["start_again"] += 1
+                self._send(s, {"t": START, "r": r, "b": list(b), "view": list(L.view),
+                               "total": sum(L.got.values())})
+            return True
+        if self._decided.get((r, b)) is not True:
+            self.counters["abort_again"] += 1
+            self._send(s, {"t": ABORT, "r": r, "b": list(b), "drop": [], "reason": "that attempt is over"})
+        return True
 
     def _on_done(self, s, m, now) -> None:
         L = self._lead_msg(s, m)

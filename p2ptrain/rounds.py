@@ -378,6 +378,9 @@ class RoundMachine(LeaderRole):
         p = self._attempt(s, m)
         if p is None:
             return
+        if p.started and m["view"] == p.view:  # sent again, for a READY we sent again
+            self.counters["stale"] += 1
+            return
         if p.phase != READIED or m["view"] != p.view:
             raise RemoteProtocolError("START before READY, or with another view")
         self.timers["ready"].record(now - p.since)
@@ -559,3 +562,5 @@ class RoundMachine(LeaderRole):
             if waited >= p.mark * self._deadline(p.phase, len(p.view)):
                 self._emit(Stall((p.b[1],), "start" if p.phase == READIED else "decision", waited, p.r))
                 p.mark *= 2
+                if p.phase == READIED:  # our READY, or its START or ABORT, may have been lost with a link:
+                    self._send(p.b[1], self._ready_msg(p))  # its leader answers again (``_on_ready``)

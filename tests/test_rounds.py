@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from p2ptrain import roundmsg as M
 from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.leader import RUNNING
 from p2ptrain.membership import SYNCED, genesis
 from p2ptrain.roundmsg import Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing
 from p2ptrain.rounds import REFUSAL_BACKOFF, RoundConfig, RoundMachine, SyncPoint
@@ -959,3 +960,48 @@ def test_have_is_parsed_strictly():
     for bad in ({"t": M.HAVE}, {"t": M.HAVE, "samples": -1}, {"t": M.HAVE, "samples": "3"}):
         with pytest.raises(RemoteProtocolError):
             M.parse(bad)
+
+
+# -- a READY sent again: a START or ABORT lost with a link is told again ---------------------------
+def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
+    net = cluster("abc", run=0.5, min_peers=3)
+    net.auto = False
+    net.tick()  # the leader proposes the next round
+    r = net.m["a"].lead.r
+    net.hold("c", "a")  # c's READY is slow to come ...
+    net.drop("a", "c", M.ABORT).drop("a", "c", M.STATUS)  # ... and what the leader tells c then is lost
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    assert net.m["c"].pending.phase == M.READIED
+    net.auto = True
+    net.run(12.0)  # the leader gives up on c's READY and drops it; c never hears
+    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["c"]]
+    assert net.m["c"].pending is not None and net.m["c"].pending.r == r  # c still waits for a START
+    net.release("c", "a")
+    net.run(12.0)
+    assert net.sent("a", M.ABORT)[-1]["reason"] == "that attempt is over"  # answered
+    after = [x for x in net.applied("c") if x[0] > r]
+    assert after and all(v == ("a", "b", "c") for _, v, _ in after)  # and back in the rounds
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_a_member_whose_start_was_lost_gets_it_again_and_the_round_commits():
+    net = cluster("abc", run=0.5)
+    net.auto = False
+    net.tick()
+    r = net.m["a"].lead.r
+    net.drop("a", "c", M.START)  # lost with a link that came back at once
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    assert net.m["c"].pending.phase == M.READIED and net.m["a"].lead.phase == RUNNING
+    net.auto = True
+    net.now += 6.0  # c's wait for START passes its deadline first (the leader's has not yet)
+    net.handle("c", net.m["c"].on_tick(net.now))
+    net.settle()
+    assert net.m["a"].counters["start_again"] == 1 and not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
+    net.check_safety()
+    net.check_same_outcomes()
