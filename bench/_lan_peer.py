@@ -236,7 +236,7 @@ class Peer:
                                           model_size=a.model_size, batch_size=a.batch_size,
                                           rounds=a.rounds, secret=a.secret, flags=self.flags,
                                           cluster=f"lanbench-{self.nonce}-{run.index}",
-                                          step_delay=delay)
+                                          step_delay=delay, log_level=a.log_level)
         else:
             cmd = _lan_train.ddp_command(run, rank=self.rank, master=self.hosts[0],
                                          port=self.ports[0] + 60 + run.index, metrics=metrics,

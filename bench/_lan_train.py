@@ -95,10 +95,11 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
 
 def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_size: str,
                  batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
-                 step_delay: float = 0.0, python: str = sys.executable) -> list[str]:
+                 step_delay: float = 0.0, log_level: str = "warning",
+                 python: str = sys.executable) -> list[str]:
     """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
     host, port = own.rsplit(":", 1)
-    cmd = [python, "-m", "p2ptrain", "join", "--log-level", "warning", "--task", "synthetic",
+    cmd = [python, "-m", "p2ptrain", "join", "--log-level", log_level, "--task", "synthetic",
            "--model-size", model_size, "--batch-size", str(batch_size), "--seed", "0",
            "--host", host, "--port", port, "--cluster", cluster, "--secret", secret,
            "--metrics", str(metrics), "--max-rounds", str(rounds), "--compression", run.codec,

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--stall", type=float, help="kill a training run after this many seconds without a new "
                    "round (default 120; --quick 30; 0 = never)")
     o.add_argument("--secret", default="p2ptrain-bench", help="the p2ptrain cluster secret of the runs")
+    o.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"],
+                   help="the p2ptrain joins' log level (default warning; with --keep, their logs stay)")
     o.add_argument("--keep", action="store_true", help="keep each peer's logs and metrics (temp dir)")
     return p
 
