@@ -105,6 +105,11 @@ class Contributions(Protocol):
     def held(self) -> int: ...  # samples accumulated and not taken (target_batch_size: the leader counts them)
 
 
+def _brief(header: dict) -> dict:
+    """A round message for a debug line: without its long lists (a STATUS's log and window)."""
+    return {k: v for k, v in header.items() if k not in ("log", "window")}
+
+
 class Cluster:
     """Rounds over a mesh of peers. ``async with Cluster(...) as c:``; ``c.propose(host, port)``."""
 
@@ -244,11 +249,13 @@ class Cluster:
                     for peer, heard in self.mesh.heard_at.items():  # any frame (pings too) is a sign of life
                         m.table.message(peer, heard)
                     actions = m.on_tick(now)
-                    self.members = len(m.table.live_synced())
+                    self.members = m.members()
                     for peer in self.mesh.peers:
                         if m.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")
                 elif kind == "message":
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("from %s: %s", args[0], _brief(args[1]))
                     actions = m.on_message(args[0], args[1], now)
                 elif kind == "connected":
                     actions = m.on_connected(args[0], now)
@@ -295,8 +302,12 @@ class Cluster:
         loop = asyncio.get_running_loop()
         for action in actions:
             if isinstance(action, msg.Send):
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("to %s: %s", action.to, _brief(action.msg))
                 await self._send(action.to, action.msg)
             elif isinstance(action, msg.Broadcast):
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("to %s: %s", ",".join(action.to), _brief(action.msg))
                 for peer in action.to:
                     await self._send(peer, action.msg)
             elif isinstance(action, msg.Contribute):
@@ -305,6 +316,7 @@ class Cluster:
                     self._waiting_take.append(action.r)
                     continue
                 vector, samples = taken
+                log.debug("round %d: contributing %d samples", action.r, samples)
                 self._taken[action.r] = (vector, samples)
                 await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
                                                                          vector.nbytes))
@@ -368,6 +380,7 @@ class Cluster:
         self.applied += 1
 
     def _put_back(self, r: int) -> None:
+        log.debug("round %d: putting back %s", r, "our contribution" if r in self._taken else "nothing")
         if r in self._waiting_take:
             self._waiting_take.remove(r)
         ring = self._rings.pop(r, None)

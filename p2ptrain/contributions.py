@@ -59,30 +59,31 @@ class ContributionsSide:
         pending = self.cluster.machine.pending
         with self._lock:
             if self._restore is not None or self._out is not None:
-                return self._hold()
+                return self._hold("a state load waits" if self._out is None else "our last one is still out")
             if self.staleness == 0:
                 if not self._acc.samples:
-                    return self._hold()
+                    return self._hold("no batch yet")
             else:
                 late = time.perf_counter() - self._step_end
                 patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
                 if self._computing and late < patience and self._committed + 1 - self._computing_on > self.staleness:
                     self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
-                    return self._hold()
+                    return self._hold("the batch in progress")
                 if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
                     dropped = self._acc.void()
                     self.dropped += dropped
                     log.info("dropped %d samples staler than %d updates", dropped, self.staleness)
                 if not self._acc.samples and not self._linger_due and (late < patience or not self._computing):
                     self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
-                    return self._hold()
+                    return self._hold("lingering for a batch")
             self._linger_due = False
             out = self._out = self._acc.swap(len(pending.view) if pending is not None else 1)
         self._acc.to_host(out)  # (that buffer is no longer step()'s)
         self._changed.set()
         return out.array, out.samples
 
-    def _hold(self) -> None:  # (under _lock) the round waits: step() must call contribution_available
+    def _hold(self, why: str) -> None:  # (under _lock) the round waits: step() must call contribution_available
+        log.debug("no contribution yet: %s", why)
         self._want_step = True
 
     def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then

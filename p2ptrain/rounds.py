@@ -198,6 +198,14 @@ class RoundMachine(LeaderRole):
     def is_leader(self) -> bool:
         return self.lead is not None
 
+    def members(self) -> int:
+        """Peers that train together, us included: the live synced ones in our table, or the
+        view our leader proposed to us if that is more. A peer dropped from a round (a refusal,
+        a timeout) is marked unsynced here until it shows its STATUS to us, which it may not do
+        before the next round commits; the leader, which heard it, proposes it again."""
+        p = self.pending
+        return max(len(self.table.live_synced()), len(p.view) if p is not None else 0)
+
     # -- plumbing ----------------------------------------------------------------------------
     def _run(self, now, fn, *args, tick=False) -> list:
         self._out = []

@@ -1005,3 +1005,18 @@ def test_a_member_whose_start_was_lost_gets_it_again_and_the_round_commits():
     assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
     net.check_safety()
     net.check_same_outcomes()
+
+
+def test_a_member_counts_the_peers_its_leader_proposes_even_before_it_hears_they_are_synced():
+    """A trainer that waits for --min-peers members before its first step must not wait for
+    ever because its own table still holds unsynced a peer that an earlier abort dropped (it
+    hears that peer's STATUS only when a round commits; seen with 4 peers on 2 cores: the
+    leader proposed round after round and timed out on the member that would not step)."""
+    net = Net("abcd", auto=False, min_peers=4)
+    net.found()
+    net.m["b"].table.unsynced("d")  # an abort's drop list, before d showed the leader its STATUS again
+    assert net.m["b"].members() == 3 and net.m["b"].pending is None
+    for _ in range(3):  # the leader, which knows d is synced, proposes a round to all four
+        net.tick()
+    assert len(net.m["b"].pending.view) == 4 and len(net.m["b"].table.live_synced()) == 3
+    assert net.m["b"].members() == 4
