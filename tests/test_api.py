@@ -8,7 +8,7 @@ import p2ptrain
 
 def test_exports_are_pinned():
     assert sorted(p2ptrain.__all__) == sorted([
-        "__version__", "Group", "AsyncPeer", "Peer",
+        "__version__", "Group", "AsyncPeer", "Peer", "DistributedOptimizer",
         "P2PTrainError", "ConfigError", "RemoteProtocolError", "FrameError", "CodecError",
         "HandshakeError", "LinkError", "GroupError", "ClosedError", "FingerprintError", "CheckpointError",
     ])
