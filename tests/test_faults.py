@@ -235,7 +235,8 @@ def test_a_cable_pulled_splits_the_cluster_and_plugging_it_back_heals_it(tmp_pat
         # the smaller side loaded the bigger side's state after the replug (its own solo rounds are discarded)
         assert any(r.get("event") == "loaded" and r["time"] > replugged for r in peers.records("c")), \
             peers.log("c")[-2000:]
-        assert not any(r.get("event") == "loaded" and r["time"] > replugged for r in peers.records("a"))
+        assert not any(r.get("event") == "loaded" and r["time"] > replugged for r in peers.records("a")), \
+            peers.log("a")[-3000:]
         # the smaller side's batches in flight when it loads the bigger side's state are void (and counted)
         assert_nothing_lost_and_replicas_agree(peers, ["a", "b", "c"])
         print(f"split detected and both sides training again {detected:.1f} s after the cable was pulled")
