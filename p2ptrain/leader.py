@@ -231,8 +231,11 @@ class LeaderRole:
             self.timers["ready"].record(now - L.since)
             L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn
             L.waiting = set(L.view)
-            self._broadcast({"t": START, "r": L.r, "b": list(L.b), "view": list(L.view),
-                             "total": sum(L.got.values())}, L.view)
+            self._broadcast(self._start_msg(L), L.view)
+
+    @staticmethod
+    def _start_msg(L: _Lead) -> dict:
+        return {"t": START, "r": L.r, "b": list(L.b), "view": list(L.view), "total": sum(L.got.values())}
 
     def _answer_late_ready(self, s, m) -> bool:
         """A READY (sent again) for an attempt of ours that collects no more. Its member waits
@@ -248,8 +251,7 @@ class LeaderRole:
                 return s in L.got  # (counted already: that READY is here)
             if L.phase == RUNNING and s in L.waiting and s in L.view:  # (already started: it ignores this)
                 self.counters["start_again"] += 1
-                self._send(s, {"t": START, "r": r, "b": list(b), "view": list(L.view),
-                               "total": sum(L.got.values())})
+                self._send(s, self._start_msg(L))
             return True
         if self._decided.get((r, b)) is not True:
             self.counters["abort_again"] += 1
