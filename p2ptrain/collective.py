@@ -30,6 +30,7 @@ them. ``feedback`` is left consistent only on success.
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -51,23 +52,61 @@ class AllreduceStats:
     raw_bytes: int = 0
 
 
+class _BufferCache:
+    """Free receive buffers by size, kept across calls, at most ``keep_bytes`` in all.
+
+    A fresh 1 MiB buffer costs ~0.4 ms to fault in and zero, and a call takes as many as
+    arrive before its adds catch up: 10 to 30 in a 64 MiB fp32 call on loopback, 4 to 13 ms
+    of its 40 when each call made its own. Buffers of a size no longer asked for are dropped
+    first when the cap is reached. ``take``/``give`` may run on any thread.
+    """
+
+    def __init__(self, keep_bytes: int):
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[bytearray]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._kept -= size
+                return free.pop()
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        size = len(buf)
+        with self._lock:
+            for other in [s for s in self._free if s != size]:
+                while self._kept + size > self.keep_bytes and self._free[other]:
+                    self._free[other].pop()
+                    self._kept -= other
+                if not self._free[other]:
+                    del self._free[other]
+            if self._kept + size <= self.keep_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self._kept += size
+
+
+_CACHE = _BufferCache(32 << 20)  # 32 one-MiB chunks in flight; loopback peaks at ~10
+
+
 class _BufferPool:
-    """Reusable receive buffers, so that a payload lands in memory that is already mapped."""
+    """Receive buffers of one size for one call, from the process-wide ``_CACHE``."""
 
     def __init__(self, size: int):
         self.size = size
-        self._free: list[bytearray] = []
 
     def take(self, nbytes: int) -> memoryview:
         if nbytes > self.size:
             return memoryview(bytearray(nbytes))
-        buf = self._free.pop() if self._free else bytearray(self.size)
-        return memoryview(buf)[:nbytes]
+        return memoryview(_CACHE.take(self.size))[:nbytes]
 
     def give(self, view: memoryview) -> None:
         base = view.obj
-        if isinstance(base, bytearray) and len(base) == self.size and len(self._free) < 64:
-            self._free.append(base)
+        if isinstance(base, bytearray) and len(base) == self.size:
+            _CACHE.give(base)
 
 
 # The largest chunk of a sparse codec: 2 MiB of float32, ~40 KiB of top-k:0.01 payload,

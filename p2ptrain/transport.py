@@ -9,7 +9,8 @@
   transports copy what the kernel does not take at once, before Python 3.12). Where the
   loop has no ``add_writer`` (Windows' proactor), pieces go through the transport, each
   handed over only when its buffer is empty. Either way ``send`` returns once nothing of
-  the frame is left in user space: the caller may then reuse its buffer.
+  the frame is left in user space: the caller may then reuse its buffer. A loopback link's
+  send buffer is held at ``LOOPBACK_SNDBUF``, so that the receiver copies data still in cache.
 - Admission: ``open_link`` and ``serve`` run the ``auth.Handshake`` under a deadline; a peer
   that fails it is logged in one line, sent a fixed reason, and closed. The listener keeps
   serving everyone else.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import os
 import socket
@@ -47,10 +49,31 @@ def install_uvloop() -> bool:
     return True
 
 
+# The send buffer of a loopback link (the kernel doubles it). On loopback the bandwidth-delay
+# product is nil and the two copies (sender into the socket, receiver out of it) are the whole
+# cost; an autotuned buffer grows to tcp_wmem's 4 MiB, and data that waits that long has left
+# the core's cache before the receiver copies it. Measured on 2 cores (AMD EPYC, 1 MiB of L2),
+# fp32 allreduce of 64 MiB: 29-31 -> 19-21 ms (N=2), 98-110 -> 73-83 ms (N=4); at 1.5 MiB it
+# falls off again. LAN links keep autotuning: there the buffer must cover the link's BDP.
+LOOPBACK_SNDBUF = 384 << 10
+
+
+def _is_loopback(sock: socket.socket) -> bool:
+    try:
+        addr = ipaddress.ip_address(sock.getpeername()[0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
 def _tune_socket(transport: asyncio.BaseTransport) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if _is_loopback(sock):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF)
 
 
 _IOV_MAX = 512

@@ -283,3 +283,37 @@ async def test_a_corrupt_compressed_chunk_names_the_peer_and_chunk():
     codec_errors = [e for e in errors if isinstance(e, CodecError)]
     assert codec_errors, errors
     assert "sent a bad chunk (step" in str(codec_errors[0])  # names the peer (its id) and the chunk
+
+
+def test_receive_buffer_cache_reuses_and_stays_under_its_cap():
+    from p2ptrain.collective import _BufferCache
+
+    cache = _BufferCache(keep_bytes=3 * 1024)
+    a, b = cache.take(1024), cache.take(1024)
+    assert len(a) == 1024 and a is not b
+    cache.give(a)
+    assert cache.take(1024) is a  # handed out again, not allocated
+    for buf in (a, b, bytearray(1024), bytearray(1024)):
+        cache.give(buf)
+    assert cache._kept == 3 * 1024  # the fourth was over the cap: dropped
+    big = bytearray(2048)
+    cache.give(big)  # a size asked for now pushes out the others' buffers
+    assert cache._kept == 3 * 1024
+    assert cache.take(2048) is big and len(cache.take(2048)) == 2048
+
+
+async def test_reduce_scatter_buffers_outlive_the_call(monkeypatch):
+    from p2ptrain import collective
+
+    cache = collective._BufferCache(keep_bytes=64 << 20)
+    monkeypatch.setattr(collective, "_CACHE", cache)
+    kept = []
+
+    async def body(g, r):
+        for _ in range(2):
+            await g.allreduce(torch.ones(1 << 16))
+            kept.append(cache._kept)
+        return True
+
+    await run_group(2, body, chunk_bytes=16384)
+    assert all(k > 0 for k in kept)  # a second call finds the first one's buffers

@@ -187,3 +187,18 @@ async def test_peer_close_wakes_receiver():
         client.close()
         with pytest.raises(LinkError, match="closed by peer"):
             await waiter
+
+
+async def test_loopback_links_get_a_small_send_buffer():
+    import socket
+
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        for link in (client, server_side):
+            sock = link._transport.get_extra_info("socket")
+            # Linux doubles what it is given; autotuning would have grown it to MiBs
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) in (
+                transport.LOOPBACK_SNDBUF, 2 * transport.LOOPBACK_SNDBUF)
+        client.close()
+    with socket.socket() as unconnected:
+        assert not transport._is_loopback(unconnected)
