@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads, train_loop
+from test_trainer_staleness import close_all, joining_late, label, make_adam, open_peers, run_threads
 
 from p2ptrain import ConfigError, Peer
 from p2ptrain.prediction import WeightPredictor
@@ -59,13 +59,7 @@ def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_g
 
     try:
         end = time.monotonic() + 4.0
-
-        def join_late():
-            time.sleep(1.5)
-            late.start()
-            train_loop(late, 2, until_t=end, compute_s=0.01)
-
-        run_threads([lambda: watch(peers[0], 0, end), lambda: watch(peers[1], 1, end), join_late])
+        run_threads([lambda: watch(peers[0], 0, end), lambda: watch(peers[1], 1, end), joining_late(late, 2, 1.5, end)])
         late.close()
     finally:
         close_all(peers)

@@ -103,6 +103,15 @@ def train_loop(peer, rank, *, steps=None, until_t=None, compute_s=0.0, log=None)
     return done
 
 
+def joining_late(peer, rank, after, until_t):
+    """A thread body: start ``peer`` ``after`` seconds from now, then train it until ``until_t``."""
+    def run():
+        time.sleep(after)
+        peer.start()
+        train_loop(peer, rank, until_t=until_t, compute_s=0.01)
+    return run
+
+
 def train(staleness, compression, steps):
     peers = open_peers([make_adam] * 2, staleness=staleness, compression=compression)
     try:
@@ -189,14 +198,8 @@ def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():
     late = peers[2]
     try:
         end = time.monotonic() + 4.0
-
-        def join_late():
-            time.sleep(1.0)
-            late.start()
-            train_loop(late, 2, until_t=end, compute_s=0.01)
-
         run_threads([lambda: train_loop(peers[0], 0, until_t=end, compute_s=0.01),
-                     lambda: train_loop(peers[1], 1, until_t=end, compute_s=0.01), join_late])
+                     lambda: train_loop(peers[1], 1, until_t=end, compute_s=0.01), joining_late(late, 2, 1.0, end)])
         late.close()
     finally:
         close_all(peers)
