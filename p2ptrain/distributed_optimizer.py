@@ -105,7 +105,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         checkpoint from before the cluster: it continues on a fresh lineage)."""
         if "model" in state_dict and "optimizer" in state_dict:
             self.peer.load_state_dict(state_dict)
-        elif self.peer._peer.cluster is not None:
+        elif self.peer.cluster is not None:
             raise ConfigError("load a checkpoint before entering the DistributedOptimizer (while it is a member, "
                               "its state is the cluster's)")
         else:
