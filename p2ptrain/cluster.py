@@ -286,7 +286,7 @@ class Cluster:
                     self._leader_sums.clear()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
-                    actions = m.on_synced(dataclasses.replace(args[1], window=window), now)
+                    actions = m.on_synced(dataclasses.replace(args[1], window=window), now, args[2])
                 elif kind == "leave":
                     await self._carry_out(m.leave(now))
                     args[0].set_result(None)

@@ -304,27 +304,30 @@ def relation(mine: History, version: int, digest: bytes, recent: Iterable[tuple[
 
 
 class Lineage(NamedTuple):
-    """One side of a meeting: how many peers share its state, its digest, its round, its smallest id."""
+    """One side of a meeting: how many peers share its state, its digest, its version (updates
+    applied since genesis), its smallest id."""
 
     members: int
     digest: bytes
-    round: int
+    version: int
     min_id: str
 
 
 def heal_decision(mine: Lineage, theirs: Lineage) -> str:
     """``'keep'`` or ``'resync'`` for our side when two lineages meet. The side with fewer
-    members re-syncs; on a tie the side whose smallest id is larger; then the side with
-    fewer rounds; then the larger digest. Both sides evaluate it with the same two
-    lineages and reach opposite answers, so exactly one of them re-syncs."""
-    if mine.digest == theirs.digest and mine.round == theirs.round:
+    members re-syncs (a laptop that went on alone, fast with no ring to wait for, does not
+    overwrite the cluster); on a tie the side with fewer updates since genesis (peers that
+    founded apart at start-up keep the one far ahead, whose member count may be short just
+    after a state load); then the side whose smallest id is larger; then the larger digest.
+    Both sides evaluate it with the same two lineages and reach opposite answers, so exactly
+    one of them re-syncs."""
+    if mine.digest == theirs.digest and mine.version == theirs.version:
         return "keep"
-    if mine.members != theirs.members:
-        return "resync" if mine.members < theirs.members else "keep"
+    for ours, other in ((mine.members, theirs.members), (mine.version, theirs.version)):
+        if ours != other:
+            return "resync" if ours < other else "keep"
     if mine.min_id != theirs.min_id:
         return "resync" if mine.min_id > theirs.min_id else "keep"
-    if mine.round != theirs.round:
-        return "resync" if mine.round < theirs.round else "keep"
     return "resync" if mine.digest > theirs.digest else "keep"
 
 

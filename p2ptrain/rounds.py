@@ -159,11 +159,15 @@ class RoundMachine(LeaderRole):
     def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None) -> list:
         return self._run(now, self._ring_done, r, bool(ok), now, checksum)
 
-    def on_synced(self, point: SyncPoint, now: float) -> list:
-        """Our state is now the one ``point`` describes (a snapshot, or a founder's genesis)."""
+    def on_synced(self, point: SyncPoint, now: float, source: str | None = None) -> list:
+        """Our state is now the one ``point`` describes (a snapshot from ``source``, or a
+        founder's genesis). The source held it, so it counts on our side at once: a heal
+        compared before the others' STATUS arrives does not see our side as one peer."""
         self.history, self.round = History(point.version, point.digest, point.window), point.round
         self.synced, self.pending, self.promised, self._asked = True, None, None, set()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
+        if source is not None and source != self.id and self.table.is_live(source):
+            self.table.synced(source, point.version, point.digest, point.round, now)
         self._set_self()
         self._hello, self._hello_until = set(self._peers()), now + self.config.query_timeout
         return self._run(now, self._tell.update, self._hello)

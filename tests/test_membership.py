@@ -225,14 +225,15 @@ def test_a_long_split_is_told_from_lagging_by_asking_the_newer_side():
 
 
 def test_heal_decision_rules():
-    big = Lineage(3, b"\x01", 10, "b")
-    small = Lineage(2, b"\x02", 50, "a")
+    big, small = Lineage(3, b"\x01", 10, "b"), Lineage(2, b"\x02", 50, "a")  # more members keep, however far
     assert heal_decision(small, big) == "resync" and heal_decision(big, small) == "keep"
-    x, y = Lineage(2, b"\x01", 5, "a"), Lineage(2, b"\x02", 5, "c")  # tie: larger smallest id re-syncs
+    # a tie of members: more updates keep (peers that founded apart: the side 145 updates in is
+    # not given up for one at version 1, whatever the smallest ids)
+    far, near = Lineage(1, b"\x01", 145, "d"), Lineage(1, b"\x02", 1, "a")
+    assert heal_decision(far, near) == "keep" and heal_decision(near, far) == "resync"
+    x, y = Lineage(2, b"\x01", 5, "a"), Lineage(2, b"\x02", 5, "c")  # then the larger smallest id re-syncs
     assert heal_decision(y, x) == "resync" and heal_decision(x, y) == "keep"
-    x, y = Lineage(2, b"\x01", 5, "a"), Lineage(2, b"\x02", 6, "a")
-    assert heal_decision(x, y) == "resync" and heal_decision(y, x) == "keep"
-    x, y = Lineage(2, b"\x01", 5, "a"), Lineage(2, b"\x02", 5, "a")
+    x, y = Lineage(2, b"\x01", 5, "a"), Lineage(2, b"\x02", 5, "a")  # then the larger digest
     assert heal_decision(y, x) == "resync" and heal_decision(x, y) == "keep"
     assert heal_decision(x, x) == "keep"
 
@@ -244,7 +245,7 @@ lineages = st.builds(Lineage, st.integers(1, 4), st.binary(min_size=1, max_size=
 @given(lineages, lineages)
 def test_heal_decision_exactly_one_side_resyncs(x, y):
     a, b = heal_decision(x, y), heal_decision(y, x)
-    if (x.digest, x.round) == (y.digest, y.round):
+    if (x.digest, x.version) == (y.digest, y.version):
         assert a == b == "keep"
     else:
         assert sorted([a, b]) == ["keep", "resync"]

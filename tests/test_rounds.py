@@ -74,7 +74,7 @@ class Net:
         self.needs_sync.pop(p, None)
         self.chain[p] = dict(self.chain[server])
         self.out[p].clear()
-        self.handle(p, self.m[p].on_synced(self.m[server].sync_point(), self.now))
+        self.handle(p, self.m[p].on_synced(self.m[server].sync_point(), self.now, server))
 
     # -- fault injection (fluent) -------------------------------------------------------------
     def fail_at(self, peer, round):
@@ -810,6 +810,43 @@ def test_split_and_heal_smaller_side_resyncs():
     net.run(2.0)
     assert net.m["c"].is_leader or net.m["a"].is_leader
     assert len({net.m[p].history.digest for p in "abcde"}) == 1
+    net.check_safety()
+
+
+def test_sides_founded_apart_heal_to_the_one_far_ahead_without_flip_flopping():
+    """Start-up: {a, d} and {b, c} found apart (links still forming), and {b, c} trains far
+    longer. Both sides hold two peers; the side far ahead keeps its state although its
+    smallest id is the larger one, and a and d load it once each, not back and forth."""
+    net = Net("abcd", min_peers=2)
+    for x in "ad":
+        for y in "bc":
+            net.cut(x, y)
+    net.found("b", "c")
+    net.run(3.0)
+    net.found("a", "d")
+    net.run(0.5)
+    ahead = net.m["b"].version
+    assert ahead > net.m["a"].version + 5 and net.m["a"].version >= 1
+    for x in "ad":
+        for y in "bc":
+            net.reconnect(x, y)
+    net.settle()
+    assert not net.resyncs["b"] and not net.resyncs["c"]
+    assert len(net.resyncs["a"]) == 1 and len(net.resyncs["d"]) == 1, (net.resyncs["a"], net.resyncs["d"])
+    net.run(2.0)
+    assert len({net.m[p].history.digest for p in "abcd"}) == 1 and net.m["a"].version > ahead
+    assert net.m["a"].members() == 4
+    net.check_safety()
+
+
+def test_a_peer_that_loaded_state_counts_its_source_on_its_side():
+    net = Net("abc", min_peers=2)
+    net.cut("a", "c").cut("b", "c")
+    net.found("a", "b")
+    net.run(1.0)
+    net.reconnect("a", "c").reconnect("b", "c")
+    net.handle("c", net.m["c"].on_synced(net.m["a"].sync_point(), net.now, "a"))
+    assert net.m["c"].members() == 2  # c and a, before any STATUS from b arrives
     net.check_safety()
 
 
