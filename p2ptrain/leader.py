@@ -116,6 +116,8 @@ class LeaderRole:
     def _should_lead(self, now: float) -> bool:
         if self.table.coordinator() != self.id or (self._hello and now < self._hello_until):
             return False  # (not before we heard who else is synced)
+        if now < self._out_until or self._load_later:
+            return False  # a leader leaves us out, or we are behind and load soon: do not fork
         if now < self._no_lead_until and self.table.state(self._rival) != SYNCED:
             return False  # a rival we cannot see leads: do not flip-flop with it every round
         owner, p = (self.promised or (0, None))[1], self.pending
@@ -327,6 +329,14 @@ class LeaderRole:
 
     def _is_left_out(self, peer: str, now: float) -> bool:
         return self._left_out.get(peer, (float("-inf"),))[0] > now
+
+    def _out_for(self, peer: str) -> float | None:
+        """Seconds our views still leave ``peer`` out, for its STATUS: a peer left out and
+        behind waits for us rather than load our state again after every round it misses; 0
+        once its time is over (it loads now if behind); None for a peer never left out."""
+        if peer not in self._left_out:
+            return None
+        return round(max(0.0, self._left_out[peer][0] - self._now), 3)
 
     def _step_down(self, now: float, why: str, rival: str = "") -> None:
         if self.lead.phase in (COLLECTING, RUNNING):

@@ -16,7 +16,8 @@ from p2ptrain.membership import STATUS_WINDOW, valid_id
 QUERY = "query"  # new leader -> candidates  {b}: report your state, obey ballot b
 STATUS = "status"  # any -> any  {synced, version, digest, round, members, min_id, window, pending,
 #                                log, promised, b (the QUERY/PROPOSE answered, or None), re (a reply),
-#                                at ([v, our digest at v] in reply to a peer at version v, or None)}
+#                                at ([v, our digest at v] in reply to a peer at version v, or None),
+#                                out (from a leader: seconds its views still leave the receiver out, or None)}
 PROPOSE = "propose"  # leader -> view  {r, b, view}
 READY = "ready"  # member -> leader  {r, b, samples, version, digest}
 START = "start"  # leader -> view  {r, b, view, total}
@@ -82,6 +83,11 @@ def _of(kind, n=None):
     return check
 
 
+def _seconds(v):
+    _need(type(v) in (int, float) and 0 <= v <= 3600, "a bad number of seconds")  # (NaN fails too)
+    return float(v)
+
+
 def _pending(v):
     _need(isinstance(v, dict), "a bad pending attempt")
     return {"r": _int(v.get("r")), "b": _ballot(v.get("b")), "phase": _of(str, 16)(v.get("phase")),
@@ -96,7 +102,8 @@ _SCHEMA = {
              "window": lambda v: _pairs(v, STATUS_WINDOW, 2, lambda a, d: (_int(a), _of(bytes, 64)(d))),
              "log": lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
              "pending": _opt(_pending), "promised": _opt(_ballot), "b": _opt(_ballot), "re": _of(bool),
-             "at": _opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0])},
+             "at": _opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0]),
+             "out": _opt(_seconds)},
     PROPOSE: {**_RB, "view": lambda v: _ids(v, view=True)},
     READY: {**_RB, "samples": _int, "version": _int, "digest": _of(bytes, 64)},
     START: {**_RB, "view": lambda v: _ids(v, view=True), "total": _int},

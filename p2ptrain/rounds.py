@@ -130,6 +130,9 @@ class RoundMachine(LeaderRole):
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
         self._holding = 0  # what our trainer holds (target_batch_size), as last told to the leader
         self._have: dict = {}  # peer -> what it holds, from its HAVE messages (the leader counts them)
+        self._out_by, self._out_until = "", float("-inf")  # the leader leaving us out of its views, until
+        self._load_later: tuple = ()  # (reason, source): behind while left out, we load when it ends
+        self._now = 0.0  # the time of the event being handled
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
 
@@ -212,7 +215,7 @@ class RoundMachine(LeaderRole):
 
     # -- plumbing ----------------------------------------------------------------------------
     def _run(self, now, fn, *args, tick=False) -> list:
-        self._out = []
+        self._out, self._now = [], now
         if self._left:
             return []
         fn(*args)
@@ -226,7 +229,7 @@ class RoundMachine(LeaderRole):
             before = self.lead and (self.lead.phase, self.lead.r)
             self._drive(now, tick)
             for p in sorted(self._tell - {self.id}):
-                self._send(p, self._status())
+                self._send(p, self._status(to=p))
             self._tell.clear()
             if not self._loop and before == (self.lead and (self.lead.phase, self.lead.r)):
                 return self._out
@@ -261,8 +264,9 @@ class RoundMachine(LeaderRole):
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
          NACK: self._on_nack, GOODBYE: self._on_goodbye, HAVE: self._on_have}[m["t"]](s, m, now)
 
-    def _status(self, b=None, re=False, their: int | None = None) -> dict:
-        """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``)."""
+    def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
+        """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
+        to a peer our views leave out, for how many seconds more (``out``)."""
         p, ids = self.pending, self.table.live_synced()
         at = self.history.at(their) if their is not None and their < self.history.version else None
         return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
@@ -272,7 +276,8 @@ class RoundMachine(LeaderRole):
                 "at": [their, at] if at is not None else None,
                 "log": [[r, list(bb), c] for r, bb, c in self._log],
                 "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
-                                  "view": list(p.view), "total": p.total}}
+                                  "view": list(p.view), "total": p.total},
+                "out": self._out_for(to) if to is not None and self.lead is not None else None}
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
@@ -453,6 +458,8 @@ class RoundMachine(LeaderRole):
 
     def _on_status(self, s, m, now) -> None:
         self._hello.discard(s)
+        if m["out"] is not None:  # its views leave us out a while: loading its state before then is
+            self._out_by, self._out_until = s, now + m["out"]  # wasted; 0: back in, load now if behind
         L, pd = self.lead, m["pending"]
         if L is not None and m["b"] == L.b and L.phase == QUERYING and s in L.waiting:  # our QUERY's answer
             L.waiting.discard(s)
@@ -500,15 +507,21 @@ class RoundMachine(LeaderRole):
                 why = "behind" if rel == "ahead" else "split"
                 leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
                 src = leader if leader != self.id and self.table.is_live(leader) else s
-                return self._resync(f"{why}: {s} has version {v}, its side {m['members']} peer(s)", src, now)
+                reason = f"{why}: {s} has version {v}, its side {m['members']} peer(s)"
+                if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
+                    self.counters["behind_left_out"] += 1  # load once our time left out is over
+                    self._load_later = (reason, src)
+                else:
+                    return self._resync(reason, src, now)
         if not m["re"]:
-            self._send(s, self._status(re=True, their=v))
+            self._send(s, self._status(re=True, their=v, to=s))
 
     def _lineage(self) -> Lineage:
         ids = self.table.live_synced()
         return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
 
     def _resync(self, reason: str, source: str, now: float) -> None:
+        self._load_later = ()
         if self.lead:
             self._step_down(now, "loading state")
         if self.pending and not self.pending.started:
@@ -547,6 +560,11 @@ class RoundMachine(LeaderRole):
         return self.timers["ring"].deadline(self._link_bytes(n))
 
     def _tick(self, now: float) -> None:
+        if self._load_later and now >= self._out_until and self.synced:
+            reason, src = self._load_later
+            if self.table.is_live(src):
+                self._resync(reason, src, now)
+            self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
         for p in self.table.expire(now, self.config.peer_timeout):
             self._gone(p, now, f"was silent for {self.config.peer_timeout:g} s")
         L, p = self.lead, self.pending
