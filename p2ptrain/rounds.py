@@ -22,11 +22,7 @@ or a view naming a peer it has no link to, with NACK. The leader's side (taking 
 fencing, attempts left in doubt, refusals under partial connectivity) is ``p2ptrain.leader``,
 a mixin of ``RoundMachine``; this module is the round and the member's side.
 
-Lineage. Committed rounds form a hash chain (``membership.History``). READY carries (version,
-digest): a member whose chain differs from the leader's is dropped. Peers compare chains in
-STATUS (on connect, after loading state, when told, when idle too long): on one chain the
-peer behind loads state (``Resync``); across a split ``heal_decision`` picks the side. The
-leader holds the boundary (``join_hold``) while a joiner catches up.
+Lineage (STATUS, comparing chains, loading state) is ``p2ptrain.lineage``, another mixin.
 
 Transitions (``_MEMBER``, and ``leader._LEADER`` for the leader; ``_move`` refuses any other):
     member: idle -PROPOSE-> proposed -contribution-> ready -START-> ring -ring_done-> done
@@ -46,9 +42,10 @@ from dataclasses import dataclass, field
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
 from p2ptrain.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
-from p2ptrain.membership import SYNCED, SYNCING, History, Lineage, PeerTable, RoundTimer, heal_decision, relation
+from p2ptrain.lineage import LineageRole
+from p2ptrain.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
 from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
-                               RING, RINGED, START, STATUS, Apply, Broadcast, Contribute, Log, PutBack, Resync, Send,
+                               RING, RINGED, START, STATUS, Apply, Broadcast, Contribute, Log, PutBack, Send,
                                Stall, StartRing, beats, parse)
 
 # (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
@@ -103,7 +100,7 @@ class _Pending:  # the attempt this peer takes part in as a member
         return self.phase in (RING, RINGED)
 
 
-class RoundMachine(LeaderRole):
+class RoundMachine(LeaderRole, LineageRole):
     """One peer's rounds. It starts not synced: call ``on_synced`` with a founder's SyncPoint or
     a snapshot's ``sync_point()``. The host feeds beacons to ``table.heard`` itself and calls
     ``on_tick`` about every 100 ms; every other event comes through the ``on_*`` methods."""
@@ -116,6 +113,7 @@ class RoundMachine(LeaderRole):
         self.max_epoch = 0
         self.pending: _Pending | None = None
         self._init_leader()  # lead (the attempts we sequence), and the leader's bookkeeping
+        self._init_lineage()  # a leader leaving us out of its views, and a load put off until then
         self.counters: Counter = Counter()
         self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
@@ -130,8 +128,6 @@ class RoundMachine(LeaderRole):
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
         self._holding = 0  # what our trainer holds (target_batch_size), as last told to the leader
         self._have: dict = {}  # peer -> what it holds, from its HAVE messages (the leader counts them)
-        self._out_by, self._out_until = "", float("-inf")  # the leader leaving us out of its views, until
-        self._load_later: tuple = ()  # (reason, source): behind while left out, we load when it ends
         self._now = 0.0  # the time of the event being handled
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
@@ -263,21 +259,6 @@ class RoundMachine(LeaderRole):
         {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
          NACK: self._on_nack, GOODBYE: self._on_goodbye, HAVE: self._on_have}[m["t"]](s, m, now)
-
-    def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
-        """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
-        to a peer our views leave out, for how many seconds more (``out``)."""
-        p, ids = self.pending, self.table.live_synced()
-        at = self.history.at(their) if their is not None and their < self.history.version else None
-        return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
-                "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
-                "window": [list(e) for e in self.history.recent()], "b": list(b) if b else None,
-                "promised": list(self.promised) if self.promised else None,
-                "at": [their, at] if at is not None else None,
-                "log": [[r, list(bb), c] for r, bb, c in self._log],
-                "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
-                                  "view": list(p.view), "total": p.total},
-                "out": self._out_for(to) if to is not None and self.lead is not None else None}
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
@@ -456,82 +437,6 @@ class RoundMachine(LeaderRole):
             self._emit(Apply(p.r, p.total, p.view))
         self._set_self()
 
-    def _on_status(self, s, m, now) -> None:
-        self._hello.discard(s)
-        if m["out"] is not None:  # its views leave us out a while: loading its state before then is
-            self._out_by, self._out_until = s, now + m["out"]  # wasted; 0: back in, load now if behind
-        L, pd = self.lead, m["pending"]
-        if L is not None and m["b"] == L.b and L.phase == QUERYING and s in L.waiting:  # our QUERY's answer
-            L.waiting.discard(s)
-            L.got[s] = m
-            return
-        if L is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != L.b:
-            if L.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
-                return self._send(s, {"t": QUERY, "b": list(L.b)})  # in doubt, obeying another: ask it
-            self._resolve({s: m})  # in doubt and it obeys us: decide its attempt
-            self._tell.add(s)
-            if L.phase in (COLLECTING, RUNNING) and s in L.view:
-                self._abort(now, f"{s} was in doubt about an earlier round", drop=[])
-            return
-        if not m["synced"]:
-            self.table.unsynced(s)
-            return self._gone(s, now, "is not synced")
-        if self.synced and self.pending is not None and self.pending.started:
-            self._deferred[s] = m  # our own version is about to change: compare after the round
-        elif self.synced:
-            self._compare(s, m, now)
-
-    def _compare(self, s, m, now) -> None:
-        """Their chain against ours. On one chain the peer behind loads state (it lacks
-        updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
-        v, d, pd = m["version"], m["digest"], m["pending"]
-        if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
-            v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])  # about to commit it
-        rel = relation(self.history, v, d, m["window"], m.get("at"), can_ask=not m["re"])
-        if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
-            return self._send(s, self._status())
-        if rel == "behind" and m["round"] < self.round and s in self._last_view:
-            self.counters["stale_status"] += 1  # sent before a round we both took part in
-            return
-        if rel == "same":
-            self.table.synced(s, v, d, m["round"], now)
-            self._admit.pop(s, None)
-            self._held.pop(s, None)
-        else:
-            if rel == "behind" and self.lead and self._held.get(s, -1) < v and not self._is_left_out(s, now):
-                self._held[s], self._admit[s] = v, now + self.config.join_hold
-            self.table.unsynced(s)
-            self._gone(s, now, f"holds another state ({rel})")
-            theirs = Lineage(m["members"], d, v, m["min_id"] or s)
-            if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
-                why = "behind" if rel == "ahead" else "split"
-                leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
-                src = leader if leader != self.id and self.table.is_live(leader) else s
-                reason = f"{why}: {s} has version {v}, its side {m['members']} peer(s)"
-                if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
-                    self.counters["behind_left_out"] += 1  # load once our time left out is over
-                    self._load_later = (reason, src)
-                else:
-                    return self._resync(reason, src, now)
-        if not m["re"]:
-            self._send(s, self._status(re=True, their=v, to=s))
-
-    def _lineage(self) -> Lineage:
-        ids = self.table.live_synced()
-        return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
-
-    def _resync(self, reason: str, source: str, now: float) -> None:
-        self._load_later = ()
-        if self.lead:
-            self._step_down(now, "loading state")
-        if self.pending and not self.pending.started:
-            self._withdraw(self.pending)
-        self.pending, self.synced = None, False  # an in-doubt contribution is void: Resync says so
-        self._set_self()
-        self._emit(Resync(reason, source))
-        self._emit(Log("warning", f"loading state again: {reason}"))
-        self._broadcast(self._status(), self._peers())
-
     def _on_goodbye(self, s, m, now) -> None:
         self.table.said_goodbye(s, now)
         self._gone(s, now, "said goodbye")
@@ -560,11 +465,7 @@ class RoundMachine(LeaderRole):
         return self.timers["ring"].deadline(self._link_bytes(n))
 
     def _tick(self, now: float) -> None:
-        if self._load_later and now >= self._out_until and self.synced:
-            reason, src = self._load_later
-            if self.table.is_live(src):
-                self._resync(reason, src, now)
-            self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
+        self._tick_lineage(now)
         for p in self.table.expire(now, self.config.peer_timeout):
             self._gone(p, now, f"was silent for {self.config.peer_timeout:g} s")
         L, p = self.lead, self.pending

@@ -1,0 +1,143 @@
+"""The lineage half of the round machine: comparing chains in STATUS, loading state. Pure code, no I/O.
+
+``LineageRole`` is a mixin of ``p2ptrain.rounds.RoundMachine``: its state and plumbing (``_send``,
+``_broadcast``, ``_emit``, ``_gone``, ``table``, ``history``) are the machine's, and where this
+peer leads it calls the leader's (``_resolve``, ``_abort``, ``_step_down``, ``_out_for``).
+``rounds`` tells the round itself and the member side, ``leader`` what the peer that sequences
+rounds does; this module is how peers find out whether they hold the same state, and which of
+them loads another's. The machine calls ``_on_status`` for a STATUS, ``_compare`` for one put off
+(``_deferred``) while a round of its own was in flight, ``_status`` for every STATUS it sends,
+and ``_tick_lineage`` on a tick.
+
+Lineage. Committed rounds form a hash chain (``membership.History``). READY carries (version,
+digest): a member whose chain differs from the leader's is dropped. Peers compare chains in
+STATUS (on connect, after loading state, when told, when idle too long): on one chain the
+peer behind loads state (``Resync``); across a split ``heal_decision`` picks the side. The
+leader holds the boundary (``join_hold``) while a joiner catches up.
+
+One chain, or a split. A peer compares the (version, digest) of another's STATUS with its own
+chain (``membership.relation``). On one chain the peer behind loads state (it lacks updates that
+exist), from the leader if it reaches it (the leader holds while it loads), else from the peer
+ahead; the peer ahead just answers with its STATUS. Across a split ``membership.heal_decision``
+picks the side that keeps its state: both sides weigh the same two lineages, so exactly one of
+them loads.
+
+Left out. A peer that the leader leaves out of its views (partial connectivity, ``leader``) is
+told for how long in the leader's STATUS (``out``). Behind meanwhile, it does not load at once
+(it would be behind again after every round it misses) but once its time out is over, and it
+does not take the lead before then; the leader's STATUS at its end (``out`` 0) brings it back.
+"""
+
+from __future__ import annotations
+
+from p2ptrain.leader import COLLECTING, QUERYING, RUNNING
+from p2ptrain.membership import History, Lineage, heal_decision, relation
+from p2ptrain.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
+
+
+class LineageRole:
+    """The lineage half of ``RoundMachine`` (a mixin: it has no state or plumbing of its own
+    but what ``_init_lineage`` sets)."""
+
+    def _init_lineage(self) -> None:
+        self._out_by, self._out_until = "", float("-inf")  # the leader leaving us out of its views, until
+        self._load_later: tuple = ()  # (reason, source): behind while left out, we load when it ends
+
+    def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
+        """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
+        to a peer our views leave out, for how many seconds more (``out``)."""
+        p, ids = self.pending, self.table.live_synced()
+        at = self.history.at(their) if their is not None and their < self.history.version else None
+        return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
+                "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
+                "window": [list(e) for e in self.history.recent()], "b": list(b) if b else None,
+                "promised": list(self.promised) if self.promised else None,
+                "at": [their, at] if at is not None else None,
+                "log": [[r, list(bb), c] for r, bb, c in self._log],
+                "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
+                                  "view": list(p.view), "total": p.total},
+                "out": self._out_for(to) if to is not None and self.lead is not None else None}
+
+    def _on_status(self, s, m, now) -> None:
+        self._hello.discard(s)
+        if m["out"] is not None:  # its views leave us out a while: loading its state before then is
+            self._out_by, self._out_until = s, now + m["out"]  # wasted; 0: back in, load now if behind
+        L, pd = self.lead, m["pending"]
+        if L is not None and m["b"] == L.b and L.phase == QUERYING and s in L.waiting:  # our QUERY's answer
+            L.waiting.discard(s)
+            L.got[s] = m
+            return
+        if L is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != L.b:
+            if L.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
+                return self._send(s, {"t": QUERY, "b": list(L.b)})  # in doubt, obeying another: ask it
+            self._resolve({s: m})  # in doubt and it obeys us: decide its attempt
+            self._tell.add(s)
+            if L.phase in (COLLECTING, RUNNING) and s in L.view:
+                self._abort(now, f"{s} was in doubt about an earlier round", drop=[])
+            return
+        if not m["synced"]:
+            self.table.unsynced(s)
+            return self._gone(s, now, "is not synced")
+        if self.synced and self.pending is not None and self.pending.started:
+            self._deferred[s] = m  # our own version is about to change: compare after the round
+        elif self.synced:
+            self._compare(s, m, now)
+
+    def _compare(self, s, m, now) -> None:
+        """Their chain against ours. On one chain the peer behind loads state (it lacks
+        updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
+        v, d, pd = m["version"], m["digest"], m["pending"]
+        if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
+            v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])  # about to commit it
+        rel = relation(self.history, v, d, m["window"], m.get("at"), can_ask=not m["re"])
+        if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
+            return self._send(s, self._status())
+        if rel == "behind" and m["round"] < self.round and s in self._last_view:
+            self.counters["stale_status"] += 1  # sent before a round we both took part in
+            return
+        if rel == "same":
+            self.table.synced(s, v, d, m["round"], now)
+            self._admit.pop(s, None)
+            self._held.pop(s, None)
+        else:
+            if rel == "behind" and self.lead and self._held.get(s, -1) < v and not self._is_left_out(s, now):
+                self._held[s], self._admit[s] = v, now + self.config.join_hold
+            self.table.unsynced(s)
+            self._gone(s, now, f"holds another state ({rel})")
+            theirs = Lineage(m["members"], d, v, m["min_id"] or s)
+            if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
+                why = "behind" if rel == "ahead" else "split"
+                leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
+                src = leader if leader != self.id and self.table.is_live(leader) else s
+                reason = f"{why}: {s} has version {v}, its side {m['members']} peer(s)"
+                if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
+                    self.counters["behind_left_out"] += 1  # load once our time left out is over
+                    self._load_later = (reason, src)
+                else:
+                    return self._resync(reason, src, now)
+        if not m["re"]:
+            self._send(s, self._status(re=True, their=v, to=s))
+
+    def _lineage(self) -> Lineage:
+        ids = self.table.live_synced()
+        return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
+
+    def _resync(self, reason: str, source: str, now: float) -> None:
+        self._load_later = ()
+        if self.lead:
+            self._step_down(now, "loading state")
+        if self.pending and not self.pending.started:
+            self._withdraw(self.pending)
+        self.pending, self.synced = None, False  # an in-doubt contribution is void: Resync says so
+        self._set_self()
+        self._emit(Resync(reason, source))
+        self._emit(Log("warning", f"loading state again: {reason}"))
+        self._broadcast(self._status(), self._peers())
+
+    def _tick_lineage(self, now: float) -> None:
+        """On a tick: a load put off while the leader left us out, once that time is over."""
+        if self._load_later and now >= self._out_until and self.synced:
+            reason, src = self._load_later
+            if self.table.is_live(src):
+                self._resync(reason, src, now)
+            self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
