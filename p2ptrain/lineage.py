@@ -41,7 +41,8 @@ class LineageRole:
 
     def _init_lineage(self) -> None:
         self._out_by, self._out_until = "", float("-inf")  # the leader leaving us out of its views, until
-        self._load_later: tuple = ()  # (reason, source): behind while left out, we load when it ends
+        self._load_later: tuple = ()  # (reason, source, leader): behind while left out, we load when it ends
+        self._side_leader = ""  # the leader of the side whose state we load
 
     def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
         """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
@@ -112,9 +113,9 @@ class LineageRole:
                 reason = f"{why}: {s} has version {v}, its side {m['members']} peer(s)"
                 if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
                     self.counters["behind_left_out"] += 1  # load once our time left out is over
-                    self._load_later = (reason, src)
+                    self._load_later = (reason, src, leader)
                 else:
-                    return self._resync(reason, src, now)
+                    return self._resync(reason, src, now, leader)
         if not m["re"]:
             self._send(s, self._status(re=True, their=v, to=s))
 
@@ -122,8 +123,10 @@ class LineageRole:
         ids = self.table.live_synced()
         return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
 
-    def _resync(self, reason: str, source: str, now: float) -> None:
-        self._load_later = ()
+    def _resync(self, reason: str, source: str, now: float, leader: str = "") -> None:
+        """Load state from ``source``, of the side that ``leader`` leads (``on_synced`` backs
+        off from leading while that leader is not seen synced: the side has one)."""
+        self._load_later, self._side_leader = (), leader
         if self.lead:
             self._step_down(now, "loading state")
         if self.pending and not self.pending.started:
@@ -137,7 +140,7 @@ class LineageRole:
     def _tick_lineage(self, now: float) -> None:
         """On a tick: a load put off while the leader left us out, once that time is over."""
         if self._load_later and now >= self._out_until and self.synced:
-            reason, src = self._load_later
+            reason, src, leader = self._load_later
             if self.table.is_live(src):
-                self._resync(reason, src, now)
+                self._resync(reason, src, now, leader)
             self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)

@@ -161,12 +161,16 @@ class RoundMachine(LeaderRole, LineageRole):
     def on_synced(self, point: SyncPoint, now: float, source: str | None = None) -> list:
         """Our state is now the one ``point`` describes (a snapshot from ``source``, or a
         founder's genesis). The source held it, so it counts on our side at once: a heal
-        compared before the others' STATUS arrives does not see our side as one peer."""
+        compared before the others' STATUS arrives does not see our side as one peer. Nor do
+        we lead that side before we see its leader (a replugged peer with a small id, linked
+        to one member first, took the members away from their leader, which then loaded state)."""
         self.history, self.round = History(point.version, point.digest, point.window), point.round
         self.synced, self.pending, self.promised, self._asked = True, None, None, set()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
         if source is not None and source != self.id and self.table.is_live(source):
             self.table.synced(source, point.version, point.digest, point.round, now)
+        if source is not None and self._side_leader not in ("", self.id):  # that side has a leader:
+            self._rival, self._no_lead_until = self._side_leader, now + self.config.query_timeout  # not us
         self._set_self()
         self._hello, self._hello_until = set(self._peers()), now + self.config.query_timeout
         return self._run(now, self._tell.update, self._hello)

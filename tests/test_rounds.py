@@ -870,6 +870,27 @@ def test_sides_founded_apart_heal_to_the_one_far_ahead_without_flip_flopping():
     net.check_safety()
 
 
+def test_a_replugged_peer_linked_to_one_member_first_does_not_take_that_member_from_its_leader():
+    """b went on alone; replugged, its link to c comes back before its link to a. b loads the
+    side's state from c; with the smallest synced id in its own table (a unseen) it took the
+    lead, c followed it, and a, the bigger side's leader, had to load state. Now b waits for
+    the side's leader, and nobody on the bigger side loads."""
+    net = cluster("abc", run=0.5)
+    net.cut("a", "b").cut("b", "c")
+    net.run(6.0)  # b goes on alone (min_peers 1)
+    assert net.m["a"].is_leader and net.m["b"].is_leader
+    loads = len(net.resyncs["a"])
+    net.reconnect("b", "c")
+    net.run(1.0)
+    assert net.resyncs["b"][-1].startswith("split") and not net.m["b"].is_leader
+    assert net.m["c"].promised[1] == "a"
+    net.reconnect("a", "b")
+    net.run(2.0)
+    assert len(net.resyncs["a"]) == loads and not net.resyncs["c"]
+    assert net.applied("a")[-1][1] == net.applied("b")[-1][1] == ("a", "b", "c")
+    net.check_safety()
+
+
 def test_a_peer_that_loaded_state_counts_its_source_on_its_side():
     net = Net("abc", min_peers=2)
     net.cut("a", "c").cut("b", "c")
