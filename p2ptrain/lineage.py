@@ -68,7 +68,8 @@ class LineageRole:
             L.waiting.discard(s)
             L.got[s] = m
             return
-        if L is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != L.b:
+        if L is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != L.b \
+                and self._ours_to_resolve(m):
             if L.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
                 return self._send(s, {"t": QUERY, "b": list(L.b)})  # in doubt, obeying another: ask it
             self._resolve({s: m})  # in doubt and it obeys us: decide its attempt
@@ -83,6 +84,16 @@ class LineageRole:
             self._deferred[s] = m  # our own version is about to change: compare after the round
         elif self.synced:
             self._compare(s, m, now)
+
+    def _ours_to_resolve(self, m) -> bool:
+        """Whether the attempt a STATUS reports in doubt is ours to decide as leader: its peer
+        is on our chain and the leader it obeys is not connected to us (lost). A peer of
+        another side (a replugged cable), or one whose leader lives, is in that leader's
+        round: asking it to obey us would abort a round its own leader may commit."""
+        owner = (m["promised"] or (0, None))[1]
+        if owner is not None and owner != self.id and self.table.is_live(owner):
+            return False
+        return relation(self.history, m["version"], m["digest"], m["window"], m["at"]) in ("same", "behind")
 
     def _compare(self, s, m, now) -> None:
         """Their chain against ours. On one chain the peer behind loads state (it lacks

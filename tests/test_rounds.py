@@ -891,6 +891,25 @@ def test_a_replugged_peer_linked_to_one_member_first_does_not_take_that_member_f
     net.check_safety()
 
 
+def test_a_leader_does_not_take_over_a_round_of_another_side_that_has_a_live_leader():
+    """Replugged, c (leading its own side at a higher epoch) heard b's STATUS while b was in
+    a's ring, asked b to obey it, and aborted that round at b while a committed it: b had to
+    load state. c now leaves b's round to a and lets the heal rule pick the side."""
+    net = cluster("abc", run=0.5)
+    net.cut("a", "c").cut("b", "c")
+    net.run(6.0)
+    assert net.m["c"].is_leader and net.m["c"].lead.b > net.m["a"].lead.b  # (a higher epoch)
+    net.hold("a", "c").hold("b", "c")
+    net.reconnect("a", "c").reconnect("b", "c")
+    status = net.m["b"]._status()
+    status["pending"] = {"r": net.m["b"].round + 1, "b": list(net.m["a"].lead.b), "phase": M.RING, "ok": False,
+                         "view": ["a", "b"], "total": 21}
+    status["promised"] = list(net.m["a"].lead.b)
+    out = net.m["c"].on_message("b", msgpack.unpackb(msgpack.packb(status), raw=False), net.now)
+    assert not [a for a in out if isinstance(a, (Send, Broadcast)) and a.msg["t"] == M.QUERY]
+    assert any(r.startswith("split") for r in [a.reason for a in out if isinstance(a, Resync)])
+
+
 def test_a_peer_that_loaded_state_counts_its_source_on_its_side():
     net = Net("abc", min_peers=2)
     net.cut("a", "c").cut("b", "c")
