@@ -215,13 +215,15 @@ class RingAllreduce:
             # The owner's final sum is decoded straight into place (the payload is apart).
             enc = self.codec.encode_decoded(src, src) if final else self.codec.encode(src)
             return enc.params, enc.buffers
+        start = src.__array_interface__["data"][0] - self.work.__array_interface__["data"][0]
+        residual = self.feedback[start // 4 : start // 4 + len(src)]
+        if not final:
+            enc = self.codec.encode_residual(src, residual)
+            return enc.params, enc.buffers
         decoded = self._send_scratch[: len(src)]
         enc = self.codec.encode_decoded(src, decoded)
-        start = src.__array_interface__["data"][0] - self.work.__array_interface__["data"][0]
-        start //= 4
-        np.subtract(src, decoded, out=self.feedback[start : start + len(src)])
-        if final:
-            src[:] = decoded
+        np.subtract(src, decoded, out=residual)
+        src[:] = decoded
         return enc.params, enc.buffers
 
     async def _offload(self, fn, *args):

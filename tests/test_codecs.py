@@ -246,6 +246,25 @@ def test_encode_decoded_gives_what_receivers_decode(spec, x):
     assert np.array_equal(inplace.view(np.uint32), y.view(np.uint32))
 
 
+@pytest.mark.parametrize("spec", ALL)
+@settings(max_examples=25, deadline=None)
+@given(x=chunks)
+def test_encode_residual_is_what_decoding_and_subtracting_leaves(spec, x):
+    """Error feedback keeps x - decode(encode(x)), bit for bit (a sparse codec gets there by
+    copying x and zeroing the kept values), and the chunk sent is encode(x)'s."""
+    codec = parse_codec(spec)
+    residual = np.full(x.size, np.nan, np.float32)
+    enc = codec.encode_residual(x, residual)
+    assert enc.params == codec.encode(x).params and enc.tobytes() == codec.encode(x).tobytes()
+    y = np.empty_like(x)
+    parse_codec(spec).decode(enc.params, enc.tobytes(), y)
+    with np.errstate(all="ignore"):
+        expect = x - y
+    assert np.array_equal(residual.view(np.uint32), expect.view(np.uint32))
+    with pytest.raises(ConfigError):
+        codec.encode_residual(x, x)  # (the residual must be apart from x)
+
+
 @pytest.mark.parametrize("spec", ["none", "int8", "topk:0.1"])
 def test_encode_decoded_refuses_a_bad_out(spec):
     codec, buf = parse_codec(spec), np.zeros(101, np.float32)

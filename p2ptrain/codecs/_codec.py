@@ -163,6 +163,14 @@ class Codec:
             if out is not None and out is not x:
                 np.copyto(out, x)
             return Encoded({}, [memoryview(x).cast("B")], x.nbytes)
+        params, raw, enc = self._encode_raw(x)
+        if out is not None:
+            with np.errstate(all="ignore"):
+                self._t.decode_raw(x.shape[0], params, raw, out)
+        return enc
+
+    def _encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray, Encoded]:
+        """The transform's (params, raw payload), and the chunk as sent (zstd where it pays)."""
         params, raw = self._t.encode_raw(x)
         buf: Any = raw
         applied = False
@@ -170,11 +178,31 @@ class Codec:
             packed = self._cctx.compress(raw)
             if len(packed) < ZSTD_PAYS * raw.nbytes:
                 buf, applied = packed, True
-        if out is not None:
-            with np.errstate(all="ignore"):
-                self._t.decode_raw(x.shape[0], params, raw, out)
         mv = memoryview(buf).cast("B")
-        return Encoded({"z": applied, **params}, [mv], mv.nbytes)
+        return params, raw, Encoded({"z": applied, **params}, [mv], mv.nbytes)
+
+    def encode_residual(self, x: np.ndarray, residual: np.ndarray) -> Encoded:
+        """``encode(x)``, and what it drops, ``x - decode(encode(x))``, written into
+        ``residual`` (as long as ``x``, apart from it): what error feedback keeps. The same
+        floats as decoding and subtracting; a sparse codec copies ``x`` and zeroes the kept
+        values instead (one pass over the chunk, not three)."""
+        _check_array(x, "input")
+        _check_array(residual, "output")
+        if residual.shape != x.shape or not residual.flags.writeable or (
+                residual is x or np.may_share_memory(residual, x)):
+            raise ConfigError("encode_residual needs residual writeable, as long as x, and apart from it")
+        if self._t is None:
+            residual.fill(0)
+            return self.encode_decoded(x, None)
+        params, raw, enc = self._encode_raw(x)
+        with np.errstate(all="ignore"):
+            residual_raw = getattr(self._t, "residual_raw", None)
+            if residual_raw is not None:
+                residual_raw(params, raw, x, residual)
+            else:
+                self._t.decode_raw(x.shape[0], params, raw, residual)
+                np.subtract(x, residual, out=residual)
+        return enc
 
     def _probe_pays(self, raw: np.ndarray) -> bool:
         """False when a slice of a large payload shows zstd will not pay (see ``_PROBE``)."""

@@ -105,6 +105,11 @@ class TopK:
         out.fill(0)
         out[idx] = vals
 
+    def residual_raw(self, params: dict, raw, x: np.ndarray, out: np.ndarray) -> None:
+        """``out = x - decode``: x itself, with the kept values zeroed (they are exact)."""
+        np.copyto(out, x)
+        out[self._kept(x.shape[0], params, raw)[0]] = 0
+
     def add_raw(self, n: int, params: dict, raw, dst: np.ndarray) -> None:
         """``dst += decoded`` touching only the kept values (indices are unique)."""
         idx, vals = self._kept(n, params, raw)
