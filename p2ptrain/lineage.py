@@ -43,11 +43,12 @@ class LineageRole:
         self._out_by, self._out_until = "", float("-inf")  # the leader leaving us out of its views, until
         self._load_later: tuple = ()  # (reason, source, leader): behind while left out, we load when it ends
         self._side_leader = ""  # the leader of the side whose state we load
+        self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
 
     def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
         """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
         to a peer our views leave out, for how many seconds more (``out``)."""
-        p, ids = self.pending, self.table.live_synced()
+        p, ids = self.pending, self._side()
         at = self.history.at(their) if their is not None and their < self.history.version else None
         return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
                 "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
@@ -108,6 +109,7 @@ class LineageRole:
             self.counters["stale_status"] += 1  # sent before a round we both took part in
             return
         if rel == "same":
+            self._elsewhere.discard(s)
             self.table.synced(s, v, d, m["round"], now)
             self._admit.pop(s, None)
             self._held.pop(s, None)
@@ -115,6 +117,7 @@ class LineageRole:
             if rel == "behind" and self.lead and self._held.get(s, -1) < v and not self._is_left_out(s, now):
                 self._held[s], self._admit[s] = v, now + self.config.join_hold
             self.table.unsynced(s)
+            self._elsewhere.add(s)
             self._gone(s, now, f"holds another state ({rel})")
             theirs = Lineage(m["members"], d, v, m["min_id"] or s)
             if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
@@ -131,8 +134,16 @@ class LineageRole:
             self._send(s, self._status(re=True, their=v, to=s))
 
     def _lineage(self) -> Lineage:
-        ids = self.table.live_synced()
+        ids = self._side()
         return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
+
+    def _side(self) -> list:
+        """The peers of our side, sorted: the live synced ones, and the live members of the
+        last round we committed that showed no other state since. A count of synced peers
+        alone, taken just after a round dropped a member, made a pair count one and lose a
+        heal to a peer that had gone on alone."""
+        since = {q for q in self._last_view if q not in self._elsewhere and self.table.is_live(q)}
+        return sorted(set(self.table.live_synced()) | since)
 
     def _resync(self, reason: str, source: str, now: float, leader: str = "") -> None:
         """Load state from ``source``, of the side that ``leader`` leads (``on_synced`` backs

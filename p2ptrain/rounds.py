@@ -167,6 +167,7 @@ class RoundMachine(LeaderRole, LineageRole):
         self.history, self.round = History(point.version, point.digest, point.window), point.round
         self.synced, self.pending, self.promised, self._asked = True, None, None, set()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
+        self._last_view, self._elsewhere = (), set()  # (our side is the one we loaded: see _side)
         if source is not None and source != self.id and self.table.is_live(source):
             self.table.synced(source, point.version, point.digest, point.round, now)
         if source is not None and self._side_leader not in ("", self.id):  # that side has a leader:
@@ -432,6 +433,7 @@ class RoundMachine(LeaderRole, LineageRole):
         else:
             self.history.append(p.r, p.view, p.total)
             self._last_view = p.view
+            self._elsewhere.difference_update(p.view)
             for q in self.table.live_synced():  # synced but not in the view: behind us now
                 if q not in p.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
                     self._tell.add(q)  # tell it, and hold the next boundary while it catches up

@@ -910,6 +910,31 @@ def test_a_leader_does_not_take_over_a_round_of_another_side_that_has_a_live_lea
     assert any(r.startswith("split") for r in [a.reason for a in out if isinstance(a, Resync)])
 
 
+def test_a_side_counts_the_members_of_its_last_round_though_one_was_just_dropped():
+    """A pair heals with a peer that went on alone; at that moment one member of the pair
+    holds the other unsynced (a round just dropped it). It still counts two: the peer alone
+    loads the pair's state, not the other way round."""
+    net = cluster("abc", run=0.5)
+    net.cut("a", "b").cut("a", "c")
+    net.run(3.0)  # a goes on alone; b and c as a pair
+    net.hold("b", "c").hold("c", "b")
+    net.run(2.0)  # the pair is stuck a while (a slow link): a alone is ahead
+    net.release("b", "c").release("c", "b")
+    net.settle()
+    assert net.m["a"].version > net.m["c"].version
+    net.m["c"].table.unsynced("b")  # (as after a round that dropped b, before b's next STATUS)
+    assert len(net.m["c"]._side()) == 2
+    loads = {p: len(net.resyncs[p]) for p in "abc"}
+    net.reconnect("a", "c")
+    net.settle()
+    assert len(net.resyncs["b"]) == loads["b"] and len(net.resyncs["c"]) == loads["c"]
+    assert len(net.resyncs["a"]) > loads["a"]
+    net.reconnect("a", "b")
+    net.run(1.0)
+    assert len({net.m[p].history.digest for p in "abc"}) == 1
+    net.check_safety()
+
+
 def test_a_peer_that_loaded_state_counts_its_source_on_its_side():
     net = Net("abc", min_peers=2)
     net.cut("a", "c").cut("b", "c")
