@@ -228,6 +228,15 @@ def test_zstd_kept_only_when_it_saves_a_tenth(n):
     assert enc.params["z"] is True and enc.nbytes < 0.9 * codec.max_payload(n)
 
 
+def sent_and_received(spec, x, enc):
+    """What a receiver decodes from ``enc``, after checking that it is the chunk encode(x) sends."""
+    codec = parse_codec(spec)
+    assert enc.params == codec.encode(x).params and enc.tobytes() == codec.encode(x).tobytes()
+    y = np.empty_like(x)
+    codec.decode(enc.params, enc.tobytes(), y)
+    return y
+
+
 @pytest.mark.parametrize("spec", ALL)
 @settings(max_examples=25, deadline=None)
 @given(x=chunks)
@@ -235,10 +244,7 @@ def test_encode_decoded_gives_what_receivers_decode(spec, x):
     """The sender's own decoded values (no zstd round trip) are the receivers' bit for bit."""
     codec = parse_codec(spec)
     out = np.full(x.size, np.nan, np.float32)
-    enc = codec.encode_decoded(x, out)
-    assert enc.params == codec.encode(x).params and enc.tobytes() == codec.encode(x).tobytes()
-    y = np.empty_like(x)
-    parse_codec(spec).decode(enc.params, enc.tobytes(), y)
+    y = sent_and_received(spec, x, codec.encode_decoded(x, out))
     assert np.array_equal(out.view(np.uint32), y.view(np.uint32))
     inplace = x.copy()  # out may be x itself: the owner adopting its final sum
     enc = codec.encode_decoded(inplace, inplace)
@@ -254,10 +260,7 @@ def test_encode_residual_is_what_decoding_and_subtracting_leaves(spec, x):
     copying x and zeroing the kept values), and the chunk sent is encode(x)'s."""
     codec = parse_codec(spec)
     residual = np.full(x.size, np.nan, np.float32)
-    enc = codec.encode_residual(x, residual)
-    assert enc.params == codec.encode(x).params and enc.tobytes() == codec.encode(x).tobytes()
-    y = np.empty_like(x)
-    parse_codec(spec).decode(enc.params, enc.tobytes(), y)
+    y = sent_and_received(spec, x, codec.encode_residual(x, residual))
     with np.errstate(all="ignore"):
         expect = x - y
     assert np.array_equal(residual.view(np.uint32), expect.view(np.uint32))
