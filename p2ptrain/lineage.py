@@ -40,7 +40,7 @@ class LineageRole:
     but what ``_init_lineage`` sets)."""
 
     def _init_lineage(self) -> None:
-        self._out_by, self._out_until = "", float("-inf")  # the leader leaving us out of its views, until
+        self._out_until = float("-inf")  # a leader leaves us out of its views until then
         self._load_later: tuple = ()  # (reason, source, leader): behind while left out, we load when it ends
         self._side_leader = ""  # the leader of the side whose state we load
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
@@ -63,7 +63,7 @@ class LineageRole:
     def _on_status(self, s, m, now) -> None:
         self._hello.discard(s)
         if m["out"] is not None:  # its views leave us out a while: loading its state before then is
-            self._out_by, self._out_until = s, now + m["out"]  # wasted; 0: back in, load now if behind
+            self._out_until = now + m["out"]  # wasted; 0: back in, load now if behind
         L, pd = self.lead, m["pending"]
         if L is not None and m["b"] == L.b and L.phase == QUERYING and s in L.waiting:  # our QUERY's answer
             L.waiting.discard(s)
