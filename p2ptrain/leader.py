@@ -25,7 +25,10 @@ mesh still forming): the refuser is dropped, hears our STATUS, and the next prop
 REFUSAL_BACKOFF. A peer named missing again within MISSING_AGAIN seconds is left out of our
 views for LEAVE_OUT seconds, doubling while refusals repeat (LEAVE_OUT_MAX at most), so the
 rest keep training under partial connectivity; if the refuser misses more of the view than it
-reaches, the refuser is left out instead. (Leaving a peer out at the first refusal made it
+reaches, the refuser is left out instead. On a tie the side that was not in our last round is
+left out, else the refuser: at three peers, a peer replugged and linked to one member so far is
+left out, whichever of the two refuses, not the member it has no link to yet, which would fall
+behind and load state. (Leaving a peer out at the first refusal made it
 chase the leader's version, loading state again and again while it was out.) A left-out peer still hears every COMMIT (a leader that speaks
 to it keeps it from asking around and loading state again and again); when its time is over
 it hears our STATUS, catches up (we hold the boundary) and is in the next view. A refusal
@@ -309,7 +312,10 @@ class LeaderRole:
                      if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
             self._missing_at.update((q, now) for q in missing)
             if again:  # no link to them, again: leave them out a while (or it, if they are more)
-                out = missing if 2 * len(missing) <= len(L.view) - 1 else [s]
+                out = missing if 2 * len(missing) < len(L.view) - 1 else [s]
+                if 2 * len(missing) == len(L.view) - 1 and s in self._last_view \
+                        and not set(missing) & set(self._last_view):
+                    out = missing  # a tie: leave out the side that was not in our last round (a newcomer)
                 self._leave_out(out, now, f"{s} is not connected to {', '.join(missing)}")
                 return self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[])
             # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still

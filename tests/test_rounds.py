@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from p2ptrain import roundmsg as M
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.leader import RUNNING
+from p2ptrain.leader import COLLECTING, RUNNING
 from p2ptrain.membership import SYNCED, genesis
 from p2ptrain.roundmsg import Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing
-from p2ptrain.rounds import REFUSAL_BACKOFF, RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.rounds import LEAVE_OUT, REFUSAL_BACKOFF, RoundConfig, RoundMachine, SyncPoint
 
 GENESIS = SyncPoint(0, genesis(b"same init"), -1, 0)
 
@@ -586,6 +586,32 @@ def test_refusals_do_not_loop_the_rest_keep_training():
     assert net.applied("d")[-1][1] == ("a", "b", "c", "d")
     net.check_safety()
     net.check_nothing_lost()
+
+
+@pytest.mark.parametrize("first", ["b", "c"])
+def test_a_replugged_peer_that_reaches_one_of_two_members_is_left_out_not_the_member(first):
+    """Three peers, c replugged: its link to a is back, its link to b not yet. a's views name
+    both; b refuses naming c, c refuses naming b, whichever first: as many missing as reached,
+    so c, not in the last round, is left out, and b, which has trained all along, does not
+    fall behind and load state."""
+    net = cluster("abc", run=0.5)
+    net.cut("a", "c").cut("b", "c")
+    net.run(3.0)  # c goes on alone
+    loads = len(net.resyncs["b"])
+    net.reconnect("a", "c")
+    if first == "c":  # c's refusal decides: on the bus b's comes first, so a is handed c's directly
+        a = net.m["a"]
+        a._missing_at["b"] = net.now  # (named missing a moment ago: this refusal is the second)
+        a.lead.phase, a.lead.view, a.lead.waiting = COLLECTING, ("a", "b", "c"), {"a", "b", "c"}
+        nack = {"t": M.NACK, "r": a.lead.r, "b": list(a.lead.b), "reason": "no link", "missing": ["b"]}
+        net.handle("a", a.on_message("c", nack, net.now))
+    net.run(2.0)
+    assert "b" not in net.m["a"]._left_out and net.m["a"]._is_left_out("c", net.now)
+    assert net.applied("b")[-1][1] == ("a", "b") and len(net.resyncs["b"]) == loads
+    net.reconnect("b", "c")
+    net.run(LEAVE_OUT + 2.0)
+    assert net.applied("b")[-1][1] == ("a", "b", "c") and len(net.resyncs["b"]) == loads
+    net.check_safety()
 
 
 def test_member_that_reaches_fewer_peers_than_it_misses_is_the_one_left_out():
