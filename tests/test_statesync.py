@@ -69,7 +69,8 @@ async def test_a_joiner_loads_the_state_and_then_applies_the_same_rounds():
         await until(lambda: all(t.version >= 3 for t in trainers[:2]), timeout=20)
         trainers[0].busy = True  # a member whose trainer is between rounds makes the joiner wait, not fail
         asyncio.get_running_loop().call_later(0.5, setattr, trainers[0], "busy", False)
-        (joiner,) = await start(["c"], trainers[2:], [FP], [b"other-start"])
+        # (min_peers=2 as the founders: alone before its links form, it must not train rounds of its own)
+        (joiner,) = await start(["c"], trainers[2:], [FP], [b"other-start"], min_peers=2)
         link([*founders, joiner])
         await until(lambda: trainers[2].restored and 2 in {len(c.machine.table.live_synced()) - 1 for c in founders}
                     and trainers[2].version > trainers[2].restored[0] + 2, timeout=30)
