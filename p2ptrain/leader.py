@@ -312,10 +312,9 @@ class LeaderRole:
                      if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
             self._missing_at.update((q, now) for q in missing)
             if again:  # no link to them, again: leave them out a while (or it, if they are more)
-                out = missing if 2 * len(missing) < len(L.view) - 1 else [s]
-                if 2 * len(missing) == len(L.view) - 1 and s in self._last_view \
-                        and not set(missing) & set(self._last_view):
-                    out = missing  # a tie: leave out the side that was not in our last round (a newcomer)
+                fewer = 2 * len(missing) - (len(L.view) - 1)  # < 0: it misses fewer than it reaches
+                newcomers = s in self._last_view and not set(missing) & set(self._last_view)
+                out = missing if fewer < 0 or (fewer == 0 and newcomers) else [s]  # (a tie: the newcomers)
                 self._leave_out(out, now, f"{s} is not connected to {', '.join(missing)}")
                 return self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[])
             # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
