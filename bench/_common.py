@@ -5,8 +5,10 @@ Imported by path like every bench module (``bench/`` on ``sys.path``); stdlib on
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import statistics
+import time
 from typing import Iterable, Sequence
 
 MiB = 1 << 20
@@ -49,3 +51,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_group(master: str, port: int, rank: int, world: int, timeout_s: float):
+    """torch.distributed over gloo for the body, torn down so that no rank aborts at its end.
+
+    Rank 0 hosts the rendezvous store. A rank still tearing its group down when rank 0 has
+    exited dies by SIGABRT inside torch (seen once in three loaded test runs, after every
+    round had finished). So all ranks meet in a barrier, each destroys its group and checks
+    in on the store, and rank 0, the store's host, leaves only once every rank has.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(master, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+        dist.barrier()  # no rank tears gloo down while another still talks to it
+    finally:
+        dist.destroy_process_group()
+    store.add("p2ptrain/left", 1)
+    deadline = time.monotonic() + min(timeout_s, 30.0)
+    while rank == 0 and store.add("p2ptrain/left", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)

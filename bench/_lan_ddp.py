@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from datetime import timedelta
+
+import _common
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,16 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from p2ptrain.tasks import load_task
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank,
-                            world_size=a.world, timeout=timedelta(seconds=a.timeout))
-    try:
+    with _common.gloo_group(a.master, a.port, a.rank, a.world, a.timeout):
         task = load_task("synthetic", {"seed": a.seed, "model_size": a.model_size,
                                        "batch_size": a.batch_size, "data": None, "device": "cpu"})
         model = DistributedDataParallel(task.model)
@@ -67,9 +65,6 @@ def main(argv: list[str] | None = None) -> int:
                                       "round_seconds": time.monotonic() - t0}) + "\n")
                 out.flush()
         del model
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

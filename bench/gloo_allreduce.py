@@ -45,36 +45,32 @@ PORT = 29500  # inside fresh namespaces any port is free
 # ---------------------------------------------------------------- worker (one per rank)
 
 def _worker(a: argparse.Namespace) -> None:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 2 cores, N processes: keep torch's own pool out of the way
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank,
-                            world_size=a.world, timeout=timedelta(seconds=a.timeout))
     rows = []
-    for mib in _parse_sizes(a.sizes):
-        nbytes = _size_bytes(mib)
-        t = torch.empty(nbytes // 4, dtype=torch.float32)
-        times = []
-        for k in range(a.warmup + a.reps):
-            t.fill_(1.0)
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            dt = time.perf_counter() - t0
-            if k == 0 and not (t[0].item() == a.world and t[-1].item() == a.world):
-                raise SystemExit(f"rank {a.rank}: wrong allreduce result {t[0].item()}")
-            if k >= a.warmup:
-                times.append(dt)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        rows.append({"size_bytes": nbytes, "times_s": slowest.tolist()})
-        del t
+    with _common.gloo_group(a.master, a.port, a.rank, a.world, a.timeout):
+        for mib in _parse_sizes(a.sizes):
+            nbytes = _size_bytes(mib)
+            t = torch.empty(nbytes // 4, dtype=torch.float32)
+            times = []
+            for k in range(a.warmup + a.reps):
+                t.fill_(1.0)
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                dt = time.perf_counter() - t0
+                if k == 0 and not (t[0].item() == a.world and t[-1].item() == a.world):
+                    raise SystemExit(f"rank {a.rank}: wrong allreduce result {t[0].item()}")
+                if k >= a.warmup:
+                    times.append(dt)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rows.append({"size_bytes": nbytes, "times_s": slowest.tolist()})
+            del t
     if a.rank == 0:
         print(RESULT_MARK + json.dumps(rows), flush=True)
-    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- launcher
