@@ -96,6 +96,13 @@ def synthetic(kind: str, count: int, n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     if kind == "t":
         return [(rng.standard_t(2.5, n) * 1e-3).astype(np.float32) for _ in range(count)]
+    if kind == "rows":  # an embedding's gradient: only the rows of the batch's tokens are non-zero
+        out = []
+        for _ in range(count):
+            x = (rng.standard_normal((n // 256, 256)) * 1e-3).astype(np.float32)
+            x[rng.random(n // 256) >= 1 / 64] = 0
+            out.append(x.ravel())
+        return out
     return [(rng.standard_normal(n) * 1e-3).astype(np.float32) for _ in range(count)]
 
 
@@ -188,6 +195,8 @@ def main() -> None:
         ("real gradients (causal transformer LM, trained a few steps)", real_gradients(count, args.quick, args.seed)),
         ("synthetic heavy-tailed (Student-t, 2.5 dof, x1e-3)", synthetic("t", count, n, args.seed)),
         ("synthetic Gaussian (x1e-3)", synthetic("gauss", count, n, args.seed)),
+        ("synthetic sparse rows (an embedding's gradient: 1 row of 256 in 64 non-zero)",
+         synthetic("rows", count, n, args.seed)),
     ]
     print(f"# p2ptrain codec benchmark{' (--quick)' if args.quick else ''}\n")
     print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, "

@@ -137,6 +137,10 @@ def _candidates(mag: np.ndarray, k: int, mask: np.ndarray) -> np.ndarray | None:
     The threshold comes from a strided sample, set ~4 sigma (plus 16) lower than the
     sample says the cut is; if too few values pass it anyway, all indices are candidates.
     Either way every value outside ranks below at least k inside, so the result is exact.
+    A chunk that is mostly zeros (an embedding's gradient: only the rows of the batch's
+    tokens) gets a threshold of 0, which everything passes: its candidates are then the
+    non-zeros, plus the first k indices when the non-zeros are fewer than k (those hold
+    the lowest-index zeros that fill the top k). Sorting all of it cost ~20x more.
     ``mask`` is scratch of mag's length.
     """
     n = mag.size
@@ -144,7 +148,12 @@ def _candidates(mag: np.ndarray, k: int, mask: np.ndarray) -> np.ndarray | None:
     expect = sample.size * k / n
     rank = int(expect + 4 * expect**0.5 + 16)
     if rank < sample.size:
-        cand = _nonzero(np.greater_equal(mag, sample[sample.size - rank], out=mask))
+        bound = sample[sample.size - rank]
+        if bound:
+            np.greater_equal(mag, bound, out=mask)
+        elif np.count_nonzero(np.not_equal(mag, 0, out=mask)) < k:
+            mask[:k] = True
+        cand = _nonzero(mask)
         if k <= cand.size <= n // 2:  # past half, gathering costs more than it saves
             return cand
     return None
