@@ -273,8 +273,9 @@ class Cluster:
                 elif kind == "params":
                     actions = self._on_params(args[0], args[1], now)
                 elif kind == "ask":
-                    self._serve(*args)
-                    continue
+                    actions = self._serve(*args)
+                elif kind == "sent":  # our snapshot is on its way to a joiner: hold a while more
+                    actions = m.hold_for(args[0], now)
                 elif kind == "foreign":
                     self._foreign_model(*args)
                     continue
@@ -392,21 +393,29 @@ class Cluster:
             self.source.put_back(*taken)
 
     # -- state transfer -------------------------------------------------------------------
-    def _serve(self, peer: str, ask_id: int, waited: float) -> None:
-        """A joiner asks for our state: capture it at this boundary, or ask the trainer again soon."""
-        if not self.machine.synced:
-            return self.transfer.refuse(peer, ask_id, "not synced itself; ask another member")
-        state = self.source.snapshot()
+    def _serve(self, peer: str, ask_id: int, waited: float) -> list:
+        """A peer asks for our state: capture it at a round boundary, or try again soon. For a
+        joiner we hold the next round from its ask on (as leader), and let one in flight end
+        first: a snapshot taken during a round is one update behind once that round commits."""
+        m, now = self.machine, asyncio.get_running_loop().time()
+        if not m.synced:
+            self.transfer.refuse(peer, ask_id, "not synced itself; ask another member")
+            return []
+        joiner = m.table.state(peer) != SYNCED  # (else a member reconciling: our parameters only)
+        actions = m.hold_for(peer, now, sending=True) if joiner else []
+        state = None if joiner and m.is_leader and m.pending is not None else self.source.snapshot()
         if state is None and waited < SNAPSHOT_WAIT:
             asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2)
         elif state is None:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
-        elif self.machine.table.state(peer) == SYNCED:  # a member reconciling: our parameters only
-            self.transfer.serve(peer, ask_id, state, self.machine.sync_point())
-        else:  # a joiner: with our History (it can then tell a split from lagging, as we can), and we
-            lineage = [[v, d] for v, d in self.machine.history.recent(WINDOW)]  # hold the next round
-            self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, self.machine.sync_point())
-            self.machine.hold_for(peer, asyncio.get_running_loop().time())
+            actions += m.hold_for(peer, now)
+        elif not joiner:
+            self.transfer.serve(peer, ask_id, state, m.sync_point())
+        else:  # with our History: it can then tell a split from lagging, as we can
+            lineage = [[v, d] for v, d in m.history.recent(WINDOW)]
+            self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, m.sync_point(),
+                                on_sent=lambda: self._post("sent", peer))
+        return actions
 
     async def _fetch_state(self, source: str) -> None:
         """Download a snapshot, from ``source`` first, then from any synced member, until one loads."""

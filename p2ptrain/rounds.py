@@ -36,6 +36,7 @@ one is counted in ``counters``.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -187,12 +188,18 @@ class RoundMachine(LeaderRole, LineageRole):
             self.pending, self.lead, self.synced, self._left = None, None, False, True
         return self._run(now, go)
 
-    def hold_for(self, peer: str, now: float) -> list:
-        """We just sent ``peer`` our state. As leader, hold the next boundary (``join_hold`` at
-        most) until it reports that state, so that it does not fall behind while it loads."""
+    def hold_for(self, peer: str, now: float, sending: bool = False) -> list:
+        """We are sending ``peer`` our state (``sending``), or have sent it. As leader, hold the
+        next boundary for as long as the snapshot is on its way, then ``join_hold`` at most
+        until the peer reports that state, so that it is not behind once it has loaded. (A
+        hold of ``join_hold`` from the start left a joiner whose download took longer, a big
+        model over Wi-Fi, behind after every load: it loaded again, and never caught up.)"""
         def go():
-            if self.lead is not None and not self._is_left_out(peer, now):
-                self._admit[peer], self._held[peer] = now + self.config.join_hold, self.history.version
+            if sending:
+                if self.lead is not None and not self._is_left_out(peer, now):
+                    self._admit[peer], self._held[peer] = math.inf, self.history.version
+            elif self._admit.get(peer) == math.inf:
+                self._admit[peer] = now + self.config.join_hold
         return self._run(now, go)
 
     def sync_point(self) -> SyncPoint:

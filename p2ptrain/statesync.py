@@ -147,22 +147,27 @@ class StateTransfer:
     def refuse(self, peer: str, ask_id: int, why: str) -> None:
         self._spawn(self._send(peer, {"t": wire.STATE, "k": REFUSE, "id": ask_id, "why": why[:200]}))
 
-    def serve(self, peer: str, ask_id: int, state: dict, point: SyncPoint) -> None:
-        """Send ``state`` (captured at ``point``) to ``peer``. Packs now, sends in the background."""
+    def serve(self, peer: str, ask_id: int, state: dict, point: SyncPoint,
+              on_sent: Callable[[], None] = lambda: None) -> None:
+        """Send ``state`` (captured at ``point``) to ``peer``. Packs now, sends in the background;
+        ``on_sent()`` once the sending is over, whether every part went or not."""
         buffers = snapshot.pack(state)
         blob = memoryview(b"".join(buffers))
         checksum = snapshot.tensors_checksum(state["model"].items())
         n = -(-blob.nbytes // PART_BYTES)
         head = {"t": wire.STATE, "k": PART, "id": ask_id, "n": n, "size": blob.nbytes, "checksum": checksum,
                 "sync": [point.version, point.digest, point.round, point.epoch]}
-        self._spawn(self._send_parts(peer, head, blob))
+        self._spawn(self._send_parts(peer, head, blob, on_sent))
 
-    async def _send_parts(self, peer: str, head: dict, blob: memoryview) -> None:
-        for i in range(head["n"]):
-            part = blob[i * PART_BYTES: (i + 1) * PART_BYTES]
-            if not await self._send(peer, {**head, "i": i}, [part], timeout=FLOOR_S + part.nbytes / MIN_RATE):
-                return
-        log.info("sent a snapshot of %.1f MB to %s", blob.nbytes / 1e6, peer)
+    async def _send_parts(self, peer: str, head: dict, blob: memoryview, on_sent: Callable[[], None]) -> None:
+        try:
+            for i in range(head["n"]):
+                part = blob[i * PART_BYTES: (i + 1) * PART_BYTES]
+                if not await self._send(peer, {**head, "i": i}, [part], timeout=FLOOR_S + part.nbytes / MIN_RATE):
+                    return
+            log.info("sent a snapshot of %.1f MB to %s", blob.nbytes / 1e6, peer)
+        finally:
+            on_sent()
 
     async def _send(self, peer: str, header: dict, payload=(), timeout: float = 10.0) -> bool:
         try:
