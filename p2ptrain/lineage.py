@@ -13,12 +13,14 @@ Lineage. Committed rounds form a hash chain (``membership.History``). READY carr
 digest): a member whose chain differs from the leader's is dropped. Peers compare chains in
 STATUS (on connect, after loading state, when told, when idle too long): on one chain the
 peer behind loads state (``Resync``); across a split ``heal_decision`` picks the side. The
-leader holds the boundary (``join_hold``) while a joiner catches up.
+leader holds the boundary while it sends a joiner its state, and ``join_hold`` more while the
+joiner loads it.
 
 One chain, or a split. A peer compares the (version, digest) of another's STATUS with its own
 chain (``membership.relation``). On one chain the peer behind loads state (it lacks updates that
-exist), from the leader if it reaches it (the leader holds while it loads), else from the peer
-ahead; the peer ahead just answers with its STATUS. Across a split ``membership.heal_decision``
+exist), from the leader (which holds its rounds while it loads): a peer not yet linked to the
+leader waits ``LEADER_WAIT`` for the link before it loads from the peer ahead (whose rounds go
+on, so it would be behind again once loaded). The peer ahead just answers with its STATUS. Across a split ``membership.heal_decision``
 picks the side that keeps its state: both sides weigh the same two lineages, so exactly one of
 them loads.
 
@@ -35,13 +37,17 @@ from p2ptrain.membership import History, Lineage, heal_decision, relation
 from p2ptrain.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
 
 
+LEADER_WAIT = 1.0  # seconds a peer that is behind waits for a link to the leader to load from it
+
+
 class LineageRole:
     """The lineage half of ``RoundMachine`` (a mixin: it has no state or plumbing of its own
     but what ``_init_lineage`` sets)."""
 
     def _init_lineage(self) -> None:
         self._out_until = float("-inf")  # a leader leaves us out of its views until then
-        self._load_later: tuple = ()  # (reason, source, leader): behind while left out, we load when it ends
+        self._load_later: tuple = ()  # (reason, source, leader): a load put off, until _load_at (or left out)
+        self._load_at = float("-inf")
         self._side_leader = ""  # the leader of the side whose state we load
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
 
@@ -128,6 +134,10 @@ class LineageRole:
                 if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
                     self.counters["behind_left_out"] += 1  # load once our time left out is over
                     self._load_later = (reason, src, leader)
+                elif rel == "ahead" and src != leader != self.id:  # no link to its leader yet: wait for
+                    if not self._load_later:  # one a moment (only a leader holds its rounds while we
+                        self._load_at = now + LEADER_WAIT  # load; from another, we would end behind)
+                    self._load_later = (reason, src, leader)
                 else:
                     return self._resync(reason, src, now, leader)
         if not m["re"]:
@@ -148,7 +158,7 @@ class LineageRole:
     def _resync(self, reason: str, source: str, now: float, leader: str = "") -> None:
         """Load state from ``source``, of the side that ``leader`` leads (``on_synced`` backs
         off from leading while that leader is not seen synced: the side has one)."""
-        self._load_later, self._side_leader = (), leader
+        self._load_later, self._load_at, self._side_leader = (), float("-inf"), leader
         if self.lead:
             self._step_down(now, "loading state")
         if self.pending and not self.pending.started:
@@ -160,9 +170,15 @@ class LineageRole:
         self._broadcast(self._status(), self._peers())
 
     def _tick_lineage(self, now: float) -> None:
-        """On a tick: a load put off while the leader left us out, once that time is over."""
-        if self._load_later and now >= self._out_until and self.synced:
-            reason, src, leader = self._load_later
-            if self.table.is_live(src):
-                self._resync(reason, src, now, leader)
-            self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
+        """On a tick: a load put off, once the leader no longer leaves us out and the wait for
+        a link to it is over (from it as soon as it is linked)."""
+        if not (self._load_later and now >= self._out_until and self.synced):
+            return
+        reason, src, leader = self._load_later
+        if leader != self.id and self.table.is_live(leader):
+            src = leader
+        elif now < self._load_at:
+            return
+        if self.table.is_live(src):
+            self._resync(reason, src, now, leader)
+        self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)

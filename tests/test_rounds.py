@@ -836,6 +836,30 @@ def test_leader_holds_the_boundary_while_a_joiner_catches_up():
     assert len(net.sent("a", M.PROPOSE)) > n + 5 and net.sent("a", M.PROPOSE)[-1]["view"] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize("leader_link", ["forms", "never"])
+def test_a_joiner_waits_a_moment_for_a_link_to_the_leader_to_load_from_it(leader_link):
+    """Only the leader holds its rounds while a joiner loads: loaded from another member, it
+    was behind once loaded, and loaded again. With no link to the leader, it loads from
+    the member after ``LEADER_WAIT``."""
+    from p2ptrain.lineage import LEADER_WAIT
+
+    net = cluster("bc", run=0.5)
+    net.manual_sync.add("z")
+    net.add("z")
+    net.cut("z", "b")  # z's link to the leader b is not up yet; c's STATUS names b
+    net.handle("z", net.m["z"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(LEADER_WAIT * 0.6)
+    assert not net.resyncs["z"]
+    if leader_link == "forms":
+        net.reconnect("z", "b")
+        net.run(0.3)
+        assert net.resyncs["z"] and net.needs_sync["z"] == "b"
+    else:
+        net.run(LEADER_WAIT)
+        assert net.resyncs["z"] and net.needs_sync["z"] == "c"
+    assert len(net.resyncs["z"]) == 1
+
+
 def test_min_peers_no_proposal_and_one_clear_log():
     net = Net("ab", min_peers=3)
     net.found()
