@@ -274,7 +274,7 @@ class LeaderRole:
             return
         if L.failed:
             return self._abort(now, f"the ring failed at {', '.join(sorted(L.failed))}", drop=[])
-        self.timers["ring"].record(now - L.since, self._link_bytes(len(L.view)))
+        self._record_ring(now - L.since, L.view)
         sums = {self.table.get(p).checksum for p in L.view if self.table.get(p)} - {None}
         if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
             self._emit(Log("info", f"round {L.r}: parameter checksums differ ({len(sums)} kinds)"))

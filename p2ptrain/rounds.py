@@ -117,6 +117,7 @@ class RoundMachine(LeaderRole, LineageRole):
         self._init_lineage()  # a leader leaving us out of its views, and a load put off until then
         self.counters: Counter = Counter()
         self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
+        self._timed_view: frozenset = frozenset()  # the view whose rings timers["ring"] has measured
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
         self._seen_r = -1  # the highest round number seen in any proposal
         self._proposed: tuple = ()  # the last attempt proposed to us that we took up
@@ -433,7 +434,7 @@ class RoundMachine(LeaderRole, LineageRole):
     def _finish(self, p: _Pending, committed: bool, now: float) -> None:
         self.pending, self.round = None, max(self.round, p.r)
         self._log.append((p.r, p.b, committed))
-        self.timers["ring"].record(now - p.since, self._link_bytes(len(p.view)))
+        self._record_ring(now - p.since, p.view)
         self.table.mark_served(p.view)
         if not committed:
             self._emit(PutBack(p.r))
@@ -470,12 +471,22 @@ class RoundMachine(LeaderRole, LineageRole):
     def _link_bytes(self, n: int) -> int:
         return 2 * (n - 1) * self._nbytes // n if n > 1 else 0  # what a ring moves per link
 
-    def _deadline(self, phase: str, n: int) -> float:
+    def _record_ring(self, seconds: float, view) -> None:
+        """A ring's duration, learned per view: other peers make another ring (a laptop on
+        Wi-Fi joining two wired desktops makes every round several times slower), so a new
+        view starts from the timer's defaults, not from the pace of the old one. (Its first
+        rounds, aborted at the old pace, left that laptop out, behind, loading state again.)"""
+        if frozenset(view) != self._timed_view:
+            self.timers["ring"], self._timed_view = RoundTimer(self.config.floor), frozenset(view)
+        self.timers["ring"].record(seconds, self._link_bytes(len(view)))
+
+    def _deadline(self, phase: str, view) -> float:
         if phase == QUERYING:
             return self.config.query_timeout
         if phase in (COLLECTING, READIED):
             return self.timers["ready"].deadline()
-        return self.timers["ring"].deadline(self._link_bytes(n))
+        timer = self.timers["ring"] if frozenset(view) == self._timed_view else RoundTimer(self.config.floor)
+        return timer.deadline(self._link_bytes(len(view)))
 
     def _tick(self, now: float) -> None:
         self._tick_lineage(now)
@@ -484,7 +495,7 @@ class RoundMachine(LeaderRole, LineageRole):
         L, p = self.lead, self.pending
         if L is not None and L.phase in (QUERYING, COLLECTING, RUNNING):
             waited = now - L.since
-            if waited >= L.mark * self._deadline(L.phase, len(L.view)):
+            if waited >= L.mark * self._deadline(L.phase, L.view):
                 what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[L.phase]
                 self._emit(Stall(tuple(sorted(L.waiting)), what, waited, L.r))
                 if L.mark < 1.0:
@@ -503,7 +514,7 @@ class RoundMachine(LeaderRole, LineageRole):
             self._broadcast(self._status(), self._peers())
         if p is not None and p.phase in (READIED, RINGED) and p.b[1] != self.id:
             waited = now - p.since
-            if waited >= p.mark * self._deadline(p.phase, len(p.view)):
+            if waited >= p.mark * self._deadline(p.phase, p.view):
                 self._emit(Stall((p.b[1],), "start" if p.phase == READIED else "decision", waited, p.r))
                 p.mark *= 2
                 if p.phase == READIED:  # our READY, or its START or ABORT, may have been lost with a link:

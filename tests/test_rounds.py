@@ -50,6 +50,9 @@ class Net:
         self.needs_sync = {}  # peers told to load state -> from whom: the auto host does it
         self.manual_sync = set()  # ... except for these
         self.budget = Counter()  # auto host: one batch per peer per tick (compute takes time)
+        self.nbytes = 4000  # each contribution's buffer (the ring deadlines scale with it)
+        self.ring_time = 0.0  # seconds a ring takes once all of its view started it (or a function of the view)
+        self.full_at = {}  # (r, view) -> when the last member started it
         for p in ids:
             self.add(p)
 
@@ -137,6 +140,8 @@ class Net:
             elif isinstance(a, StartRing):
                 assert self.out[p][a.r] > 0, "a ring without a contribution"
                 self.started[(a.r, a.view)] = self.started.get((a.r, a.view), set()) | {p}
+                if self.started[(a.r, a.view)] >= set(a.view):
+                    self.full_at.setdefault((a.r, a.view), self.now)
                 self.running[p].append((a.r, a.view))
                 self.ringed[p].add(a.r)
                 if self.crash_at.get(p) == a.r:
@@ -186,7 +191,7 @@ class Net:
         self.asked[p][r] -= 1
         self.out[p][r] += 1
         n = samples if samples is not None else 10 + sorted(self.m).index(p)
-        self.handle(p, self.m[p].on_contribution_ready(r, n, self.now, nbytes=4000))
+        self.handle(p, self.m[p].on_contribution_ready(r, n, self.now, nbytes=self.nbytes))
 
     def ring_ready(self, p):
         """The first ring p runs that can end now: (r, view, ok) or None."""
@@ -194,7 +199,8 @@ class Net:
             key = (r, view)
             if key in self.ring_bad:
                 return r, view, False
-            if self.started.get(key, set()) >= set(view):
+            took = self.ring_time(view) if callable(self.ring_time) else self.ring_time
+            if self.started.get(key, set()) >= set(view) and self.now >= self.full_at[key] + took:
                 return r, view, True
         return None
 
@@ -858,6 +864,25 @@ def test_a_joiner_waits_a_moment_for_a_link_to_the_leader_to_load_from_it(leader
         net.run(LEADER_WAIT)
         assert net.resyncs["z"] and net.needs_sync["z"] == "c"
     assert len(net.resyncs["z"]) == 1
+
+
+def test_a_view_with_a_slower_peer_is_timed_afresh_not_at_the_old_views_pace():
+    """Two wired desktops, then a laptop on Wi-Fi joins: every ring with it is far slower. Its
+    first rounds used to be aborted at the pace the desktops had set (the 5 s floor here), so it
+    was left out, fell behind and loaded state again, for ever."""
+    net = Net("ab")
+    net.nbytes, net.ring_time = 40 << 20, 0.2  # 40 MB of gradients; 0.2 s rings between a and b
+    net.found()
+    net.run(6.0)
+    assert len(net.applied("a")) >= 10
+    net.ring_time = lambda view: 8.0 if "c" in view else 0.2  # with c: 53 MB per link at ~7 MB/s
+    net.add("c")
+    net.handle("c", net.m["c"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(40.0)
+    with_c = [view for _, view, _ in net.applied("a") if "c" in view]
+    loaded = {why.split(" has version ")[1] for why in net.resyncs["c"]}  # (told by a and by b)
+    assert len(with_c) >= 3 and len(loaded) == 1, (with_c, net.resyncs["c"])
+    assert not [a for a in net.of("a", Log) if "timed out" in a.text]
 
 
 def test_min_peers_no_proposal_and_one_clear_log():
