@@ -256,6 +256,9 @@ class Mesh:
                 if frame.type == wire.BYE:  # the link's own farewell (round GOODBYEs pass on)
                     why = "said goodbye"
                     return
+                if frame.type == wire.REJECT:  # it closes the link: a frame of ours broke its decoder
+                    why = f"closed by the peer: {str(frame.header.get('reason'))[:100]}"
+                    return
                 result = self._on_message(pid, frame.header)
                 if asyncio.iscoroutine(result):
                     await result

@@ -120,7 +120,9 @@ def parse(msg: object) -> dict:
     """A round message, checked field by field: the fields of its type, normalised (ballots and
     views as tuples); unknown fields are dropped, and an optional one that is absent (a NACK's
     ``missing`` from an older peer) reads as None. Raises ``RemoteProtocolError`` on anything else."""
-    _need(isinstance(msg, dict) and isinstance(msg.get("t"), str) and msg["t"] in _SCHEMA, "unknown message type")
+    if not (isinstance(msg, dict) and isinstance(msg.get("t"), str) and msg["t"] in _SCHEMA):
+        kind = str(msg.get("t"))[:20] if isinstance(msg, dict) else type(msg).__name__
+        _need(False, f"unknown message type {kind!r}")
     return {"t": msg["t"], **{name: check(msg.get(name)) for name, check in _SCHEMA[msg["t"]].items()}}
 
 

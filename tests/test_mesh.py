@@ -103,6 +103,21 @@ async def test_goodbye_and_crash_are_reported_once():
             await p.mesh.close()
 
 
+async def test_a_peer_that_finds_our_frames_malformed_closes_the_link_with_its_reason():
+    # It sends REJECT on the link (its decoder failed on something of ours): that is the link
+    # ending, with the peer's reason, not a round message of an unknown type.
+    peers = await started("a", "b")
+    try:
+        await everyone_proposes_everyone(peers)
+        await until(lambda: all(len(p.mesh.peers) == 1 for p in peers))
+        peers[1].mesh._links["a"]._refuse("malformed frame")
+        await until(lambda: peers[0].lost)
+        assert peers[0].lost == [("b", "closed by the peer: malformed frame")] and peers[0].messages == []
+    finally:
+        for p in peers:
+            await p.mesh.close()
+
+
 async def test_wrong_secret_is_never_admitted():
     (good,) = await started("a")
     (bad,) = await started("z", secret=b"wrong")
