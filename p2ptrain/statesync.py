@@ -37,7 +37,9 @@ from p2ptrain.tasks import fingerprint_diff
 log = logging.getLogger("p2ptrain.statesync")
 
 PART_BYTES = 4 << 20  # a part is one frame: round messages interleave between parts
-MIN_RATE = 10e6  # bytes/s: a transfer slower than this (plus a floor) is given up on
+# A transfer is given up on when a part (PART_BYTES) takes longer than FLOOR_S plus its time at
+# MIN_RATE, either way; a slow link that keeps moving (a big model over Wi-Fi) is waited for.
+MIN_RATE = 10e6  # bytes/s
 FLOOR_S = 20.0
 ASK, PART, REFUSE, MODEL = "ask", "part", "refuse", "model"
 
@@ -201,9 +203,9 @@ class StateTransfer:
                     raise LinkError(f"{peer} refused to send its state: {why}")
                 if assembly is None:
                     assembly = Assembly(frame.header, self.limit)
-                    deadline = loop.time() + FLOOR_S + assembly.size / MIN_RATE
                 if assembly.add(frame.header, frame.payload):
                     break
+                deadline = loop.time() + FLOOR_S + PART_BYTES / MIN_RATE  # the next part
         finally:
             self._fetches.pop(ask_id, None)
         state = snapshot.unpack(assembly.buffer)
