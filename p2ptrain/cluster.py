@@ -21,6 +21,13 @@ round machine). A member whose checksum at the same point of the chain differs d
 leader's state while it goes on taking part in rounds, and the trainer loads it when its own
 parameters reach that point (``source.reconcile``): nothing it computed is voided.
 
+Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
+``residual``: of its own contribution and of the partial sums it forwarded) is added to its
+contribution in the next round, so the applied updates plus what is still owed always sum to
+the gradients computed. It is owed from the round's commit on; an aborted round leaves the
+residual owed before it as it was (two buffers of the model's size: the owed one, and the one
+a ring writes).
+
 The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
 meeting a cluster that is ahead, or a bigger side after a split, makes the machine ask for a
@@ -150,6 +157,11 @@ class Cluster:
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
         self._waiting_take: list[int] = []  # rounds asked for a contribution the source did not have yet
         self._results: dict[int, np.ndarray] = {}
+        # Error feedback (lossy codecs): what our encodes dropped in the rounds applied so far,
+        # added to our next contribution; a round's own residual replaces it when it commits.
+        self._residual: np.ndarray | None = None
+        self._residual_next: dict[int, np.ndarray | None] = {}
+        self._residual_spare: np.ndarray | None = None  # (the buffer the next ring writes into)
         self._rings: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
@@ -282,6 +294,7 @@ class Cluster:
                 elif kind == "restored":
                     window = tuple(args[0].pop(LINEAGE, None) or ())
                     self.source.restore(args[0])
+                    self._residual = None  # (owed for gradients that were voided with the accumulator)
                     self.loads.append(args[1])
                     self._own_sums.clear()
                     self._leader_sums.clear()
@@ -352,20 +365,31 @@ class Cluster:
     async def _ring(self, r: int, view: tuple[str, ...]) -> None:
         vector, _ = self._taken[r]
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
-            self._results[r] = vector
+            owed = self._residual
+            self._results[r] = vector if owed is None or len(owed) != len(vector) else vector + owed
+            self._residual_next[r] = None  # (exact: nothing is owed after it)
             self._rings.pop(r, None)
             self._post("ring_done", r, True, None)
             return
-        work = vector.copy()  # (the vector stays whole: an aborted round puts it back)
+        # The vector stays whole (an aborted round puts it back), and so does the residual
+        # owed from earlier rounds: the ring writes this round's into the spare buffer.
+        owed = self._residual if self._residual is not None and len(self._residual) == len(vector) else None
+        work = vector.copy() if owed is None else vector + owed
+        residual, self._residual_spare = self._residual_spare, None
+        if self.codec.lossless:
+            residual = None
+        elif residual is None or len(residual) != len(work):
+            residual = np.empty_like(work)
         ok = True
         try:
             rank, n = view.index(self.peer_id), len(view)
             run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                 recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
-                                trace=self.trace)
+                                residual=residual, trace=self.trace)
             self._ring_stats[r] = await run.run()
             self._results[r] = work
+            self._residual_next[r] = residual
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok = False
@@ -376,6 +400,10 @@ class Cluster:
     def _apply(self, r: int, total: int) -> None:
         summed = self._results.pop(r, None)
         self._taken.pop(r, None)
+        if r in self._residual_next:  # committed: what this round dropped is owed from now on
+            owed, self._residual = self._residual, self._residual_next.pop(r)
+            if owed is not None:
+                self._residual_spare = owed
         if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
             self.source.apply(summed, total)
         self.applied += 1
@@ -388,6 +416,7 @@ class Cluster:
         if ring is not None:
             ring.cancel()
         self._results.pop(r, None)
+        self._residual_next.pop(r, None)  # (the residual owed before it is still owed)
         taken = self._taken.pop(r, None)
         if taken is not None:
             self.source.put_back(*taken)

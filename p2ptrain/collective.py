@@ -10,9 +10,11 @@ Chunks pass through a codec (``p2ptrain.codecs``):
 - all-gather: the owner of a segment encodes its final sum once, and every peer, the owner
   too, decodes those same bytes, which are forwarded unchanged around the ring. So every peer
   ends with bit-identical values, whatever the codec.
-- error feedback (optional): what a lossy encode dropped, ``x - decode(encode(x))``, is kept
-  per value in ``feedback`` and added to the next call's input. Every value is encoded exactly
-  once per peer per call, so one float32 buffer of the input's size holds it all.
+- error feedback (optional): what a lossy encode dropped, ``x - decode(encode(x))``, is
+  written per value into ``residual``; the caller adds it into the next call's input (the
+  ``Group`` keeps it across calls, the ``Cluster`` until its round commits). Every value is
+  encoded exactly once per peer per call, so one float32 buffer of the input's size holds it
+  all, and every value of it is written.
 
 With the ``none`` codec nothing is copied in Python: chunks are sent from the work buffer's
 memory, and all-gather chunks are received straight into it (the link's allocator).
@@ -24,7 +26,7 @@ own codec instance: zstd contexts are not thread-safe.
 
 Failure: any error (link lost, timeout, bad chunk) cancels both tasks and is raised; the
 work buffer then holds partial sums and the links are unusable, so the caller must close
-them. ``feedback`` is left consistent only on success.
+them. ``residual`` is complete only on success.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class RingAllreduce:
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
-                 feedback: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE):
+                 residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
         self.work = work
@@ -147,7 +149,7 @@ class RingAllreduce:
         self.trace = trace  # p2ptrain.trace: spans of encode, send, receive-wait, reduce per chunk
         self.op_id = op_id
         self.timeout = timeout
-        self.feedback = feedback
+        self.residual = residual
         self.stats = AllreduceStats()
         self._arrived: set[tuple[int, int]] = set()
         self._progress = asyncio.Event()
@@ -160,10 +162,9 @@ class RingAllreduce:
 
     async def run(self) -> AllreduceStats:
         if self.plan.size == 1 or len(self.work) == 0:
+            if self.residual is not None:
+                self.residual.fill(0)  # (alone, the sum is exact)
             return self.stats
-        if self.feedback is not None:
-            np.add(self.work, self.feedback, out=self.work)
-            self.feedback[:] = 0
         self.recv_link.set_allocator(self._allocate)
         try:
             sender = asyncio.ensure_future(self._send_all())
@@ -211,12 +212,12 @@ class RingAllreduce:
         """Encode our values; keep the residual; the owner adopts its own decoded final sum."""
         if self.codec.is_identity:
             return {}, [memoryview(src)]
-        if self.feedback is None:
+        if self.residual is None:
             # The owner's final sum is decoded straight into place (the payload is apart).
             enc = self.codec.encode_decoded(src, src) if final else self.codec.encode(src)
             return enc.params, enc.buffers
         start = src.__array_interface__["data"][0] - self.work.__array_interface__["data"][0]
-        residual = self.feedback[start // 4 : start // 4 + len(src)]
+        residual = self.residual[start // 4 : start // 4 + len(src)]
         if not final:
             enc = self.codec.encode_residual(src, residual)
             return enc.params, enc.buffers

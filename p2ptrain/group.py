@@ -198,6 +198,7 @@ class Group:
             feedback = None
             if error_feedback and not codec.lossless:
                 feedback = self._feedback.setdefault(key, np.zeros(len(work), np.float32))
+                np.add(work, feedback, out=work)  # what the last call dropped; the ring rewrites it
             if self.size > 1 and len(work):
                 if self._executor is None and self.codec_threads and not codec.is_identity:
                     self._executor = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="p2ptrain-codec")
@@ -206,7 +207,7 @@ class Group:
                                     recv_link=self._links[(self.rank - 1) % self.size],
                                     codec=codec, op_id=self._next_op,
                                     chunk_elems=chunk_elems_for(len(work), self.size, self.chunk_elems),
-                                    timeout=self.timeout, feedback=feedback, executor=self._executor)
+                                    timeout=self.timeout, residual=feedback, executor=self._executor)
                 self._next_op += 1
                 try:
                     self.last_stats = await run.run()

@@ -6,7 +6,9 @@ import pytest
 
 from helpers import until
 
+from p2ptrain import cluster as cluster_module
 from p2ptrain.cluster import Cluster
+from p2ptrain.errors import GroupError
 from p2ptrain.rounds import RoundConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,3 +98,65 @@ async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
             await clusters[2].mesh.close()
     for t in trainers[:2]:  # every sample given was applied or is the one still in flight
         assert t.samples_given - len(t.applied) in (0, 1), (t.samples_given, len(t.applied), t.put_backs)
+
+
+class QueuedTrainer:
+    """Contributes ``rounds`` fixed random vectors, then nothing; a put-back one comes again first."""
+
+    def __init__(self, seed, rounds):
+        rng = np.random.default_rng(seed)
+        self.queue = [rng.standard_normal(LENGTH).astype(np.float32) for _ in range(rounds)]
+        self.given = np.sum(self.queue, axis=0, dtype=np.float64)
+        self.applied = []
+        self.put_backs = 0
+
+    def take(self):
+        return (self.queue.pop(0), 1) if self.queue else None
+
+    def apply(self, summed, total):
+        self.applied.append(summed.copy())
+
+    def put_back(self, contribution, samples):
+        self.queue.insert(0, contribution.copy())
+        self.put_backs += 1
+
+
+@pytest.mark.parametrize("abort", [False, True])
+async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it(abort, monkeypatch):
+    """Nothing lost: with top-k, what the rounds applied plus what each peer still owes (its
+    residual) adds up to every gradient contributed. Without error feedback 90% is gone.
+    With ``abort``, a round whose rings both ran (and wrote residuals) is aborted: it leaves
+    the residual owed before it as it was, and its contributions come back."""
+    if abort:
+        class FailsOnce(cluster_module.RingAllreduce):
+            calls = 0
+
+            async def run(self):
+                stats = await super().run()
+                FailsOnce.calls += 1
+                if FailsOnce.calls == 5:  # (the third round: each peer's ring is one call)
+                    raise GroupError("injected after the ring ran")
+                return stats
+
+        monkeypatch.setattr(cluster_module, "RingAllreduce", FailsOnce)
+    rounds = 6
+    trainers = [QueuedTrainer(seed, rounds) for seed in (1, 2)]
+    clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
+                        config=RoundConfig(min_peers=2)) for pid, t in zip("ab", trainers)]
+    try:
+        for c in clusters:
+            await c.__aenter__()
+        clusters[0].propose("127.0.0.1", clusters[1].port)
+        await until(lambda: all(len(t.applied) == rounds for t in trainers), timeout=30)
+        for a, b in zip(*(t.applied for t in trainers)):
+            assert np.array_equal(a, b)  # every peer applied the same sums
+        applied = np.sum(trainers[0].applied, axis=0, dtype=np.float64)
+        owed = [np.zeros(LENGTH) if c._residual is None else c._residual for c in clusters]
+        given = trainers[0].given + trainers[1].given
+        assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
+        assert np.abs(applied - given).max() > 1.0  # (what the feedback carries is not small)
+        assert all(np.count_nonzero(o) > LENGTH // 2 for o in owed)  # both owe, each its own part
+        assert all(t.put_backs == (1 if abort else 0) for t in trainers)
+    finally:
+        for c in clusters:
+            await c.close()
