@@ -1,5 +1,5 @@
 """Faults with real processes (``python -m p2ptrain join`` on loopback): a member killed with
-SIGKILL, the coordinator killed, a peer joining mid-training from other parameters, a graceful
+SIGKILL, the coordinator killed, a laptop's lid closed and opened (SIGSTOP, SIGCONT), a peer joining mid-training from other parameters, a graceful
 leave. After each, the survivors keep training, every sample they computed is applied (their
 per-round contributions add up to what they stepped, less batches voided by a state load,
 which are counted), and their parameters agree."""
@@ -163,6 +163,36 @@ def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
             assert not any("event" in r for r in since) and rounds == sorted(set(rounds)), \
                 (n, [r.get("event", r["round"]) for r in since], peers.log(n)[-3000:])
     finally:
+        peers.stop_all()
+
+
+def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path):
+    """A frozen process (SIGSTOP: a lid closed, its sockets still open) stalls the other for
+    one silence timeout, not for ever; when it wakes (SIGCONT) it is behind, loads the state,
+    and trains in the view again, with nothing lost but its batch from before the lid closed."""
+    peers = Peers(tmp_path, extra=["--min-peers", "1"])
+    try:
+        for name in "ab":
+            peers.start(name)
+        peers.wait("rounds of 2", lambda: all(sum(r["members"] == 2 for r in peers.rounds(n)) >= 5 for n in "ab"))
+        peers.procs["b"].send_signal(signal.SIGSTOP)
+        base = len(peers.rounds("a"))
+        peers.wait("a goes on alone", lambda: sum(r["members"] == 1 for r in peers.rounds("a")[base:]) >= 5)
+        woke_at = time.time()
+        peers.procs["b"].send_signal(signal.SIGCONT)
+        base = {n: len(peers.rounds(n)) for n in "ab"}
+        peers.wait("rounds of 2 again", lambda: all(
+            sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in "ab"))
+        for n in "ab":
+            peers.procs[n].send_signal(signal.SIGTERM)
+        for n in "ab":
+            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        assert [reason.split(":")[0] for reason in load_reasons(peers, "b", woke_at)] == ["behind"], peers.log("b")[-3000:]
+        assert_nothing_lost_and_replicas_agree(peers, "ab")
+    finally:
+        for p in peers.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
         peers.stop_all()
 
 
