@@ -321,6 +321,8 @@ class AsyncPeer(ContributionsSide):
         updates committed since the last call. Returns how many were applied."""
         if self._begin_step(batch_size):
             await asyncio.wrap_future(self._thread.submit(self._wait(self._must_wait, self.step_timeout)))
+        else:  # yield even so: a loop whose step never waits (staleness >= 1) would starve the
+            await asyncio.sleep(0)  # caller's other tasks, and its signal handlers (Ctrl-C) with them
         return self._end_step()
 
     def _step_blocking(self, batch_size: int) -> int:

@@ -228,3 +228,34 @@ def test_overhead_bench_quick():
     assert p.returncode == 0, p.stderr[-1500:]
     rows = [line for line in p.stdout.splitlines() if line.startswith(("| p2ptrain", "| plain"))]
     assert [r.split("|")[1].strip() for r in rows] == ["plain", "p2ptrain s0", "p2ptrain s1"]
+
+
+async def test_step_yields_to_the_callers_loop_even_when_it_need_not_wait():
+    """At staleness 1 a step seldom waits; it must still let the caller's loop run (its other
+    tasks, and its signal handlers: Ctrl-C on ``join --staleness 1`` went unseen for minutes)."""
+    mine = ports(2)
+    addrs = [f"127.0.0.1:{p}" for p in mine]
+    peers = [AsyncPeer(*make(), listen=a, peers=addrs, discovery=False, staleness=1, min_peers=2, secret="s")
+             for a in addrs]
+    turns, starved = 0, 0
+
+    async def other_task():
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    async with peers[0], peers[1]:
+        other = asyncio.get_running_loop().create_task(other_task())
+        try:
+            for k in range(60):
+                for peer in peers:
+                    x, y = batch(k)
+                    F.cross_entropy(peer.model(x), y).backward()
+                    before = turns
+                    await peer.step(batch_size=len(x))
+                    starved += turns == before
+        finally:
+            other.cancel()
+        assert starved == 0  # (it was 398 of 400 steps before)
+        assert min(p.version for p in peers) >= 1  # (they trained together)
