@@ -80,6 +80,10 @@ class RoundConfig:
     query_timeout: float = 5.0  # a takeover waits this long for STATUS; idle peers re-announce at twice it
     floor: float = RoundTimer.FLOOR_S  # the shortest deadline of a phase (see RoundTimer)
     stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline
+    # A member still computing its batch is waited for up to this many ready deadlines (the
+    # stalls warn at 1, 2, 4): dropping a live member from a round would make it load the
+    # state again. A dead one is caught by its silence (peer_timeout) or its link, not this.
+    ready_patience: float = 8.0
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
     target_batch_size: int = 0  # > 0: the leader proposes once its view holds this many samples (HAVE)
 
@@ -289,6 +293,8 @@ class RoundMachine(LeaderRole, LineageRole):
             self._withdraw(p)
         new_leader = (self.promised or (0, None))[1] != b[1]
         self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
+        if p is not None and not p.started and p.b[1] != b[1]:  # its leader would wait for our READY:
+            self._nack(p.b[1], p.r, "superseded")  # it steps down now, not at its deadline
         if self.lead and self.lead.b != b:
             self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
         if new_leader and self.config.target_batch_size:
@@ -505,6 +511,8 @@ class RoundMachine(LeaderRole, LineageRole):
                     for q in L.waiting:
                         self.table.unsynced(q)
                     L.waiting.clear()
+                elif L.phase == COLLECTING and L.mark * 2 <= self.config.ready_patience:
+                    L.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
                 else:
                     self._abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                      f"{', '.join(sorted(L.waiting))}", drop=L.waiting)

@@ -1032,14 +1032,32 @@ def test_stall_logging_names_the_waited_for_peers():
     stalls = net.of("a", Stall)
     assert stalls and stalls[0].waiting_for == ("c",) and stalls[0].phase == "ready"
     net.run(3.0)
-    assert [m["drop"] for m in net.sent("a", M.ABORT)][-1] == ["c"]
-    assert len(net.of("a", Stall)) == 2
+    assert len(net.of("a", Stall)) == 2 and not net.sent("a", M.ABORT)  # c is live: still waited for
+    net.run(36.0)  # ... up to ready_patience (8) deadlines of 5 s: stalls at 10 and 20 s, given up at 40
+    assert [s.seconds // 5 for s in net.of("a", Stall)] == [0, 1, 2, 4, 8]
+    assert [m["drop"] for m in net.sent("a", M.ABORT)] == [["c"]]
+
+
+def test_a_member_slower_than_the_deadline_is_waited_for_not_dropped():
+    """A live member whose batch takes 12 s (a big model on a laptop) is in the round when it
+    is ready: dropping it would leave it behind, to load the whole state again."""
+    net = cluster("abc", run=0.3)
+    net.hold_a_round("ab")
+    net.run(12.0)
+    assert not net.sent("a", M.ABORT)
+    r = net.of("c", Contribute)[-1].r
+    net.contribute("c")
+    net.auto = True
+    net.settle()
+    assert [x for x in net.applied("c") if x[0] == r] and not net.of("c", PutBack)
+    assert [x[:2] for x in net.applied("a") if x[0] == r] == [(r, ("a", "b", "c"))]
+    net.check_safety()
 
 
 def test_late_contribution_is_put_back():
     net = cluster("abc", run=0.3)
     net.hold_a_round("ab")
-    net.run(6.0)  # aborted while c was computing
+    net.run(41.0)  # aborted while c was computing (for 8 deadlines: c is live)
     net.contribute("c")
     assert net.of("c", PutBack)[-1].r == net.of("c", Contribute)[-1].r
 
@@ -1183,7 +1201,7 @@ def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
     net.settle()
     assert net.m["c"].pending.phase == M.READIED
     net.auto = True
-    net.run(12.0)  # the leader gives up on c's READY and drops it; c never hears
+    net.run(41.0)  # the leader gives up on c's READY (at 8 deadlines: c is live) and drops it; c never hears
     assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["c"]]
     assert net.m["c"].pending is not None and net.m["c"].pending.r == r  # c still waits for a START
     net.release("c", "a")
