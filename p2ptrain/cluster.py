@@ -364,16 +364,15 @@ class Cluster:
     # -- rounds ---------------------------------------------------------------------------
     async def _ring(self, r: int, view: tuple[str, ...]) -> None:
         vector, _ = self._taken[r]
+        # The vector stays whole (an aborted round puts it back), and so does the residual
+        # owed from earlier rounds: a ring writes this round's into the spare buffer.
+        owed = self._residual if self._residual is not None and len(self._residual) == len(vector) else None
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
-            owed = self._residual
-            self._results[r] = vector if owed is None or len(owed) != len(vector) else vector + owed
+            self._results[r] = vector if owed is None else vector + owed
             self._residual_next[r] = None  # (exact: nothing is owed after it)
             self._rings.pop(r, None)
             self._post("ring_done", r, True, None)
             return
-        # The vector stays whole (an aborted round puts it back), and so does the residual
-        # owed from earlier rounds: the ring writes this round's into the spare buffer.
-        owed = self._residual if self._residual is not None and len(self._residual) == len(vector) else None
         work = vector.copy() if owed is None else vector + owed
         residual, self._residual_spare = self._residual_spare, None
         if self.codec.lossless:
