@@ -156,11 +156,11 @@ class Cluster:
         self._events: asyncio.Queue = asyncio.Queue()
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
         self._waiting_take: list[int] = []  # rounds asked for a contribution the source did not have yet
-        self._results: dict[int, np.ndarray] = {}
+        # A finished ring's sum, and the residual owed once it commits (None: nothing is owed).
+        self._results: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         # Error feedback (lossy codecs): what our encodes dropped in the rounds applied so far,
         # added to our next contribution; a round's own residual replaces it when it commits.
         self._residual: np.ndarray | None = None
-        self._residual_next: dict[int, np.ndarray | None] = {}
         self._residual_spare: np.ndarray | None = None  # (the buffer the next ring writes into)
         self._rings: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
@@ -368,8 +368,7 @@ class Cluster:
         # owed from earlier rounds: a ring writes this round's into the spare buffer.
         owed = self._residual if self._residual is not None and len(self._residual) == len(vector) else None
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
-            self._results[r] = vector if owed is None else vector + owed
-            self._residual_next[r] = None  # (exact: nothing is owed after it)
+            self._results[r] = (vector if owed is None else vector + owed, None)  # (exact: nothing owed)
             self._rings.pop(r, None)
             self._post("ring_done", r, True, None)
             return
@@ -387,8 +386,7 @@ class Cluster:
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
                                 residual=residual, trace=self.trace)
             self._ring_stats[r] = await run.run()
-            self._results[r] = work
-            self._residual_next[r] = residual
+            self._results[r] = (work, residual)
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok = False
@@ -397,13 +395,12 @@ class Cluster:
         self._post("ring_done", r, ok, checksum)
 
     def _apply(self, r: int, total: int) -> None:
-        summed = self._results.pop(r, None)
+        summed, residual = self._results.pop(r, (None, None))
         self._taken.pop(r, None)
-        if r in self._residual_next:  # committed: what this round dropped is owed from now on
-            owed, self._residual = self._residual, self._residual_next.pop(r)
+        if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
+            owed, self._residual = self._residual, residual  # what this round dropped is owed now
             if owed is not None:
                 self._residual_spare = owed
-        if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
             self.source.apply(summed, total)
         self.applied += 1
 
@@ -414,8 +411,7 @@ class Cluster:
         ring = self._rings.pop(r, None)
         if ring is not None:
             ring.cancel()
-        self._results.pop(r, None)
-        self._residual_next.pop(r, None)  # (the residual owed before it is still owed)
+        self._results.pop(r, None)  # (and its residual: the one owed before it is still owed)
         taken = self._taken.pop(r, None)
         if taken is not None:
             self.source.put_back(*taken)
