@@ -78,7 +78,7 @@ def child_env(threads: int, host: str) -> dict:
 
 
 def _ifname_of(host: str) -> str | None:
-    from p2ptrain.interfaces import list_interfaces
+    from p2ptrain.net.interfaces import list_interfaces
 
     try:
         addr = socket.gethostbyname(host)

@@ -54,7 +54,7 @@ class Run:
 
 def join_flags() -> set[str]:
     """Every option ``python -m p2ptrain join`` takes today, hidden ones included (``--step-delay``)."""
-    from p2ptrain.cli import build_parser
+    from p2ptrain.commands.cli import build_parser
 
     parser = build_parser()
     sub = next(x for x in parser._actions if isinstance(x, argparse._SubParsersAction))

@@ -38,8 +38,8 @@ async def _worker(a) -> None:
     import numpy as np
     import torch
 
-    from p2ptrain.group import Group
-    from p2ptrain.transport import install_uvloop  # noqa: F401  (policy chosen before run)
+    from p2ptrain.collective.group import Group
+    from p2ptrain.net.transport import install_uvloop  # noqa: F401  (policy chosen before run)
 
     torch.set_num_threads(1)
     addrs = a.addrs.split(",")
@@ -71,7 +71,7 @@ async def _worker(a) -> None:
 
 def _run_worker(a) -> None:
     if a.uvloop:
-        from p2ptrain.transport import install_uvloop
+        from p2ptrain.net.transport import install_uvloop
         install_uvloop()
     asyncio.run(_worker(a))
 

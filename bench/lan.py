@@ -135,7 +135,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Non
 # ------------------------------------------------------------------ one peer (every machine)
 
 def run_peer(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    from p2ptrain.discovery import parse_host_port
+    from p2ptrain.net.discovery import parse_host_port
     from p2ptrain.errors import ConfigError
 
     peers = [x.strip() for x in a.peers.split(",") if x.strip()]

@@ -7,6 +7,17 @@ Public API (everything else is private by name):
 - ``AsyncPeer``: the same for asyncio programs (``async with``, ``await peer.step(...)``).
 - ``DistributedOptimizer``: a ``Peer`` in Horovod's shape (wrap the optimizer; ``optimizer.step()``).
 - the exceptions of ``p2ptrain.errors``.
+
+Layout, by layer; a layer imports only those above it in this list (``tests/test_layout.py``):
+
+- base modules: ``errors``, ``identity``, ``trace``, ``device``
+- ``codecs``: gradient codecs and error feedback (sans-I/O)
+- ``net``: frames, handshake, links, discovery
+- ``collective``: the ring-allreduce and ``Group``
+- ``cluster``: rounds, views, leaders, state for joiners
+- ``trainer``: ``AsyncPeer``, ``Peer``, ``DistributedOptimizer``, checkpoints
+- ``tasks``: what ``join`` trains
+- ``commands``: ``python -m p2ptrain ...``
 """
 
 from __future__ import annotations
@@ -32,19 +43,19 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Lazy: importing p2ptrain (and so the CLI) must not import torch until it is used.
     if name == "Group":
-        from p2ptrain.group import Group
+        from p2ptrain.collective.group import Group
 
         return Group
     if name == "AsyncPeer":
-        from p2ptrain.peer import AsyncPeer
+        from p2ptrain.trainer.peer import AsyncPeer
 
         return AsyncPeer
     if name == "Peer":
-        from p2ptrain.sync_peer import Peer
+        from p2ptrain.trainer.sync_peer import Peer
 
         return Peer
     if name == "DistributedOptimizer":
-        from p2ptrain.distributed_optimizer import DistributedOptimizer
+        from p2ptrain.trainer.distributed_optimizer import DistributedOptimizer
 
         return DistributedOptimizer
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")

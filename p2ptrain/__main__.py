@@ -1,7 +1,7 @@
-"""``python -m p2ptrain``: see ``p2ptrain.cli``."""
+"""``python -m p2ptrain``: see ``p2ptrain.commands.cli``."""
 
 import sys
 
-from p2ptrain.cli import main
+from p2ptrain.commands.cli import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@
     └── ClosedError            an object used after it was closed
 
 Messages are one line and say what to do. Nothing internal is ever echoed to a peer:
-the reasons sent over the wire are the fixed strings in ``p2ptrain.auth``.
+the reasons sent over the wire are the fixed strings in ``p2ptrain.net.auth``.
 """
 
 from __future__ import annotations

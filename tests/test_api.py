@@ -26,7 +26,7 @@ def test_every_error_has_one_root():
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, p2ptrain, p2ptrain.cli; print('torch' in sys.modules)"
+    code = "import sys, p2ptrain, p2ptrain.commands.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

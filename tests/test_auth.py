@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2ptrain import auth, wire
+from p2ptrain.net import auth, wire
 from p2ptrain.errors import ConfigError, HandshakeError
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain import auth, beacon as beacon_mod, wire
-from p2ptrain.beacon import (MAX_BEACON_BYTES, Beacon, BeaconFilter, HeardPeers, decode_beacon, encode_beacon)
+from p2ptrain.net import auth, beacon as beacon_mod, wire
+from p2ptrain.net.beacon import (MAX_BEACON_BYTES, Beacon, BeaconFilter, HeardPeers, decode_beacon, encode_beacon)
 from p2ptrain.errors import ConfigError, FrameError, HandshakeError
 from p2ptrain.identity import new_peer_id
 

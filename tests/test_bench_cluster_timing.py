@@ -58,7 +58,7 @@ def test_the_coordinator_is_the_peer_that_took_the_lead_last_and_kept_it(tmp_pat
                   "00,300 no longer coordinating: handing the lead over to a"],
             "c": []}
     for name, lines in logs.items():
-        run.path(name, "log").write_text("".join(f"2030-01-01 10:00:{x[:6]} INFO p2ptrain.cluster: {x[7:]}\n"
+        run.path(name, "log").write_text("".join(f"2030-01-01 10:00:{x[:6]} INFO p2ptrain.cluster.cluster: {x[7:]}\n"
                                                  for x in lines))
     assert run.coordinator() == "a"
     run.path("c", "log").write_text("2030-01-01 10:00:00,400 INFO x: coordinating from epoch 2: asking 2\n")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from p2ptrain.checkpoint import (
+from p2ptrain.trainer.checkpoint import (
     FORMAT_KEY,
     latest_checkpoint,
     list_checkpoints,
@@ -130,7 +130,7 @@ def test_keep_prunes_the_oldest(tmp_path):
 def test_saving_an_older_round_keeps_it_and_warns(tmp_path, caplog):
     for r in (10, 11):
         save_checkpoint(tmp_path, {}, r, keep=2)
-    with caplog.at_level(logging.WARNING, logger="p2ptrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.trainer.checkpoint"):
         path = save_checkpoint(tmp_path, {}, 3, keep=2)
     assert path.exists() and [r for r, _ in list_checkpoints(tmp_path)] == [3, 11]
     assert "later round" in caplog.text
@@ -148,7 +148,7 @@ def test_a_truncated_or_garbage_file_is_named_and_skipped(tmp_path, caplog):
     garbage.write_bytes(os.urandom(5000))
     with pytest.raises(CheckpointError, match="ckpt-r00000003.pt"):
         load_checkpoint(garbage)
-    with caplog.at_level(logging.WARNING, logger="p2ptrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.trainer.checkpoint"):
         path, state = load_latest(tmp_path)
     assert path.name == "ckpt-r00000001.pt" and state["round"] == 1
     assert "ckpt-r00000003.pt" in caplog.text and "ckpt-r00000002.pt" in caplog.text
@@ -231,7 +231,7 @@ def test_a_failing_disk_raises_checkpoint_error_and_leaves_no_temp(tmp_path, mon
 WRITER = r"""
 import os, sys
 import torch
-from p2ptrain.checkpoint import save_checkpoint
+from p2ptrain.trainer.checkpoint import save_checkpoint
 directory, numel = sys.argv[1], int(sys.argv[2])
 for line in sys.stdin:
     cmd, arg = line.split()

@@ -6,10 +6,10 @@ import pytest
 
 from helpers import until
 
-from p2ptrain import cluster as cluster_module
-from p2ptrain.cluster import Cluster
+from p2ptrain.cluster import cluster as cluster_module
+from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.errors import GroupError
-from p2ptrain.rounds import RoundConfig
+from p2ptrain.cluster.rounds import RoundConfig
 
 pytestmark = pytest.mark.timeout(60)
 LENGTH = 5000

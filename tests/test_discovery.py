@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain import discovery as discovery_mod
-from p2ptrain.discovery import Discovery, parse_host_port, resolve_static_peers
+from p2ptrain.net import discovery as discovery_mod
+from p2ptrain.net.discovery import Discovery, parse_host_port, resolve_static_peers
 from p2ptrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,7 +138,7 @@ async def test_silent_peer_expires_after_ttl(lo_port):
 
 @pytest.mark.timeout(20)
 async def test_one_warning_when_nobody_is_heard(lo_port, caplog):
-    caplog.set_level(logging.WARNING, logger="p2ptrain.discovery")
+    caplog.set_level(logging.WARNING, logger="p2ptrain.net.discovery")
     async with on_lo("lab", "alone", 7000, lo_port, silence_warning_after=0.3):
         await asyncio.sleep(1.5)
     warnings = [r.getMessage() for r in caplog.records if "heard in" in r.getMessage()]
@@ -151,7 +151,7 @@ async def test_one_warning_when_nobody_is_heard(lo_port, caplog):
 
 @pytest.mark.timeout(20)
 async def test_no_warning_with_static_peers(lo_port, caplog):
-    caplog.set_level(logging.WARNING, logger="p2ptrain.discovery")
+    caplog.set_level(logging.WARNING, logger="p2ptrain.net.discovery")
     async with on_lo("lab", "alone", 7000, lo_port, silence_warning_after=0.2, static_peers=["127.0.0.1:7100"]) as d:
         await asyncio.sleep(0.6)
         assert d.addresses() == [("127.0.0.1", 7100)]
@@ -207,8 +207,8 @@ async def test_announce_sends_a_state_change_at_once(lo_port):
 
 @pytest.mark.timeout(20)
 async def test_peers_command_on_loopback(lo_port, tmp_path, capsys):
-    from p2ptrain import cmd_peers
-    from p2ptrain.cli import build_parser
+    from p2ptrain.commands import peers as cmd_peers
+    from p2ptrain.commands.cli import build_parser
 
     (tmp_path / "secret").write_bytes(b"s3cret\n")
     args = build_parser().parse_args(["peers", "--interface", "lo", "--discovery-port", str(lo_port), "--cluster",
@@ -226,8 +226,8 @@ async def test_peers_command_on_loopback(lo_port, tmp_path, capsys):
 
 @pytest.mark.timeout(20)
 async def test_peers_command_with_nobody_prints_the_causes(capsys):
-    from p2ptrain import cmd_peers
-    from p2ptrain.cli import build_parser
+    from p2ptrain.commands import peers as cmd_peers
+    from p2ptrain.commands.cli import build_parser
 
     args = build_parser().parse_args(["peers", "--interface", "lo", "--discovery-port", str(free_udp_port()),
                                       "--seconds", "0.3"])
@@ -240,7 +240,7 @@ async def test_peers_command_with_nobody_prints_the_causes(capsys):
                                         (["--seconds", "0"], "seconds"),
                                         (["--secret-file", "/nonexistent/secret"], "cannot read")])
 def test_peers_command_option_errors(argv, match):
-    from p2ptrain.cli import build_parser
+    from p2ptrain.commands.cli import build_parser
 
     args = build_parser().parse_args(["peers", *argv])
     with pytest.raises(ConfigError, match=match):
@@ -293,7 +293,7 @@ async def test_resolve_static_peers_for_real_on_loopback():
 CHILD = r'''
 import asyncio, json, logging, sys, time
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
-from p2ptrain.discovery import Discovery
+from p2ptrain.net.discovery import Discovery
 cfg = json.loads(sys.argv[1])
 
 def snapshot(d):

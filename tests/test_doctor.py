@@ -89,7 +89,7 @@ def test_help_says_the_exit_status_without_importing_torch():
     assert out.returncode == 0
     assert "Exit status: 0 when no check FAILed, 1 otherwise" in " ".join(out.stdout.split())
     assert "--discovery-port" in out.stdout and "--tcp-port" in out.stdout
-    code = "import sys; from p2ptrain.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    code = "import sys; from p2ptrain.commands.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     probe = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True,
                            timeout=60)
     assert probe.stdout.strip() == "False", probe.stderr

@@ -98,7 +98,7 @@ def load_reasons(peers, name, after):
     "behind: ...")."""
     out = []
     for line in peers.log(name).splitlines():
-        stamp, _, rest = line.partition(" WARNING p2ptrain.cluster: loading state again: ")
+        stamp, _, rest = line.partition(" WARNING p2ptrain.cluster.cluster: loading state again: ")
         if rest and datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() > after:
             out.append(rest)
     return out

@@ -209,7 +209,7 @@ async def test_a_peer_dying_mid_allreduce_fails_the_others_quickly():
 WORKER = textwrap.dedent("""
     import asyncio, json, sys, numpy as np, torch
     from p2ptrain import Group
-    from p2ptrain.transport import install_uvloop
+    from p2ptrain.net.transport import install_uvloop
     rank, loop, cases = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     async def main(peers, codec):
         async with Group(listen=peers[rank], peers=peers, compression=codec, connect_timeout=30) as g:
@@ -286,7 +286,7 @@ async def test_a_corrupt_compressed_chunk_names_the_peer_and_chunk():
 
 
 def test_receive_buffer_cache_reuses_and_stays_under_its_cap():
-    from p2ptrain.collective import _BufferCache
+    from p2ptrain.collective.allreduce import _BufferCache
 
     cache = _BufferCache(keep_bytes=3 * 1024)
     a, b = cache.take(1024), cache.take(1024)
@@ -303,7 +303,7 @@ def test_receive_buffer_cache_reuses_and_stays_under_its_cap():
 
 
 async def test_reduce_scatter_buffers_outlive_the_call(monkeypatch):
-    from p2ptrain import collective
+    from p2ptrain.collective import allreduce as collective
 
     cache = collective._BufferCache(keep_bytes=64 << 20)
     monkeypatch.setattr(collective, "_CACHE", cache)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.interfaces import (VIRTUAL, WIFI, WIRED, Interface, guess_kind, list_interfaces, pick_address,
+from p2ptrain.net.interfaces import (VIRTUAL, WIFI, WIRED, Interface, guess_kind, list_interfaces, pick_address,
                                  usable_interfaces)
 
 

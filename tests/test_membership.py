@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2ptrain import membership as mb
-from p2ptrain.membership import (CONNECTING, DEAD, LEAVING, SYNCED, SYNCING, History, Lineage, PeerTable,
+from p2ptrain.cluster import membership as mb
+from p2ptrain.cluster.membership import (CONNECTING, DEAD, LEAVING, SYNCED, SYNCING, History, Lineage, PeerTable,
                                  RoundTimer, heal_decision, relation)
 
 

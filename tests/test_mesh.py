@@ -8,8 +8,8 @@ import pytest
 from helpers import until
 
 from p2ptrain.codecs import parse_codec
-from p2ptrain.collective import RingAllreduce
-from p2ptrain.mesh import Mesh
+from p2ptrain.collective.allreduce import RingAllreduce
+from p2ptrain.net.mesh import Mesh
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ from helpers import finish
 from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.peer import AsyncPeer
+from p2ptrain.trainer.peer import AsyncPeer
 
 pytestmark = pytest.mark.timeout(60)
 

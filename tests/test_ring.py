@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from p2ptrain.ring import RingPlan, chunks_of, split
+from p2ptrain.collective.ring import RingPlan, chunks_of, split
 
 
 @pytest.mark.parametrize("length, parts", [(0, 1), (0, 3), (1, 3), (10, 3), (12, 4), (7, 7), (5, 8)])
@@ -69,7 +69,7 @@ def test_bad_plans():
 
 
 def test_chunk_size_rule():
-    from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, MIN_CHUNK_ELEMS, chunk_elems_for
+    from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, MIN_CHUNK_ELEMS, chunk_elems_for
     assert chunk_elems_for(10, 2) == MIN_CHUNK_ELEMS
     assert chunk_elems_for(1 << 30, 2) == DEFAULT_CHUNK_ELEMS
     assert chunk_elems_for(16 << 20, 2) == (8 << 20) // 32
@@ -78,8 +78,8 @@ def test_chunk_size_rule():
 
 def test_sparse_codecs_get_fewer_larger_chunks():
     from p2ptrain.codecs import parse_codec
-    from p2ptrain.collective import _SPARSE_CHUNK_ELEMS, _chunk_elems
-    from p2ptrain.ring import chunk_elems_for
+    from p2ptrain.collective.allreduce import _SPARSE_CHUNK_ELEMS, _chunk_elems
+    from p2ptrain.collective.ring import chunk_elems_for
 
     n = 16 << 20  # 64 MiB of float32
     for size in (2, 4):

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2ptrain import roundmsg as M
+from p2ptrain.cluster import roundmsg as M
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.leader import COLLECTING, RUNNING
-from p2ptrain.membership import SYNCED, genesis
-from p2ptrain.roundmsg import Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing
-from p2ptrain.rounds import LEAVE_OUT, REFUSAL_BACKOFF, RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.cluster.leader import COLLECTING, RUNNING
+from p2ptrain.cluster.membership import SYNCED, genesis
+from p2ptrain.cluster.roundmsg import Apply, Broadcast, Contribute, Log, PutBack, Resync, Send, Stall, StartRing
+from p2ptrain.cluster.rounds import LEAVE_OUT, REFUSAL_BACKOFF, RoundConfig, RoundMachine, SyncPoint
 
 GENESIS = SyncPoint(0, genesis(b"same init"), -1, 0)
 
@@ -847,7 +847,7 @@ def test_a_joiner_waits_a_moment_for_a_link_to_the_leader_to_load_from_it(leader
     """Only the leader holds its rounds while a joiner loads: loaded from another member, it
     was behind once loaded, and loaded again. With no link to the leader, it loads from
     the member after ``LEADER_WAIT``."""
-    from p2ptrain.lineage import LEADER_WAIT
+    from p2ptrain.cluster.lineage import LEADER_WAIT
 
     net = cluster("bc", run=0.5)
     net.manual_sync.add("z")

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain import snapshot
+from p2ptrain.cluster import snapshot
 from p2ptrain.errors import RemoteProtocolError
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import until
 
-from p2ptrain import statesync
-from p2ptrain.cluster import Cluster
+from p2ptrain.cluster import statesync
+from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.errors import FingerprintError, RemoteProtocolError
-from p2ptrain.rounds import RoundConfig
+from p2ptrain.cluster.rounds import RoundConfig
 
 pytestmark = pytest.mark.timeout(60)
 LENGTH = 3000

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from test_trainer_staleness import close_all, joining_late, label, make_adam, open_peers, run_threads
 
 from p2ptrain import ConfigError, Peer
-from p2ptrain.prediction import WeightPredictor
+from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.tasks import param_checksum
 
 pytestmark = pytest.mark.timeout(90)

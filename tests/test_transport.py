@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from p2ptrain import auth, transport, wire
+from p2ptrain.net import auth, transport, wire
 from p2ptrain.errors import HandshakeError, LinkError
 
 pytestmark = pytest.mark.timeout(30)
@@ -103,7 +103,7 @@ BAD = {
 
 @pytest.mark.parametrize("what", sorted(BAD))
 async def test_bad_peer_is_refused_and_listener_keeps_serving(what, caplog):
-    caplog.set_level(logging.WARNING, "p2ptrain.transport")
+    caplog.set_level(logging.WARNING, "p2ptrain.net.transport")
     async with Server() as srv:
         got = await raw(srv.port, BAD[what])
         assert got is not None, "server must close the connection"
@@ -114,7 +114,7 @@ async def test_bad_peer_is_refused_and_listener_keeps_serving(what, caplog):
 
 
 async def test_wrong_version_gets_a_reason_naming_versions(caplog):
-    caplog.set_level(logging.WARNING, "p2ptrain.transport")
+    caplog.set_level(logging.WARNING, "p2ptrain.net.transport")
     async with Server() as srv:
         got = await raw(srv.port, wire.PREFIX.pack(wire.MAGIC, 99, 0, 4, 0) + b"abcd")
         # the reply is a p2ptrain frame (our version) with the fixed reason
@@ -128,7 +128,7 @@ async def test_wrong_version_gets_a_reason_naming_versions(caplog):
 
 
 async def test_wrong_secret_is_refused_both_sides(caplog):
-    caplog.set_level(logging.WARNING, "p2ptrain.transport")
+    caplog.set_level(logging.WARNING, "p2ptrain.net.transport")
     async with Server(secret=b"right") as srv:
         with pytest.raises(HandshakeError, match="wrong secret"):
             await transport.open_link("127.0.0.1", srv.port, hs("intruder", b"wrong"))
@@ -140,7 +140,7 @@ async def test_wrong_secret_is_refused_both_sides(caplog):
 
 
 async def test_silent_peer_times_out(caplog):
-    caplog.set_level(logging.WARNING, "p2ptrain.transport")
+    caplog.set_level(logging.WARNING, "p2ptrain.net.transport")
     async with Server(timeout=0.3) as srv:
         reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
         data = await asyncio.wait_for(reader.read(), 5)  # the server gives up and closes

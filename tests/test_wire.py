@@ -5,7 +5,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from p2ptrain import wire
+from p2ptrain.net import wire
 from p2ptrain.errors import FrameError
 
 

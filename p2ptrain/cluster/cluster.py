@@ -50,19 +50,19 @@ from typing import Protocol
 
 import numpy as np
 
-from p2ptrain import auth
-from p2ptrain import roundmsg as msg
+from p2ptrain.net import auth
+from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.codecs import parse_codec
-from p2ptrain.collective import RingAllreduce
+from p2ptrain.collective.allreduce import RingAllreduce
 from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
-from p2ptrain.membership import DEAD, SYNCED, WINDOW, genesis
-from p2ptrain.mesh import Mesh
-from p2ptrain.ring import chunk_elems_for
-from p2ptrain.rounds import RoundConfig, RoundMachine, SyncPoint
-from p2ptrain.statesync import StateTransfer
+from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
+from p2ptrain.net.mesh import Mesh
+from p2ptrain.collective.ring import chunk_elems_for
+from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.cluster.statesync import StateTransfer
 from p2ptrain.trace import NO_TRACE
 
-log = logging.getLogger("p2ptrain.cluster")
+log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from p2ptrain.snapshot import tensors_checksum
+from p2ptrain.cluster.snapshot import tensors_checksum
 
 Fingerprint = list[tuple[str, tuple[int, ...], str]]
 

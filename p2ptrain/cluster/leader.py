@@ -1,6 +1,6 @@
 """The leader role of the round machine: taking the lead, proposing, deciding. Pure code, no I/O.
 
-``LeaderRole`` is a mixin of ``p2ptrain.rounds.RoundMachine``: its state and plumbing (``_send``,
+``LeaderRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its state and plumbing (``_send``,
 ``_broadcast``, ``_emit``, ``_move``, ``table``, ``history``) are the machine's. ``rounds`` tells
 the round itself and the member side; this module is what only the peer that sequences rounds
 does. The machine calls ``_drive`` after every event, and ``_on_ready``, ``_on_done``,
@@ -53,8 +53,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.membership import SYNCED, History
-from p2ptrain.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, beats,
+from p2ptrain.cluster.membership import SYNCED, History
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, beats,
                                parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)

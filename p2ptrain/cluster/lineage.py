@@ -1,6 +1,6 @@
 """The lineage half of the round machine: comparing chains in STATUS, loading state. Pure code, no I/O.
 
-``LineageRole`` is a mixin of ``p2ptrain.rounds.RoundMachine``: its state and plumbing (``_send``,
+``LineageRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its state and plumbing (``_send``,
 ``_broadcast``, ``_emit``, ``_gone``, ``table``, ``history``) are the machine's, and where this
 peer leads it calls the leader's (``_resolve``, ``_abort``, ``_step_down``, ``_out_for``).
 ``rounds`` tells the round itself and the member side, ``leader`` what the peer that sequences
@@ -32,9 +32,9 @@ does not take the lead before then; the leader's STATUS at its end (``out`` 0) b
 
 from __future__ import annotations
 
-from p2ptrain.leader import COLLECTING, QUERYING, RUNNING
-from p2ptrain.membership import History, Lineage, heal_decision, relation
-from p2ptrain.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
+from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING
+from p2ptrain.cluster.membership import History, Lineage, heal_decision, relation
+from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
 
 
 LEADER_WAIT = 1.0  # seconds a peer that is behind waits for a link to the leader to load from it

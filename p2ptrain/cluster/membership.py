@@ -1,7 +1,7 @@
 """Who is in the cluster, which state it holds, and how long to wait for it. Pure code: events
 and the current time (``now``) in, answers out; no I/O, no clock.
 
-Three small parts the round state machine (``p2ptrain.rounds``) stands on:
+Three small parts the round state machine (``p2ptrain.cluster.rounds``) stands on:
 
 - ``PeerTable``: one entry per peer id: address, state, last heard, the lineage it last
   reported and its parameter checksum. The only state changes are the ``_TRANSITIONS``

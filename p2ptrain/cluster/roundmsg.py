@@ -2,7 +2,7 @@
 
 Pure code. ``parse`` checks a received message (a frame header whose "t" is its type)
 and raises ``RemoteProtocolError`` and nothing else. The actions are what
-``p2ptrain.rounds.RoundMachine`` asks its I/O layer to do, in order.
+``p2ptrain.cluster.rounds.RoundMachine`` asks its I/O layer to do, in order.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.membership import STATUS_WINDOW, valid_id
+from p2ptrain.cluster.membership import STATUS_WINDOW, valid_id
 
 # -- round messages (frame headers; "t" is the type) ---------------------------------------------
 QUERY = "query"  # new leader -> candidates  {b}: report your state, obey ballot b

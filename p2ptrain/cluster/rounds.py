@@ -19,10 +19,10 @@ a round number they have seen.
 Ballots. Every message of a leader carries its ballot b = (epoch, its id). A member obeys
 the best ballot it has seen (higher epoch; on a tie the smaller id) and answers a worse one,
 or a view naming a peer it has no link to, with NACK. The leader's side (taking the lead,
-fencing, attempts left in doubt, refusals under partial connectivity) is ``p2ptrain.leader``,
+fencing, attempts left in doubt, refusals under partial connectivity) is ``p2ptrain.cluster.leader``,
 a mixin of ``RoundMachine``; this module is the round and the member's side.
 
-Lineage (STATUS, comparing chains, loading state) is ``p2ptrain.lineage``, another mixin.
+Lineage (STATUS, comparing chains, loading state) is ``p2ptrain.cluster.lineage``, another mixin.
 
 Transitions (``_MEMBER``, and ``leader._LEADER`` for the leader; ``_move`` refuses any other):
     member: idle -PROPOSE-> proposed -contribution-> ready -START-> ring -ring_done-> done
@@ -41,11 +41,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
-from p2ptrain.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
-from p2ptrain.lineage import LineageRole
-from p2ptrain.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
-from p2ptrain.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
+from p2ptrain.cluster.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
+from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
+from p2ptrain.cluster.lineage import LineageRole
+from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
                                RING, RINGED, START, STATUS, Apply, Broadcast, Contribute, Log, PutBack, Send,
                                Stall, StartRing, beats, parse)
 

@@ -12,7 +12,7 @@ are told what differs. One frame type (``wire.STATE``); its header's ``"k"`` say
 ``sync`` is the member's ``SyncPoint`` (version, digest, round, epoch) at the capture and
 ``checksum`` the parameters' ``snapshot.tensors_checksum``: the joiner checks it on what it
 decoded before it loads anything, so it is proven to hold the members' parameters before it
-contributes. Nothing is unpickled: see ``p2ptrain.snapshot``.
+contributes. Nothing is unpickled: see ``p2ptrain.cluster.snapshot``.
 
 ``Assembly`` (parts in, bytes out) is pure; ``StateTransfer`` is the thin asyncio layer.
 """
@@ -29,12 +29,14 @@ from typing import Callable
 import msgpack
 import torch
 
-from p2ptrain import snapshot, wire
-from p2ptrain.errors import FingerprintError, LinkError, P2PTrainError, RemoteProtocolError
-from p2ptrain.rounds import SyncPoint
-from p2ptrain.tasks import fingerprint_diff
+from p2ptrain.cluster import snapshot
 
-log = logging.getLogger("p2ptrain.statesync")
+from p2ptrain.net import wire
+from p2ptrain.errors import FingerprintError, LinkError, P2PTrainError, RemoteProtocolError
+from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.cluster.fingerprint import fingerprint_diff
+
+log = logging.getLogger("p2ptrain.cluster.statesync")
 
 PART_BYTES = 4 << 20  # a part is one frame: round messages interleave between parts
 # A transfer is given up on when a part (PART_BYTES) takes longer than FLOOR_S plus its time at

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2ptrain import wire
+from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
-from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, RingPlan, Transfer
+from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, RingPlan, Transfer
 from p2ptrain.trace import NO_TRACE
-from p2ptrain.transport import Link
+from p2ptrain.net.transport import Link
 
 
 @dataclass

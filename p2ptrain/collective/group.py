@@ -27,16 +27,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from p2ptrain import auth, transport
+from p2ptrain.net import auth, transport
 from p2ptrain.codecs import parse_codec
-from p2ptrain.discovery import parse_host_port
-from p2ptrain.collective import AllreduceStats, RingAllreduce
+from p2ptrain.net.discovery import parse_host_port
+from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
 from p2ptrain.device import HostStaging
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
 from p2ptrain.identity import new_peer_id
-from p2ptrain.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
+from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
 
-log = logging.getLogger("p2ptrain.group")
+log = logging.getLogger("p2ptrain.collective.group")
 class Group:
     """A static group of peers (see the module docstring). Use as an async context manager."""
 

@@ -1,6 +1,6 @@
 """``python -m p2ptrain COMMAND``: the command line.
 
-Each command lives in its own module ``p2ptrain.cmd_<name>`` exposing ``HELP`` (one line),
+Each command lives in its own module ``p2ptrain.commands.<name>`` exposing ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches, importing a
 command's module (and torch) only when that command runs.
 
@@ -14,7 +14,9 @@ import importlib
 import logging
 import sys
 
-from p2ptrain import __version__, auth
+from p2ptrain import __version__
+
+from p2ptrain.net import auth
 from p2ptrain.errors import ConfigError, P2PTrainError
 
 EXIT_OK = 0
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        module = importlib.import_module(f"p2ptrain.cmd_{name}")
+        module = importlib.import_module(f"p2ptrain.commands.{name}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="logging verbosity (default: info)")

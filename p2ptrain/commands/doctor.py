@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass
 
 from p2ptrain import __version__
-from p2ptrain.beacon import Beacon, BeaconFilter, encode_beacon
-from p2ptrain.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT
+from p2ptrain.net.beacon import Beacon, BeaconFilter, encode_beacon
+from p2ptrain.net.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import new_peer_id
-from p2ptrain.interfaces import (
+from p2ptrain.net.interfaces import (
     VIRTUAL,
     WIFI,
     Interface,

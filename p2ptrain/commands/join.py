@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from p2ptrain.cli import secret_option
+from p2ptrain.commands.cli import secret_option
 from p2ptrain.errors import ConfigError
 from p2ptrain.trace import NO_TRACE
 
@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from p2ptrain.transport import install_uvloop
+    from p2ptrain.net.transport import install_uvloop
 
     if args.max_rounds is None and args.duration is None:
         args.max_rounds = 300
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
     # Cheap checks first: a typo is reported before torch and the task load.
     from p2ptrain.codecs import parse_codec
-    from p2ptrain.discovery import parse_host_port
+    from p2ptrain.net.discovery import parse_host_port
 
     parse_codec(args.compression)
     for entry in (args.peers or "").split(","):
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local_hosts() -> set[str]:
-    from p2ptrain.interfaces import list_interfaces
+    from p2ptrain.net.interfaces import list_interfaces
 
     return {"localhost", "127.0.0.1", "0.0.0.0"} | {i.address for i in list_interfaces()}
 
@@ -152,8 +152,8 @@ class _Join:
 
     async def run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
-        from p2ptrain.discovery import parse_host_port
-        from p2ptrain.peer import AsyncPeer
+        from p2ptrain.net.discovery import parse_host_port
+        from p2ptrain.trainer.peer import AsyncPeer
         from p2ptrain.tasks import load_task, validate_task
 
         a = self.args
@@ -212,7 +212,7 @@ class _Join:
     def _resume(self, peer, task) -> None:
         """With --checkpoint-dir: continue from the newest checkpoint there. A cluster already
         running further along (or a bigger side) hands this peer its state instead."""
-        from p2ptrain.checkpoint import load_latest
+        from p2ptrain.trainer.checkpoint import load_latest
         from p2ptrain.tasks import fingerprint_diff, model_fingerprint
 
         a = self.args
@@ -231,7 +231,7 @@ class _Join:
                  self.rounds, self.samples)
 
     def _checkpoint(self, peer, task, final: bool = False) -> None:
-        from p2ptrain.checkpoint import save_checkpoint
+        from p2ptrain.trainer.checkpoint import save_checkpoint
         from p2ptrain.tasks import model_fingerprint
 
         a = self.args

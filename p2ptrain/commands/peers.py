@@ -11,9 +11,9 @@ import argparse
 import asyncio
 import logging
 
-from p2ptrain import wire
-from p2ptrain.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT, Discovery, likely_causes
-from p2ptrain.cli import secret_option
+from p2ptrain.net import wire
+from p2ptrain.net.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT, Discovery, likely_causes
+from p2ptrain.commands.cli import secret_option
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import new_peer_id
 
@@ -46,7 +46,7 @@ async def _listen(args: argparse.Namespace, secret: bytes | None) -> int:
     cluster = None if args.all_clusters else args.cluster
     disc = Discovery(cluster, new_peer_id(), 0, secret, group=args.group, udp_port=args.discovery_port,
                      interface=args.interface, send_beacons=False, silence_warning_after=None)
-    logger = logging.getLogger("p2ptrain.discovery")
+    logger = logging.getLogger("p2ptrain.net.discovery")
     level = logger.level
     if args.log_level != "debug":  # this command prints its own summary of what discovery logs
         logger.setLevel(logging.ERROR)

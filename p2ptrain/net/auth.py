@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from p2ptrain import wire
+from p2ptrain.net import wire
 from p2ptrain.errors import ConfigError, HandshakeError
 
 NONCE_BYTES = 32

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import msgpack
 
-from p2ptrain import auth, wire
+from p2ptrain.net import auth, wire
 from p2ptrain.errors import ConfigError, FrameError, HandshakeError
 
 MAGIC = b"P2PB"

@@ -1,6 +1,6 @@
 """Finding peers on the LAN: the thin asyncio layer that sends and hears beacons.
-What a beacon says and which ones to believe is ``p2ptrain.beacon`` (pure); which
-interfaces to use is ``p2ptrain.interfaces``.
+What a beacon says and which ones to believe is ``p2ptrain.net.beacon`` (pure); which
+interfaces to use is ``p2ptrain.net.interfaces``.
 
 A peer sends its beacon about once a second (±10 % jitter, so peers started together do
 not stay in lockstep) to the multicast group on the chosen interface (TTL 1, loop on, so
@@ -30,9 +30,9 @@ import re
 import socket
 from typing import Callable, Iterable
 
-from p2ptrain.beacon import HEARD_TTL, Beacon, BeaconFilter, HeardPeer, HeardPeers, encode_beacon
+from p2ptrain.net.beacon import HEARD_TTL, Beacon, BeaconFilter, HeardPeer, HeardPeers, encode_beacon
 from p2ptrain.errors import ConfigError
-from p2ptrain.interfaces import Interface, list_interfaces, pick_address, usable_interfaces
+from p2ptrain.net.interfaces import Interface, list_interfaces, pick_address, usable_interfaces
 
 log = logging.getLogger(__name__)
 

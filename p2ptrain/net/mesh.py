@@ -26,10 +26,10 @@ import collections
 import logging
 from typing import Awaitable, Callable
 
-from p2ptrain import auth, transport, wire
+from p2ptrain.net import auth, transport, wire
 from p2ptrain.errors import LinkError, P2PTrainError
 
-log = logging.getLogger("p2ptrain.mesh")
+log = logging.getLogger("p2ptrain.net.mesh")
 
 RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
 KEEPALIVE = 2.0  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)

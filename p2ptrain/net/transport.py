@@ -29,10 +29,10 @@ import os
 import socket
 from typing import Awaitable, Callable
 
-from p2ptrain import auth, wire
+from p2ptrain.net import auth, wire
 from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
 
-log = logging.getLogger("p2ptrain.transport")
+log = logging.getLogger("p2ptrain.net.transport")
 
 SEND_PIECE = 1 << 20  # bytes handed to the transport at a time
 MAX_QUEUED_FRAMES = 64  # received frames waiting for their consumer before reading pauses

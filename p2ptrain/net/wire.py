@@ -42,7 +42,7 @@ WELCOME = "welcome"
 REJECT = "reject"
 CHUNK = "chunk"
 BYE = "bye"
-STATE = "state"  # state transfer: see p2ptrain.statesync
+STATE = "state"  # state transfer: see p2ptrain.cluster.statesync
 PING = "ping"  # keepalive: a link that carries nothing else still shows its peer alive
 
 Allocator = Callable[[dict, int], memoryview]

@@ -15,7 +15,7 @@ architecture; ``param_checksum`` proves replicas bit-identical.
 
 from __future__ import annotations
 
-from p2ptrain.tasks._fingerprint import Fingerprint, fingerprint_diff, model_fingerprint, param_checksum
+from p2ptrain.cluster.fingerprint import Fingerprint, fingerprint_diff, model_fingerprint, param_checksum
 from p2ptrain.tasks._loader import BUILTINS, DEFAULT_TASK, load_task
 from p2ptrain.tasks._task import Task, parse_model_size, seeded_generator, validate_task
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from p2ptrain.device import HostStaging
-from p2ptrain.rounds import SyncPoint
+from p2ptrain.cluster.rounds import SyncPoint
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The cluster's side of ``AsyncPeer``: the ``Contributions`` it asks of the trainer (``cluster``).
 
-``ContributionsSide`` is a mixin of ``p2ptrain.peer.AsyncPeer``, as ``leader.LeaderRole`` is
+``ContributionsSide`` is a mixin of ``p2ptrain.trainer.peer.AsyncPeer``, as ``leader.LeaderRole`` is
 of ``RoundMachine``: it has no state of its own. It uses the peer's locks (``_lock``,
 ``_params_lock``), its wake-up event ``_changed``, ``cluster`` and ``_loop``, the accumulator
 ``_acc`` with ``_out`` (our contribution, in a round) and ``_queue`` (committed updates), the
@@ -35,10 +35,10 @@ import time
 
 import numpy as np
 
-from p2ptrain.accumulator import CommittedUpdate, RoundMetrics
-from p2ptrain.rounds import SyncPoint
+from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
+from p2ptrain.cluster.rounds import SyncPoint
 
-log = logging.getLogger("p2ptrain.peer")  # (the peer's lines, under the peer's name)
+log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
 LINGER_S = 0.02  # a member with nothing yet waits this long for its batch before contributing nothing
 LINGER_MAX_S = 2.0  # ... doubling after each round in which no member had anything (an idle cluster:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.sync_peer import Peer
+from p2ptrain.trainer.sync_peer import Peer
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -70,25 +70,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2ptrain import auth
-from p2ptrain.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.cluster import Cluster
+from p2ptrain.net import auth
+from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
+from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
-from p2ptrain.contributions import ContributionsSide, _point
+from p2ptrain.trainer.contributions import ContributionsSide, _point
 from p2ptrain.device import device_kind, pick_device
-from p2ptrain.discovery import Discovery, parse_host_port
+from p2ptrain.net.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
-from p2ptrain.loopthread import LoopThread
-from p2ptrain.membership import genesis
-from p2ptrain.prediction import WeightPredictor
-from p2ptrain.rounds import RoundConfig, SyncPoint
-from p2ptrain.tasks import model_fingerprint, param_checksum
+from p2ptrain.trainer.loopthread import LoopThread
+from p2ptrain.cluster.membership import genesis
+from p2ptrain.trainer.prediction import WeightPredictor
+from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
+from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-log = logging.getLogger("p2ptrain.peer")
+log = logging.getLogger("p2ptrain.trainer.peer")
 
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``

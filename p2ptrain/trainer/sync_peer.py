@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2ptrain.peer import AsyncPeer, RoundMetrics
+from p2ptrain.trainer.peer import AsyncPeer, RoundMetrics
 
 if TYPE_CHECKING:
     from typing_extensions import Self

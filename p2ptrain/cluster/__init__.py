@@ -1,0 +1,10 @@
+"""The cluster: numbered rounds over a changing view of peers, and state for joiners.
+
+Sans-I/O: ``membership`` (peer table, views, liveness, chains), ``roundmsg`` (round
+messages), ``rounds`` with ``leader`` and ``lineage`` (the round state machine),
+``snapshot`` (the state format), ``fingerprint`` (model identity, parameter checksums).
+I/O: ``cluster`` (hosts the machine on a mesh and runs its rings), ``statesync``
+(sends and loads state snapshots).
+
+May import: the base modules, ``p2ptrain.codecs``, ``p2ptrain.net`` and ``p2ptrain.collective``.
+"""

@@ -1,0 +1,4 @@
+"""The commands: ``python -m p2ptrain join | peers | doctor`` (``cli`` parses, one module each).
+
+May import every other part of the package; nothing imports it but ``p2ptrain.__main__``.
+"""

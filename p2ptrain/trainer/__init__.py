@@ -1,0 +1,9 @@
+"""The trainer: what a training loop holds, turning gradients into rounds and rounds into updates.
+
+``peer`` (``AsyncPeer``: accumulate, contribute, apply, within the staleness bound) with
+``accumulator``, ``contributions`` and ``prediction``; ``sync_peer`` (``Peer``: the same for
+ordinary loops, its event loop on a ``loopthread``); ``distributed_optimizer`` (Horovod's
+shape); ``checkpoint`` (saving and resuming).
+
+May import: every layer below it (base, ``codecs``, ``net``, ``collective``, ``cluster``).
+"""

@@ -1,0 +1,87 @@
+"""The package's layers hold: no module imports a layer above its own, and the sans-I/O
+modules import no asyncio, socket, thread or clock (``p2ptrain/__init__.py`` draws the
+layers; ``../shared/STYLE.md`` rule 1 says why)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "p2ptrain"
+
+# Bottom to top: a module may import its own layer and those before it.
+LAYERS = ["base", "codecs", "net", "collective", "cluster", "trainer", "tasks", "commands"]
+BASE_MODULES = {"errors", "identity", "trace", "device"}
+
+SANS_IO = {
+    "p2ptrain.net.wire", "p2ptrain.net.auth", "p2ptrain.net.beacon",
+    "p2ptrain.collective.ring",
+    "p2ptrain.cluster.membership", "p2ptrain.cluster.roundmsg", "p2ptrain.cluster.rounds",
+    "p2ptrain.cluster.leader", "p2ptrain.cluster.lineage", "p2ptrain.cluster.snapshot",
+    "p2ptrain.cluster.fingerprint",
+} | {f"p2ptrain.codecs.{p.stem}" for p in (PACKAGE / "codecs").glob("*.py") if p.stem != "__init__"}
+IO_MODULES = {"asyncio", "socket", "selectors", "threading", "concurrent", "time", "datetime", "uvloop"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of ``p2ptrain.X...``; None for the package root (``__init__``, ``__main__``)."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return None
+    return "base" if parts[1] in BASE_MODULES else parts[1]
+
+
+def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every module an import statement names, nested imports included, as (line, name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            # `from p2ptrain.net import wire` names the module p2ptrain.net.wire.
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names
+                      if f"{node.module}.{alias.name}" in MODULES]
+    return found
+
+
+def test_every_module_sits_in_a_known_layer():
+    unknown = {name for name in MODULES if layer_of(name) not in LAYERS + [None]}
+    assert not unknown, f"modules outside the layers of p2ptrain/__init__.py: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if layer_of(n) is not None))
+def test_no_module_imports_a_layer_above_its_own(name):
+    own = LAYERS.index(layer_of(name))
+    upward = [f"line {line}: {target}" for line, target in imports_of(MODULES[name])
+              if target.startswith("p2ptrain.") and layer_of(target) is not None
+              and LAYERS.index(layer_of(target)) > own]
+    assert not upward, f"{name} ({LAYERS[own]}) imports a higher layer: {upward}"
+
+
+@pytest.mark.parametrize("name", sorted(SANS_IO))
+def test_sans_io_modules_import_no_io_and_no_clock(name):
+    bad = [f"line {line}: {target}" for line, target in imports_of(MODULES[name])
+           if target.split(".")[0] in IO_MODULES
+           or (target.startswith("p2ptrain.") and target in MODULES and target not in SANS_IO
+               and layer_of(target) != "base" and target.count(".") > 1)]
+    assert not bad, f"{name} is sans-I/O but imports {bad}"
+
+
+def test_the_rules_catch_a_violation(tmp_path):
+    """The checks above can fail: an upward import and a clock are both found."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import time\ndef f():\n    from p2ptrain.trainer.peer import AsyncPeer\n")
+    found = dict((target, line) for line, target in imports_of(bad))
+    assert found == {"time": 1, "p2ptrain.trainer.peer": 3}
+    assert LAYERS.index(layer_of("p2ptrain.trainer.peer")) > LAYERS.index(layer_of("p2ptrain.net.wire"))
