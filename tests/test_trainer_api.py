@@ -22,8 +22,8 @@ from p2ptrain import (
     FingerprintError,
     GroupError,
     Peer,
-    snapshot,
 )
+from p2ptrain.cluster import snapshot
 from p2ptrain.tasks import param_checksum
 
 pytestmark = pytest.mark.timeout(90)
