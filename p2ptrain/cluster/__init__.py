@@ -1,7 +1,7 @@
 """The cluster: numbered rounds over a changing view of peers, and state for joiners.
 
 Sans-I/O: ``membership`` (peer table, views, liveness, chains), ``roundmsg`` (round
-messages), ``rounds`` with ``leader`` and ``lineage`` (the round state machine),
+messages), ``rounds`` with ``member``, ``leader`` and ``lineage`` (the round state machine),
 ``snapshot`` (the state format), ``fingerprint`` (model identity, parameter checksums).
 I/O: ``cluster`` (hosts the machine on a mesh and runs its rings), ``statesync``
 (sends and loads state snapshots).

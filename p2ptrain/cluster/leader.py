@@ -2,7 +2,7 @@
 
 ``LeaderRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its state and plumbing (``_send``,
 ``_broadcast``, ``_emit``, ``_move``, ``table``, ``history``) are the machine's. ``rounds`` tells
-the round itself and the member side; this module is what only the peer that sequences rounds
+the round itself, ``member`` the member side; this module is what only the peer that sequences rounds
 does. The machine calls ``_drive`` after every event, and ``_on_ready``, ``_on_done``,
 ``_on_nack`` for the messages a leader receives.
 

@@ -18,17 +18,12 @@ a round number they have seen.
 
 Ballots. Every message of a leader carries its ballot b = (epoch, its id). A member obeys
 the best ballot it has seen (higher epoch; on a tie the smaller id) and answers a worse one,
-or a view naming a peer it has no link to, with NACK. The leader's side (taking the lead,
-fencing, attempts left in doubt, refusals under partial connectivity) is ``p2ptrain.cluster.leader``,
-a mixin of ``RoundMachine``; this module is the round and the member's side.
-
-Lineage (STATUS, comparing chains, loading state) is ``p2ptrain.cluster.lineage``, another mixin.
-
-Transitions (``_MEMBER``, and ``leader._LEADER`` for the leader; ``_move`` refuses any other):
-    member: idle -PROPOSE-> proposed -contribution-> ready -START-> ring -ring_done-> done
-            done -COMMIT-> idle (Apply);  any -ABORT-> idle (PutBack);
-            proposed|ready -PROPOSE of a better ballot, same round-> same phase (READY again)
-            proposed|ready -a better ballot, leader lost-> idle (withdrawn, PutBack)
+or a view naming a peer it has no link to, with NACK. The machine is one object with three
+held roles, each a mixin in its own module: the member's side (``p2ptrain.cluster.member``,
+its transitions ``_MEMBER``), the leader's side (``p2ptrain.cluster.leader``: taking the
+lead, fencing, attempts left in doubt, refusals under partial connectivity; ``_LEADER``),
+and lineage (``p2ptrain.cluster.lineage``: STATUS, comparing chains, loading state). This
+module is the machine itself: its inputs, the plumbing between them, and deadlines.
 Call order: hand each event to one method; carry out the returned actions in order. A
 malformed or impossible message raises ``RemoteProtocolError`` (drop that link); a stale
 one is counted in ``counters``.
@@ -40,26 +35,14 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
 from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
 from p2ptrain.cluster.lineage import LineageRole
+from p2ptrain.cluster.member import MemberRole, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, PROPOSED, QUERY, READIED, READY,
-                               RING, RINGED, START, STATUS, Apply, Broadcast, Contribute, Log, PutBack, Send,
-                               Stall, StartRing, beats, parse)
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
+                                       RINGED, START, STATUS, Broadcast, PutBack, Send, Stall, parse)
 
-# (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
-_MEMBER = {
-    (None, PROPOSE): PROPOSED,  # -> Contribute(r)
-    (PROPOSED, "contribution"): READIED,  # -> READY
-    (READIED, START): RING,  # -> StartRing
-    (RING, "ring_done"): RINGED,  # -> DONE
-    (RINGED, COMMIT): None,  # -> Apply
-    (PROPOSED, PROPOSE): PROPOSED, (READIED, PROPOSE): READIED,  # same round, better ballot (READY again)
-    (PROPOSED, "withdraw"): None, (READIED, "withdraw"): None,  # never started: no trace (PutBack)
-    (PROPOSED, ABORT): None, (READIED, ABORT): None, (RING, ABORT): None, (RINGED, ABORT): None,  # -> PutBack
-}
 
 
 @dataclass(frozen=True)
@@ -88,24 +71,7 @@ class RoundConfig:
     target_batch_size: int = 0  # > 0: the leader proposes once its view holds this many samples (HAVE)
 
 
-@dataclass
-class _Pending:  # the attempt this peer takes part in as a member
-    r: int
-    b: tuple
-    view: tuple
-    phase: str
-    since: float
-    samples: int | None = None
-    total: int = 0
-    ok: bool = False
-    mark: float = 1.0  # next Stall, as a multiple of the deadline
-
-    @property
-    def started(self) -> bool:
-        return self.phase in (RING, RINGED)
-
-
-class RoundMachine(LeaderRole, LineageRole):
+class RoundMachine(MemberRole, LeaderRole, LineageRole):
     """One peer's rounds. It starts not synced: call ``on_synced`` with a founder's SyncPoint or
     a snapshot's ``sync_point()``. The host feeds beacons to ``table.heard`` itself and calls
     ``on_tick`` about every 100 ms; every other event comes through the ``on_*`` methods."""
@@ -280,26 +246,6 @@ class RoundMachine(LeaderRole, LineageRole):
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
 
-    def _nack(self, to: str, r: int, reason: str, missing=()) -> None:
-        if to != self.id:
-            self._send(to, {"t": NACK, "r": r, "b": list(self.promised or (0, self.id)), "reason": reason,
-                            "missing": list(missing)})
-
-    def _promise(self, b: tuple, now: float, keep: int = -1) -> None:
-        """Obey ballot b from now on. An unstarted attempt of another ballot can never start
-        here any more: it is withdrawn (unless it is round ``keep``, proposed again under b)."""
-        p = self.pending
-        if p is not None and not p.started and p.b != b and p.r != keep:
-            self._withdraw(p)
-        new_leader = (self.promised or (0, None))[1] != b[1]
-        self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
-        if p is not None and not p.started and p.b[1] != b[1]:  # its leader would wait for our READY:
-            self._nack(p.b[1], p.r, "superseded")  # it steps down now, not at its deadline
-        if self.lead and self.lead.b != b:
-            self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
-        if new_leader and self.config.target_batch_size:
-            self._tell_holding()
-
     def on_holding(self, samples: int, now: float) -> list:
         """With ``target_batch_size``: our trainer holds ``samples`` now (after a step, a put-back).
         The leader we obey hears it (HAVE) when it changes; as leader we count it ourselves."""
@@ -319,143 +265,6 @@ class RoundMachine(LeaderRole, LineageRole):
 
     def _on_have(self, s, m, now) -> None:
         self._have[s] = m["samples"]  # (in order with its READY on one link: counts after that READY)
-
-    # -- member side -------------------------------------------------------------------------
-    def _on_query(self, s, m, now) -> None:
-        if m["b"][1] != s:
-            raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
-        if self.synced and beats(self.promised, m["b"]):
-            return self._nack(s, -1, "superseded")
-        if self.synced:
-            self._promise(m["b"], now)
-        self._send(s, self._status(m["b"], re=True))
-
-    def _on_propose(self, s, m, now) -> None:
-        r, b, view, p = m["r"], m["b"], m["view"], self.pending
-        if b[1] != s or (p is not None and (p.r, p.b) == (r, b)):
-            raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
-        if not self.synced or r <= self.round:
-            self.counters["old_round" if self.synced else "unsynced"] += 1
-        elif beats(self.promised, b):
-            self._nack(s, r, "superseded")
-        elif self.id not in view or s not in view:
-            self._nack(s, r, "the view does not hold us and the leader")
-        elif any(q != self.id and not self.table.is_live(q) for q in view):
-            missing = [q for q in view if q != self.id and not self.table.is_live(q)]
-            self._nack(s, r, "the view names a peer we are not connected to", missing)
-        elif p is not None and p.started:  # in doubt: this leader must resolve that attempt first
-            self._promise(b, now)
-            self._send(s, self._status(b, re=True))
-        else:
-            self._promise(b, now, keep=r)
-            self._proposed = (r, b)
-            if self.pending is not None and self.pending.r != r:
-                self._withdraw(self.pending)
-            p = self.pending
-            if p is not None:  # the same round under a better ballot: keep our contribution
-                p.phase, p.b, p.view, p.since = self._move(_MEMBER, p.phase, PROPOSE), b, view, now
-                if p.phase == READIED:
-                    self._send(s, self._ready_msg(p))
-                return
-            self.pending = _Pending(r, b, view, self._move(_MEMBER, None, PROPOSE), now)
-            if r not in self._asked:  # (one outstanding Contribute per round number)
-                self._asked.add(r)
-                self._emit(Contribute(r))
-
-    def _contributed(self, r, samples, now) -> None:
-        self._asked.discard(r)
-        p = self.pending
-        if p is None or p.r != r or p.phase != PROPOSED:
-            self.counters["late_contribution"] += 1
-            return self._emit(PutBack(r))
-        p.phase, p.samples, p.since = self._move(_MEMBER, p.phase, "contribution"), samples, now
-        self._send(p.b[1], self._ready_msg(p))
-        self._holding = 0  # (the leader counts us from zero after this READY)
-
-    def _ready_msg(self, p: _Pending) -> dict:
-        return {"t": READY, "r": p.r, "b": list(p.b), "samples": p.samples,
-                "version": self.history.version, "digest": self.history.digest}
-
-    def _attempt(self, s, m) -> _Pending | None:
-        """The attempt a leader's START/COMMIT/ABORT is about, or None if stale (counted)."""
-        p, r, b = self.pending, m["r"], m["b"]
-        if s != (self.promised or (0, None))[1]:  # a leader we no longer obey: it must step down
-            self.counters["superseded"] += 1
-            if beats(self.promised, b):
-                self._nack(s, r, "superseded")
-            return None
-        if p is not None and (p.r, p.b) == (r, b):
-            return p
-        if m["t"] == START and r > self.round and (r, b) != self._proposed:  # (not one we withdrew)
-            raise RemoteProtocolError("START for a round that was not proposed to us")
-        self.counters["stale"] += 1
-        return None
-
-    def _on_start(self, s, m, now) -> None:
-        p = self._attempt(s, m)
-        if p is None:
-            return
-        if p.started and m["view"] == p.view:  # sent again, for a READY we sent again
-            self.counters["stale"] += 1
-            return
-        if p.phase != READIED or m["view"] != p.view:
-            raise RemoteProtocolError("START before READY, or with another view")
-        self.timers["ready"].record(now - p.since)
-        p.phase, p.total, p.since, p.mark = self._move(_MEMBER, p.phase, START), m["total"], now, 1.0
-        self._emit(StartRing(p.r, p.view))
-
-    def _ring_done(self, r, ok, now, checksum) -> None:
-        p = self.pending
-        if p is None or p.r != r or p.phase != RING:
-            self.counters["late_ring"] += 1
-            return
-        p.phase, p.ok = self._move(_MEMBER, p.phase, "ring_done"), ok
-        if self.promised and self.promised[1] == p.b[1]:  # else a newer leader resolves it
-            self._send(p.b[1], {"t": DONE, "r": r, "b": list(p.b), "ok": ok, "checksum": checksum})
-
-    def _on_decision(self, s, m, now) -> None:
-        if m["t"] == ABORT and s == (self.promised or (0, None))[1]:
-            for q in set(m["drop"]) - {s, self.id}:
-                self.table.unsynced(q)
-        p = self._attempt(s, m)
-        if p is None:
-            return
-        if m["t"] == COMMIT and not (p.phase == RINGED and p.ok):
-            raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
-        self._move(_MEMBER, p.phase, m["t"])
-        if p.started:
-            self._finish(p, m["t"] == COMMIT, now)
-        else:
-            self._withdraw(p)
-        if m["t"] == ABORT and s != self.id:  # (a leader logged its own abort)
-            self._emit(Log("info", f"round {m['r']} aborted: {m['reason']}"))
-
-    def _withdraw(self, p: _Pending) -> None:
-        """An unstarted attempt goes away (a started one is never withdrawn, only decided)."""
-        self._move(_MEMBER, p.phase, "withdraw")
-        if p.samples is not None:
-            self._emit(PutBack(p.r))
-        self.pending = None
-
-    def _finish(self, p: _Pending, committed: bool, now: float) -> None:
-        self.pending, self.round = None, max(self.round, p.r)
-        self._log.append((p.r, p.b, committed))
-        self._record_ring(now - p.since, p.view)
-        self.table.mark_served(p.view)
-        if not committed:
-            self._emit(PutBack(p.r))
-        else:
-            self.history.append(p.r, p.view, p.total)
-            self._last_view = p.view
-            self._elsewhere.difference_update(p.view)
-            for q in self.table.live_synced():  # synced but not in the view: behind us now
-                if q not in p.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
-                    self._tell.add(q)  # tell it, and hold the next boundary while it catches up
-                    self._admit[q] = now + self.config.join_hold
-            for q in p.view:
-                self.table.synced(q, self.history.version, self.history.digest, p.r)
-            self._emit(Apply(p.r, p.total, p.view))
-        self._set_self()
 
     def _on_goodbye(self, s, m, now) -> None:
         self.table.said_goodbye(s, now)
