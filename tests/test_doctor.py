@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from p2ptrain.device import pick_device
 from netns_util import REPO, make_lan, requires_netns, wait_line  # noqa: F401  (make_lan is a fixture)
 
 pytestmark = pytest.mark.timeout(90)
@@ -52,7 +53,12 @@ def test_every_check_has_a_line_and_exit_code_follows_them():
         assert part in versions
     assert "uvloop" in out.stdout  # its version, or a warn line that it is missing
     assert re.search(r"\d+ GFLOP/s", found["accelerator"][1]), found["accelerator"]
-    assert found["accelerator"][1].startswith("cpu")  # this machine has no accelerator
+    # The device ``join --device auto`` would train on here (cpu without an accelerator,
+    # cuda:0 on a GPU machine), named by the same rule the doctor uses, and its own name.
+    expected = str(pick_device("auto"))
+    assert found["accelerator"][1].startswith(expected), (expected, found["accelerator"])
+    assert found["accelerator"][1].split(",")[0].split(" ")[0] in {"cpu", "mps", "xpu"} | {
+        f"cuda:{i}" for i in range(8)} | {"cuda"}, found["accelerator"]
     assert found["TCP port"][0] == "ok", out.stdout
     failed = [name for name, (status, _) in found.items() if status == "FAIL"]
     assert out.returncode == (1 if failed else 0), out.stdout
