@@ -14,12 +14,8 @@ returns, in order:
                          ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
 
-Reconciliation. Replicas on different device kinds (MPS, CUDA, CPU) drift in the last bits of
-the optimizer's arithmetic. The trainer reports its parameter checksum after each update
-(``parameters_at``); the leader sends its own to the members (a PARAMS message, outside the
-round machine). A member whose checksum at the same point of the chain differs downloads the
-leader's state while it goes on taking part in rounds, and the trainer loads it when its own
-parameters reach that point (``source.reconcile``): nothing it computed is voided.
+Reconciliation (parameter checksums compared with the leader's) is ``reconcile``'s; the
+records of applied rounds are ``records``'.
 
 Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
 ``residual``: of its own contribution and of the partial sums it forwarded) is added to its
@@ -40,11 +36,9 @@ a peer that has trained nothing yet stops with ``FingerprintError``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import hashlib
 import time
-from dataclasses import dataclass
 import logging
 from typing import Protocol
 
@@ -59,42 +53,15 @@ from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.collective.ring import chunk_elems_for
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
-from p2ptrain.cluster.statesync import StateTransfer
+from p2ptrain.cluster.records import RoundLog, RoundRecord
+from p2ptrain.cluster.reconcile import PARAMS, Reconciler
+from p2ptrain.cluster.statesync import LINEAGE, StateTransfer
 from p2ptrain.trace import NO_TRACE
 
 log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
-LINEAGE = "lineage"  # a served snapshot's key for the member's History window ([[version, digest], ...])
-PARAMS = "params"  # the leader's parameter checksum at a (version, digest): not a round message
-PARAMS_KEEP = 64  # checksums remembered per side, waiting for the other side's at the same point
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """One round applied here, as the metrics and the status line report it."""
-    round: int
-    members: int
-    samples: int  # the whole cluster's, this round
-    own_samples: int  # this peer's contribution to it
-    wire_bytes: int  # what this peer sent in its ring (compressed)
-    raw_bytes: int  # the same uncompressed
-    seconds: float  # ring start to apply
-    time: float  # wall clock at apply (time.time())
-    index: int = 0  # 0, 1, 2 ... in the order applied here (readers on other threads resume from it)
-
-
-class RoundLog(collections.deque):
-    """The last rounds applied here (newest last), and ``total``: how many ever were."""
-
-    def __init__(self, keep: int = 1000):
-        super().__init__(maxlen=keep)
-        self.total = 0
-
-    def append(self, record: RoundRecord) -> None:
-        super().append(record)
-        self.total += 1
 
 
 class Contributions(Protocol):
@@ -139,7 +106,6 @@ class Cluster:
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._fetcher: asyncio.Task | None = None
-        self._reconciler: asyncio.Task | None = None
         self._ring_stats: dict[int, object] = {}
         self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
@@ -149,9 +115,7 @@ class Cluster:
         self.ring_timeout = ring_timeout
         self.applied = 0  # rounds applied here
         self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
-        self.reconciled = 0  # leader states downloaded because our parameters differed from its
-        self._own_sums: collections.OrderedDict = collections.OrderedDict()  # (version, digest) -> checksum
-        self._leader_sums: collections.OrderedDict = collections.OrderedDict()  # ... -> (leader, checksum)
+        self.reconciler = Reconciler(peer_id, self.machine, self.transfer, source)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
@@ -185,7 +149,7 @@ class Cluster:
             await asyncio.wait_for(done, 2.0)
         except asyncio.TimeoutError:
             pass
-        fetcher = [t for t in (self._fetcher, self._reconciler) if t]
+        fetcher = [t for t in (self._fetcher, self.reconciler.task) if t]
         for task in [*self._tasks, *self._rings.values(), *fetcher]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._rings.values(), *fetcher, return_exceptions=True)
@@ -209,6 +173,11 @@ class Cluster:
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
         self.mesh.propose(host, port)
+
+    @property
+    def reconciled(self) -> int:
+        """Leader states downloaded because our parameters differed from its."""
+        return self.reconciler.reconciled
 
     @property
     def port(self) -> int:
@@ -283,7 +252,7 @@ class Cluster:
                 elif kind == "holding":
                     actions = m.on_holding(self.source.held(), now)
                 elif kind == "params":
-                    actions = self._on_params(args[0], args[1], now)
+                    actions = self.reconciler.on_params(args[0], args[1])
                 elif kind == "ask":
                     actions = self._serve(*args)
                 elif kind == "sent":  # our snapshot is on its way to a joiner: hold a while more
@@ -296,8 +265,7 @@ class Cluster:
                     self.source.restore(args[0])
                     self._residual = None  # (owed for gradients that were voided with the accumulator)
                     self.loads.append(args[1])
-                    self._own_sums.clear()
-                    self._leader_sums.clear()
+                    self.reconciler.forget()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
                     actions = m.on_synced(dataclasses.replace(args[1], window=window), now, args[2])
@@ -460,43 +428,6 @@ class Cluster:
             if members and source not in members:
                 source = members[int(loop.time()) % len(members)]
 
-    # -- reconciliation -------------------------------------------------------------------
-    def _on_params(self, peer: str, header: dict, now: float) -> list:
-        """A parameter checksum: ours (the trainer's) or the leader's. Compare at equal points."""
-        version, digest, checksum = header.get("version"), header.get("digest"), header.get("checksum")
-        if not (type(version) is int and version >= 0 and isinstance(digest, bytes) and len(digest) <= 64
-                and isinstance(checksum, str) and 0 < len(checksum) <= 64):
-            raise RemoteProtocolError("a malformed PARAMS message")
-        key, m = (version, digest), self.machine
-        if peer == self.peer_id:
-            _remember(self._own_sums, key, checksum)
-            if m.is_leader:
-                members = tuple(p for p in m.table.live_synced() if p != self.peer_id)
-                return [msg.Broadcast({"t": PARAMS, **header}, members)] if members else []
-        elif peer == (m.promised or (0, None))[1]:
-            _remember(self._leader_sums, key, (peer, checksum))
-        else:
-            return []  # (a leader we no longer follow)
-        mine, theirs = self._own_sums.get(key), self._leader_sums.get(key)
-        if mine is None or theirs is None or mine == theirs[1] or not m.synced or m.is_leader:
-            return []
-        self._leader_sums.pop(key)
-        if self._reconciler is None or self._reconciler.done():
-            log.info("parameters differ from the leader %s's after update %d (%s here, %s there: device kinds "
-                     "round differently); loading its state", theirs[0], version, mine[:8], theirs[1][:8])
-            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile(theirs[0]))
-        return []
-
-    async def _reconcile(self, leader: str) -> None:
-        try:
-            state, point = await self.transfer.fetch(leader)
-            state.pop(LINEAGE, None)
-        except P2PTrainError as exc:  # the next comparison that differs tries again
-            log.warning("could not load the leader's state to reconcile: %s", exc)
-            return
-        self.reconciled += 1
-        self.source.reconcile(state, point)
-
     def _foreign_model(self, peer: str, diff: str) -> None:
         fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
         text = f"peer {peer} trains another model ({diff}); it is not admitted"
@@ -517,9 +448,3 @@ class Cluster:
             now = self.trace.now()
             self.trace.span(f"round {r}", "round", now - seconds, now, members=len(view), samples=total,
                             wire_bytes=wire)
-
-
-def _remember(table: collections.OrderedDict, key, value) -> None:
-    table[key] = value
-    while len(table) > PARAMS_KEEP:
-        table.popitem(last=False)

@@ -38,6 +38,7 @@ from p2ptrain.cluster.fingerprint import fingerprint_diff
 
 log = logging.getLogger("p2ptrain.cluster.statesync")
 
+LINEAGE = "lineage"  # a served snapshot's key for the member's History window ([[version, digest], ...])
 PART_BYTES = 4 << 20  # a part is one frame: round messages interleave between parts
 # A transfer is given up on when a part (PART_BYTES) takes longer than FLOOR_S plus its time at
 # MIN_RATE, either way; a slow link that keeps moving (a big model over Wi-Fi) is waited for.

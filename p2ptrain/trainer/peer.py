@@ -72,6 +72,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
+from p2ptrain.trainer.apply import apply_update
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import ContributionsSide, _point
@@ -81,7 +82,9 @@ from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.trainer.loopthread import LoopThread
 from p2ptrain.cluster.membership import genesis
+from p2ptrain.trainer.options import check_options, listen_address
 from p2ptrain.trainer.prediction import WeightPredictor
+from p2ptrain.trainer.progress import ProgressLog
 from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
 
@@ -92,15 +95,6 @@ log = logging.getLogger("p2ptrain.trainer.peer")
 
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``
-LOG_EVERY_S = 10.0  # a progress line at INFO at most this often (every update at DEBUG)
-
-
-def _listen_address(listen: str) -> tuple[str, int]:
-    """``host:port`` to listen on; port 0 means any free port."""
-    host, _, port = str(listen).strip().rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"listen={listen!r}: expected host:port, e.g. 0.0.0.0:7000 (port 0: any free port)")
-    return host.strip("[]"), int(port)
 
 
 class AsyncPeer(ContributionsSide):
@@ -124,25 +118,9 @@ class AsyncPeer(ContributionsSide):
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
                  weight_prediction: bool = False):
-        if type(staleness) is not int or staleness < 0:
-            raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
-        if target_batch_size is not None and (type(target_batch_size) is not int or target_batch_size < 1):
-            raise ConfigError(f"target_batch_size must be an int >= 1, got {target_batch_size!r}")
-        if target_batch_size is not None and staleness == 0:
-            raise ConfigError("target_batch_size needs staleness >= 1 (at staleness 0 each round takes one batch "
-                              "from every member)")
-        if weight_prediction and staleness == 0:
-            raise ConfigError("weight_prediction needs staleness >= 1 (at staleness 0 every gradient is computed on "
-                              "the parameters it is applied to)")
-        if type(min_peers) is not int or min_peers < 1:
-            raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
-        if type(reconcile_every) is not int or reconcile_every < 0:
-            raise ConfigError(f"reconcile_every must be an int >= 0 (0: never compare parameters), got "
-                              f"{reconcile_every!r}")
-        if not step_timeout > 0:
-            raise ConfigError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
+        check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
+                      clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
+                      step_timeout=step_timeout, weight_prediction=weight_prediction)
         parse_codec(compression)  # a typo is reported here, not on entering
         if device is not None:
             model.to(pick_device(device))
@@ -163,7 +141,7 @@ class AsyncPeer(ContributionsSide):
             parse_host_port(p)
         self._cluster_name, self._secret, self._compression = cluster, auth.secret_from(secret), compression
         self._discovery_on, self._interface = discovery, interface
-        self._host, self._port = _listen_address(listen)
+        self._host, self._port = listen_address(listen)
         self.cluster: Cluster | None = None  # built on entering (after a checkpoint may have been loaded)
         self.discovery: Discovery | None = None
         self._thread: LoopThread | None = None
@@ -202,7 +180,7 @@ class AsyncPeer(ContributionsSide):
         self._compute_mean = 0.0  # seconds per step outside step(), a moving mean
         self._step_end = time.perf_counter()
         self._checksum = b""
-        self._logged_at, self._logged_rounds, self._logged_samples = time.perf_counter(), 0, 0
+        self._progress = ProgressLog()
 
     @property
     def members(self) -> int:
@@ -451,51 +429,13 @@ class AsyncPeer(ContributionsSide):
                 self._publish(metrics)
 
     def _apply_update(self, update: CommittedUpdate) -> None:
-        grad = torch.from_numpy(update.summed)  # (ours: the cluster handed its ring result over)
-        grad = grad.to(self.device) if self.device.type != "cpu" else grad
-        grad.div_(float(update.total))
-        offset = 0
-        for p in self.params:
-            g = grad[offset: offset + p.numel()].view_as(p)
-            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-            offset += p.numel()
-        if self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        for p in self.params:
-            p.grad = None
+        apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
 
     def _publish(self, m: RoundMetrics) -> None:
-        record = self._cluster_record(m.round)
-        if record is not None:
-            m = replace(m, members=record.members, wire_bytes=record.wire_bytes, raw_bytes=record.raw_bytes)
+        m = self._progress.completed(m, self.cluster)
         self.metrics = m
         self.history.append(m)
-        log.debug("round %d applied (version %d): %d samples (%d here) from %d members, staleness %d, %.3f s, "
-                  "%d bytes sent", m.round, m.version, m.samples, m.local_samples, m.members, m.staleness,
-                  m.round_time, m.wire_bytes)
-        self._logged_rounds += 1
-        self._logged_samples += m.samples
-        now = time.perf_counter()
-        if now - self._logged_at >= LOG_EVERY_S:
-            log.info("%d updates in %.0f s, %.0f samples/s, %d members, staleness max %d, %d samples dropped",
-                     self._logged_rounds, now - self._logged_at, self._logged_samples / (now - self._logged_at),
-                     m.members, self.staleness_max, self.dropped)
-            self._logged_at, self._logged_rounds, self._logged_samples = now, 0, 0
-
-    def _cluster_record(self, r: int):
-        """The cluster's record of round r (members, bytes), among its last few."""
-        rounds = getattr(self.cluster, "rounds", None) or ()
-        for i in range(1, min(len(rounds), 8) + 1):
-            try:
-                record = rounds[-i]
-            except IndexError:
-                return None
-            if record.round == r:
-                return record
-        return None
+        self._progress.applied(m, self.staleness_max, self.dropped)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,0 +1,38 @@
+"""``AsyncPeer``'s keywords checked before anything starts: a bad value is a ``ConfigError``
+that says what to pass instead."""
+
+from __future__ import annotations
+
+from p2ptrain.errors import ConfigError
+
+
+def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
+                  weight_prediction) -> None:
+    """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
+    if type(staleness) is not int or staleness < 0:
+        raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
+    if target_batch_size is not None and (type(target_batch_size) is not int or target_batch_size < 1):
+        raise ConfigError(f"target_batch_size must be an int >= 1, got {target_batch_size!r}")
+    if target_batch_size is not None and staleness == 0:
+        raise ConfigError("target_batch_size needs staleness >= 1 (at staleness 0 each round takes one batch "
+                          "from every member)")
+    if weight_prediction and staleness == 0:
+        raise ConfigError("weight_prediction needs staleness >= 1 (at staleness 0 every gradient is computed on "
+                          "the parameters it is applied to)")
+    if type(min_peers) is not int or min_peers < 1:
+        raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+    if type(reconcile_every) is not int or reconcile_every < 0:
+        raise ConfigError(f"reconcile_every must be an int >= 0 (0: never compare parameters), got "
+                          f"{reconcile_every!r}")
+    if not step_timeout > 0:
+        raise ConfigError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
+
+
+def listen_address(listen: str) -> tuple[str, int]:
+    """``host:port`` to listen on; port 0 means any free port."""
+    host, _, port = str(listen).strip().rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"listen={listen!r}: expected host:port, e.g. 0.0.0.0:7000 (port 0: any free port)")
+    return host.strip("[]"), int(port)
