@@ -16,6 +16,7 @@ import sys
 
 from p2ptrain import __version__
 
+from p2ptrain.commands.options import Parser
 from p2ptrain.net import auth
 from p2ptrain.errors import ConfigError, P2PTrainError
 
@@ -41,13 +42,14 @@ def secret_option(secret: str | None, secret_file: str | None) -> bytes | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m p2ptrain",
         description="Train one PyTorch model on several machines of a LAN at once (MPS, CUDA, CPU), "
         "peer to peer: run the same command on every machine.",
     )
     parser.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}  # name -> its parser (it reports its own usage errors)
     for name in COMMANDS:
         module = importlib.import_module(f"p2ptrain.commands.{name}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
@@ -55,12 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="logging verbosity (default: info)")
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
+        parser.commands[name] = p
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (the command's own usage, not the top level's)
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 from p2ptrain import __version__
+from p2ptrain.commands import options
 from p2ptrain.net.beacon import Beacon, BeaconFilter, encode_beacon
 from p2ptrain.net.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT
 from p2ptrain.errors import ConfigError
@@ -74,13 +75,13 @@ class Check:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
-    p.add_argument("--port", "--tcp-port", dest="port", type=int, default=int(os.environ.get("P2PTRAIN_PORT", "7000")),
+    p.add_argument("--port", "--tcp-port", dest="port", type=options.port(), default=options.env("port", "7000"),
                    help="TCP port join will listen on (default 7000, as join; 0 = any free port)")
     p.add_argument("--interface", help="check this interface (a name or an IPv4 address) instead of the best one")
     p.add_argument("--group", default=DEFAULT_GROUP, help=f"discovery multicast group (default: {DEFAULT_GROUP})")
-    p.add_argument("--discovery-port", type=int, default=DEFAULT_UDP_PORT,
+    p.add_argument("--discovery-port", type=options.port(1), default=DEFAULT_UDP_PORT,
                    help=f"discovery UDP port (default: {DEFAULT_UDP_PORT})")
-    p.add_argument("--device", default=os.environ.get("P2PTRAIN_DEVICE", "auto"),
+    p.add_argument("--device", default=options.env("device", "auto"),
                    help="device to check: auto|cpu|cuda[:i]|mps|xpu (default: auto, as join)")
 
 
@@ -375,10 +376,6 @@ def check_accelerator(spec: str) -> list[Check]:
 # -- the command ------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.port < 65536:
-        raise ConfigError(f"--port must be 0..65535, got {args.port}")
-    if not 0 < args.discovery_port < 65536:
-        raise ConfigError(f"--discovery-port must be 1..65535, got {args.discovery_port}")
     try:
         if not ipaddress.IPv4Address(args.group).is_multicast:
             raise ValueError

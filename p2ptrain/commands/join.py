@@ -21,20 +21,12 @@ import sys
 import time
 
 from p2ptrain.commands.cli import secret_option
+from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, number, port
 from p2ptrain.errors import ConfigError
 from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
 log = logging.getLogger("p2ptrain.join")
-
-
-def _env(name: str, default=None):
-    return os.environ.get(f"P2PTRAIN_{name.upper().replace('-', '_')}", default)
-
-
-def _flag(name: str) -> bool:
-    """An on/off option from the environment: 1, true, yes, on."""
-    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", default=_env("data"), help="text file or folder for charlm (default: the stdlib's source)")
     g.add_argument("--model-size", default=_env("model_size"), help="model size, e.g. 100k, 1m, 10m (task-dependent)")
     g.add_argument("--device", default=_env("device", "auto"), help="auto|cpu|cuda[:i]|mps|xpu (default: auto)")
-    g.add_argument("--batch-size", type=int, default=_env("batch_size"), help="samples per step on this peer")
-    g.add_argument("--lr", type=float, default=_env("lr"), help="learning rate (default: the task's)")
-    g.add_argument("--seed", type=int, default=_env("seed", "0"), help="seed of the model and data (default 0; the "
+    g.add_argument("--batch-size", type=integer(1), default=_env("batch_size"), help="samples per step on this peer")
+    g.add_argument("--lr", type=number(above=0), default=_env("lr"), help="learning rate (default: the task's)")
+    g.add_argument("--seed", type=integer(0), default=_env("seed", "0"), help="seed of the model and data (default 0; the "
                    "same on every peer)")
     g = p.add_argument_group("the cluster")
     g.add_argument("--cluster", default=_env("cluster", "default"), help="cluster name (default: default)")
@@ -61,61 +53,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--interface", default=_env("interface"), help="network interface NAME or ADDR for beacons "
                    "(default: every usable one)")
     g.add_argument("--host", default=_env("host", "0.0.0.0"), help="address to listen on (default 0.0.0.0)")
-    g.add_argument("--port", type=int, default=_env("port", "7000"), help="TCP port to listen on (default 7000; "
+    g.add_argument("--port", type=port(), default=_env("port", "7000"), help="TCP port to listen on (default 7000; "
                    "0 = any free port)")
-    g.add_argument("--min-peers", type=int, default=_env("min_peers", "1"), help="train only while at least K peers "
+    g.add_argument("--min-peers", type=integer(1), default=_env("min_peers", "1"), help="train only while at least K peers "
                    "are members; below that, wait and say so (default 1)")
-    g.add_argument("--connect-timeout", type=float, default=_env("connect_timeout"),
+    g.add_argument("--connect-timeout", type=number(above=0), default=_env("connect_timeout"),
                    help="give up (exit 3) if --min-peers members have not formed after this many seconds "
                    "(default: wait)")
     g = p.add_argument_group("rounds")
     g.add_argument("--compression", default=_env("compression", "none"),
                    help="none, fp16, bf16, int8, topk:RATIO, optionally +zstd[:LEVEL] or +nozstd (default none)")
-    g.add_argument("--staleness", type=int, default=_env("staleness", "0"), help="0: synchronous rounds; "
+    g.add_argument("--staleness", type=integer(0), default=_env("staleness", "0"), help="0: synchronous rounds; "
                    "N >= 1: rounds run at the network's pace, no gradient applied more than N rounds stale")
-    g.add_argument("--target-batch-size", type=int, default=_env("target_batch_size"),
+    g.add_argument("--target-batch-size", type=integer(1), default=_env("target_batch_size"),
                    help="with --staleness >= 1: a round starts once the members hold this many samples")
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
-    g.add_argument("--reconcile-every", type=int, default=_env("reconcile_every", "1"),
+    g.add_argument("--reconcile-every", type=integer(0), default=_env("reconcile_every", "1"),
                    help="compare parameter checksums with the coordinator's every N updates; a peer that "
                    "differs (another device kind rounds differently) loads its state (default 1; 0: never)")
-    g.add_argument("--max-rounds", type=int, default=_env("max_rounds"),
+    g.add_argument("--max-rounds", type=integer(1), default=_env("max_rounds"),
                    help="stop after this many rounds (default 300 when --duration is not given)")
-    g.add_argument("--duration", type=float, default=_env("duration"), help="stop after this many seconds")
-    g.add_argument("--step-delay", type=float, default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
+    g.add_argument("--duration", type=number(above=0), default=_env("duration"), help="stop after this many seconds")
+    g.add_argument("--step-delay", type=number(at_least=0), default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
     g = p.add_argument_group("output")
     g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
                    "and a final {\"event\": \"summary\"}")
-    g.add_argument("--eval-every", type=int, default=_env("eval_every", "100"),
+    g.add_argument("--eval-every", type=integer(0), default=_env("eval_every", "100"),
                    help="validation loss every N rounds (default 100; 0 = only at the end)")
     g.add_argument("--trace", default=_env("trace"), help="write a Chrome-trace timeline (compute, encode, send, "
                    "receive, reduce, apply per round) to this file, for chrome://tracing or ui.perfetto.dev")
     g.add_argument("--checkpoint-dir", default=_env("checkpoint_dir"), help="write checkpoints here, and resume "
                    "from the newest one when the cluster starts from nothing")
-    g.add_argument("--checkpoint-every", type=int, default=_env("checkpoint_every", "100"),
+    g.add_argument("--checkpoint-every", type=integer(1), default=_env("checkpoint_every", "100"),
                    help="rounds between checkpoints (default 100; one is always written at exit)")
 
 
 def run(args: argparse.Namespace) -> int:
     from p2ptrain.net.transport import install_uvloop
 
+    check_env_flags(args)
     if args.max_rounds is None and args.duration is None:
         args.max_rounds = 300
-    for name, low in (("max_rounds", 1), ("batch_size", 1), ("min_peers", 1), ("staleness", 0),
-                      ("target_batch_size", 1), ("checkpoint_every", 1), ("eval_every", 0), ("reconcile_every", 0)):
-        value = getattr(args, name)
-        if value is not None and int(value) < low:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}")
     if args.target_batch_size is not None and args.staleness == 0:
         raise ConfigError("--target-batch-size needs --staleness 1 or more (at 0 each round takes one batch "
                           "from every peer)")
     if args.weight_prediction and args.staleness == 0:
         raise ConfigError("--weight-prediction needs --staleness 1 or more (at 0 every gradient is computed on the "
                           "parameters it is applied to)")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
     # Cheap checks first: a typo is reported before torch and the task load.
     from p2ptrain.codecs import parse_codec
     from p2ptrain.net.discovery import parse_host_port

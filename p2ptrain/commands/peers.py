@@ -13,6 +13,7 @@ import logging
 
 from p2ptrain.net import wire
 from p2ptrain.net.discovery import DEFAULT_GROUP, DEFAULT_UDP_PORT, Discovery, likely_causes
+from p2ptrain.commands import options
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import new_peer_id
@@ -27,10 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="list the peers of every cluster (with a secret: those that share it)")
     p.add_argument("--secret", help="shared secret of the cluster (default: $P2PTRAIN_SECRET)")
     p.add_argument("--secret-file", help="read the shared secret from this file")
-    p.add_argument("--seconds", type=float, default=3.0, help="how long to listen (default: 3)")
+    p.add_argument("--seconds", type=options.number(above=0), default=3.0, help="how long to listen (default: 3)")
     p.add_argument("--interface", help="listen on this interface (a name or an IPv4 address)")
     p.add_argument("--group", default=DEFAULT_GROUP, help=f"discovery multicast group (default: {DEFAULT_GROUP})")
-    p.add_argument("--discovery-port", type=int, default=DEFAULT_UDP_PORT,
+    p.add_argument("--discovery-port", type=options.port(1), default=DEFAULT_UDP_PORT,
                    help=f"discovery UDP port (default: {DEFAULT_UDP_PORT})")
 
 
