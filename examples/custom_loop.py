@@ -8,7 +8,9 @@ gradient and applies the averaged updates that are ready: each one is clipped
 (``clip_grad_norm``), then your optimizer steps, then your LR scheduler steps, once per
 applied update. Your optimizer's own step hooks see the averaged gradient in ``p.grad``
 before it is applied (this example logs its norm there). ``state_dict``/``load_state_dict``
-checkpoint the peer the way you checkpoint anything. The loop counts the cluster's updates,
+checkpoint the peer the way you checkpoint anything: model, optimizer, scheduler and the
+cluster's lineage, so that ``--checkpoint FILE`` resumes at the update, and the learning
+rate, where the last run stopped. The loop counts the cluster's updates,
 not its own steps: with staleness above 0 a faster peer takes more steps, and a peer that
 stopped early would leave the others short of ``--min-peers``.
 """
@@ -42,20 +44,23 @@ def main(args):
                          clip_grad_norm=1.0, scheduler=scheduler)  # p2ptrain
     if args.checkpoint and os.path.exists(args.checkpoint):
         peer.load_state_dict(torch.load(args.checkpoint, weights_only=True))  # p2ptrain (before `with`)
-    with peer:  # p2ptrain: listen, find the others, agree on a ring
-        step = 0
-        while peer.version < args.updates:  # p2ptrain: every peer sees the same updates, so all stop together
-            x = torch.randn(32, 20, generator=data)
-            y = (x @ w > 0).long()
-            loss = F.cross_entropy(model(x.to(peer.device)), y.to(peer.device))
-            loss.backward()
-            peer.step(batch_size=len(x))  # p2ptrain: contribute; apply the averaged updates ready
-            if step % 20 == 0 or peer.version >= args.updates:
-                print(f"step {step:4d}  loss {loss.item():.4f}  updates {peer.version}  "
-                      f"lr {scheduler.get_last_lr()[0]:.5f}  grad norm {grad_norm[0]:.3f}", flush=True)
-            step += 1
-    if args.checkpoint:
-        torch.save(peer.state_dict(), args.checkpoint)  # p2ptrain
+        print(f"resumed at update {peer.version}, lr {scheduler.get_last_lr()[0]:.5f}", flush=True)
+    try:
+        with peer:  # p2ptrain: listen, find the others, agree on a ring
+            step = 0
+            while peer.version < args.updates:  # p2ptrain: every peer sees the same updates, so all stop together
+                x = torch.randn(32, 20, generator=data)
+                y = (x @ w > 0).long()
+                loss = F.cross_entropy(model(x.to(peer.device)), y.to(peer.device))
+                loss.backward()
+                peer.step(batch_size=len(x))  # p2ptrain: contribute; apply the averaged updates ready
+                if step % 20 == 0 or peer.version >= args.updates:
+                    print(f"step {step:4d}  loss {loss.item():.4f}  updates {peer.version}  "
+                          f"lr {scheduler.get_last_lr()[0]:.5f}  grad norm {grad_norm[0]:.3f}", flush=True)
+                step += 1
+    finally:  # (after Ctrl-C too: the next run resumes here, at the scheduler's learning rate)
+        if args.checkpoint:
+            torch.save(peer.state_dict(), args.checkpoint)  # p2ptrain: model, optimizer, scheduler, lineage
     m = peer.metrics  # p2ptrain: the last round, as the peer saw it
     if m is not None:
         print(f"done: {peer.version} updates; last round {m.round}: {m.members} members, {m.samples} samples, "
@@ -71,8 +76,10 @@ if __name__ == "__main__":
     p.add_argument("--staleness", type=int, default=0, help="0: synchronous; 1, 2: rounds overlap compute")
     p.add_argument("--compression", default="none", help="none, fp16, bf16, int8, ...")
     p.add_argument("--secret", default=None)
-    p.add_argument("--updates", type=int, default=100, help="train until the cluster applied this many")
-    p.add_argument("--checkpoint", default=None, help="resume from this file if it exists; save to it at the end")
+    p.add_argument("--updates", type=int, default=100, help="train until the cluster applied this many (the "
+                   "learning rate schedule's length; a resumed run counts from where it left off)")
+    p.add_argument("--checkpoint", default=None, help="resume from this file if it exists; save to it at the end "
+                   "(after Ctrl-C too)")
     p.add_argument("--data-seed", type=int, default=None, help="default: a random one")
     a = p.parse_args()
     if a.data_seed is None:

@@ -259,3 +259,86 @@ async def test_step_yields_to_the_callers_loop_even_when_it_need_not_wait():
             other.cancel()
         assert starved == 0  # (it was 398 of 400 steps before)
         assert min(p.version for p in peers) >= 1  # (they trained together)
+
+
+def test_a_checkpoint_resumes_the_scheduler_at_its_learning_rate():
+    def with_scheduler(seed):
+        model, optimizer = make(seed=seed)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    model, optimizer, scheduler = with_scheduler(0)
+    with alone((model, optimizer), scheduler=scheduler) as first:
+        for k in range(3):
+            x, y = batch(k)
+            F.cross_entropy(model(x), y).backward()
+            first.step(batch_size=len(x))
+        saved = io.BytesIO()
+        torch.save(first.state_dict(), saved)
+    saved.seek(0)
+    model, optimizer, scheduler = with_scheduler(5)
+    resumed = alone((model, optimizer), scheduler=scheduler)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    assert scheduler.last_epoch == 3 and scheduler.get_last_lr() == pytest.approx([0.1 / 8])
+    with resumed:
+        x, y = batch(3)
+        F.cross_entropy(model(x), y).backward()
+        resumed.step(batch_size=len(x))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 16)  # the schedule goes on, not over
+
+
+async def test_a_joiner_takes_the_clusters_scheduler_with_its_state():
+    peers = []
+    for seed in (0, 1):
+        model, optimizer = make(seed=seed)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        peers.append(AsyncPeer(model, optimizer, scheduler=scheduler, listen="127.0.0.1:0", discovery=False))
+    a, b = peers
+    async with a, b:
+        for k in range(5):
+            x, y = batch(k)
+            F.cross_entropy(a.model(x), y).backward()
+            await a.step(batch_size=len(x))
+        state = await on_cluster_thread(a, a.snapshot)
+        state = snapshot.unpack(b"".join(snapshot.pack(state)))  # as it travels: bytes, never pickle
+        await on_cluster_thread(b, b.restore, state)
+        x, y = batch(10)
+        F.cross_entropy(b.model(x), y).backward()
+        await b.step(batch_size=len(x))  # (loads the state)
+        assert b.scheduler.last_epoch == a.scheduler.last_epoch == 5
+        for peer in (a, b):  # the same next update, at the same learning rate
+            F.cross_entropy(peer.model(x), y).backward()
+            await peer.step(batch_size=len(x))
+        assert b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
+        assert param_checksum(b.model) == param_checksum(a.model)
+
+
+def test_custom_loop_example_resumes_at_the_schedulers_learning_rate(tmp_path):
+    """Ctrl-C saves a checkpoint; the next run goes on at that update's learning rate (cosine
+    over --updates), and ends the schedule at 0, not where it was when it started again."""
+    import math
+    import signal
+
+    port, updates, ckpt = ports(1)[0], 400, str(tmp_path / "ckpt.pt")
+    cmd = [sys.executable, os.path.join(REPO, "examples", "custom_loop.py"), "--updates", str(updates),
+           "--no-discovery", "--listen", f"127.0.0.1:{port}", "--checkpoint", ckpt]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("step   20"):  # (a line every 20 steps)
+            line = first.stdout.readline()
+            assert line or first.poll() is None, first.stderr.read()[-1500:]
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0, second.stderr[-1500:]
+    lines = second.stdout.splitlines()
+    version, lr = int(lines[0].split()[3].rstrip(",")), float(lines[0].split()[-1])
+    assert 20 <= version < updates, lines[0]
+    assert lr == pytest.approx(3e-3 * (1 + math.cos(math.pi * version / updates)) / 2, abs=1e-5), lines[0]
+    last = [line for line in lines if line.startswith("step")][-1]
+    assert f"updates {updates}" in last and "lr 0.00000" in last, last

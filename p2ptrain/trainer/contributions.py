@@ -9,7 +9,7 @@ progress (``_computing``, ``_want_step``, ``_step_end``, ``_compute_mean``), the
 (``_linger``, ``_linger_due``, ``_idle_rounds``), the state loads waiting for a safe point
 (``_restore``, ``_reconcile``), the counters (``dropped``, ``staleness_max``, ``_rounds_seen``,
 ``_compute_s``, ``_compute_n``, ``_wait_s``), its settings (``staleness``,
-``target_batch_size``) and ``model``, ``optimizer``, ``params``. ``peer`` is the caller's side
+``target_batch_size``) and ``model``, ``optimizer``, ``scheduler``, ``params``. ``peer`` is the caller's side
 (``step`` and what it applies); this module is what the cluster calls.
 
 Call order. The cluster calls ``take`` when a round collects (our accumulator is swapped out, or
@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
+from p2ptrain.cluster import snapshot
 from p2ptrain.cluster.rounds import SyncPoint
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
@@ -159,7 +160,7 @@ class ContributionsSide:
                 version, p = self.version, self.cluster.machine.sync_point()
             return {"model": {k: v.detach().clone() for k, v in self._true_state_dict().items()},
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
-                    "sync": [p.version, p.digest, p.round, p.epoch]}
+                    "scheduler": self._scheduler_snapshot(), "sync": [p.version, p.digest, p.round, p.epoch]}
         finally:
             self._params_lock.release()
 
@@ -201,8 +202,30 @@ class ContributionsSide:
         """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._load_scheduler(state)
         if self._predictor is not None:
             self._predictor.forget()
+
+    def _scheduler_snapshot(self) -> dict | None:
+        """The scheduler's state for a joiner, so that it steps at the cluster's learning rate
+        (a fresh scheduler on a joiner would start its schedule over); None when it has none, or
+        when its state holds something a snapshot cannot carry (a callable: said once)."""
+        if self.scheduler is None:
+            return None
+        state = copy.deepcopy(self.scheduler.state_dict())
+        try:
+            snapshot.pack(state)
+        except (ValueError, TypeError) as exc:
+            if not getattr(self, "_scheduler_unsent", False):
+                self._scheduler_unsent = True
+                log.warning("the scheduler's state is not sent to joiners (%s): they start its schedule over", exc)
+            return None
+        return state
+
+    def _load_scheduler(self, state: dict) -> None:
+        """The scheduler's state from a snapshot or a ``state_dict()``, where both sides have one."""
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def _load_restore(self) -> bool:
         """Load a pending state (``_params_lock`` held; no forward or backward runs now)."""

@@ -439,11 +439,13 @@ class AsyncPeer(ContributionsSide):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Model, optimizer, version, and the cluster's point at the last applied update: save
-        it as you save anything (``torch.save``). Call it between steps."""
+        """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
+        version, and the cluster's point at the last applied update. Save it as you save
+        anything (``torch.save``). Call it between steps."""
         with self._params_lock, self._lock:
             p = self._params_point
             return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                     "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch]}
 
     def _true_state_dict(self) -> dict:
@@ -452,10 +454,12 @@ class AsyncPeer(ContributionsSide):
 
     def load_state_dict(self, state: dict) -> None:
         """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers
-        restarted from the same checkpoint form one cluster again."""
+        restarted from the same checkpoint form one cluster again, and the ``scheduler`` (if
+        both the state and this peer have one) continues at the saved update's learning rate."""
         if self._thread is not None:
             raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._load_scheduler(state)
         self.version = self._committed = self._computing_on = int(state.get("version", 0))
         self._start = _point(state.get("sync"))
