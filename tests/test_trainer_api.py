@@ -191,7 +191,8 @@ async def test_a_snapshot_restored_into_another_peer_gives_the_same_parameters_a
 
 
 async def test_no_snapshot_while_an_update_waits_to_be_applied():
-    peer = AsyncPeer(*make(), listen="127.0.0.1:0", discovery=False, staleness=1)
+    # (a target batch this big: step never waits for a round to take its share)
+    peer = AsyncPeer(*make(), listen="127.0.0.1:0", discovery=False, staleness=1, target_batch_size=1 << 20)
     async with peer:
         x, y = batch(0)
         F.cross_entropy(peer.model(x), y).backward()

@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--staleness", type=integer(0), default=_env("staleness", "0"), help="0: synchronous rounds; "
                    "N >= 1: rounds run at the network's pace, no gradient applied more than N rounds stale")
     g.add_argument("--target-batch-size", type=integer(1), default=_env("target_batch_size"),
-                   help="with --staleness >= 1: a round starts once the members hold this many samples")
+                   help="with --staleness >= 1: the most samples one update averages, each peer contributing at "
+                   "most its share (default: members x --batch-size, DDP's global batch)")
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")

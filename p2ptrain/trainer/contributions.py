@@ -140,8 +140,6 @@ class ContributionsSide:
                 return
             self._out = None
             self._acc.merge(out)
-        if self.target_batch_size:
-            self.cluster.holding()
         self._changed.set()
 
     def held(self) -> int:

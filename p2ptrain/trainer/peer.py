@@ -28,22 +28,20 @@ ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
 Staleness. A gradient computed on version v and applied to version V has staleness V - v.
 
 - 0: ``step`` returns once the round holding its batch was applied: DDP's mathematics.
-- tau >= 1 (stale-synchronous): ``step`` returns at once; rounds run at the network's pace
-  and each member contributes what it has. A member whose batch in progress would be staler
-  than tau after the round being collected does not contribute yet, so the round waits for
-  it (a bounded while: ``contributions``): the fastest peer runs at most tau updates ahead of
-  the slowest, a slow peer contributes fewer samples, and nothing computed within the bound
-  is dropped. ``step`` blocks only while more than tau of its batches wait and no round
-  is under way (too few peers, loading state). Anything staler than tau when its round
+- tau >= 1 (stale-synchronous): rounds run at the network's pace and each member contributes
+  what it has, up to its share of the target batch (``target_batch_size``; default members x
+  its batch: DDP's global batch), so an update never averages more than that: a member that
+  holds its share blocks in ``step`` until a round takes it (the next batch is computed while
+  the ring runs). Without the bound, a device faster than the ring piled dozens of batches
+  into each update at one learning rate, and progress per sample collapsed. A member whose
+  batch in progress would be staler than tau after the round being collected does not
+  contribute yet, so the round waits for it (a bounded while: ``contributions``): the fastest
+  peer runs at most tau updates ahead of the slowest, a slow peer contributes fewer samples,
+  and nothing computed within the bound is dropped. Anything staler than tau when its round
   starts is dropped and counted (``dropped``).
-- ``target_batch_size=B`` (with tau >= 1): after each step the cluster tells the leader what
-  this peer holds (``held``); the leader proposes once its view holds B samples together.
-  Batches pile up on one version while a round waits for samples, so they are no staler for
-  it; ``step`` blocks only once this peer alone holds B and no round takes it.
 
 Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
-samples are applied, and two rounds more for what the others computed meanwhile (not with
-``target_batch_size``: the others may never make up the target; what it holds is logged). Loops should
+samples are applied, and two rounds more for what the others computed meanwhile. Loops should
 count the cluster's updates (``while peer.version < n``), not their own steps: a faster peer
 takes more steps, and one that left early could leave the others short of ``min_peers``.
 
@@ -106,7 +104,8 @@ class AsyncPeer(ContributionsSide):
     ``scheduler`` steps once per applied update. ``reconcile_every``: compare the parameter
     checksum with the leader's after every that many updates (0: never); a member that differs
     (device kinds round differently) loads the leader's state. ``target_batch_size`` (with
-    staleness >= 1): a round starts once the members together hold that many samples.
+    staleness >= 1): the most samples one update averages (default: members x this peer's
+    batch); each member contributes at most its share (that over members, whole batches).
     ``weight_prediction`` (with staleness >= 1): batches are computed on the parameters moved
     on by the last update, where they will nearly be when applied (``prediction``); the model
     holds those between steps, ``state_dict`` the true ones."""
@@ -162,6 +161,8 @@ class AsyncPeer(ContributionsSide):
         self.version = 0  # updates applied to the parameters here
         self._committed = 0  # updates committed by the cluster (applied here, or queued)
         self._computing_on = 0  # the version the batch in progress is computed on
+        self._applied_waiting = 0  # updates applied while step() waited (it reports them)
+        self._batch = 1  # the last batch size step() was given (the share counts whole batches)
         self._computing = True  # False while the caller is inside step() (no batch in progress)
         self._want_step = False  # a round waits for this peer's next batch: step() must say so
         self._linger: asyncio.TimerHandle | None = None
@@ -222,7 +223,7 @@ class AsyncPeer(ContributionsSide):
     async def _open(self) -> None:
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
-                               compression=self._compression, config=RoundConfig(min_peers=self.min_peers, target_batch_size=self.target_batch_size or 0),
+                               compression=self._compression, config=RoundConfig(min_peers=self.min_peers),
                                start=self._params_point, fingerprint=model_fingerprint(self.model))
         await self.cluster.__aenter__()
         # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
@@ -281,9 +282,7 @@ class AsyncPeer(ContributionsSide):
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
-        if self.target_batch_size:  # (the others may never make up the target: no waiting for it)
-            log.info("leaving: %d samples held here are not applied", self._acc.samples)
-        elif self.staleness:
+        if self.staleness:
             self._notify()
             try:
                 await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
@@ -331,20 +330,20 @@ class AsyncPeer(ContributionsSide):
                     self.dropped += batch_size
                 else:
                     self._acc.add(batch_size, self.version)
+                self._batch = batch_size
                 self._computing = False
                 notify, self._want_step = self._want_step, False
             self._apply_queue()
         if notify:
             self._notify()
-        if self.target_batch_size:
-            self._notify(self.cluster.holding)
         with self._lock:
             return self._must_wait()
 
     def _end_step(self) -> int:
         with self._params_lock:
             self._load_restore()
-            applied = self._apply_queue()
+            applied = self._apply_queue() + self._applied_waiting
+            self._applied_waiting = 0
             with self._lock:
                 self._computing_on, self._computing = self.version, True
                 self._step_end = time.perf_counter()
@@ -353,9 +352,14 @@ class AsyncPeer(ContributionsSide):
     def _must_wait(self) -> bool:  # (under _lock)
         if self.staleness == 0:  # our batch is applied before step() returns
             return bool(self._acc.samples or self._out is not None)
-        if self.target_batch_size:  # rounds wait for samples: block only once we alone hold the target
-            return self._acc.samples >= self.target_batch_size and self._out is None
-        return self._acc.batches > self.staleness and self._out is None
+        return self._acc.samples >= self._share()  # our share of the target batch waits for a round
+
+    def _share(self) -> int:
+        """The most samples this peer contributes to one round: the target batch over the
+        members, in whole batches of the last size, at least one batch."""
+        members = max(1, self.members, self.min_peers)  # (no round runs with fewer than min_peers)
+        target = self.target_batch_size or members * self._batch
+        return max(1, target // members // self._batch) * self._batch
 
     async def _wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
         """On the cluster's loop, while the caller waits in step: wake on every change until
@@ -367,9 +371,13 @@ class AsyncPeer(ContributionsSide):
                 self.cluster.check()
                 if self._closed and not flushing:
                     raise ClosedError("this peer was closed while step() waited")
-                if self._restore is not None and self._params_lock.acquire(blocking=False):
+                # The caller waits in step (no forward or backward runs): a pending state
+                # load lands here, and so do committed updates, so that a snapshot for a
+                # joiner is never refused while this peer waits for a round to take its share.
+                if (self._restore is not None or self._queue) and self._params_lock.acquire(blocking=False):
                     try:
                         self._load_restore()
+                        self._applied_waiting += self._apply_queue()
                     finally:
                         self._params_lock.release()
                 with self._lock:
