@@ -34,6 +34,7 @@ from p2ptrain.errors import (
     LinkError,
     P2PTrainError,
     RemoteProtocolError,
+    SettingsError,
 )
 
 __version__ = "0.1.0"
@@ -76,5 +77,6 @@ __all__ = [
     "P2PTrainError",
     "Peer",
     "RemoteProtocolError",
+    "SettingsError",
     "__version__",
 ]

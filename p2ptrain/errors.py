@@ -9,6 +9,7 @@
     ├── LinkError              a connection that failed, closed or timed out
     ├── GroupError             a group that cannot form, or a collective that cannot complete
     ├── FingerprintError       this model is not the cluster's (names the first difference)
+    ├── SettingsError          this peer's shared settings (compression, staleness, ...) are not the cluster's
     ├── CheckpointError        a checkpoint file that cannot be written or read
     └── ClosedError            an object used after it was closed
 
@@ -57,6 +58,10 @@ class GroupError(P2PTrainError):
 
 class FingerprintError(P2PTrainError):
     """This peer's model (parameter names, shapes, dtypes) differs from the cluster's."""
+
+
+class SettingsError(P2PTrainError):
+    """A setting every peer must share (``p2ptrain.cluster.settings``) differs from the cluster's."""
 
 
 class CheckpointError(P2PTrainError):

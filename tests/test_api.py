@@ -10,7 +10,8 @@ def test_exports_are_pinned():
     assert sorted(p2ptrain.__all__) == sorted([
         "__version__", "Group", "AsyncPeer", "Peer", "DistributedOptimizer",
         "P2PTrainError", "ConfigError", "RemoteProtocolError", "FrameError", "CodecError",
-        "HandshakeError", "LinkError", "GroupError", "ClosedError", "FingerprintError", "CheckpointError",
+        "HandshakeError", "LinkError", "GroupError", "ClosedError", "FingerprintError", "SettingsError",
+        "CheckpointError",
     ])
     for name in p2ptrain.__all__:
         assert getattr(p2ptrain, name) is not None

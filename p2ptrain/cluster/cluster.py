@@ -31,6 +31,8 @@ meeting a cluster that is ahead, or a bigger side after a split, makes the machi
 captures are exactly those of the machine's ``sync_point()``. A peer whose handshake carries
 another model digest is never handed to the machine: both sides log the first difference, and
 a peer that has trained nothing yet stops with ``FingerprintError``.
+So is a peer whose shared settings (compression, staleness, ...: ``settings``) differ from
+ours, and a peer that has applied nothing and has no member stops with ``SettingsError``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from p2ptrain.net import auth
 from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce
-from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
+from p2ptrain.cluster import settings as shared_settings
+from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError, SettingsError
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.collective.ring import chunk_elems_for
@@ -90,7 +93,7 @@ class Cluster:
     def __init__(self, *, peer_id: str, source: Contributions, checksum: bytes, cluster: str = "default",
                  secret: bytes | None = None, host: str = "127.0.0.1", port: int = 0, compression: str = "none",
                  config: RoundConfig | None = None, ring_timeout: float = 30.0, fingerprint: list | None = None,
-                 start: SyncPoint | None = None):
+                 start: SyncPoint | None = None, settings: dict | None = None):
         self.peer_id = peer_id
         self.source = source
         self._secret = secret
@@ -103,6 +106,10 @@ class Cluster:
                                       on_foreign=lambda p, diff: self._post("foreign", p, diff))
         if fingerprint is not None:
             self.mesh.info["model"] = self.transfer.digest
+        self.settings = dict(settings or {})  # what every peer must share (``cluster.settings``)
+        if settings:
+            self.mesh.info["settings"] = self.settings
+        self._refused: set[str] = set()  # peers refused for their settings, said once each
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._fetcher: asyncio.Task | None = None
@@ -190,6 +197,11 @@ class Cluster:
             self._foreign.add(peer)  # linked (so not redialed), never a member
             self.transfer.tell_model(peer)
             return
+        diffs = shared_settings.differences(self.settings, info.get("settings"))
+        if diffs:
+            self._foreign.add(peer)  # (as a peer of another model)
+            self._post("other_settings", peer, diffs)
+            return
         self._post("connected", peer, info)
 
     def _on_message(self, peer: str, header: dict) -> None:
@@ -259,6 +271,9 @@ class Cluster:
                     actions = m.hold_for(args[0], now)
                 elif kind == "foreign":
                     self._foreign_model(*args)
+                    continue
+                elif kind == "other_settings":
+                    self._other_settings(*args)
                     continue
                 elif kind == "restored":
                     window = tuple(args[0].pop(LINEAGE, None) or ())
@@ -435,6 +450,16 @@ class Cluster:
             self.failure = FingerprintError(f"{text}: start every peer with the same task and model size")
             log.error("%s", self.failure)
         else:
+            log.error("%s; this peer keeps training with the others", text)
+
+    def _other_settings(self, peer: str, diffs: list[str]) -> None:
+        """A peer with other shared settings: a peer that has applied nothing and has no
+        member stops (its owner raises the one line); one that trains with others says it once."""
+        text = shared_settings.refusal(peer, diffs)
+        if self.applied == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]:
+            self.failure = self.failure or SettingsError(text)
+        elif peer not in self._refused:
+            self._refused.add(peer)
             log.error("%s; this peer keeps training with the others", text)
 
     def _record(self, r: int, total: int, own: int, view: tuple) -> None:

@@ -165,7 +165,7 @@ class _Join:
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction,
-                         step_timeout=float("inf"), **kwargs)
+                         step_timeout=float("inf"), seed=a.seed, **kwargs)
         self._resume(peer, task)
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()
@@ -310,6 +310,7 @@ class _Join:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + a.connect_timeout
         while peer.members < a.min_peers:
+            peer.cluster.check()  # (a peer with other settings, another model: said at once)
             if loop.time() > deadline:
                 linked = peer.cluster.mesh.addresses
                 missing = [f"{h}:{p}" for h, p in peer.discovery.static_addresses if (h, p) not in linked]

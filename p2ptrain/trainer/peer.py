@@ -84,6 +84,7 @@ from p2ptrain.trainer.options import check_options, listen_address
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
 from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
+from p2ptrain.cluster.settings import shared
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
 
 if TYPE_CHECKING:
@@ -108,7 +109,11 @@ class AsyncPeer(ContributionsSide):
     batch); each member contributes at most its share (that over members, whole batches).
     ``weight_prediction`` (with staleness >= 1): batches are computed on the parameters moved
     on by the last update, where they will nearly be when applied (``prediction``); the model
-    holds those between steps, ``state_dict`` the true ones."""
+    holds those between steps, ``state_dict`` the true ones. ``seed``: the seed the model and
+    data come from, compared with the other peers' (None: not compared). ``compression``,
+    ``staleness``, ``target_batch_size`` and ``seed`` must be the same on every peer: a peer
+    that differs is refused, and one that has trained nothing with nobody else raises
+    ``SettingsError`` from ``step`` (``cluster.settings``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
@@ -116,11 +121,15 @@ class AsyncPeer(ContributionsSide):
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
-                 weight_prediction: bool = False):
+                 weight_prediction: bool = False, seed: int | None = None):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction)
-        parse_codec(compression)  # a typo is reported here, not on entering
+        if seed is not None and (type(seed) is not int or seed < 0):
+            raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
+        # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
+        self._settings = shared(compression=parse_codec(compression).spec, staleness=staleness,
+                                target_batch_size=target_batch_size, seed=seed)
         if device is not None:
             model.to(pick_device(device))
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -224,7 +233,8 @@ class AsyncPeer(ContributionsSide):
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=RoundConfig(min_peers=self.min_peers),
-                               start=self._params_point, fingerprint=model_fingerprint(self.model))
+                               start=self._params_point, fingerprint=model_fingerprint(self.model),
+                               settings=self._settings)
         await self.cluster.__aenter__()
         # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
         self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,

@@ -36,13 +36,13 @@ class Peer:
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
-                 weight_prediction: bool = False):
+                 weight_prediction: bool = False, seed: int | None = None):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                                device=device, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
                                step_timeout=step_timeout, reconcile_every=reconcile_every,
-                               weight_prediction=weight_prediction)
+                               weight_prediction=weight_prediction, seed=seed)
 
     def __enter__(self) -> Self:
         self.start()
