@@ -290,3 +290,30 @@ def test_module_function_form(tmp_path, monkeypatch):
                                             ("missing/task.py", "no such file")])
 def test_unknown_specs(spec, fragment):
     assert fragment in one_line_error(spec)
+
+
+def test_printable_text_escapes_what_would_drive_a_terminal():
+    from p2ptrain.tasks import printable_text
+
+    assert printable_text("def f():\n\treturn 1") == "def f():\n\treturn 1"
+    assert printable_text("a\x1b[2Jb\x00c\x85d\x7f") == "a\\x1b[2Jb\\x00c\\x85d\\x7f"
+    assert printable_text("caf\u00e9 \u2603") == "caf\u00e9 \u2603"  # printable non-ASCII stays
+
+
+def test_an_untrained_charlm_samples_printable_text(tiny_charlm):
+    """An untrained model samples any byte: none reaches the terminal raw (ESC, C1 controls),
+    and bytes that are not UTF-8 show as \\xNN, not as U+FFFD."""
+    import copy
+
+    model, g = copy.deepcopy(tiny_charlm.model), torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():  # (random weights: every byte about as likely)
+            p.normal_(0, 1, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (200 tiny forwards: torch's thread pool only spins on a busy machine)
+    try:
+        text = tiny_charlm.sample(model, CPU)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(c.isprintable() or c in "\n\t" for c in text), [c for c in text if not c.isprintable()][:5]
+    assert "\ufffd" not in text and "\\x" in text

@@ -379,7 +379,9 @@ class _Join:
                                       "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                                       "raw_bytes": c.raw_bytes, "param_checksum": checksum}) + "\n")
         if task.sample:
-            print("\nsample:\n" + task.sample(model, device))
+            from p2ptrain.tasks import printable_text
+
+            print("\nsample:\n" + printable_text(str(task.sample(model, device))))  # (a task file's too)
 
 
 class _StatusLine:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from p2ptrain.cluster.fingerprint import Fingerprint, fingerprint_diff, model_fingerprint, param_checksum
 from p2ptrain.tasks._loader import BUILTINS, DEFAULT_TASK, load_task
-from p2ptrain.tasks._task import Task, parse_model_size, seeded_generator, validate_task
+from p2ptrain.tasks._task import Task, parse_model_size, printable_text, seeded_generator, validate_task
 
 __all__ = [
     "BUILTINS",
@@ -29,6 +29,7 @@ __all__ = [
     "model_fingerprint",
     "param_checksum",
     "parse_model_size",
+    "printable_text",
     "seeded_generator",
     "validate_task",
 ]

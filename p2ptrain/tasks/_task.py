@@ -71,6 +71,14 @@ class Task:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
+def printable_text(text: str) -> str:
+    """``text`` safe for a terminal: line breaks and tabs kept, every other control or
+    unprintable character (an escape sequence, a C1 control, a lone surrogate) written as
+    its escape, ``\x1b``; so a sampled model's bytes never drive the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
 def seeded_generator(*parts: Any) -> torch.Generator:
     """A CPU generator seeded from ``parts`` (e.g. ``seed, rank_seed, "train"``), stable across runs and machines."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()

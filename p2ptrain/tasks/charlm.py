@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.tasks._task import Task, evaluating, parse_model_size, seeded_generator
+from p2ptrain.tasks._task import Task, evaluating, parse_model_size, printable_text, seeded_generator
 from p2ptrain.tasks._text import load_corpus
 
 VOCAB = 256
@@ -160,7 +160,8 @@ def make_task(options: dict) -> Task:
                 # sample on the host with a CPU generator: the same text on every device kind
                 probs = F.softmax(model(idx)[0, -1].float() / 0.8, dim=-1).cpu()
                 out.append(int(torch.multinomial(probs, 1, generator=gen)))
-        return bytes(out).decode("utf-8", errors="replace")
+        # (bytes that are not UTF-8 as \xNN, like control characters: printable, and telling)
+        return printable_text(bytes(out).decode("utf-8", errors="backslashreplace"))
 
     count = sum(p.numel() for p in model.parameters())
     truncated = ", first part" if corpus.truncated else ""
