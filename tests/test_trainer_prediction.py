@@ -11,7 +11,7 @@ from test_trainer_staleness import close_all, joining_late, label, make_adam, op
 
 from p2ptrain import ConfigError, Peer
 from p2ptrain.trainer.prediction import WeightPredictor
-from p2ptrain.tasks import param_checksum
+from p2ptrain.cluster.drift import param_sketch, sketch_checksum
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,7 +42,8 @@ def test_the_predictor_moves_the_parameters_one_update_on_and_puts_the_true_ones
 
 
 def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_gets_the_true_ones():
-    peers = open_peers([make_adam] * 3, start=2, staleness=1, compression="int8", weight_prediction=True)
+    peers = open_peers([make_adam] * 3, start=2, staleness=1, compression="int8", weight_prediction=True,
+                       reconcile_every=1)
     late = peers[2]
     apart = []  # steps at which the model held other parameters than its state_dict
 
@@ -65,11 +66,13 @@ def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_g
         close_all(peers)
     assert set(apart) == {0, 1}  # both computed on predicted parameters
     assert late.history[-1].members == 3 and late.version == peers[0].version == peers[1].version
-    assert [p.cluster.reconciled for p in peers] == [0, 0, 0]  # the checksums agreed: true parameters
+    assert [p.cluster.reconciled for p in peers] == [0, 0, 0]  # the sketches agreed: true parameters
+    assert all(p.cluster.reconciler.identical == p.cluster.reconciler.compared for p in peers)
     for p in peers[1:]:  # closed: the models are bit-identical ...
         for a, b in zip(peers[0].model.parameters(), p.model.parameters()):
             assert torch.equal(a, b)
-    assert all(param_checksum(p.model) == p.metrics.param_checksum != "" for p in peers)  # ... on the true parameters
+    assert all(sketch_checksum(param_sketch(p.model.parameters())) == p.metrics.param_checksum != ""
+               for p in peers)  # ... on the true parameters
 
 
 def test_weight_prediction_needs_staleness():

@@ -14,8 +14,8 @@ returns, in order:
                          ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
 
-Reconciliation (parameter checksums compared with the leader's) is ``reconcile``'s; the
-records of applied rounds are ``records``'.
+Reconciliation (parameter sketches compared with the leader's, a drift past the tolerance
+corrected) is ``reconcile``'s; the records of applied rounds are ``records``'.
 
 Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
 ``residual``: of its own contribution and of the partial sums it forwarded) is added to its
@@ -75,7 +75,8 @@ class Contributions(Protocol):
     def apply(self, summed: np.ndarray, total_samples: int) -> None: ...  # committed: summed / total, in
     #                                                   round order; total 0 (nothing to apply) still counts
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
-    def snapshot(self) -> dict | None: ...  # {"model": {name: tensor}, ...} as of the last apply(); None: not now
+    def snapshot(self, parameters_only: bool = False) -> dict | None: ...  # {"model": {name: tensor}, ...} as of
+    #                                                   the last apply(); None: not now
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
     def reconcile(self, state: dict, point: SyncPoint) -> None: ...  # the leader's state at point: load it
     #                                                   when ours reach that point; keep what is accumulated
@@ -102,7 +103,7 @@ class Cluster:
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
                          on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
                          on_admitted=self._on_admitted, on_state=lambda p, f: self.transfer.on_frame(p, f))
-        self.transfer = StateTransfer(self.mesh, fingerprint or [], on_ask=lambda p, i: self._post("ask", p, i, 0.0),
+        self.transfer = StateTransfer(self.mesh, fingerprint or [], on_ask=lambda p, i, only: self._post("ask", p, i, 0.0, only),
                                       on_foreign=lambda p, diff: self._post("foreign", p, diff))
         if fingerprint is not None:
             self.mesh.info["model"] = self.transfer.digest
@@ -167,10 +168,11 @@ class Cluster:
         """The source has something now: rounds waiting for a contribution take it."""
         self._post("take")
 
-    def parameters_at(self, point: SyncPoint, checksum: str) -> None:
-        """The trainer's parameter checksum once the update ending at ``point`` is applied (call
-        on the cluster's loop): the leader tells the members, a member compares."""
-        self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "checksum": checksum})
+    def parameters_at(self, point: SyncPoint, sketch: bytes) -> None:
+        """The trainer's parameter sketch (``drift.param_sketch``) once the update ending at
+        ``point`` is applied (call on the cluster's loop): the leader tells the members, a
+        member compares (``reconcile``)."""
+        self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "sketch": sketch})
 
     def holding(self) -> None:
         """With ``target_batch_size``: what the source holds changed (call on the cluster's
@@ -183,7 +185,7 @@ class Cluster:
 
     @property
     def reconciled(self) -> int:
-        """Leader states downloaded because our parameters differed from its."""
+        """The leader's parameters downloaded because ours drifted past the tolerance."""
         return self.reconciler.reconciled
 
     @property
@@ -400,19 +402,22 @@ class Cluster:
             self.source.put_back(*taken)
 
     # -- state transfer -------------------------------------------------------------------
-    def _serve(self, peer: str, ask_id: int, waited: float) -> list:
+    def _serve(self, peer: str, ask_id: int, waited: float, parameters_only: bool = False) -> list:
         """A peer asks for our state: capture it at a round boundary, or try again soon. For a
         joiner we hold the next round from its ask on (as leader), and let one in flight end
-        first: a snapshot taken during a round is one update behind once that round commits."""
+        first: a snapshot taken during a round is one update behind once that round commits.
+        A member correcting its drift asks for our parameters only (``parameters_only``)."""
         m, now = self.machine, asyncio.get_running_loop().time()
         if not m.synced:
             self.transfer.refuse(peer, ask_id, "not synced itself; ask another member")
             return []
-        joiner = m.table.state(peer) != SYNCED  # (else a member reconciling: our parameters only)
+        joiner = not parameters_only and m.table.state(peer) != SYNCED
         actions = m.hold_for(peer, now, sending=True) if joiner else []
-        state = None if joiner and m.is_leader and m.pending is not None else self.source.snapshot()
+        state = (None if joiner and m.is_leader and m.pending is not None
+                 else self.source.snapshot(parameters_only=True) if parameters_only else self.source.snapshot())
         if state is None and waited < SNAPSHOT_WAIT:
-            asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2)
+            asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2,
+                                                  parameters_only)
         elif state is None:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
             actions += m.hold_for(peer, now)

@@ -35,6 +35,7 @@ still near zero is not corrected for a drift that no weight of the model could n
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,3 +194,9 @@ def compare(mine: bytes, theirs: bytes) -> Drift:
     rel = np.where(np.isfinite(rel), rel, np.inf)  # (NaN or inf parameters: as far as can be)
     g = int(np.argmax(rel))
     return Drift(False, float(rel[g]), g)
+
+
+def sketch_checksum(sketch: bytes) -> str:
+    """A hex digest of a sketch's bit sums: equal for bit-identical parameters on any device
+    (the metrics' ``param_checksum`` once compared), and different for almost any change."""
+    return hashlib.blake2b(decode(sketch)[:, 0].tobytes(), digest_size=16).hexdigest() if sketch else ""

@@ -2,8 +2,9 @@
 are told what differs. One frame type (``wire.STATE``); its header's ``"k"`` says which step:
 
     joiner                                   member
-    {k: ask, id}  + our fingerprint   ---->  the member's actor captures a snapshot at a round
-                                             boundary (or refuses: not synced, another model)
+    {k: ask, id, only?} + fingerprint ---->  the member's actor captures a snapshot at a round
+                                             boundary (or refuses: not synced, another model);
+                                             only "parameters": its trainable parameters alone
                   <----  {k: part, id, i, n, size, sync, checksum} + bytes   (n parts of PART_BYTES)
                   <----  {k: refuse, id, why}
     {k: model} + our fingerprint      <--->  sent both ways when the handshake's model digests
@@ -94,8 +95,8 @@ class Assembly:
 
 
 class StateTransfer:
-    """Serve and fetch snapshots over a mesh's STATE frames. ``on_ask(peer, ask_id, their_fp)``
-    is the owner's: it captures a snapshot at a round boundary and calls ``serve`` or ``refuse``;
+    """Serve and fetch snapshots over a mesh's STATE frames. ``on_ask(peer, ask_id,
+    parameters_only)`` is the owner's: it captures a snapshot at a round boundary and calls ``serve`` or ``refuse``;
     ``on_foreign(peer, diff)`` hears what differs in a peer of another model."""
 
     def __init__(self, mesh, fingerprint, on_ask: Callable, on_foreign: Callable[[str, str], None]):
@@ -134,7 +135,7 @@ class StateTransfer:
             if diff:
                 self.refuse(peer, h["id"], f"another model: {diff}")
             else:
-                self._on_ask(peer, h["id"])
+                self._on_ask(peer, h["id"], h.get("only") == "parameters")
         elif k in (PART, REFUSE):
             entry = self._fetches.get(h.get("id"))
             if entry is not None and entry[0] == peer:
@@ -183,14 +184,16 @@ class StateTransfer:
             return False
 
     # -- fetching -----------------------------------------------------------------------------
-    async def fetch(self, peer: str) -> tuple[dict, SyncPoint]:
-        """Download, decode and check a snapshot from ``peer``. Raises ``FingerprintError`` if
+    async def fetch(self, peer: str, parameters_only: bool = False) -> tuple[dict, SyncPoint]:
+        """Download, decode and check a snapshot from ``peer`` (``parameters_only``: its trainable
+        parameters alone, to correct a drift). Raises ``FingerprintError`` if
         it trains another model, ``LinkError`` if it refuses or goes silent, and
         ``RemoteProtocolError`` if what it sends is malformed or fails its checksum."""
         ask_id, inbox = next(self._ids), asyncio.Queue()
         self._fetches[ask_id] = (peer, inbox)
         try:
-            if not await self._send(peer, {"t": wire.STATE, "k": ASK, "id": ask_id}, [_fp_bytes(self.fingerprint)]):
+            ask = {"t": wire.STATE, "k": ASK, "id": ask_id, **({"only": "parameters"} if parameters_only else {})}
+            if not await self._send(peer, ask, [_fp_bytes(self.fingerprint)]):
                 raise LinkError(f"cannot ask {peer} for its state: no link")
             assembly, loop = None, asyncio.get_running_loop()
             deadline = loop.time() + FLOOR_S

@@ -71,9 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
-    g.add_argument("--reconcile-every", type=integer(0), default=_env("reconcile_every", "1"),
-                   help="compare parameter checksums with the coordinator's every N updates; a peer that "
-                   "differs (another device kind rounds differently) loads its state (default 1; 0: never)")
+    g.add_argument("--reconcile-every", type=integer(0), default=_env("reconcile_every", "10"),
+                   help="compare a sketch of the parameters with the coordinator's every N updates; a peer "
+                   "whose drift passes the tolerance (1e-5 relative; rounding alone stays far below) loads "
+                   "its parameters (default 10; 0: never)")
     g.add_argument("--max-rounds", type=integer(1), default=_env("max_rounds"),
                    help="stop after this many rounds (default 300 when --duration is not given)")
     g.add_argument("--duration", type=number(above=0), default=_env("duration"), help="stop after this many seconds")

@@ -36,7 +36,8 @@ class RoundMetrics:
     round_time: float  # seconds from taking this peer's contribution to the commit
     compute_time: float  # mean seconds per step outside step() (data, forward, backward) since the last update
     wait_time: float  # seconds step() blocked since the last update
-    param_checksum: str = ""  # of the parameters after this update (compared with the leader's); "" alone
+    param_checksum: str = ""  # of the parameters after an update compared with the leader's (drift.sketch_checksum:
+    #                          equal when bit-identical); "" for the others, and alone
 
 
 @dataclass

@@ -34,6 +34,7 @@ import logging
 import time
 
 import numpy as np
+import torch
 
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
 from p2ptrain.cluster import snapshot
@@ -146,9 +147,10 @@ class ContributionsSide:
         with self._lock:
             return self._acc.samples
 
-    def snapshot(self) -> dict | None:
+    def snapshot(self, parameters_only: bool = False) -> dict | None:
         """The state as of the last applied update, copied (the caller's thread may go on
-        training); None while updates are queued or being applied (ask again soon)."""
+        training); None while updates are queued or being applied (ask again soon). With
+        ``parameters_only`` (a member correcting its drift): the trainable parameters alone."""
         if not self._params_lock.acquire(blocking=False):
             return None
         try:
@@ -156,6 +158,10 @@ class ContributionsSide:
                 if self._queue or self._restore is not None:
                     return None
                 version, p = self.version, self.cluster.machine.sync_point()
+            if parameters_only:
+                names = {name for name, q in self.model.named_parameters() if q.requires_grad}
+                return {"model": {k: v.detach().clone() for k, v in self._true_state_dict().items() if k in names},
+                        "sync": [p.version, p.digest, p.round, p.epoch]}
             return {"model": {k: v.detach().clone() for k, v in self._true_state_dict().items()},
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
                     "scheduler": self._scheduler_snapshot(), "sync": [p.version, p.digest, p.round, p.epoch]}
@@ -176,14 +182,15 @@ class ContributionsSide:
         self._changed.set()
 
     def reconcile(self, state: dict, point: SyncPoint) -> None:
-        """The leader's state at ``point`` (our parameters differed from its): loaded in place of
-        ours once ours reach that point; what is accumulated stays (it differs by rounding only)."""
+        """The leader's parameters at ``point`` (ours drifted past the tolerance): loaded in place
+        of ours once ours reach that point; what is accumulated stays, and so does our optimizer
+        state (moments that differ by rounding only)."""
         with self._lock:
             self._reconcile = (state, point)
         self._changed.set()
 
     def _load_reconcile(self) -> None:
-        """(``_params_lock`` held) Ours at the leader's point: take its parameters and optimizer."""
+        """(``_params_lock`` held) Ours at the leader's point: take its parameters."""
         with self._lock:
             if self._reconcile is None or self._params_point is None:
                 return
@@ -192,9 +199,15 @@ class ContributionsSide:
                 return  # not there yet
             self._reconcile = None
         if (here.version, here.digest) != (point.version, point.digest):
-            log.debug("the leader's state for version %d came after ours passed it", point.version)
+            log.debug("the leader's parameters for version %d came after ours passed it", point.version)
             return
-        self._load_state(state)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in state["model"]:
+                    p.copy_(state["model"][name])
+        if self._predictor is not None:
+            self._predictor.forget()
+        self.corrected += 1
 
     def _load_state(self, state: dict) -> None:
         """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot."""

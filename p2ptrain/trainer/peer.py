@@ -85,6 +85,7 @@ from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
 from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
 from p2ptrain.cluster.settings import shared
+from p2ptrain.cluster.drift import param_sketch, sketch_checksum
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ log = logging.getLogger("p2ptrain.trainer.peer")
 
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``
+RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
 
 
 class AsyncPeer(ContributionsSide):
@@ -102,9 +104,10 @@ class AsyncPeer(ContributionsSide):
     Keywords are the ``join`` flags: ``cluster``, ``secret``, ``peers``, ``listen``,
     ``discovery``, ``compression``, ``staleness``, ``min_peers``, ``device`` (None: where the
     model is; else the model is moved there). ``clip_grad_norm`` clips each averaged gradient;
-    ``scheduler`` steps once per applied update. ``reconcile_every``: compare the parameter
-    checksum with the leader's after every that many updates (0: never); a member that differs
-    (device kinds round differently) loads the leader's state. ``target_batch_size`` (with
+    ``scheduler`` steps once per applied update. ``reconcile_every``: compare a sketch of the
+    parameters with the leader's after every that many updates (0: never; ``cluster.drift``);
+    a member whose drift passes ``drift.TOLERANCE`` (device kinds round differently, and more
+    than rounding made them differ) loads the leader's parameters. ``target_batch_size`` (with
     staleness >= 1): the most samples one update averages (default: members x this peer's
     batch); each member contributes at most its share (that over members, whole batches).
     ``weight_prediction`` (with staleness >= 1): batches are computed on the parameters moved
@@ -120,7 +123,7 @@ class AsyncPeer(ContributionsSide):
                  discovery: bool = True, interface: str | None = None, compression: str = "none",
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
-                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
+                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
@@ -182,6 +185,7 @@ class AsyncPeer(ContributionsSide):
         self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
         self._params_point: SyncPoint | None = None
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
+        self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
         self.staleness_max = 0
         self.metrics: RoundMetrics | None = None  # the last update applied here
         self.history: collections.deque[RoundMetrics] = collections.deque(maxlen=HISTORY)
@@ -440,9 +444,9 @@ class AsyncPeer(ContributionsSide):
                     self._acc.release(update.held)
             metrics = update.metrics
             if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
-                checksum = param_checksum(self.model)  # the leader's cluster compares it with its own
-                self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, checksum)
-                metrics = metrics and replace(metrics, param_checksum=checksum)
+                sketch = param_sketch(self.params)  # the leader's cluster compares it with its own
+                self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, sketch)
+                metrics = metrics and replace(metrics, param_checksum=sketch_checksum(sketch))
             if metrics is not None:
                 self._publish(metrics)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2ptrain.trainer.peer import AsyncPeer, RoundMetrics
+from p2ptrain.trainer.peer import RECONCILE_EVERY, AsyncPeer, RoundMetrics
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -35,7 +35,7 @@ class Peer:
                  discovery: bool = True, interface: str | None = None, compression: str = "none",
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
-                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = 1,
+                 scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
@@ -122,6 +122,11 @@ class Peer:
     @property
     def staleness_max(self) -> int:
         return self._peer.staleness_max
+
+    @property
+    def corrected(self) -> int:
+        """The leader's parameters loaded here because ours drifted past ``drift.TOLERANCE``."""
+        return self._peer.corrected
 
     @property
     def members(self) -> int:
