@@ -51,7 +51,7 @@ from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce
 from p2ptrain.cluster import settings as shared_settings
-from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError, SettingsError
+from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.collective.ring import chunk_elems_for
@@ -65,6 +65,7 @@ log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
+REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secret) while we cannot train
 
 
 class Contributions(Protocol):
@@ -248,6 +249,7 @@ class Cluster:
                     for peer in self.mesh.peers:
                         if m.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")
+                    self._give_up_if_refused(now)
                 elif kind == "message":
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("from %s: %s", args[0], _brief(args[1]))
@@ -456,6 +458,21 @@ class Cluster:
             log.error("%s", self.failure)
         else:
             log.error("%s; this peer keeps training with the others", text)
+
+    def _give_up_if_refused(self, now: float) -> None:
+        """Below ``min_peers``, with every peer we know refusing our handshake for a setting (a
+        wrong secret, another cluster) for REFUSED_GIVE_UP seconds: nobody will take us, so stop
+        (``GroupError``, the owner's to raise) rather than wait, dialing, forever. (The mesh says
+        each refusal once, with what to do.) A peer that can train alone goes on."""
+        refusing = self.mesh.refusing()
+        if refusing is None or self.failure is not None or self.members >= self.machine.config.min_peers:
+            return
+        since, why = refusing
+        if now - since >= REFUSED_GIVE_UP:
+            fixes = sorted({fix for part in why.split("; ") if (fix := auth.advice(part))})
+            where = ", ".join(f"{h}:{p}" for h, p in sorted(self.mesh.refused))
+            self.failure = GroupError(f"every peer this one knows ({where}) refused it for {REFUSED_GIVE_UP:.0f} s "
+                                      f"({why}): {'; '.join(fixes)}")
 
     def _other_settings(self, peer: str, diffs: list[str]) -> None:
         """A peer with other shared settings: a peer that has applied nothing and has no

@@ -42,6 +42,20 @@ REASON_VERSION = "protocol version mismatch"
 REASON_UNEXPECTED = "unexpected peer"
 REASON_TIMEOUT = "handshake timed out"
 
+# What to do about a refusal that is a setting, not a fault: said with the refusal, once.
+ADVICE = {
+    REASON_SECRET: "give every peer the same --secret (secret=)",
+    REASON_SECRET_MODE: "give every peer the same --secret (secret=), or none to all",
+    REASON_CLUSTER: "give every peer the same --cluster (cluster=)",
+    REASON_VERSION: "run the same p2ptrain version on every peer",
+}
+
+
+def advice(reason: str) -> str | None:
+    """What to do about a handshake refused for ``reason`` (ours or the peer's words), or None
+    when it is not a setting (a malformed or timed-out handshake: a fault, or a moment)."""
+    return next((fix for known, fix in ADVICE.items() if known in reason), None)
+
 
 def secret_from(secret: str | bytes | None, env: dict | None = None) -> bytes | None:
     """The shared secret as bytes: the argument, else $P2PTRAIN_SECRET, else None."""

@@ -99,6 +99,11 @@ class Mesh:
         self._lingering: set[asyncio.Task] = set()  # readers of losing duplicates
         self._dialing: dict[tuple[str, int], asyncio.Task] = {}
         self._failed_at: dict[tuple[str, int], float] = {}
+        self._proposed: set[tuple[str, int]] = set()  # every address proposed (not our own)
+        # Addresses whose peer refuses our handshake for a setting (``auth.advice``): the reason,
+        # and since when; said once per address and reason (the dial is retried every few seconds).
+        self.refused: dict[tuple[str, int], tuple[str, float]] = {}
+        self._said: set[tuple[tuple[str, int], str]] = set()
         self._listener: transport.Listener | None = None
         self._closed = False
         self._pinger: asyncio.Task | None = None
@@ -149,8 +154,10 @@ class Mesh:
         key = (host, port)
         loop = asyncio.get_running_loop()
         now = loop.time() if now is None else now
+        if port == self.port and host in self._own_hosts:
+            return
+        self._proposed.add(key)
         if (self._closed or key in self._dialing or key in self._addr.values()
-                or (port == self.port and host in self._own_hosts)
                 or now - self._failed_at.get(key, -1e9) < RETRY_AFTER):
             return
         task = loop.create_task(self._dial(host, port))
@@ -178,15 +185,41 @@ class Mesh:
         try:
             link = await transport.open_link(host, port, self._handshake(), timeout=5.0)
         except auth.HandshakeError as exc:
-            if auth.REASON_SELF not in str(exc):
-                log.warning("peer at %s:%d refused: %s", host, port, exc)
-            self._failed_at[(host, port)] = asyncio.get_running_loop().time()
+            self._refused_by((host, port), str(exc))
             return
         except P2PTrainError as exc:
             log.debug("dial %s:%d failed: %s", host, port, exc)
             self._failed_at[(host, port)] = asyncio.get_running_loop().time()
+            self.refused.pop((host, port), None)  # (unreachable now, not refusing)
             return
         self._adopt(link, dialed_by=self.peer_id, addr=(host, port))
+
+    def _refused_by(self, key: tuple[str, int], reason: str) -> None:
+        now = asyncio.get_running_loop().time()
+        self._failed_at[key] = now
+        if auth.REASON_SELF in reason:
+            return
+        fix = auth.advice(reason)
+        if (key, reason) in self._said:
+            log.debug("peer at %s:%d refused this peer again: %s", *key, reason)
+        else:
+            self._said.add((key, reason))
+            log.warning("peer at %s:%d refused this peer: %s%s", *key, reason, f"; {fix}" if fix else "")
+        if fix is not None:
+            before = self.refused.get(key)
+            self.refused[key] = (reason, before[1] if before and before[0] == reason else now)
+        else:
+            self.refused.pop(key, None)
+
+    def refusing(self) -> tuple[float, str] | None:
+        """(since when, the reasons) every address proposed to this mesh has refused our
+        handshake for a setting (a wrong secret, another cluster), while no peer is linked:
+        nobody we know will take us. None otherwise."""
+        known = self._proposed
+        if self._links or not known or any(key not in self.refused for key in known):
+            return None
+        reasons = sorted({self.refused[key][0].removeprefix("refused by peer: ") for key in known})
+        return max(self.refused[key][1] for key in known), "; ".join(reasons)
 
     def _admit_incoming(self, link: transport.Link) -> None:
         port = link.peer.info.get("port")
@@ -209,6 +242,8 @@ class Mesh:
         self._dialer[pid] = dialed_by
         if addr is not None:
             self._addr[pid] = addr
+            self.refused.pop(addr, None)
+            self._said = {said for said in self._said if said[0] != addr}  # (a later refusal is news)
         self._channels[pid] = ChunkChannel(link)
         self._readers[pid] = asyncio.get_running_loop().create_task(self._read(pid, link))
         self._on_admitted(pid, link.peer.info)

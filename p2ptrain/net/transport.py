@@ -37,6 +37,7 @@ log = logging.getLogger("p2ptrain.net.transport")
 SEND_PIECE = 1 << 20  # bytes handed to the transport at a time
 MAX_QUEUED_FRAMES = 64  # received frames waiting for their consumer before reading pauses
 HANDSHAKE_TIMEOUT = 10.0
+MAX_SAID = 1024  # (remote host, reason) pairs a listener remembers having logged
 
 
 def install_uvloop() -> bool:
@@ -402,11 +403,24 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> Listener:
     """Listen on ``host:port``; every connection that passes the handshake goes to ``on_link``.
 
-    Failures are logged one line each and never stop the listener. The caller owns the
-    returned ``Listener`` and closes it.
+    Failures never stop the listener; each is logged one line, once per remote host and
+    reason (a peer with a wrong secret dials again every few seconds), and at debug after that.
+    The caller owns the returned ``Listener`` and closes it.
     """
     loop = asyncio.get_running_loop()
     pending: set[asyncio.Task] = set()
+    said: set[tuple[str, str]] = set()  # (remote host, reason) logged
+
+    def refused(remote: str, exc: P2PTrainError) -> None:
+        key = (remote.rpartition(":")[0], str(exc))
+        if key in said:
+            log.debug("refused connection from %s again: %s", remote, exc)
+            return
+        if len(said) >= MAX_SAID:
+            said.clear()
+        said.add(key)
+        fix = auth.advice(str(exc)) if isinstance(exc, HandshakeError) else None
+        log.warning("refused connection from %s: %s%s", remote, exc, f"; {fix}" if fix else "")
 
     def factory():
         link = Link("incoming", max_payload)
@@ -415,7 +429,7 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
             try:
                 await _admit(link, make_handshake(), timeout, expect)
             except P2PTrainError as exc:
-                log.warning("refused connection from %s: %s", link.remote, exc)
+                refused(link.remote, exc)
                 return
             result = on_link(link)
             if asyncio.iscoroutine(result):
