@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import time
 import logging
 from typing import Protocol
@@ -371,13 +370,13 @@ class Cluster:
             run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                 recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
-                                residual=residual, trace=self.trace)
+                                residual=residual, trace=self.trace, digest=True)
             self._ring_stats[r] = await run.run()
             self._results[r] = (work, residual)
+            checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
-            ok = False
-        checksum = hashlib.blake2b(memoryview(work).cast("B"), digest_size=16).digest() if ok else None
+            ok, checksum = False, None
         self._rings.pop(r, None)
         self._post("ring_done", r, ok, checksum)
 

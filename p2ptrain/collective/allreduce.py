@@ -24,6 +24,13 @@ decode-and-add) runs on its threads, so encoding, decoding and the event loop's 
 proceed in parallel (numpy and zstd release the GIL). Sender and receiver each use their
 own codec instance: zstd contexts are not thread-safe.
 
+With ``digest=True`` every chunk's final values are hashed (xxh3-64) where they become
+final: by the owner after encoding its sum, by every other peer after decoding the
+all-gather's bytes. ``sum_digest()`` combines them in buffer order: 16 bytes equal on two
+peers exactly when their results are bit-identical (up to a 64-bit hash collision per
+chunk), computed a chunk at a time while the ring runs, never over the whole buffer at
+its end.
+
 Failure: any error (link lost, timeout, bad chunk) cancels both tasks and is raised; the
 work buffer then holds partial sums and the links are unusable, so the caller must close
 them. ``residual`` is complete only on success.
@@ -37,11 +44,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
-from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, RingPlan, Transfer
+from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, RingPlan, Transfer, chunks_of
 from p2ptrain.trace import NO_TRACE
 from p2ptrain.net.transport import Link
 
@@ -131,12 +139,30 @@ def _chunk_elems(codec: Codec, chunk_elems: int, length: int, size: int) -> int:
     return max(chunk_elems, min(_SPARSE_CHUNK_ELEMS, -(-segment // 8)))
 
 
+def buffer_digest(values: np.ndarray, plan: RingPlan) -> bytes:
+    """What ``RingAllreduce.sum_digest`` gives for a result ``values`` under ``plan``, from the
+    whole buffer at once (for checks and tests; the ring hashes chunks as they become final)."""
+    digests = {}
+    for start, stop in plan.segments:
+        for a, b in chunks_of(start, stop, plan.chunk_elems):
+            digests[a] = xxhash.xxh3_64_intdigest(values[a:b])
+    return _combine(digests)
+
+
+def _combine(digests: dict[int, int]) -> bytes:
+    """Chunk digests (start -> xxh3-64) in buffer order, as one 16-byte digest."""
+    starts = sorted(digests)
+    table = np.array([starts, [digests[s] for s in starts]], np.uint64)
+    return xxhash.xxh3_128_digest(table.T.copy())
+
+
 class RingAllreduce:
     """One allreduce of ``work`` (1-D float32, summed in place) as peer ``rank`` of ``size``."""
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
-                 residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE):
+                 residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE,
+                 digest: bool = False):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
         self.work = work
@@ -151,6 +177,7 @@ class RingAllreduce:
         self.timeout = timeout
         self.residual = residual
         self.stats = AllreduceStats()
+        self._digests: dict[int, int] | None = {} if digest else None  # chunk start -> xxh3 of its final values
         self._arrived: set[tuple[int, int]] = set()
         self._progress = asyncio.Event()
         self._forward: dict[tuple[int, int], tuple[dict, memoryview]] = {}
@@ -191,7 +218,7 @@ class RingAllreduce:
             src = self.work[t.start : t.stop]
             if t.reduce or t.g == owner_step:
                 began = self.trace.now()
-                params, payload = await self._offload(self._encode, src, not t.reduce)
+                params, payload = await self._offload(self._encode, src, not t.reduce, t.start)
                 self.trace.span("encode", "encode", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
             elif self.codec.is_identity:
                 params, payload = {}, [memoryview(src)]
@@ -208,8 +235,30 @@ class RingAllreduce:
             if not (t.reduce or t.g == owner_step or self.codec.is_identity):
                 self._pool.give(forwarded)
 
-    def _encode(self, src: np.ndarray, final: bool) -> tuple[dict, list]:
-        """Encode our values; keep the residual; the owner adopts its own decoded final sum."""
+    def _encode(self, src: np.ndarray, final: bool, start: int = 0) -> tuple[dict, list]:
+        """Encode our values; keep the residual; the owner adopts its own decoded final sum
+        (and hashes it: ``start`` is where ``src`` begins in the buffer)."""
+        params, buffers = self._encode_values(src, final)
+        if final:
+            self._finished(start, src)
+        return params, buffers
+
+    def _finished(self, start: int, values: np.ndarray) -> None:
+        """``values`` (from ``start``) hold their final sum here."""
+        if self._digests is not None:
+            self._digests[start] = xxhash.xxh3_64_intdigest(values)
+
+    def sum_digest(self) -> bytes:
+        """After ``run``, with ``digest=True``: 16 bytes, the same on two peers exactly when
+        their results are bit-identical (see the module docstring); ``buffer_digest`` of the
+        result, computed a chunk at a time."""
+        if self._digests is None:
+            raise ValueError("this allreduce was not asked for a digest (digest=True)")
+        if self.plan.size == 1 or len(self.work) == 0:
+            return buffer_digest(self.work, self.plan)
+        return _combine(self._digests)
+
+    def _encode_values(self, src: np.ndarray, final: bool) -> tuple[dict, list]:
         if self.codec.is_identity:
             return {}, [memoryview(src)]
         if self.residual is None:
@@ -300,6 +349,8 @@ class RingAllreduce:
                 np.add(incoming, dst, out=dst)
             elif incoming.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
                 dst[:] = incoming  # arrived before this call owned the link's allocator
+            if not t.reduce:
+                self._finished(t.start, dst)
             self._pool.give(payload)
             return
         if t.reduce:
@@ -307,6 +358,7 @@ class RingAllreduce:
             self._pool.give(payload)
         else:
             self._recv_codec.decode(params, payload, dst)
+            self._finished(t.start, dst)
             if t.g < self.plan.steps - 1:
                 self._forward[(t.g, t.chunk)] = (params, payload)
             else:

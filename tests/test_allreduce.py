@@ -1,0 +1,83 @@
+"""``RingAllreduce`` over real loopback links: results and the digest of the sum."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from helpers import until
+
+from p2ptrain.codecs import parse_codec
+from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
+from p2ptrain.net.mesh import Mesh
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def meshes(n):
+    ids = [chr(ord("a") + i) for i in range(n)]
+    ms = [Mesh(cluster="lab", peer_id=i, secret=b"s", host="127.0.0.1", on_message=lambda p, h: None,
+               on_lost=lambda p, why: None, on_admitted=lambda p, info: None) for i in ids]
+    for m in ms:
+        await m.start()
+    for m in ms:
+        for q in ms:
+            m.propose("127.0.0.1", q.port)
+    await until(lambda: all(len(m.peers) == n - 1 for m in ms))
+    return ids, ms
+
+
+async def allreduce(ms, ids, data, codec, op_id=1, executor=None, chunk_elems=1000):
+    n = len(ms)
+
+    async def one(rank):
+        m = ms[rank]
+        run = RingAllreduce(data[rank], rank=rank, size=n, send_link=m.channel(ids[(rank + 1) % n]),
+                            recv_link=m.channel(ids[(rank - 1) % n]), codec=parse_codec(codec), op_id=op_id,
+                            chunk_elems=chunk_elems, timeout=10, executor=executor, digest=True)
+        await run.run()
+        return run
+    return await asyncio.gather(*[one(r) for r in range(n)])
+
+
+@pytest.mark.parametrize("codec,threads", [("none", 0), ("int8", 0), ("int8", 2), ("fp16", 2)])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_every_peer_gets_the_same_sum_and_the_same_digest_of_it(n, codec, threads):
+    ids, ms = await meshes(n)
+    executor = ThreadPoolExecutor(threads) if threads else None
+    try:
+        rng = np.random.default_rng(0)
+        data = [rng.standard_normal(10_007).astype(np.float32) for _ in range(n)]
+        expected = np.sum(data, axis=0)
+        runs = await allreduce(ms, ids, data, codec, executor=executor)
+        assert all(np.array_equal(d, data[0]) for d in data)  # bit-identical on every peer
+        assert np.allclose(data[0], expected, atol=0.1 if codec != "none" else 1e-5)
+        digests = {r.sum_digest() for r in runs}
+        assert len(digests) == 1 and len(digests.pop()) == 16
+        # the chunks hashed as they became final make up the digest of the whole result
+        assert runs[0].sum_digest() == buffer_digest(data[0], runs[0].plan)
+    finally:
+        if executor:
+            executor.shutdown()
+        for m in ms:
+            await m.close()
+
+
+def test_the_digest_tells_any_changed_bit_and_any_moved_value():
+    from p2ptrain.collective.ring import RingPlan
+    plan = RingPlan(0, 3, 10_007, 1000)
+    values = np.random.default_rng(1).standard_normal(10_007).astype(np.float32)
+    ref = buffer_digest(values, plan)
+    for i in (0, 999, 1000, 5000, 10_006):
+        for bit in (0, 31):
+            damaged = values.copy()
+            damaged.view(np.uint32)[i] ^= np.uint32(1 << bit)
+            assert buffer_digest(damaged, plan) != ref
+    swapped = values.copy()
+    swapped[[10, 20]] = swapped[[20, 10]]
+    assert buffer_digest(swapped, plan) != ref
+    minus_zero = np.zeros(10_007, np.float32)
+    assert buffer_digest(minus_zero, plan) != buffer_digest(-minus_zero, plan)  # -0.0 is another bit pattern
