@@ -237,7 +237,6 @@ async def test_peers_command_with_nobody_prints_the_causes(capsys):
 
 
 @pytest.mark.parametrize("argv,match", [(["--secret", "x", "--secret-file", "f"], "not both"),
-                                        (["--seconds", "0"], "seconds"),
                                         (["--secret-file", "/nonexistent/secret"], "cannot read")])
 def test_peers_command_option_errors(argv, match):
     from p2ptrain.commands.cli import build_parser
@@ -245,6 +244,15 @@ def test_peers_command_option_errors(argv, match):
     args = build_parser().parse_args(["peers", *argv])
     with pytest.raises(ConfigError, match=match):
         args._run(args)
+
+
+def test_peers_command_refuses_a_bad_duration_while_parsing(capsys):
+    from p2ptrain.commands.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["peers", "--seconds", "0"])
+    assert exited.value.code == 2
+    assert "--seconds" in capsys.readouterr().err
 
 
 # -- static peers -----------------------------------------------------------------------------
