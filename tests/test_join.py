@@ -145,6 +145,7 @@ def test_resumes_from_the_newest_checkpoint_after_kill_9(tmp_path):
     after = [r for r in records(tmp_path / "second.jsonl") if "event" not in r]
     summary = records(tmp_path / "second.jsonl")[-1]
     assert len(after) == 10 and summary["event"] == "summary"
+    assert summary["rounds"] == 10 and summary["version"] >= 49  # this run's rounds; the cluster's update count
     assert after[0]["round"] >= 39  # it went on from a checkpoint of round 39 or later, not from round 0
     assert after[0]["loss"] < before[0]["loss"] - 0.3  # with the trained parameters, not the initial ones
     assert len(list(ckpt.glob("ckpt-r*.pt"))) <= 3 and not list(ckpt.glob(".ckpt-*"))  # kept 3; no temp left

@@ -21,6 +21,7 @@ import sys
 import time
 
 from p2ptrain.commands.cli import secret_option
+from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, number, port
 from p2ptrain.errors import ConfigError
 from p2ptrain.trace import NO_TRACE
@@ -128,15 +129,26 @@ class _Join:
 
     def __init__(self, args, secret: bytes | None):
         self.args, self.secret = args, secret
-        self.rounds = self.samples = self.own_samples = 0
+        self.count = RunCounters(time.monotonic())  # this run's (restarted when training starts)
         self.last_loss = float("nan")
         self.stopping = False
         self._threads = 0
         self._train_task: asyncio.Task | None = None
         self._records_seen = self._loads_seen = 0
-        self._resumed_at = 0  # rounds counted before this run (from a checkpoint)
         self.status = None
         self.trace = NO_TRACE
+
+    @property
+    def rounds(self) -> int:  # applied in this run
+        return self.count.rounds
+
+    @property
+    def samples(self) -> int:  # every member's, in the rounds applied in this run
+        return self.count.samples
+
+    @property
+    def own_samples(self) -> int:
+        return self.count.own_samples
 
     async def run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
@@ -213,10 +225,7 @@ class _Join:
             raise ConfigError(f"{path} holds another model ({diff}): use another --checkpoint-dir, or the "
                               "--task/--model-size it was written with")
         peer.load_state_dict(state["peer"])
-        self.rounds, self.samples = int(state.get("rounds", 0)), int(state.get("samples", 0))
-        self._resumed_at = self.rounds
-        log.info("resuming from %s: round %d, %d rounds and %d samples so far", path, state.get("round", -1),
-                 self.rounds, self.samples)
+        log.info("resuming from %s: the cluster's update %d, round %d", path, peer.version, state.get("round", -1))
 
     def _checkpoint(self, peer, task, final: bool = False) -> None:
         from p2ptrain.trainer.checkpoint import save_checkpoint
@@ -227,7 +236,6 @@ class _Join:
             return
         last = peer.cluster.rounds[-1].round if peer.cluster.rounds else -1
         state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.model), "round": last,
-                 "rounds": self.rounds, "samples": self.samples,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
         path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
         log.log(logging.INFO if final else logging.DEBUG, "checkpoint written: %s", path)
@@ -258,6 +266,7 @@ class _Join:
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
         await self._wait_for_members(peer)
         start = last_log = time.monotonic()
+        self.count = RunCounters(start)
         while not self._done(start):
             with self.trace("compute", "compute"):
                 batch = next(batches)
@@ -269,15 +278,14 @@ class _Join:
                     await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
             with self.trace("step", "compute"):
                 await peer.step(batch_size=n)
-            self.own_samples += n
+            self.count.stepped(n, time.monotonic())
             if metrics and len(peer.cluster.loads) > self._loads_seen:
                 for point in peer.cluster.loads[self._loads_seen:]:
                     metrics.write(json.dumps({"event": "loaded", "time": time.time(), "round": point.round,
                                               "version": point.version}) + "\n")
                 self._loads_seen = len(peer.cluster.loads)
             for record in self._new_records(peer):
-                self.rounds += 1
-                self.samples += record.samples
+                self.count.applied(record, time.monotonic())
                 if metrics:
                     self._write_metrics(metrics, peer, record)
                 if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
@@ -286,7 +294,7 @@ class _Join:
             now = time.monotonic()
             if now - last_log >= 0.5:
                 last_log = now
-                self._report(peer, now - start)
+                self._report(peer, now)
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
@@ -345,19 +353,19 @@ class _Join:
             "dropped": getattr(peer, "dropped", 0), "param_checksum": param_checksum(peer.model)}) + "\n")
         out.flush()
 
-    def _report(self, peer, elapsed: float) -> None:
-        c = peer.cluster
-        members = peer.members
+    def _report(self, peer, now: float) -> None:
+        """The status line: the cluster's round and update, and rates over the last few seconds."""
+        c, count = peer.cluster, self.count
         ratio = c.raw_bytes / c.wire_bytes if c.wire_bytes else 1.0
-        text = (f"round {self.rounds}  members {members}  loss {self.last_loss:.3f}  samples/s "
-                f"{self.own_samples / elapsed:.0f} own, {self.samples / elapsed:.0f} cluster  "
-                f"wire {c.wire_bytes / elapsed / 1e6:.2f} MB/s  ratio {ratio:.1f}x  "
-                f"staleness {getattr(peer, 'staleness_max', 0)}")
+        text = (f"round {'-' if count.round is None else count.round}  update {peer.version}  members "
+                f"{peer.members}  loss {self.last_loss:.3f}  samples/s {count.own.per_second(now):.0f} own, "
+                f"{count.cluster.per_second(now):.0f} cluster  wire {count.wire.per_second(now) / 1e6:.2f} MB/s  "
+                f"ratio {ratio:.1f}x  staleness {getattr(peer, 'staleness_max', 0)}")
         self.status.show(text)
 
     def _done(self, start: float) -> bool:
         a = self.args
-        return (self.stopping or (a.max_rounds is not None and self.rounds - self._resumed_at >= a.max_rounds)
+        return (self.stopping or (a.max_rounds is not None and self.rounds >= a.max_rounds)
                 or (a.duration is not None and time.monotonic() - start >= a.duration))
 
     def _summary(self, peer, task, model, device, metrics_path) -> None:
@@ -366,7 +374,8 @@ class _Join:
         c = peer.cluster
         val = task.evaluate(model, device) if task.evaluate else None
         checksum = param_checksum(model)
-        lines = [f"rounds {self.rounds}", f"samples {self.samples} (this peer {self.own_samples})",
+        lines = [f"rounds {self.rounds} in this run (the cluster's update {peer.version})",
+                 f"samples {self.samples} (this peer {self.own_samples})",
                  f"final train loss {self.last_loss:.4f}",
                  f"validation loss {val:.4f}" if val is not None else "",
                  f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
@@ -375,6 +384,7 @@ class _Join:
         if metrics_path:
             with open(metrics_path, "a", encoding="utf-8") as out:
                 out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": self.rounds,
+                                      "version": peer.version,
                                       "samples": self.samples, "own_samples": self.own_samples,
                                       "dropped": getattr(peer, "dropped", 0),
                                       "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,

@@ -1,0 +1,68 @@
+"""What ``join`` counts (``p2ptrain.commands.counters``): this run's rounds, the cluster's round
+numbers, and rates over the last seconds, however the run began (a resume, a state load, a late
+join). Pure, with a fake clock; then the status line as ``join`` writes it."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from p2ptrain.cluster.records import RoundRecord
+from p2ptrain.commands.counters import Rate, RunCounters
+from p2ptrain.commands.join import _Join
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def record(r, samples=64, wire=1000):
+    return RoundRecord(r, 2, samples, samples // 2, wire, 4 * wire, 0.1, 0.0)
+
+
+def test_a_rate_is_measured_over_the_last_window_not_since_the_start():
+    rate = Rate(start=0.0, window=10.0)
+    assert rate.per_second(0.0) == 0.0
+    for t in range(1, 31):  # idle for the first 20 s (waiting, loading state), then 100 per second
+        rate.add(100 if t > 20 else 0, float(t))
+    assert rate.per_second(30.0) == pytest.approx(100.0)  # (the whole run's mean: 33)
+    assert rate.per_second(35.0) == pytest.approx(50.0)  # nothing for 5 s: half the window was idle
+    early = Rate(start=0.0, window=10.0)
+    early.add(50, 2.0)
+    assert early.per_second(2.0) == pytest.approx(25.0)  # younger than the window: since the start
+    assert len(rate._points) <= 12  # bounded by the window
+
+
+def test_a_late_joiner_counts_its_own_rounds_and_shows_the_clusters_round():
+    count = RunCounters(start=0.0)
+    count.stepped(32, 1.0)
+    for k, r in enumerate((176, 177, 179)):  # it loaded round 175, then applied these (178 aborted)
+        count.applied(record(r), 2.0 + k)
+    assert (count.rounds, count.samples, count.own_samples, count.round) == (3, 192, 32, 179)
+
+
+class Status:
+    def show(self, text):
+        self.text = text
+
+
+def joined():
+    job = _Join(argparse.Namespace(), None)
+    job.status, job.last_loss = Status(), 1.5
+    return job
+
+
+def fake_peer(version):
+    cluster = SimpleNamespace(wire_bytes=3000, raw_bytes=12000)
+    return SimpleNamespace(cluster=cluster, version=version, members=2, staleness_max=0)
+
+
+def test_the_status_line_shows_the_clusters_round_and_update_and_windowed_rates():
+    job = joined()
+    job.count = RunCounters(start=100.0)  # (a resumed peer: nothing of its checkpoint is counted)
+    for k in range(10):
+        job.count.stepped(32, 111.5 + k)
+        job.count.applied(record(250 + k), 111.5 + k)
+    job._report(fake_peer(version=551), 121.0)
+    text = job.status.text
+    assert text.startswith("round 259  update 551  members 2"), text
+    assert "samples/s 32 own, 64 cluster" in text and "wire 0.00 MB/s" in text, text
+    assert job.rounds == 10 and job.samples == 640
