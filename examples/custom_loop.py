@@ -84,4 +84,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     if a.data_seed is None:
         a.data_seed = int(torch.randint(0, 2**31, (1,)).item())
-    main(a)
+    try:
+        main(a)
+    except p2ptrain.P2PTrainError as exc:  # (another peer's settings, a wrong secret, ...: one line, not a traceback)
+        raise SystemExit(f"{p.prog}: {exc}") from None

@@ -26,14 +26,14 @@ class Peers:
     def __init__(self, tmp_path, extra=(), lan=None):
         self.tmp, self.extra, self.procs, self.ports, self.lan = tmp_path, list(extra), {}, {}, lan
 
-    def start(self, name, *, seed=0, max_rounds=100_000, host=None, args=("--secret", "s")):
+    def start(self, name, *, seed=0, max_rounds=100_000, host=None, args=("--secret", "s"), task="synthetic"):
         """On loopback with --peers (the peers started so far), or on ``lan`` host ``host`` by discovery."""
         _port[0] += 1
         port = _port[0] if host is None else 7000
         others = ",".join(f"127.0.0.1:{q}" for n, q in self.ports.items() if n != name)
         self.ports[name] = port
         where = ["--no-discovery", *(["--peers", others] if others else [])] if host is None else []
-        cmd = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k",
+        cmd = [sys.executable, "-m", "p2ptrain", "join", "--task", task, "--model-size", "100k",
                "--batch-size", "16", "--port", str(port), "--eval-every", "0", "--seed", str(seed),
                "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"), *where, *args,
                *self.extra]
@@ -204,7 +204,14 @@ def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp
         peers.start("a")
         peers.start("b")
         peers.wait("rounds of 2", at_least(peers, "ab", 10))
-        peers.start("c", seed=7)  # other initial parameters: only the state transfer makes it match
+        # Other initial parameters (not another --seed: that is another cluster's, and refused): only
+        # the state transfer makes it match.
+        other = tmp_path / "other_init.py"
+        other.write_text("import torch\nfrom p2ptrain.tasks import load_task\n\n\ndef make_task(options):\n"
+                         "    task = load_task('synthetic', options)\n    g = torch.Generator().manual_seed(7)\n"
+                         "    with torch.no_grad():\n        for p in task.model.parameters():\n"
+                         "            p.add_(torch.randn(p.shape, generator=g))\n    return task\n")
+        peers.start("c", task=str(other))
         peers.wait("the joiner's rounds", at_least(peers, "c", 5))
         assert "loaded the cluster's state" in peers.log("c")
         peers.procs["a"].send_signal(signal.SIGTERM)
