@@ -45,7 +45,8 @@ async def _worker(a) -> None:
     addrs = a.addrs.split(",")
     rows = []
     async with Group(listen=addrs[a.rank], peers=addrs, connect_timeout=60, timeout=300,
-                     secret="bench", chunk_bytes=a.chunk_kib * 1024) as g:
+                     secret="bench", chunk_bytes=a.chunk_kib * 1024,
+                     codec_threads=None if a.threads is None else int(a.threads)) as g:
         barrier = torch.zeros(1)
         for codec in a.codecs.split(","):
             for mib in [float(s) for s in a.sizes.split(",")]:
@@ -101,7 +102,7 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
 
 
 def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=None, uvloop=True,
-                 timeout: float = 900, chunk_kib: int = 1024) -> list[dict]:
+                 timeout: float = 900, chunk_kib: int = 1024, threads: int | None = None) -> list[dict]:
     """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows."""
     if lan is not None:
         addrs = [f"{h.addr}:{PORT}" for h in lan.hosts[:n]]
@@ -110,7 +111,7 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
         addrs = [f"127.0.0.1:{base + i}" for i in range(n)]
     cmd = [sys.executable, __file__, "--worker", "--addrs", ",".join(addrs), "--sizes",
            ",".join(str(s) for s in sizes), "--reps", str(reps), "--codecs", ",".join(codecs),
-           "--chunk-kib", str(chunk_kib)]
+           "--chunk-kib", str(chunk_kib)] + ([] if threads is None else ["--threads", str(threads)])
     if not uvloop:
         cmd.append("--no-uvloop")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
@@ -136,7 +137,11 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
         import netns
         caps = [netns.parse_rate(h.rate) for h in lan.hosts[:n] if h.rate is not None]
         link = min(caps) if caps else None
-    return _collect(outputs, n, link)
+    rows = _collect(outputs, n, link)
+    if threads is not None:
+        for r in rows:
+            r["impl"], r["threads"] = f"p2ptrain t{threads}", threads
+    return rows
 
 
 def _print(rows: list[dict], gloo: dict) -> None:
@@ -146,7 +151,7 @@ def _print(rows: list[dict], gloo: dict) -> None:
     for r in rows:
         g = gloo.get((r["n"], r["size_bytes"]))
         frac = f"{r['busbw_Bps'] * 8 / r['link_bps']:.3f}" if r.get("link_bps") else "-"
-        vs = f"{r['busbw_Bps'] / g['busbw_Bps']:.2f}" if g and r["impl"] == "p2ptrain" else "-"
+        vs = f"{r['busbw_Bps'] / g['busbw_Bps']:.2f}" if g and r["impl"].startswith("p2ptrain") else "-"
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
         out.append([r["n"], _common.fmt_size(r["size_bytes"]), r["impl"], r.get("codec", "fp32"),
                     f"{r['median_s'] * 1e3:.1f} ms",
@@ -167,6 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
     p.add_argument("--chunk-kib", type=int, default=1024, help="p2ptrain chunk size in KiB (default 1024)")
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
+    p.add_argument("--threads", default=None, help="data-path threads per peer, comma-separated to compare "
+                   "(default: the machine's rule, p2ptrain.collective.pool)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: N=2, 1 MiB, 2 reps")
     p.add_argument("--json", help="write all rows to this file")
     # worker mode
@@ -182,6 +189,7 @@ def main(argv=None) -> int:
     ns = [int(x) for x in a.n.split(",")]
     sizes = [float(x) for x in a.sizes.split(",")]
     codecs = a.codecs.split(",")
+    threads = [None] if a.threads is None else [int(t) for t in a.threads.split(",")]
     rows: list[dict] = []
     gloo_rows: list[dict] = []
     import gloo_allreduce
@@ -190,11 +198,14 @@ def main(argv=None) -> int:
         rates = a.rates.split(",") if a.rates else ([a.netns] * n if a.netns else None)
         if rates is not None:
             with netns.EmulatedLan(n_hosts=n, rates=rates) as lan:
-                rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop, chunk_kib=a.chunk_kib)
+                for t in threads:
+                    rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop, chunk_kib=a.chunk_kib,
+                                         threads=t)
                 if not a.no_gloo:
                     gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps, lan=lan)
         else:
-            rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib)
+            for t in threads:
+                rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib, threads=t)
             if not a.no_gloo:
                 gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps)
     gloo = {(g["n"], g["size_bytes"]): g for g in gloo_rows}

@@ -81,3 +81,16 @@ def test_the_digest_tells_any_changed_bit_and_any_moved_value():
     assert buffer_digest(swapped, plan) != ref
     minus_zero = np.zeros(10_007, np.float32)
     assert buffer_digest(minus_zero, plan) != buffer_digest(-minus_zero, plan)  # -0.0 is another bit pattern
+
+
+def test_the_data_path_pool_follows_the_environment(monkeypatch):
+    from p2ptrain.collective import pool
+    monkeypatch.setenv(pool.ENV, "0")
+    assert pool.default_threads() == 0 and pool.shared_pool() is None
+    monkeypatch.setenv(pool.ENV, "3")
+    assert pool.default_threads() == 3
+    monkeypatch.setenv(pool.ENV, "many")
+    with pytest.raises(ValueError, match="number of threads"):
+        pool.default_threads()
+    monkeypatch.delenv(pool.ENV)
+    assert 2 <= pool.default_threads() <= pool.MAX_THREADS

@@ -53,6 +53,7 @@ from p2ptrain.cluster import settings as shared_settings
 from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
+from p2ptrain.collective.pool import shared_pool
 from p2ptrain.collective.ring import chunk_elems_for
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.records import RoundLog, RoundRecord
@@ -370,7 +371,7 @@ class Cluster:
             run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                 recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
-                                residual=residual, trace=self.trace, digest=True)
+                                residual=residual, trace=self.trace, digest=True, executor=shared_pool())
             self._ring_stats[r] = await run.run()
             self._results[r] = (work, residual)
             checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)

@@ -19,9 +19,9 @@ Chunks pass through a codec (``p2ptrain.codecs``):
 With the ``none`` codec nothing is copied in Python: chunks are sent from the work buffer's
 memory, and all-gather chunks are received straight into it (the link's allocator).
 
-With an ``executor``, the codec work of lossy codecs (the sender's encode, the receiver's
-decode-and-add) runs on its threads, so encoding, decoding and the event loop's socket work
-proceed in parallel (numpy and zstd release the GIL). Sender and receiver each use their
+With an ``executor`` (``pool.shared_pool()``), the data work (the sender's encode, the
+receiver's decode, add and hash) runs on its threads, so it and the event loop's socket work
+proceed in parallel (numpy, zstd and xxhash release the GIL). Sender and receiver each use their
 own codec instance: zstd contexts are not thread-safe.
 
 With ``digest=True`` every chunk's final values are hashed (xxh3-64) where they become
@@ -171,7 +171,7 @@ class RingAllreduce:
         self.send_link, self.recv_link = send_link, recv_link
         self.codec = codec
         self._recv_codec = codec if codec.is_identity or executor is None else parse_codec(codec.spec)
-        self._executor = None if codec.is_identity else executor
+        self._executor = executor
         self.trace = trace  # p2ptrain.trace: spans of encode, send, receive-wait, reduce per chunk
         self.op_id = op_id
         self.timeout = timeout

@@ -34,6 +34,7 @@ from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
 from p2ptrain.device import HostStaging
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
 from p2ptrain.identity import new_peer_id
+from p2ptrain.collective.pool import default_threads
 from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
 
 log = logging.getLogger("p2ptrain.collective.group")
@@ -42,7 +43,7 @@ class Group:
 
     def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
                  cluster: str = "default", compression: str = "none", connect_timeout: float = 60.0,
-                 timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int = 0):
+                 timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int | None = None):
         self.peers = [str(p).strip() for p in peers]
         if not self.peers:
             raise ConfigError("peers is empty: list every peer of the group, this one included")
@@ -63,9 +64,8 @@ class Group:
         self.connect_timeout = connect_timeout
         self.timeout = timeout
         self.chunk_elems = chunk_bytes // 4
-        # Threads for lossy codec work. They pay only with spare cores: on a 2-core machine
-        # shared by two peers they measured slower than inline (GIL hand-offs), so 0 = inline.
-        self.codec_threads = codec_threads
+        # Threads for the data path (None: pool.default_threads(), by the machine's cores; 0: inline).
+        self.codec_threads = default_threads() if codec_threads is None else codec_threads
         self.peer_id = new_peer_id()
         self._secret = auth.secret_from(secret)
         self._links: dict[int, transport.Link] = {}
@@ -200,7 +200,7 @@ class Group:
                 feedback = self._feedback.setdefault(key, np.zeros(len(work), np.float32))
                 np.add(work, feedback, out=work)  # what the last call dropped; the ring rewrites it
             if self.size > 1 and len(work):
-                if self._executor is None and self.codec_threads and not codec.is_identity:
+                if self._executor is None and self.codec_threads:
                     self._executor = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="p2ptrain-codec")
                 run = RingAllreduce(work, rank=self.rank, size=self.size,
                                     send_link=self._links[(self.rank + 1) % self.size],
