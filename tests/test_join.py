@@ -149,3 +149,42 @@ def test_resumes_from_the_newest_checkpoint_after_kill_9(tmp_path):
     assert after[0]["round"] >= 39  # it went on from a checkpoint of round 39 or later, not from round 0
     assert after[0]["loss"] < before[0]["loss"] - 0.3  # with the trained parameters, not the initial ones
     assert len(list(ckpt.glob("ckpt-r*.pt"))) <= 3 and not list(ckpt.glob(".ckpt-*"))  # kept 3; no temp left
+
+
+def wait_for_rounds(path, n, proc, timeout=60.0):
+    """Until ``proc`` has written ``n`` round records to its metrics file (it trains)."""
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(path) and sum("event" not in r for r in records(path)) >= n):
+        assert proc.poll() is None, proc.communicate()[1][-1500:]
+        assert time.monotonic() < deadline, f"no {n} rounds in {path} within {timeout} s"
+        time.sleep(0.1)
+
+
+def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_parameters(tmp_path):
+    """No --min-peers: the first trains alone, the others join it a second apart while it runs
+    (a step takes 0.1 s: 200 rounds are 20 s, longer than a start on a loaded machine).
+    --max-rounds is the cluster's: all three leave at its round 200, with the same parameters,
+    and nobody trains on alone."""
+    mine, procs = ports(3), []
+    try:
+        for i, port in enumerate(mine):
+            procs.append(join("--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", str(port),
+                              "--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port),
+                              "--max-rounds", "200", "--step-delay", "0.1", "--secret", "s", "--eval-every", "0",
+                              "--metrics", str(tmp_path / f"m{port}.jsonl")))
+            if i == 0:
+                wait_for_rounds(tmp_path / f"m{port}.jsonl", 1, procs[-1])  # it trains alone
+            time.sleep(1.0)
+        outs = finish(procs)
+    finally:
+        finish(procs, timeout=1)
+    assert [p.returncode for p in procs] == [0] * 3, [e[-1500:] for _, e in outs]
+    runs = [records(tmp_path / f"m{port}.jsonl") for port in mine]
+    summaries = [r[-1] for r in runs]
+    assert all(s["event"] == "summary" for s in summaries)
+    ends = {(s["end"]["round"], s["end"]["version"], s["param_checksum"]) for s in summaries}
+    assert len(ends) == 1 and summaries[0]["end"]["version"] == 200, summaries
+    for run, summary in zip(runs, summaries):  # each one's last round applied is the cluster's last
+        assert [r for r in run if "event" not in r][-1]["round"] == summary["end"]["round"]
+    assert all(any(r.get("event") == "loaded" for r in run) for run in runs[1:])  # they joined a running cluster
+    assert all("the cluster's run ended at round" in out for out, _ in outs)

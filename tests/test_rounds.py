@@ -343,7 +343,8 @@ def test_message_types_and_fields_on_the_wire():
     net.found()
     net.tick()
     p = net.sent("a", M.PROPOSE)[0]
-    assert set(p) == {"t", "r", "b", "view"} and p["b"] == [1, "a"] and p["view"] == ["a", "b"]
+    assert set(p) == {"t", "r", "b", "view", "end"} and p["b"] == [1, "a"] and p["view"] == ["a", "b"]
+    assert p["end"] is None  # (no --max-rounds or --duration: no limits)
     assert set(net.sent("b", M.READY)[0]) == {"t", "r", "b", "samples", "version", "digest"}
     assert set(net.sent("a", M.START)[0]) == {"t", "r", "b", "view", "total"}
     assert set(net.sent("b", M.DONE)[0]) == {"t", "r", "b", "ok", "checksum"}
@@ -400,7 +401,7 @@ def test_propose_from_a_peer_that_does_not_own_the_ballot():
 
 def test_parse_normalises_and_drops_unknown_fields():
     m = M.parse({"t": M.PROPOSE, "r": 3, "b": [2, "a"], "view": ["a", "b"], "extra": 1})
-    assert m == {"t": M.PROPOSE, "r": 3, "b": (2, "a"), "view": ("a", "b")}
+    assert m == {"t": M.PROPOSE, "r": 3, "b": (2, "a"), "view": ("a", "b"), "end": None}  # (an older peer: no limits)
 
 
 def test_nack_of_an_older_peer_without_missing_parses():
@@ -410,14 +411,15 @@ def test_nack_of_an_older_peer_without_missing_parses():
 
 VALID = {
     M.QUERY: {"t": M.QUERY, "b": [1, "a"]},
-    M.PROPOSE: {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "b"]},
+    M.PROPOSE: {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "b"], "end": [30, 12.5]},
     M.READY: {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 3, "version": 0, "digest": b"d"},
     M.START: {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 3},
     M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None},
     M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"]},
     M.ABORT: {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x", "drop": ["c"]},
     M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x", "missing": ["c"]},
-    M.GOODBYE: {"t": M.GOODBYE},
+    M.GOODBYE: {"t": M.GOODBYE, "end": 30},
+    M.END: {"t": M.END, "b": [1, "a"], "version": 30, "digest": b"d", "why": "x"},
     M.STATUS: {"t": M.STATUS, "synced": True, "version": 0, "digest": b"", "round": -1, "members": 1, "min_id": "",
                "window": [[0, b""]], "log": [[0, [1, "a"], True]], "promised": None, "b": None, "re": False,
                "pending": {"r": 0, "b": [1, "a"], "phase": "ring", "ok": False, "view": ["a"], "total": 0}},

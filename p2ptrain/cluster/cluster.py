@@ -13,6 +13,7 @@ returns, in order:
     Resync(source)    -> fetch a snapshot from it (``statesync``), ``source.restore`` it, then
                          ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
+    Finish(version)   -> ``finished``; source.finish(): the cluster's run is over (``ending``)
 
 Reconciliation (parameter sketches compared with the leader's, a drift past the tolerance
 corrected) is ``reconcile``'s; the records of applied rounds are ``records``'.
@@ -82,6 +83,7 @@ class Contributions(Protocol):
     def reconcile(self, state: dict, point: SyncPoint) -> None: ...  # the leader's state at point: load it
     #                                                   when ours reach that point; keep what is accumulated
     def held(self) -> int: ...  # samples accumulated and not taken (target_batch_size: the leader counts them)
+    def finish(self) -> None: ...  # the cluster's run is over (``ending``): stop once the last update is applied
 
 
 def _brief(header: dict) -> dict:
@@ -138,6 +140,7 @@ class Cluster:
         self._rings: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
+        self.finished: msg.Finish | None = None  # the cluster's run is over: its last version and round here
 
     async def __aenter__(self) -> "Cluster":
         auth.warn_if_open(self._secret)
@@ -341,6 +344,11 @@ class Cluster:
                             ", ".join(action.waiting_for), action.phase)
             elif isinstance(action, msg.Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.text)
+            elif isinstance(action, msg.Finish):
+                self.finished = action
+                log.info("the run is over at the cluster's round %d (version %d): %s", action.r, action.version,
+                         action.reason)
+                self.source.finish()
 
     async def _send(self, peer: str, header: dict) -> None:
         try:

@@ -104,7 +104,7 @@ class LeaderRole:
 
     def _drive(self, now: float, tick: bool) -> None:
         L = self.lead
-        if not self.synced:
+        if not self.synced or self.ended is not None:
             return
         if L is None:
             if tick and self._should_lead(now):
@@ -182,6 +182,12 @@ class LeaderRole:
 
     def _propose(self, now: float) -> None:
         L = self.lead
+        over = self._run_over(now)
+        if over:  # (``ending``) once no joiner is catching up: they end with the same parameters
+            self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
+            if not self._admit:
+                self._end_run(now, over)
+            return
         ok, why = self.table.can_train(self.config.min_peers)
         if not ok:
             if not self._said_waiting:
@@ -208,7 +214,8 @@ class LeaderRole:
             return  # the members do not hold target_batch_size samples yet: their next HAVE asks again
         L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), view
         L.since, L.mark, L.waiting, L.got, L.failed = now, self.config.stall_warn, set(L.view), {}, set()
-        self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view)}, L.view)
+        self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view), "end": self._limits_msg(now)},
+                        L.view)
 
     def _lead_msg(self, s, m) -> _Lead | None:
         """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""

@@ -64,10 +64,13 @@ class LineageRole:
                 "log": [[r, list(bb), c] for r, bb, c in self._log],
                 "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
                                   "view": list(p.view), "total": p.total},
-                "out": self._out_for(to) if to is not None and self.lead is not None else None}
+                "out": self._out_for(to) if to is not None and self.lead is not None else None,
+                "end": self.ended}
 
     def _on_status(self, s, m, now) -> None:
         self._hello.discard(s)
+        if m["end"] is not None:  # its run is over (``ending``): ours too, unless we are ahead
+            return self._heard_end(s, m["end"], now)
         if m["out"] is not None:  # its views leave us out a while: loading its state before then is
             self._out_until = now + m["out"]  # wasted; 0: back in, load now if behind
         L, pd = self.lead, m["pending"]

@@ -102,6 +102,7 @@ class MemberRole:
             self._send(s, self._status(b, re=True))
         else:
             self._promise(b, now, keep=r)
+            self._adopt_limits(m, now)
             self._proposed = (r, b)
             if self.pending is not None and self.pending.r != r:
                 self._withdraw(self.pending)

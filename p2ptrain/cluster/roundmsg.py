@@ -17,8 +17,10 @@ QUERY = "query"  # new leader -> candidates  {b}: report your state, obey ballot
 STATUS = "status"  # any -> any  {synced, version, digest, round, members, min_id, window, pending,
 #                                log, promised, b (the QUERY/PROPOSE answered, or None), re (a reply),
 #                                at ([v, our digest at v] in reply to a peer at version v, or None),
-#                                out (from a leader: seconds its views still leave the receiver out, or None)}
-PROPOSE = "propose"  # leader -> view  {r, b, view}
+#                                out (from a leader: seconds its views still leave the receiver out, or None),
+#                                end (the version at which the cluster's run ended here, or None)}
+PROPOSE = "propose"  # leader -> view  {r, b, view, end ([the version the run ends at or 0, seconds left of
+#                       the leader's clock or None], or None: no limit)}
 READY = "ready"  # member -> leader  {r, b, samples, version, digest}
 START = "start"  # leader -> view  {r, b, view, total}
 DONE = "done"  # member -> leader  {r, b, ok, checksum}
@@ -26,7 +28,9 @@ COMMIT = "commit"  # leader -> view  {r, b}
 ABORT = "abort"  # leader -> view and the dropped  {r, b, reason, drop}
 NACK = "nack"  # member -> a leader it does not obey  {r, b (the ballot it obeys), reason, missing (the
 #                  view's peers it has no link to; absent from older peers)}
-GOODBYE = "goodbye"  # a leaving peer -> all  {}
+GOODBYE = "goodbye"  # a leaving peer -> all  {end (the version at which the cluster's run ended here, or None)}
+END = "end"  # leader -> every peer it knows, at a boundary  {b, version, digest, why}: the cluster's run is
+#              over (its --max-rounds version, or its clock's --duration); members stop after that version
 HAVE = "have"  # member -> the leader it obeys  {samples}: what its trainer holds now (target_batch_size)
 
 # A member's phase in the attempt it takes part in (a STATUS reports it as "pending"; None: idle).
@@ -88,6 +92,16 @@ def _seconds(v):
     return float(v)
 
 
+def _limits(v):
+    _need(isinstance(v, (list, tuple)) and len(v) == 2, "bad run limits")
+    return (_int(v[0]), None if v[1] is None else _run_seconds(v[1]))
+
+
+def _run_seconds(v):
+    _need(type(v) in (int, float) and 0 <= v <= 10 ** 9, "bad seconds left")  # (NaN fails too)
+    return float(v)
+
+
 def _pending(v):
     _need(isinstance(v, dict), "a bad pending attempt")
     return {"r": _int(v.get("r")), "b": _ballot(v.get("b")), "phase": _of(str, 16)(v.get("phase")),
@@ -103,15 +117,16 @@ _SCHEMA = {
              "log": lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
              "pending": _opt(_pending), "promised": _opt(_ballot), "b": _opt(_ballot), "re": _of(bool),
              "at": _opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0]),
-             "out": _opt(_seconds)},
-    PROPOSE: {**_RB, "view": lambda v: _ids(v, view=True)},
+             "out": _opt(_seconds), "end": _opt(_int)},
+    PROPOSE: {**_RB, "view": lambda v: _ids(v, view=True), "end": _opt(_limits)},
     READY: {**_RB, "samples": _int, "version": _int, "digest": _of(bytes, 64)},
     START: {**_RB, "view": lambda v: _ids(v, view=True), "total": _int},
     DONE: {**_RB, "ok": _of(bool), "checksum": _opt(_of(bytes, 64))},
     COMMIT: _RB,
     ABORT: {**_RB, "reason": _of(str, MAX_REASON), "drop": _ids},
     NACK: {"r": lambda v: _int(v, -1), "b": _ballot, "reason": _of(str, MAX_REASON), "missing": _opt(_ids)},
-    GOODBYE: {},
+    GOODBYE: {"end": _opt(_int)},
+    END: {"b": _ballot, "version": _int, "digest": _of(bytes, 64), "why": _of(str, MAX_REASON)},
     HAVE: {"samples": _int},
 }
 
@@ -173,6 +188,15 @@ class Resync:
     ``reason`` starts with "behind"), drop outstanding contributions, then ``on_synced``."""
     reason: str
     source: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The cluster's run is over: this peer's last update is the one that made ``version``
+    (round ``r``): stop training, and say why (``reason``)."""
+    version: int
+    r: int
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from p2ptrain.cluster.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
+from p2ptrain.cluster.ending import EndRole
 from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
 from p2ptrain.cluster.lineage import LineageRole
 from p2ptrain.cluster.member import MemberRole, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, END, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
                                        RINGED, START, STATUS, Broadcast, PutBack, Send, Stall, parse)
 
 
@@ -68,10 +69,12 @@ class RoundConfig:
     # state again. A dead one is caught by its silence (peer_timeout) or its link, not this.
     ready_patience: float = 8.0
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
+    max_version: int = 0  # > 0: the cluster's run ends at this version (``ending``: our start + --max-rounds)
+    deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
     target_batch_size: int = 0  # > 0: the leader proposes once its view holds this many samples (HAVE)
 
 
-class RoundMachine(MemberRole, LeaderRole, LineageRole):
+class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
     """One peer's rounds. It starts not synced: call ``on_synced`` with a founder's SyncPoint or
     a snapshot's ``sync_point()``. The host feeds beacons to ``table.heard`` itself and calls
     ``on_tick`` about every 100 ms; every other event comes through the ``on_*`` methods."""
@@ -85,6 +88,7 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole):
         self.pending: _Pending | None = None
         self._init_leader()  # lead (the attempts we sequence), and the leader's bookkeeping
         self._init_lineage()  # a leader leaving us out of its views, and a load put off until then
+        self._init_end()  # the run's limits, and whether it ended (``ended``)
         self.counters: Counter = Counter()
         self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
         self._timed_view: frozenset = frozenset()  # the view whose rings timers["ring"] has measured
@@ -155,7 +159,7 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole):
                 self._abort(now, "the leader is leaving", drop=[self.id])
             if self.pending and self.pending.samples is not None:
                 self._emit(PutBack(self.pending.r))
-            self._broadcast({"t": GOODBYE}, self._peers())
+            self._broadcast({"t": GOODBYE, "end": self.ended}, self._peers())
             self.pending, self.lead, self.synced, self._left = None, None, False, True
         return self._run(now, go)
 
@@ -237,11 +241,17 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole):
 
     def _dispatch(self, s: str, m: dict, now: float) -> None:
         self.table.message(s, now)
+        if self.ended is not None:  # the run is over here: say so to whoever asks, take part in nothing
+            if m["t"] in (QUERY, STATUS) and not m.get("re"):
+                self._send(s, self._status(re=True))
+            elif m["t"] == GOODBYE:
+                self.table.said_goodbye(s, now)
+            return
         if m["t"] in (QUERY, PROPOSE, START, COMMIT, ABORT):
             self._seen_r, self._heard_lead = max(self._seen_r, m.get("r", -1)), now
         {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
-         NACK: self._on_nack, GOODBYE: self._on_goodbye, HAVE: self._on_have}[m["t"]](s, m, now)
+         NACK: self._on_nack, GOODBYE: self._on_goodbye, HAVE: self._on_have, END: self._on_end}[m["t"]](s, m, now)
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
@@ -269,6 +279,8 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole):
     def _on_goodbye(self, s, m, now) -> None:
         self.table.said_goodbye(s, now)
         self._gone(s, now, "said goodbye")
+        if m["end"] is not None:
+            self._heard_end(s, m["end"], now)
 
     def _gone(self, s: str, now: float, why: str) -> None:
         """Peer s can no longer take part: re-form at once, without waiting for a deadline."""
@@ -304,6 +316,8 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole):
         return timer.deadline(self._link_bytes(len(view)))
 
     def _tick(self, now: float) -> None:
+        if self.ended is not None:
+            return
         self._tick_lineage(now)
         for p in self.table.expire(now, self.config.peer_timeout):
             self._gone(p, now, f"was silent for {self.config.peer_timeout:g} s")

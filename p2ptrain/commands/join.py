@@ -77,8 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "whose drift passes the tolerance (1e-5 relative; rounding alone stays far below) loads "
                    "its parameters (default 10; 0: never)")
     g.add_argument("--max-rounds", type=integer(1), default=_env("max_rounds"),
-                   help="stop after this many rounds (default 300 when --duration is not given)")
-    g.add_argument("--duration", type=number(above=0), default=_env("duration"), help="stop after this many seconds")
+                   help="the cluster's run ends at its round (version) this many after the one this peer "
+                   "starts from (0, or a checkpoint's); every member leaves there (default 300 when --duration is "
+                   "not given)")
+    g.add_argument("--duration", type=number(above=0), default=_env("duration"),
+                   help="the run ends this many seconds after the coordinator started, for every member")
     g.add_argument("--step-delay", type=number(at_least=0), default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
     g = p.add_argument_group("output")
     g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
@@ -178,7 +181,8 @@ class _Join:
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction,
-                         step_timeout=float("inf"), seed=a.seed, **kwargs)
+                         step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
+                         **kwargs)
         self._resume(peer, task)
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
         self.status = _StatusLine()
@@ -267,7 +271,7 @@ class _Join:
         await self._wait_for_members(peer)
         start = last_log = time.monotonic()
         self.count = RunCounters(start)
-        while not self._done(start):
+        while not (self.stopping or peer.finished):  # (the cluster's end: --max-rounds, --duration)
             with self.trace("compute", "compute"):
                 batch = next(batches)
                 n = task.batch_size_of(batch)
@@ -279,22 +283,28 @@ class _Join:
             with self.trace("step", "compute"):
                 await peer.step(batch_size=n)
             self.count.stepped(n, time.monotonic())
-            if metrics and len(peer.cluster.loads) > self._loads_seen:
-                for point in peer.cluster.loads[self._loads_seen:]:
-                    metrics.write(json.dumps({"event": "loaded", "time": time.time(), "round": point.round,
-                                              "version": point.version}) + "\n")
-                self._loads_seen = len(peer.cluster.loads)
-            for record in self._new_records(peer):
-                self.count.applied(record, time.monotonic())
-                if metrics:
-                    self._write_metrics(metrics, peer, record)
-                if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
-                    log.info("round %d  validation loss %.4f", record.round, task.evaluate(peer.model, device))
-                self._checkpoint(peer, task)
+            self._take_records(peer, task, device, metrics)
             now = time.monotonic()
             if now - last_log >= 0.5:
                 last_log = now
                 self._report(peer, now)
+        self._take_records(peer, task, device, metrics)  # (the last round's, if it came after the look above)
+
+    def _take_records(self, peer, task, device, metrics) -> None:
+        """Count the rounds applied since we last looked; metrics, evaluations, checkpoints."""
+        a = self.args
+        if metrics and len(peer.cluster.loads) > self._loads_seen:
+            for point in peer.cluster.loads[self._loads_seen:]:
+                metrics.write(json.dumps({"event": "loaded", "time": time.time(), "round": point.round,
+                                          "version": point.version}) + "\n")
+            self._loads_seen = len(peer.cluster.loads)
+        for record in self._new_records(peer):
+            self.count.applied(record, time.monotonic())
+            if metrics:
+                self._write_metrics(metrics, peer, record)
+            if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
+                log.info("round %d  validation loss %.4f", record.round, task.evaluate(peer.model, device))
+            self._checkpoint(peer, task)
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
@@ -363,18 +373,16 @@ class _Join:
                 f"ratio {ratio:.1f}x  staleness {getattr(peer, 'staleness_max', 0)}")
         self.status.show(text)
 
-    def _done(self, start: float) -> bool:
-        a = self.args
-        return (self.stopping or (a.max_rounds is not None and self.rounds >= a.max_rounds)
-                or (a.duration is not None and time.monotonic() - start >= a.duration))
-
     def _summary(self, peer, task, model, device, metrics_path) -> None:
         from p2ptrain.tasks import param_checksum
 
         c = peer.cluster
         val = task.evaluate(model, device) if task.evaluate else None
         checksum = param_checksum(model)
+        end = c.finished  # (None: this peer left before the cluster's run was over)
         lines = [f"rounds {self.rounds} in this run (the cluster's update {peer.version})",
+                 f"the cluster's run ended at round {end.r} (version {end.version})" if end else
+                 "left before the cluster's run was over",
                  f"samples {self.samples} (this peer {self.own_samples})",
                  f"final train loss {self.last_loss:.4f}",
                  f"validation loss {val:.4f}" if val is not None else "",
@@ -388,7 +396,8 @@ class _Join:
                                       "samples": self.samples, "own_samples": self.own_samples,
                                       "dropped": getattr(peer, "dropped", 0),
                                       "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
-                                      "raw_bytes": c.raw_bytes, "param_checksum": checksum}) + "\n")
+                                      "raw_bytes": c.raw_bytes, "param_checksum": checksum,
+                                      "end": end and {"round": end.r, "version": end.version}}) + "\n")
         if task.sample:
             from p2ptrain.tasks import printable_text
 

@@ -147,6 +147,13 @@ class ContributionsSide:
         with self._lock:
             return self._acc.samples
 
+    def finish(self) -> None:
+        """The cluster's run is over: ``step`` waits for no round any more, and ``finished`` is
+        true once what is queued is applied."""
+        with self._lock:
+            self._finished = True
+        self._changed.set()
+
     def snapshot(self, parameters_only: bool = False) -> dict | None:
         """The state as of the last applied update, copied (the caller's thread may go on
         training); None while updates are queued or being applied (ask again soon). With

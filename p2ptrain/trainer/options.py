@@ -7,7 +7,7 @@ from p2ptrain.errors import ConfigError
 
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
-                  weight_prediction) -> None:
+                  weight_prediction, max_rounds=None, duration=None) -> None:
     """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
     if type(staleness) is not int or staleness < 0:
         raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
@@ -28,6 +28,10 @@ def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, re
                           f"{reconcile_every!r}")
     if not step_timeout > 0:
         raise ConfigError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
+    if max_rounds is not None and (type(max_rounds) is not int or max_rounds < 1):
+        raise ConfigError(f"max_rounds must be an int >= 1 (or None: no limit), got {max_rounds!r}")
+    if duration is not None and not (isinstance(duration, (int, float)) and 0 < duration < float("inf")):
+        raise ConfigError(f"duration must be a number of seconds > 0 (or None: no limit), got {duration!r}")
 
 
 def listen_address(listen: str) -> tuple[str, int]:

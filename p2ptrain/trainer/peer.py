@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import math
 import logging
 import threading
 import time
@@ -124,10 +125,12 @@ class AsyncPeer(ContributionsSide):
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
-                 weight_prediction: bool = False, seed: int | None = None):
+                 weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
+                 duration: float | None = None):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
-                      step_timeout=step_timeout, weight_prediction=weight_prediction)
+                      step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
+                      duration=duration)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
@@ -147,6 +150,7 @@ class AsyncPeer(ContributionsSide):
         self.clip_grad_norm, self.step_timeout = clip_grad_norm, step_timeout
         self.reconcile_every = reconcile_every
         self.target_batch_size = target_batch_size
+        self.max_rounds, self.duration = max_rounds, duration
         self._peers = [p.strip() for p in peers if p.strip()]
         for p in self._peers:
             parse_host_port(p)
@@ -185,6 +189,7 @@ class AsyncPeer(ContributionsSide):
         self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
         self._params_point: SyncPoint | None = None
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
+        self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
         self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
         self.staleness_max = 0
         self.metrics: RoundMetrics | None = None  # the last update applied here
@@ -200,6 +205,22 @@ class AsyncPeer(ContributionsSide):
     def members(self) -> int:
         """Live synced peers, this one included (updated ten times a second; any thread may read it)."""
         return self.cluster.members if self.cluster is not None else 0
+
+    @property
+    def finished(self) -> bool:
+        """The cluster's run is over (its ``max_rounds`` version, or its leader's ``duration``)
+        and this peer has applied its last update: leave the loop (``while not peer.finished``).
+        Every member finishes at the same version, with the same parameters; the version is
+        ``cluster.finished.version``."""
+        with self._lock:
+            return self._finished and not self._queue
+
+    def _round_config(self) -> RoundConfig:
+        """(On the cluster's loop, entering.) The run's limits: the version this peer starts from
+        (a checkpoint's, or 0) plus ``max_rounds``, and ``duration`` on this loop's clock."""
+        start = self._params_point.version if self._params_point is not None else 0
+        return RoundConfig(min_peers=self.min_peers, max_version=start + self.max_rounds if self.max_rounds else 0,
+                           deadline=asyncio.get_running_loop().time() + self.duration if self.duration else math.inf)
 
     # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
     async def __aenter__(self) -> Self:
@@ -236,7 +257,7 @@ class AsyncPeer(ContributionsSide):
     async def _open(self) -> None:
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
-                               compression=self._compression, config=RoundConfig(min_peers=self.min_peers),
+                               compression=self._compression, config=self._round_config(),
                                start=self._params_point, fingerprint=model_fingerprint(self.model),
                                settings=self._settings)
         await self.cluster.__aenter__()
@@ -289,7 +310,7 @@ class AsyncPeer(ContributionsSide):
 
         def blocked() -> bool:  # (under _lock)
             nonlocal target
-            if not self.cluster.machine.table.can_train(self.min_peers)[0]:
+            if self._finished or not self.cluster.machine.table.can_train(self.min_peers)[0]:
                 return False
             if self._acc.samples or self._out is not None:
                 return True
@@ -364,6 +385,8 @@ class AsyncPeer(ContributionsSide):
         return applied
 
     def _must_wait(self) -> bool:  # (under _lock)
+        if self._finished:  # no round will take it: the run is over
+            return False
         if self.staleness == 0:  # our batch is applied before step() returns
             return bool(self._acc.samples or self._out is not None)
         return self._acc.samples >= self._share()  # our share of the target batch waits for a round

@@ -36,13 +36,15 @@ class Peer:
                  staleness: int = 0, target_batch_size: int | None = None, min_peers: int = 1,
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
-                 weight_prediction: bool = False, seed: int | None = None):
+                 weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
+                 duration: float | None = None):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                                device=device, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
                                step_timeout=step_timeout, reconcile_every=reconcile_every,
-                               weight_prediction=weight_prediction, seed=seed)
+                               weight_prediction=weight_prediction, seed=seed,
+                               max_rounds=max_rounds, duration=duration)
 
     def __enter__(self) -> Self:
         self.start()
@@ -122,6 +124,11 @@ class Peer:
     @property
     def staleness_max(self) -> int:
         return self._peer.staleness_max
+
+    @property
+    def finished(self) -> bool:
+        """The cluster's run is over and this peer applied its last update (``AsyncPeer.finished``)."""
+        return self._peer.finished
 
     @property
     def corrected(self) -> int:

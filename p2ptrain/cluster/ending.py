@@ -1,0 +1,100 @@
+"""The end of a run, one for the whole cluster. Pure code, no I/O.
+
+``EndRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its plumbing (``_broadcast``,
+``_emit``, ``_withdraw``, ``_step_down``, ``config``, ``history``) is the machine's. The leader
+calls ``_run_over`` and ``_end_run`` at a boundary and ``_limits_msg`` for each PROPOSE; a member
+``_adopt_limits`` for a PROPOSE it takes up; the machine dispatches END to ``_on_end``, and a
+STATUS or GOODBYE that carries ``end`` to ``_heard_end``.
+
+Why. ``--max-rounds`` and ``--duration`` counted per peer: peers started a moment apart
+stopped at different rounds, with different parameters, and the last one trained on alone.
+
+How. A run's limits are the cluster's: a version (``RoundConfig.max_version``: the version a
+peer started from, a checkpoint's or 0, plus its --max-rounds) and the leader's clock
+(``RoundConfig.deadline``, on the clock of ``now``). The leader sends its limits with every
+PROPOSE (the version, and the seconds left on its clock); members keep the last they heard, so
+that a new leader ends the run at the earlier of its own limits and those. At a boundary (no
+attempt in flight) past a limit, once no joiner is catching up (they end with the same
+parameters), the leader sends END {version, digest} to every peer it knows and finishes; a
+member finishes on END. ``Finish(version, r)`` is the host's cue: the trainer stops once it
+has applied that version's update. A finished peer takes part in no round and leads none; its
+STATUS and GOODBYE carry ``end``, and a peer that hears it and is not ahead (a joiner that
+came too late, a peer left alone) finishes too, whatever version it holds: nobody trains on
+alone after the cluster's run is over.
+"""
+
+from __future__ import annotations
+
+import math
+
+from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.cluster.roundmsg import END, Finish, Log, beats
+
+
+class EndRole:
+    """The end of the run (a mixin: no state or plumbing of its own but what ``_init_end`` sets)."""
+
+    def _init_end(self) -> None:
+        self.ended: int | None = None  # the version at which the cluster's run ended here
+        self._heard_limits = (0, math.inf)  # the leader's (version or 0, deadline on our clock), from its PROPOSE
+
+    def _limits(self) -> tuple[int, float]:
+        """The earlier of our own limits and the leader's we heard: (version or 0, deadline)."""
+        versions = [v for v in (self.config.max_version, self._heard_limits[0]) if v > 0]
+        return (min(versions) if versions else 0, min(self.config.deadline, self._heard_limits[1]))
+
+    def _limits_msg(self, now: float) -> list | None:
+        """A PROPOSE's ``end``: [version or 0, seconds left or None]; None without limits."""
+        version, deadline = self._limits()
+        if not version and deadline == math.inf:
+            return None
+        return [version, None if deadline == math.inf else round(max(0.0, deadline - now), 3)]
+
+    def _adopt_limits(self, m: dict, now: float) -> None:
+        """The leader we obey proposed with its limits: they are the cluster's now."""
+        version, left = m["end"] if m["end"] is not None else (0, None)
+        self._heard_limits = (version, math.inf if left is None else now + left)
+
+    def _run_over(self, now: float) -> str:
+        """Why the run is over at this boundary ("" if it is not)."""
+        version, deadline = self._limits()
+        if version and self.history.version >= version:
+            return f"the cluster reached its last round (version {version}: --max-rounds)"
+        if now >= deadline:
+            return "the leader's --duration is over"
+        return ""
+
+    def _end_run(self, now: float, why: str) -> None:
+        """As leader, at a boundary: every peer we know hears END, and we finish."""
+        self._broadcast({"t": END, "b": list(self.lead.b), "version": self.history.version,
+                         "digest": self.history.digest, "why": why}, self._peers())
+        self._finish_run(now, why)
+
+    def _on_end(self, s, m, now) -> None:
+        if m["b"][1] != s:
+            raise RemoteProtocolError("END from a peer that does not own its ballot")
+        if self.ended is not None:
+            return
+        if beats(self.promised, m["b"]):  # a leader we no longer obey: its run is not ours
+            self.counters["stale"] += 1
+            return
+        self._finish_run(now, m["why"], (m["version"], m["digest"]))
+
+    def _heard_end(self, s: str, version: int, now: float) -> None:
+        """A peer says the cluster's run ended at ``version``: unless we are ahead of it (a new
+        run), so has ours."""
+        if self.ended is None and version >= self.history.version:
+            self._finish_run(now, f"{s} says the cluster's run ended at version {version}", (version, None))
+
+    def _finish_run(self, now: float, why: str, theirs: tuple | None = None) -> None:
+        if self.lead is not None:
+            self._step_down(now, "the run is over")
+        p = self.pending
+        if p is not None and not p.started:
+            self._withdraw(p)
+        if theirs is not None and (theirs[0] != self.history.version
+                                   or theirs[1] not in (None, self.history.digest)):
+            self._emit(Log("warning", f"the cluster's run ended at version {theirs[0]} while this peer holds "
+                                      f"version {self.history.version} (it was not in the last rounds); it stops too"))
+        self.ended = self.history.version
+        self._emit(Finish(self.history.version, self.round, why))

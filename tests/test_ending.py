@@ -1,0 +1,112 @@
+"""One end of a run for the whole cluster (``p2ptrain.cluster.ending``), on the round machine's
+fake bus: every member finishes at the same version, whoever joined late, whoever leads, and a
+peer that arrives after the end does not train alone."""
+
+import dataclasses
+import math
+
+import pytest
+from test_rounds import GENESIS, Net, cluster
+
+from p2ptrain.cluster import roundmsg as M
+from p2ptrain.cluster.roundmsg import Apply, Finish, Log
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def finished(net, p):
+    return [(a.version, a.r) for a in net.of(p, Finish)]
+
+
+def versions_applied(net, p):
+    return len([a for a in net.actions[p] if isinstance(a, Apply)])
+
+
+def own(net, p, **cfg):
+    net.m[p].config = dataclasses.replace(net.m[p].config, **cfg)
+
+
+def test_every_member_finishes_at_the_cluster_version_and_no_round_follows():
+    net = cluster("abc", run=3.0, max_version=12)
+    ends = {p: finished(net, p) for p in "abc"}
+    assert ends["a"] == ends["b"] == ends["c"] and ends["a"][0][0] == 12, ends
+    assert all(net.m[p].history.version == 12 == net.m[p].ended for p in "abc")
+    assert all(versions_applied(net, p) == 12 for p in "abc")
+    proposals = len(net.sent("a", M.PROPOSE))
+    net.run(2.0)
+    assert len(net.sent("a", M.PROPOSE)) == proposals  # nothing after the end
+    assert net.sent("a", M.END)[0]["version"] == 12
+    net.check_safety()
+
+
+def test_the_leaders_clock_ends_the_run_for_members_without_one():
+    net = Net("abc")
+    own(net, "a", deadline=1.0)  # only the leader has a --duration
+    net.found()
+    net.run(3.0)
+    ends = {p: finished(net, p) for p in "abc"}
+    assert ends["a"] and ends["a"] == ends["b"] == ends["c"], ends
+    assert "duration" in net.of("b", Finish)[0].reason
+    assert 0 < ends["a"][0][0] == net.m["c"].history.version
+
+
+def test_members_keep_the_leaders_limits_and_a_new_leader_ends_there():
+    """The leader's PROPOSE carries its limits; after it dies, the next leader (which has no
+    --max-rounds of its own) ends the run where the first one would have."""
+    net = Net("abc")
+    own(net, "a", max_version=30)
+    net.found()
+    net.run(0.5)
+    assert net.sent("a", M.PROPOSE)[-1]["end"] == [30, None]
+    assert 0 < net.m["b"].history.version < 30
+    net.crash("a")
+    net.run(25.0)
+    assert net.m["b"].is_leader or net.m["b"].ended is not None
+    assert finished(net, "b") == finished(net, "c") and finished(net, "b")[0][0] == 30
+
+
+def test_a_joiner_catching_up_at_the_end_finishes_with_the_same_parameters():
+    """The leader holds the end, as it holds a round, while a joiner loads its state: the
+    joiner finishes at the same version (so with the same parameters)."""
+    net = cluster("bc", run=0.5, max_version=40)
+    net.manual_sync.add("a")
+    net.add("a")
+    net.handle("a", net.m["a"].on_synced(dataclasses.replace(GENESIS), net.now))  # fresh: behind
+    net.run(0.3)
+    assert net.resyncs["a"]  # it will load b's state
+    net.run(2.0)  # meanwhile the cluster goes on without it ...
+    net.sync_from("a", "b")
+    net.run(5.0)
+    ends = {p: finished(net, p) for p in "abc"}
+    assert ends["a"] == ends["b"] == ends["c"] and ends["b"][0][0] == 40, ends
+    assert net.m["a"].history.digest == net.m["b"].history.digest
+
+
+def test_a_peer_that_arrives_after_the_end_does_not_train_alone():
+    net = cluster("bc", run=3.0, max_version=10)
+    assert finished(net, "b") == finished(net, "c") != []
+    net.add("a")  # fresh, and with the smallest id: it would lead itself
+    net.handle("a", net.m["a"].on_synced(GENESIS, net.now))
+    net.run(2.0)
+    assert net.m["a"].ended == 0 and finished(net, "a") == [(0, -1)]
+    assert not net.applied("a") and not net.sent("a", M.PROPOSE)
+    assert any("ended at version 10" in a.text for a in net.of("a", Log))
+
+
+def test_a_goodbye_that_says_the_run_ended_stops_a_peer_left_alone():
+    net = cluster("ab", run=1.0)
+    version = net.m["a"].history.version
+    net.m["b"].ended = version  # (b finished the run; a did not hear END)
+    net.handle("b", net.m["b"].leave(net.now))
+    net.settle()
+    assert finished(net, "a") == [(version, net.m["a"].round)]
+    proposals, applied = len(net.sent("a", M.PROPOSE)), net.applied("a")
+    net.run(1.0)
+    assert len(net.sent("a", M.PROPOSE)) == proposals and net.applied("a") == applied
+
+
+def test_no_limits_no_end():
+    net = cluster("ab", run=3.0)
+    assert not finished(net, "a") and net.m["a"].ended is None
+    assert net.sent("a", M.PROPOSE)[-1]["end"] is None
+    assert math.isinf(net.m["a"]._limits()[1])

@@ -1,0 +1,71 @@
+"""One end for the cluster in the library API: ``max_rounds`` is the cluster's version and
+``duration`` its leader's clock; every member, a late joiner too, leaves at the same version
+with the same parameters (``while not peer.finished``)."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads
+
+from p2ptrain import ConfigError, Peer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def until_finished(peer, rank, delay=0.0, start_after=0.0):
+    """An ordinary loop that leaves when the cluster's run is over, not after its own count."""
+    time.sleep(start_after)
+    if start_after:
+        peer.start()
+    g = torch.Generator().manual_seed(100 + rank)
+    while not peer.finished:
+        x = torch.randn(32, 16, generator=g)
+        F.cross_entropy(peer.model(x), label(x)).backward()
+        time.sleep(delay)
+        peer.step(batch_size=32)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_late_joiner_and_the_founder_leave_at_the_same_version_with_the_same_parameters(staleness):
+    peers = open_peers([make_adam] * 2, start=0, staleness=staleness, max_rounds=60)
+    for p in peers:  # (no min_peers: the founder trains alone first, as `join` does by default)
+        p._peer.min_peers = 1
+    try:
+        peers[0].start()
+        run_threads([lambda: until_finished(peers[0], 0, delay=0.01),
+                     lambda: until_finished(peers[1], 1, delay=0.01, start_after=0.3)])
+    finally:
+        close_all(peers)
+    ends = [p.cluster.finished for p in peers]
+    assert all(e is not None for e in ends) and ends[0].version == ends[1].version == 60, ends
+    assert ends[0].r == ends[1].r
+    assert len(peers[1].cluster.loads) == 1  # the joiner loaded the cluster's state, once
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_leaders_duration_ends_the_run_for_a_member_without_one():
+    peers = open_peers([make_adam] * 2, start=0, staleness=1)
+    leader = min(peers, key=lambda p: p.peer_id)  # (the coordinator: the smallest id)
+    leader._peer.duration = 1.5  # (before entering: a peer reads its limits on entering)
+    try:
+        for p in peers:
+            p.start()
+        began = time.monotonic()
+        run_threads([lambda r=r: until_finished(peers[r], r, delay=0.005) for r in range(2)])
+        took = time.monotonic() - began
+    finally:
+        close_all(peers)
+    assert leader.cluster.finished is not None and 1.0 < took < 15
+    assert peers[0].cluster.finished.version == peers[1].cluster.finished.version > 0
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_limits_are_checked():
+    with pytest.raises(ConfigError, match="max_rounds"):
+        Peer(*make_adam(), max_rounds=0, discovery=False)
+    with pytest.raises(ConfigError, match="duration"):
+        Peer(*make_adam(), duration=float("nan"), discovery=False)
