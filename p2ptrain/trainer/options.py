@@ -3,6 +3,9 @@ that says what to pass instead."""
 
 from __future__ import annotations
 
+import math
+
+from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
 from p2ptrain.errors import ConfigError
 
 
@@ -32,6 +35,15 @@ def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, re
         raise ConfigError(f"max_rounds must be an int >= 1 (or None: no limit), got {max_rounds!r}")
     if duration is not None and not (isinstance(duration, (int, float)) and 0 < duration < float("inf")):
         raise ConfigError(f"duration must be a number of seconds > 0 (or None: no limit), got {duration!r}")
+
+
+def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None, duration: float | None,
+                 now: float) -> RoundConfig:
+    """The round machine's settings; the run's limits (``cluster.ending``): the version this peer
+    starts from (a checkpoint's, or 0) plus ``max_rounds``, and ``duration`` from ``now`` (the
+    cluster's loop clock)."""
+    return RoundConfig(min_peers=min_peers, max_version=(start.version if start else 0) + max_rounds if max_rounds
+                       else 0, deadline=now + duration if duration else math.inf)
 
 
 def listen_address(listen: str) -> tuple[str, int]:

@@ -42,8 +42,11 @@ Staleness. A gradient computed on version v and applied to version V has stalene
 
 Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
 samples are applied, and two rounds more for what the others computed meanwhile. Loops should
-count the cluster's updates (``while peer.version < n``), not their own steps: a faster peer
-takes more steps, and one that left early could leave the others short of ``min_peers``.
+end with the cluster, not after their own steps: a faster peer takes more steps, and one that
+left early could leave the others short of ``min_peers``. With ``max_rounds`` or ``duration``
+the run's end is the cluster's (``cluster.ending``): ``while not peer.finished``, and every
+member leaves after the same update with the same parameters; without, count the cluster's
+updates (``while peer.version < n``).
 
 State: ``snapshot``/``restore`` serve the cluster's state transfer; a restore lands at the
 next safe point (in ``step``) and voids the gradients accumulated before it.
@@ -59,7 +62,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import math
 import logging
 import threading
 import time
@@ -81,10 +83,10 @@ from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.trainer.loopthread import LoopThread
 from p2ptrain.cluster.membership import genesis
-from p2ptrain.trainer.options import check_options, listen_address
+from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
-from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
+from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
 from p2ptrain.cluster.drift import param_sketch, sketch_checksum
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
@@ -117,7 +119,10 @@ class AsyncPeer(ContributionsSide):
     data come from, compared with the other peers' (None: not compared). ``compression``,
     ``staleness``, ``target_batch_size`` and ``seed`` must be the same on every peer: a peer
     that differs is refused, and one that has trained nothing with nobody else raises
-    ``SettingsError`` from ``step`` (``cluster.settings``)."""
+    ``SettingsError`` from ``step`` (``cluster.settings``). ``max_rounds``, ``duration``: the
+    cluster's run ends at its version ``max_rounds`` after the one this peer starts from, or
+    ``duration`` seconds after its leader started (on the leader's clock), for every member at
+    once; ``finished`` says so."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
@@ -215,13 +220,6 @@ class AsyncPeer(ContributionsSide):
         with self._lock:
             return self._finished and not self._queue
 
-    def _round_config(self) -> RoundConfig:
-        """(On the cluster's loop, entering.) The run's limits: the version this peer starts from
-        (a checkpoint's, or 0) plus ``max_rounds``, and ``duration`` on this loop's clock."""
-        start = self._params_point.version if self._params_point is not None else 0
-        return RoundConfig(min_peers=self.min_peers, max_version=start + self.max_rounds if self.max_rounds else 0,
-                           deadline=asyncio.get_running_loop().time() + self.duration if self.duration else math.inf)
-
     # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
     async def __aenter__(self) -> Self:
         thread = self._start_thread()
@@ -257,7 +255,8 @@ class AsyncPeer(ContributionsSide):
     async def _open(self) -> None:
         self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
-                               compression=self._compression, config=self._round_config(),
+                               compression=self._compression, config=round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
+                                                   asyncio.get_running_loop().time()),
                                start=self._params_point, fingerprint=model_fingerprint(self.model),
                                settings=self._settings)
         await self.cluster.__aenter__()
