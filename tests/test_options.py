@@ -73,3 +73,43 @@ def test_a_flag_given_wins_over_a_bad_variable(capsys, monkeypatch):
     monkeypatch.setenv("P2PTRAIN_LR", "oops")
     args = build_parser().parse_args(["join", "--lr", "0.5"])
     assert args.lr == 0.5
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--host", "nonsense.invalid"], "--host 'nonsense.invalid': not an address"),
+    (["--interface", "nosuchif"], "--interface 'nosuchif'"),
+    (["--metrics", "/nonexistent/dir/m.jsonl"], "--metrics /nonexistent/dir/m.jsonl: cannot write there"),
+    (["--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json: cannot write there"),  # (it failed at the end)
+    (["--checkpoint-dir", "/proc/nope"], "--checkpoint-dir /proc/nope: cannot create it"),
+    (["--cluster", ""], "--cluster: '': expected a name of 1..64 printable characters"),
+])
+def test_addresses_and_files_are_checked_before_anything_starts(capsys, args, says):
+    code, _, err = run_cli(capsys, "join", "--no-discovery", *args)
+    assert code == 2 and len(err) == 1 and says in err[0], err
+
+
+async def test_a_port_taken_is_one_line_naming_the_options():
+    import socket
+
+    from p2ptrain.errors import ConfigError
+    from p2ptrain.net.mesh import Mesh
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        mesh = Mesh(cluster="lab", peer_id="a", secret=None, host="127.0.0.1", port=taken.getsockname()[1])
+        with pytest.raises(ConfigError, match=r"cannot listen on 127.0.0.1:\d+: .*--port"):
+            await mesh.start()
+    finally:
+        taken.close()
+
+
+def test_the_library_refuses_a_cluster_name_it_could_not_announce():
+    import torch
+
+    from p2ptrain import AsyncPeer, ConfigError
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="cluster must be a name of 1..64 printable characters"):
+        AsyncPeer(model, torch.optim.SGD(model.parameters(), lr=0.1), cluster="")

@@ -22,7 +22,7 @@ import time
 
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
-from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, number, port
+from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import ConfigError
 from p2ptrain.trace import NO_TRACE
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=integer(0), default=_env("seed", "0"), help="seed of the model and data (default 0; the "
                    "same on every peer)")
     g = p.add_argument_group("the cluster")
-    g.add_argument("--cluster", default=_env("cluster", "default"), help="cluster name (default: default)")
+    g.add_argument("--cluster", type=name(64), default=_env("cluster", "default"), help="cluster name (default: default)")
     g.add_argument("--secret", default=_env("secret"), help="shared secret (or $P2PTRAIN_SECRET)")
     g.add_argument("--secret-file", default=_env("secret_file"), help="read the shared secret from this file")
     g.add_argument("--peers", default=_env("peers"), help="addresses of other peers, host:port,... (DNS names "
@@ -117,8 +117,37 @@ def run(args: argparse.Namespace) -> int:
         if entry.strip():
             parse_host_port(entry)
     secret = secret_option(args.secret, args.secret_file)
+    _check_where(args)
     install_uvloop()
     return asyncio.run(_Join(args, secret).run())
+
+
+def _check_where(args: argparse.Namespace) -> None:
+    """The addresses and files given, checked before anything starts: a --metrics file that
+    cannot be written failed at the start with a traceback, a --trace file only at the end."""
+    import socket
+
+    from p2ptrain.net.interfaces import list_interfaces, pick_address
+
+    try:
+        socket.getaddrinfo(args.host, None)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"--host {args.host!r}: not an address ({getattr(exc, 'strerror', None) or exc}); use "
+                          "0.0.0.0 (every interface) or an address of this machine") from None
+    if args.interface:
+        pick_address(list_interfaces(), args.interface)  # (a ConfigError naming the interfaces there are)
+    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise ConfigError(f"{flag} {path}: cannot write there (no such folder, or no permission); give a "
+                              "file in a folder that exists")
+    if args.checkpoint_dir:
+        try:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: cannot create it ({exc.strerror})") from None
+        if not os.access(args.checkpoint_dir, os.W_OK):
+            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: cannot write there (no permission)")
 
 
 def _local_hosts() -> set[str]:

@@ -100,6 +100,12 @@ def number(above: float | None = None, at_least: float | None = None, note: str 
                     and (at_least is None or v >= at_least))
 
 
+def name(max_len: int):
+    """A name of 1..max_len printable characters."""
+    return _checked(str, f"a name of 1..{max_len} printable characters",
+                    lambda v: 1 <= len(v) <= max_len and v.isprintable())
+
+
 def port(low: int = 0):
     return integer(low, 65535, " (0: any free port)" if low == 0 else "")
 

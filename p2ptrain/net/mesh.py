@@ -27,7 +27,7 @@ import logging
 from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, transport, wire
-from p2ptrain.errors import LinkError, P2PTrainError
+from p2ptrain.errors import ConfigError, LinkError, P2PTrainError
 
 log = logging.getLogger("p2ptrain.net.mesh")
 
@@ -111,7 +111,13 @@ class Mesh:
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming)
+        """Listen. A port taken or an address not of this machine is a ``ConfigError``."""
+        try:
+            self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming)
+        except OSError as exc:  # (EADDRINUSE, EADDRNOTAVAIL, a name that does not resolve)
+            why = exc.strerror or str(exc)
+            raise ConfigError(f"cannot listen on {self.host}:{self.port}: {why}; pick another port (--port, "
+                              "listen=; 0: any free one) or an address of this machine (--host)") from None
         self.port = self._listener.port
         self.info["port"] = self.port
         self._pinger = asyncio.get_running_loop().create_task(self._ping())

@@ -7,11 +7,14 @@ import math
 
 from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
 from p2ptrain.errors import ConfigError
+from p2ptrain.net.auth import MAX_CLUSTER_LEN
 
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
-                  weight_prediction, max_rounds=None, duration=None) -> None:
+                  weight_prediction, max_rounds=None, duration=None, cluster="default") -> None:
     """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
+    if not isinstance(cluster, str) or not 1 <= len(cluster) <= MAX_CLUSTER_LEN or not cluster.isprintable():
+        raise ConfigError(f"cluster must be a name of 1..{MAX_CLUSTER_LEN} printable characters, got {cluster!r}")
     if type(staleness) is not int or staleness < 0:
         raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
     if target_batch_size is not None and (type(target_batch_size) is not int or target_batch_size < 1):

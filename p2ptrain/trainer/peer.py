@@ -135,7 +135,7 @@ class AsyncPeer(ContributionsSide):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
-                      duration=duration)
+                      duration=duration, cluster=cluster)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
