@@ -69,3 +69,19 @@ def test_limits_are_checked():
         Peer(*make_adam(), max_rounds=0, discovery=False)
     with pytest.raises(ConfigError, match="duration"):
         Peer(*make_adam(), duration=float("nan"), discovery=False)
+
+
+def test_a_step_after_the_end_returns_at_once_and_says_so(caplog):
+    peers = open_peers([make_adam], start=0, staleness=0, max_rounds=3)
+    peers[0]._peer.min_peers = 1
+    try:
+        peers[0].start()
+        until_finished(peers[0], 0)
+        x = torch.randn(32, 16)
+        F.cross_entropy(peers[0].model(x), label(x)).backward()
+        began = time.monotonic()
+        assert peers[0].step(batch_size=32) == 0 and time.monotonic() - began < 1.0  # no round: no wait
+    finally:
+        close_all(peers)
+    assert peers[0].cluster.finished.version == 3
+    assert "the cluster's run is over" in caplog.text

@@ -195,6 +195,7 @@ class AsyncPeer(ContributionsSide):
         self._params_point: SyncPoint | None = None
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
+        self._said_finished = False
         self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
         self.staleness_max = 0
         self.metrics: RoundMetrics | None = None  # the last update applied here
@@ -351,6 +352,10 @@ class AsyncPeer(ContributionsSide):
         if type(batch_size) is not int or batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.cluster.check()
+        if self.finished and not self._said_finished:  # (a loop that counts its own steps spins here)
+            self._said_finished = True
+            log.warning("the cluster's run is over: step() applies nothing more; leave the loop "
+                        "(while not peer.finished)")
         began = time.perf_counter()
         with self._params_lock:
             void = self._load_restore()
