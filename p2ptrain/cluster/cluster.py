@@ -39,6 +39,7 @@ ours, and a peer that has applied nothing and has no member stops with ``Setting
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 import logging
@@ -65,6 +66,7 @@ from p2ptrain.trace import NO_TRACE
 log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
+KEEP_RESULTS = 2  # applied sums kept for later rings to write into
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
 REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secret) while we cannot train
 
@@ -138,6 +140,7 @@ class Cluster:
         self._residual: np.ndarray | None = None
         self._residual_spare: np.ndarray | None = None  # (the buffer the next ring writes into)
         self._rings: dict[int, asyncio.Task] = {}
+        self._free_results: collections.deque[np.ndarray] = collections.deque()  # (recycle: any thread)
         self._tasks: list[asyncio.Task] = []
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
         self.finished: msg.Finish | None = None  # the cluster's run is over: its last version and round here
@@ -367,7 +370,11 @@ class Cluster:
             self._rings.pop(r, None)
             self._post("ring_done", r, True, None)
             return
-        work = vector.copy() if owed is None else vector + owed
+        # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
+        # in); our values are read from ``vector`` itself (``source``), never copied first.
+        work = self._result_buffer(len(vector))
+        if owed is not None:
+            np.add(vector, owed, out=work)
         residual, self._residual_spare = self._residual_spare, None
         if self.codec.lossless:
             residual = None
@@ -379,7 +386,8 @@ class Cluster:
             run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                 recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
-                                residual=residual, trace=self.trace, digest=True, executor=shared_pool())
+                                residual=residual, trace=self.trace, digest=True, executor=shared_pool(),
+                                source=vector if owed is None else None)
             self._ring_stats[r] = await run.run()
             self._results[r] = (work, residual)
             checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
@@ -388,6 +396,18 @@ class Cluster:
             ok, checksum = False, None
         self._rings.pop(r, None)
         self._post("ring_done", r, ok, checksum)
+
+    def recycle(self, summed: np.ndarray) -> None:
+        """The trainer is done with an applied sum (any thread): a later ring writes into it."""
+        if len(self._free_results) < KEEP_RESULTS:
+            self._free_results.append(summed)
+
+    def _result_buffer(self, n: int) -> np.ndarray:
+        while self._free_results:
+            buffer = self._free_results.pop()
+            if len(buffer) == n:
+                return buffer
+        return np.empty(n, np.float32)
 
     def _apply(self, r: int, total: int) -> None:
         summed, residual = self._results.pop(r, (None, None))

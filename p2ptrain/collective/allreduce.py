@@ -157,15 +157,24 @@ def _combine(digests: dict[int, int]) -> bytes:
 
 
 class RingAllreduce:
-    """One allreduce of ``work`` (1-D float32, summed in place) as peer ``rank`` of ``size``."""
+    """One allreduce of ``work`` (1-D float32, summed in place) as peer ``rank`` of ``size``.
+
+    With ``source`` (the same shape), this peer's values are read from ``source``, which is
+    left untouched, and the sum is written into ``work`` (its contents on entry do not
+    matter): a caller that must keep its contribution whole (to put it back if the call
+    fails) need not copy it first."""
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
                  residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE,
-                 digest: bool = False):
+                 digest: bool = False, source: np.ndarray | None = None):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
+        if source is not None and (source.dtype != np.float32 or source.shape != work.shape
+                                   or not source.flags.c_contiguous or np.may_share_memory(source, work)):
+            raise TypeError("source must be a contiguous float32 array of work's shape, apart from it")
         self.work = work
+        self.source = work if source is None else source  # this peer's own values
         chunk_elems = _chunk_elems(codec, chunk_elems, len(work), size)
         self.plan = RingPlan(rank, size, len(work), chunk_elems)
         self.send_link, self.recv_link = send_link, recv_link
@@ -189,6 +198,8 @@ class RingAllreduce:
 
     async def run(self) -> AllreduceStats:
         if self.plan.size == 1 or len(self.work) == 0:
+            if self.source is not self.work:
+                self.work[:] = self.source
             if self.residual is not None:
                 self.residual.fill(0)  # (alone, the sum is exact)
             return self.stats
@@ -215,7 +226,7 @@ class RingAllreduce:
         for t in self.plan.sends:
             if t.after is not None:
                 await self._wait_arrived(t.after)
-            src = self.work[t.start : t.stop]
+            src = (self.source if t.g == 0 else self.work)[t.start : t.stop]  # (step 0: our own values)
             if t.reduce or t.g == owner_step:
                 began = self.trace.now()
                 params, payload = await self._offload(self._encode, src, not t.reduce, t.start)
@@ -238,7 +249,7 @@ class RingAllreduce:
     def _encode(self, src: np.ndarray, final: bool, start: int = 0) -> tuple[dict, list]:
         """Encode our values; keep the residual; the owner adopts its own decoded final sum
         (and hashes it: ``start`` is where ``src`` begins in the buffer)."""
-        params, buffers = self._encode_values(src, final)
+        params, buffers = self._encode_values(src, final, start)
         if final:
             self._finished(start, src)
         return params, buffers
@@ -258,15 +269,14 @@ class RingAllreduce:
             return buffer_digest(self.work, self.plan)
         return _combine(self._digests)
 
-    def _encode_values(self, src: np.ndarray, final: bool) -> tuple[dict, list]:
+    def _encode_values(self, src: np.ndarray, final: bool, start: int) -> tuple[dict, list]:
         if self.codec.is_identity:
             return {}, [memoryview(src)]
         if self.residual is None:
             # The owner's final sum is decoded straight into place (the payload is apart).
             enc = self.codec.encode_decoded(src, src) if final else self.codec.encode(src)
             return enc.params, enc.buffers
-        start = src.__array_interface__["data"][0] - self.work.__array_interface__["data"][0]
-        residual = self.residual[start // 4 : start // 4 + len(src)]
+        residual = self.residual[start : start + len(src)]
         if not final:
             enc = self.codec.encode_residual(src, residual)
             return enc.params, enc.buffers
@@ -346,7 +356,7 @@ class RingAllreduce:
                 raise CodecError(f"{payload.nbytes} bytes for {n} float32 values")
             incoming = np.frombuffer(payload, np.float32)
             if t.reduce:
-                np.add(incoming, dst, out=dst)
+                np.add(incoming, self.source[t.start : t.stop], out=dst)
             elif incoming.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
                 dst[:] = incoming  # arrived before this call owned the link's allocator
             if not t.reduce:
@@ -354,6 +364,8 @@ class RingAllreduce:
             self._pool.give(payload)
             return
         if t.reduce:
+            if self.source is not self.work:
+                dst[:] = self.source[t.start : t.stop]
             self._recv_codec.decode_add(params, payload, dst, self._recv_scratch[:n])
             self._pool.give(payload)
         else:

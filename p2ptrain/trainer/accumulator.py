@@ -66,7 +66,11 @@ class Accumulator:
     """``sum(batch_size * grad)`` in a flat float32 buffer on the model's device, and what it
     holds: samples, batches, the oldest parameter version. ``swap`` hands the sum over and
     starts a fresh one; on CPU the handed-over buffer *is* the host array (no copy), elsewhere
-    ``to_host`` copies it to a host buffer (pinned on CUDA). The owner serializes calls."""
+    ``to_host`` copies it to a host buffer (pinned on CUDA). The owner serializes calls.
+
+    A buffer coming back for reuse is not cleared then (a pass over the whole vector, on the
+    cluster's thread between a ring's end and the update reaching ``step``): it is *dirty*,
+    and the first ``add`` into it writes ``batch_size * grad`` instead of adding it."""
 
     def __init__(self, params: list[torch.Tensor], device: torch.device):
         self.params, self.device = params, device
@@ -74,6 +78,7 @@ class Accumulator:
         self._spare: list[torch.Tensor] = []
         self._staging: list[HostStaging] = []
         self._flat = self._fresh()
+        self._dirty = False  # _flat holds an old sum: the next add writes instead of adding
         self._views = self._split(self._flat)
         self.samples = self.batches = 0
         self.oldest: int | None = None
@@ -90,28 +95,49 @@ class Accumulator:
 
     def add(self, batch_size: int, version: int) -> None:
         """Add the parameters' gradients times ``batch_size``, and clear them."""
-        f32_views, f32_grads = [], []
         with torch.no_grad():
-            for p, view in zip(self.params, self._views):
-                g = p.grad
-                if g is None:
-                    continue
-                g = g.to_dense() if g.is_sparse else g
-                if g.dtype == torch.float32:
-                    f32_views.append(view)
-                    f32_grads.append(g)
-                else:
-                    view.add_(g.float(), alpha=float(batch_size))
-                p.grad = None
-            if f32_views:
-                torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
+            if self._dirty:
+                self._write(batch_size)
+            else:
+                self._add(batch_size)
         self.samples += batch_size
         self.batches += 1
         self.oldest = version if self.oldest is None else min(self.oldest, version)
 
+    def _write(self, batch_size: int) -> None:
+        """The first batch into a reused buffer: ``batch_size * grad`` written, zeros where none."""
+        for p, view in zip(self.params, self._views):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                continue
+            g = g.to_dense() if g.is_sparse else g
+            torch.mul(g if g.dtype == torch.float32 else g.float(), float(batch_size), out=view)
+            p.grad = None
+        self._dirty = False
+
+    def _add(self, batch_size: int) -> None:
+        f32_views, f32_grads = [], []
+        for p, view in zip(self.params, self._views):
+            g = p.grad
+            if g is None:
+                continue
+            g = g.to_dense() if g.is_sparse else g
+            if g.dtype == torch.float32:
+                f32_views.append(view)
+                f32_grads.append(g)
+            else:
+                view.add_(g.float(), alpha=float(batch_size))
+            p.grad = None
+        if f32_views:
+            torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
+
     def swap(self, members: int) -> Outgoing:
         """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
+        if self._dirty:  # (nothing was added: it goes out as zeros)
+            self._flat.zero_()
         out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members)
+        self._dirty = bool(self._spare)  # (a reused buffer holds an old sum)
         self._flat = self._fresh()
         self._views = self._split(self._flat)
         self.samples = self.batches = 0
@@ -124,21 +150,21 @@ class Accumulator:
             return
         out.staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
         out.array = out.staging.to_host([out.buffer])
-        out.buffer.zero_()
-        self._spare.append(out.buffer)
+        self._spare.append(out.buffer)  # (dirty: the next add writes over it)
         out.buffer = None
 
     def release(self, out: Outgoing) -> None:
         """The cluster is done with ``out``: its memory is reused."""
         if out.buffer is not None:
-            out.buffer.zero_()
-            self._spare.append(out.buffer)
+            self._spare.append(out.buffer)  # (dirty: the next add writes over it)
         if out.staging is not None:
             self._staging.append(out.staging)
 
     def merge(self, out: Outgoing) -> None:
         """Take a contribution back (its round aborted): the next round carries it."""
-        self._flat.add_(out.buffer if out.buffer is not None else torch.from_numpy(out.array).to(self.device))
+        back = out.buffer if out.buffer is not None else torch.from_numpy(out.array).to(self.device)
+        self._flat.copy_(back) if self._dirty else self._flat.add_(back)
+        self._dirty = False
         self.samples += out.samples
         self.batches += out.batches
         if out.oldest is not None:
@@ -149,6 +175,7 @@ class Accumulator:
         """Drop what is held; returns the samples dropped."""
         dropped = self.samples
         self._flat.zero_()
+        self._dirty = False
         self.samples = self.batches = 0
         self.oldest = None
         return dropped

@@ -463,6 +463,8 @@ class AsyncPeer(ContributionsSide):
                 if self._predictor is not None:
                     self._predictor.before_update()
                 self._apply_update(update)
+                if update.held is None:  # (the ring's result, ours now: its memory serves a later ring)
+                    self.cluster.recycle(update.summed)
                 applied += 1
             with self._lock:
                 self._params_point = update.point

@@ -1,0 +1,70 @@
+"""``Accumulator``: sums of ``batch_size * grad``, and buffers reused without clearing them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.trainer.accumulator import Accumulator
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def grads(params, seed, skip=()):
+    gen = torch.Generator().manual_seed(seed)
+    for i, p in enumerate(params):
+        p.grad = None if i in skip else torch.randn(p.shape, generator=gen)
+
+
+def test_a_reused_buffer_sums_exactly_as_a_fresh_one():
+    params = [torch.zeros(3, 4, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    acc = Accumulator(params, torch.device("cpu"))
+    grads(params, 1)
+    acc.add(2, 0)
+    first = acc.swap(1)
+    acc.to_host(first)
+    acc.release(first)  # (not cleared: the next swap hands it out again, dirty)
+    grads(params, 2)
+    acc.add(3, 0)
+    out = acc.swap(1)
+    acc.to_host(out)
+    assert out.array is not None and len(out.array) == 17
+    grads(params, 3)
+    acc.add(4, 1)  # into the reused buffer: written, not added to the old sum
+    grads(params, 4, skip={1})  # the second parameter has no gradient this time
+    acc.add(5, 1)
+    reused = acc.swap(1)
+    acc.to_host(reused)
+
+    fresh = Accumulator(params, torch.device("cpu"))
+    grads(params, 3)
+    fresh.add(4, 1)
+    grads(params, 4, skip={1})
+    fresh.add(5, 1)
+    expected = fresh.swap(1)
+    fresh.to_host(expected)
+    assert torch.equal(torch.from_numpy(reused.array), torch.from_numpy(expected.array))
+    assert (reused.samples, reused.batches) == (9, 2)
+
+
+def test_a_reused_buffer_goes_out_as_zeros_when_nothing_was_added_and_merges_back_exactly():
+    params = [torch.zeros(6, requires_grad=True)]
+    acc = Accumulator(params, torch.device("cpu"))
+    for seed in (1, 2):
+        grads(params, seed)
+        acc.add(1, 0)
+        out = acc.swap(1)
+        acc.to_host(out)
+        acc.release(out)
+    empty = acc.swap(1)  # a reused buffer, nothing added
+    acc.to_host(empty)
+    assert empty.samples == 0 and not empty.array.any()
+    grads(params, 5)
+    acc.add(2, 0)
+    kept = acc.swap(1)
+    acc.to_host(kept)
+    values = kept.array.copy()
+    acc.merge(kept)  # (the round aborted) into a dirty buffer: it is that contribution, not a sum with garbage
+    back = acc.swap(1)
+    acc.to_host(back)
+    assert torch.equal(torch.from_numpy(back.array), torch.from_numpy(values)) and back.samples == 2
