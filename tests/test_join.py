@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -188,3 +189,11 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
         assert [r for r in run if "event" not in r][-1]["round"] == summary["end"]["round"]
     assert all(any(r.get("event") == "loaded" for r in run) for run in runs[1:])  # they joined a running cluster
     assert all("the cluster's run ended at round" in out for out, _ in outs)
+    # Counted as the cluster's: every summary says its update count; a joiner's rounds are those
+    # it applied, and its status lines show the cluster's round numbers, from the one it loaded on.
+    assert {s["version"] for s in summaries} == {200}
+    for run, summary, (_, err) in zip(runs[1:], summaries[1:], outs[1:]):
+        assert summary["rounds"] == len([r for r in run if "event" not in r]) < 200
+        loaded = min(r["round"] for r in run if r.get("event") == "loaded")
+        shown = [int(m) for m in re.findall(r"p2ptrain.join: round (\d+)  update \d+", err)]
+        assert all(r >= loaded for r in shown), (loaded, shown)
