@@ -41,6 +41,7 @@ def test_a_bad_join_flag_is_one_line_naming_it_exit_2(capsys, args, names, allow
     ("P2PTRAIN_LR", "-1", "a number above 0"),
     ("P2PTRAIN_MAX_ROUNDS", "0", "an integer, at least 1"),
     ("P2PTRAIN_NO_DISCOVERY", "maybe", "expected 1 or 0"),
+    ("P2PTRAIN_DATA_THREADS", "many", "expected a number of threads"),
 ])
 def test_a_bad_variable_is_one_line_naming_the_variable_exit_2(capsys, monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)

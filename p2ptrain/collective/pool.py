@@ -16,6 +16,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from p2ptrain.errors import ConfigError
+
 ENV = "P2PTRAIN_DATA_THREADS"
 MAX_THREADS = 4
 
@@ -24,11 +26,12 @@ _lock = threading.Lock()
 
 
 def default_threads() -> int:
-    """Threads for the data path on this machine (see the module docstring)."""
+    """Threads for the data path on this machine (see the module docstring). A bad
+    ``P2PTRAIN_DATA_THREADS`` is a ``ConfigError`` (``join`` checks it before it starts)."""
     value = os.environ.get(ENV, "").strip()
     if value:
         if not value.isdigit():
-            raise ValueError(f"{ENV}={value!r}: expected a number of threads (0: none)")
+            raise ConfigError(f"{ENV}={value!r}: expected a number of threads (0: none)")
         return int(value)
     return min(MAX_THREADS, max(2, (os.cpu_count() or 1) // 4))
 

@@ -127,7 +127,10 @@ def _check_where(args: argparse.Namespace) -> None:
     cannot be written failed at the start with a traceback, a --trace file only at the end."""
     import socket
 
+    from p2ptrain.collective.pool import default_threads
     from p2ptrain.net.interfaces import list_interfaces, pick_address
+
+    default_threads()  # (P2PTRAIN_DATA_THREADS: read at the first ring, mid-run)
 
     try:
         socket.getaddrinfo(args.host, None)

@@ -234,7 +234,7 @@ class ContributionsSide:
         try:
             snapshot.pack(state)
         except (ValueError, TypeError) as exc:
-            if not getattr(self, "_scheduler_unsent", False):
+            if not self._scheduler_unsent:
                 self._scheduler_unsent = True
                 log.warning("the scheduler's state is not sent to joiners (%s): they start its schedule over", exc)
             return None

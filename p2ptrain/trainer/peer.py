@@ -194,6 +194,7 @@ class AsyncPeer(ContributionsSide):
         self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
         self._params_point: SyncPoint | None = None
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
+        self._scheduler_unsent = False  # the scheduler's state could not go in a snapshot (said once)
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
         self._said_finished = False
         self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
