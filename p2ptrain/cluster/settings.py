@@ -21,6 +21,8 @@ whose flag was overridden would train otherwise than its command line says.
 - ``target_batch_size``: the most samples one update averages, each member contributing its
   share; with another target on each peer an update's size would depend on who is in it.
 - ``seed``: the model's initial parameters and, for a task like ``synthetic``, the data itself.
+- ``sync_every``, ``outer_lr``, ``outer_momentum`` (local-steps mode): a ring of pseudo-gradients
+  summed with gradients means nothing, and every peer must take the same outer step.
 
 The rest may differ per machine: batch size, device, ``min_peers``, learning rate (the
 optimizer's state travels with the cluster's state), ``reconcile_every``, ``weight_prediction``.
@@ -29,16 +31,22 @@ optimizer's state travels with the cluster's state), ``reconcile_every``, ``weig
 from __future__ import annotations
 
 FLAGS = {"compression": "--compression", "staleness": "--staleness", "target_batch_size": "--target-batch-size",
-         "seed": "--seed"}
+         "seed": "--seed", "sync_every": "--sync-every", "outer_lr": "--outer-lr",
+         "outer_momentum": "--outer-momentum"}
 MAX_SHOWN = 40  # characters of a peer's value quoted in a log line
 
 
 def shared(*, compression: str, staleness: int, target_batch_size: int | None = None,
-           seed: int | None = None) -> dict:
-    """This peer's settings as its handshake states them (``seed`` None: not compared)."""
-    out = {"compression": compression, "staleness": staleness, "target_batch_size": target_batch_size or 0}
+           seed: int | None = None, sync_every: int | None = None, outer_lr: float = 0.0,
+           outer_momentum: float = 0.0) -> dict:
+    """This peer's settings as its handshake states them (``seed`` None: not compared;
+    ``sync_every`` None: gradient mode, stated as 0)."""
+    out = {"compression": compression, "staleness": staleness, "target_batch_size": target_batch_size or 0,
+           "sync_every": sync_every or 0}
     if seed is not None:
         out["seed"] = seed
+    if sync_every:
+        out.update(outer_lr=float(outer_lr), outer_momentum=float(outer_momentum))
     return out
 
 

@@ -69,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-batch-size", type=integer(1), default=_env("target_batch_size"),
                    help="with --staleness >= 1: the most samples one update averages, each peer contributing at "
                    "most its share (default: members x --batch-size, DDP's global batch)")
+    g.add_argument("--sync-every", type=integer(1), default=_env("sync_every"), metavar="H",
+                   help="local-steps mode (DiLoCo): each peer takes H steps with its own optimizer, then a round "
+                   "averages the parameter change and every peer applies the same outer step; a faster peer "
+                   "steps on while a round waits (default: off, gradient mode)")
+    g.add_argument("--outer-lr", type=number(above=0), default=_env("outer_lr"),
+                   help="with --sync-every: the outer SGD's learning rate (default 0.7)")
+    g.add_argument("--outer-momentum", type=number(at_least=0, note=", below 1"), default=_env("outer_momentum"),
+                   help="with --sync-every: the outer Nesterov momentum (default 0.9; 0: none)")
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
@@ -105,6 +113,16 @@ def run(args: argparse.Namespace) -> int:
     if args.target_batch_size is not None and args.staleness == 0:
         raise ConfigError("--target-batch-size needs --staleness 1 or more (at 0 each round takes one batch "
                           "from every peer)")
+    if args.sync_every is None and (args.outer_lr is not None or args.outer_momentum is not None):
+        raise ConfigError("--outer-lr and --outer-momentum need --sync-every H (local-steps mode)")
+    if args.sync_every is not None:
+        from p2ptrain.trainer.options import check_local_steps
+
+        check_local_steps(args.sync_every, 0.7 if args.outer_lr is None else args.outer_lr,
+                          0.9 if args.outer_momentum is None else args.outer_momentum)
+        if args.target_batch_size is not None or args.weight_prediction:
+            raise ConfigError("--sync-every does not combine with --target-batch-size or --weight-prediction "
+                              "(they are for gradient mode)")
     if args.weight_prediction and args.staleness == 0:
         raise ConfigError("--weight-prediction needs --staleness 1 or more (at 0 every gradient is computed on the "
                           "parameters it is applied to)")
@@ -166,6 +184,7 @@ class _Join:
         self.args, self.secret = args, secret
         self.count = RunCounters(time.monotonic())  # this run's (restarted when training starts)
         self.last_loss = float("nan")
+        self._losses: list[float] = []  # this peer's batch losses since the last round record
         self.stopping = False
         self._threads = 0
         self._train_task: asyncio.Task | None = None
@@ -209,6 +228,9 @@ class _Join:
                  task.name, task.info, task.num_parameters(), device_kind(device), a.compression, a.staleness,
                  a.min_peers)
         kwargs = {"target_batch_size": a.target_batch_size} if a.target_batch_size else {}
+        if a.sync_every is not None:
+            kwargs.update(sync_every=a.sync_every, outer_lr=0.7 if a.outer_lr is None else a.outer_lr,
+                          outer_momentum=0.9 if a.outer_momentum is None else a.outer_momentum)
         peer = AsyncPeer(model, optimizer, cluster=a.cluster, secret=self.secret, peers=peers,
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
@@ -310,6 +332,7 @@ class _Join:
                 loss = task.loss(peer.model, batch, device)
                 loss.backward()
                 self.last_loss = float(loss.detach())
+                self._losses.append(self.last_loss)
                 if a.step_delay:
                     await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
             with self.trace("step", "compute"):
@@ -385,15 +408,28 @@ class _Join:
             log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
 
     def _write_metrics(self, out, peer, record) -> None:
-        from p2ptrain.tasks import param_checksum
-
         out.write(json.dumps({
             "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
             "own_samples": record.own_samples,
-            "loss": self.last_loss, "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
+            "loss": self._mean_loss(), "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
             "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
-            "dropped": getattr(peer, "dropped", 0), "param_checksum": param_checksum(peer.model)}) + "\n")
+            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer)}) + "\n")
         out.flush()
+
+    def _mean_loss(self) -> float:
+        """The mean of this peer's batch losses since the last record (several batches per round
+        at staleness >= 1 or with --sync-every), then start over."""
+        losses, self._losses = self._losses, []
+        return sum(losses) / len(losses) if losses else self.last_loss
+
+    def _checksum(self, peer) -> str:
+        """The replicas' common parameters: the model's, or in local-steps mode the outer ones
+        (the model holds this peer's local parameters between rounds), as of the last update."""
+        from p2ptrain.tasks import param_checksum
+
+        if self.args.sync_every is None:
+            return param_checksum(peer.model)
+        return peer.metrics.param_checksum if peer.metrics is not None else ""
 
     def _report(self, peer, now: float) -> None:
         """The status line: the cluster's round and update, and rates over the last few seconds."""

@@ -132,6 +132,19 @@ class Accumulator:
         if f32_views:
             torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
 
+    def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
+        """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode)."""
+        with torch.no_grad():
+            if self._dirty:
+                torch._foreach_copy_(self._views, tensors)
+                torch._foreach_mul_(self._views, float(samples))
+                self._dirty = False
+            else:
+                torch._foreach_add_(self._views, tensors, alpha=float(samples))
+        self.samples += samples
+        self.batches += 1
+        self.oldest = version if self.oldest is None else min(self.oldest, version)
+
     def swap(self, members: int) -> Outgoing:
         """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
         if self._dirty:  # (nothing was added: it goes out as zeros)

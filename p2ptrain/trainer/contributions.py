@@ -62,7 +62,17 @@ class ContributionsSide:
         with self._lock:
             if self._restore is not None or self._out is not None:
                 return self._hold("a state load waits" if self._out is None else "our last one is still out")
-            if self.staleness == 0:
+            if self._local is not None:
+                if not self._acc.samples and not self._leaving:
+                    if not self._computing:  # inside step(): it says when its pseudo-gradient is ready
+                        return self._hold("inner steps")
+                    late = time.perf_counter() - self._step_end
+                    patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
+                    if late < patience:  # its inner steps go on: wait for them
+                        self._arm_linger(patience - late)
+                        return self._hold("inner steps")
+                    # (a peer not stepping: nothing this round; its progress goes in a later one)
+            elif self.staleness == 0:
                 if not self._acc.samples:
                     return self._hold("no batch yet")
             else:
@@ -171,7 +181,8 @@ class ContributionsSide:
                         "sync": [p.version, p.digest, p.round, p.epoch]}
             return {"model": {k: v.detach().clone() for k, v in self._true_state_dict().items()},
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": version,
-                    "scheduler": self._scheduler_snapshot(), "sync": [p.version, p.digest, p.round, p.epoch]}
+                    "scheduler": self._scheduler_snapshot(), "sync": [p.version, p.digest, p.round, p.epoch],
+                    **{k: copy.deepcopy(v) for k, v in self._outer_state().items()}}
         finally:
             self._params_lock.release()
 
@@ -208,17 +219,25 @@ class ContributionsSide:
         if (here.version, here.digest) != (point.version, point.digest):
             log.debug("the leader's parameters for version %d came after ours passed it", point.version)
             return
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name in state["model"]:
-                    p.copy_(state["model"][name])
+        if self._local is not None:  # the outer parameters: everything here moves by the difference
+            names = dict(self.model.named_parameters())
+            self._local.shift([state["model"][n] for n, _ in self._local.named_outer(self.model)
+                               if names[n].requires_grad], (state.get("outer") or {}).get("momentum"))
+        else:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in state["model"]:
+                        p.copy_(state["model"][name])
         if self._predictor is not None:
             self._predictor.forget()
         self.corrected += 1
 
     def _load_state(self, state: dict) -> None:
-        """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot."""
+        """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot (in
+        local-steps mode the outer state: the model starts over on it, with its momentum)."""
         self.model.load_state_dict(state["model"])
+        if self._local is not None:
+            self._local.reset((state.get("outer") or {}).get("momentum"))
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
         if self._predictor is not None:

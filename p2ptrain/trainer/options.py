@@ -11,10 +11,19 @@ from p2ptrain.net.auth import MAX_CLUSTER_LEN
 
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
-                  weight_prediction, max_rounds=None, duration=None, cluster="default") -> None:
+                  weight_prediction, max_rounds=None, duration=None, cluster="default", sync_every=None,
+                  outer_lr=0.7, outer_momentum=0.9) -> None:
     """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
     if not isinstance(cluster, str) or not 1 <= len(cluster) <= MAX_CLUSTER_LEN or not cluster.isprintable():
         raise ConfigError(f"cluster must be a name of 1..{MAX_CLUSTER_LEN} printable characters, got {cluster!r}")
+    if sync_every is not None:
+        check_local_steps(sync_every, outer_lr, outer_momentum)
+        if target_batch_size is not None:
+            raise ConfigError("target_batch_size bounds the updates of gradient mode; with sync_every a round "
+                              "averages what each peer did in its inner steps (drop one of the two)")
+        if weight_prediction:
+            raise ConfigError("weight_prediction is for gradient mode; with sync_every the inner steps already "
+                              "compute on up-to-date local parameters (drop one of the two)")
     if type(staleness) is not int or staleness < 0:
         raise ConfigError(f"staleness must be an int >= 0 (0: synchronous), got {staleness!r}")
     if target_batch_size is not None and (type(target_batch_size) is not int or target_batch_size < 1):
@@ -55,3 +64,15 @@ def listen_address(listen: str) -> tuple[str, int]:
     if not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"listen={listen!r}: expected host:port, e.g. 0.0.0.0:7000 (port 0: any free port)")
     return host.strip("[]"), int(port)
+
+
+def check_local_steps(sync_every, outer_lr, outer_momentum) -> None:
+    """Local-steps mode's keywords (``join --sync-every --outer-lr --outer-momentum`` too)."""
+    if type(sync_every) is not int or sync_every < 1:
+        raise ConfigError(f"sync_every must be an int >= 1 (inner steps per round; None: gradient mode), got "
+                          f"{sync_every!r}")
+    if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < float("inf"):
+        raise ConfigError(f"outer_lr must be a number > 0 (DiLoCo's: 0.7), got {outer_lr!r}")
+    if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
+        raise ConfigError(f"outer_momentum must be a number in [0, 1) (DiLoCo's: 0.9; 0: none), got "
+                          f"{outer_momentum!r}")

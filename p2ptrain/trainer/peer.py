@@ -40,6 +40,12 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   and nothing computed within the bound is dropped. Anything staler than tau when its round
   starts is dropped and counted (``dropped``).
 
+Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user's optimizer on
+the batch at once (and the scheduler, per inner step); after H inner steps the parameter change
+goes to the accumulator as a pseudo-gradient, and a committed round is an outer Nesterov step
+on parameters every replica holds alike. At staleness 0 ``step`` waits for that round; at >= 1
+it steps on while the ring runs and while a round waits for slower peers' inner steps.
+
 Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
 samples are applied, and two rounds more for what the others computed meanwhile. Loops should
 end with the cluster, not after their own steps: a faster peer takes more steps, and one that
@@ -73,7 +79,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import apply_update
+from p2ptrain.trainer.apply import apply_update, device_mean, optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import ContributionsSide, _point
@@ -81,6 +87,7 @@ from p2ptrain.device import device_kind, pick_device
 from p2ptrain.net.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
+from p2ptrain.trainer.local_steps import LocalSteps
 from p2ptrain.trainer.loopthread import LoopThread
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.options import check_options, listen_address, round_config
@@ -131,16 +138,19 @@ class AsyncPeer(ContributionsSide):
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
-                 duration: float | None = None):
+                 duration: float | None = None, sync_every: int | None = None, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
-                      duration=duration, cluster=cluster)
+                      duration=duration, cluster=cluster, sync_every=sync_every, outer_lr=outer_lr,
+                      outer_momentum=outer_momentum)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
         self._settings = shared(compression=parse_codec(compression).spec, staleness=staleness,
-                                target_batch_size=target_batch_size, seed=seed)
+                                target_batch_size=target_batch_size, seed=seed, sync_every=sync_every,
+                                outer_lr=outer_lr, outer_momentum=outer_momentum)
         if device is not None:
             model.to(pick_device(device))
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -150,6 +160,9 @@ class AsyncPeer(ContributionsSide):
         self.device = self.params[0].device
         if any(p.device != self.device for p in self.params):
             raise ConfigError("the model's parameters are on several devices: p2ptrain trains a model on one device")
+        if sync_every is not None and any(p.dtype != torch.float32 for p in self.params):
+            raise ConfigError("local-steps mode (sync_every) needs float32 trainable parameters (use autocast for "
+                              "lower precision)")
         self.peer_id = new_peer_id()
         self.staleness, self.min_peers = staleness, min_peers
         self.clip_grad_norm, self.step_timeout = clip_grad_norm, step_timeout
@@ -177,6 +190,8 @@ class AsyncPeer(ContributionsSide):
         self._changed = asyncio.Event()  # (used on the cluster's loop only)
         self._acc = Accumulator(self.params, self.device)
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
+        self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
+        self._leaving = False  # closing: a round asking for our contribution gets what we have
         self._out: Outgoing | None = None  # our contribution, in a round
         self._queue: collections.deque[CommittedUpdate] = collections.deque()
         self.version = 0  # updates applied to the parameters here
@@ -290,6 +305,9 @@ class AsyncPeer(ContributionsSide):
             if self._predictor is not None:  # the model ends on the true parameters
                 with self._params_lock:
                     self._predictor.restore()
+            if self._local is not None:  # ... on the outer ones, identical on every replica
+                with self._params_lock:
+                    self._local.finish()
             self._changed.set()
 
     async def _propose(self) -> None:
@@ -306,6 +324,7 @@ class AsyncPeer(ContributionsSide):
         with self._lock:
             self._computing = False  # no batch in progress any more: no round need wait for one
             self._want_step = False
+            self._leaving = True
         loop = asyncio.get_running_loop()
         deadline, target = loop.time() + FLUSH_S, None
 
@@ -318,8 +337,8 @@ class AsyncPeer(ContributionsSide):
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
-        if self.staleness:
-            self._notify()
+        if self.staleness or self._local is not None:  # (local steps: the inner steps since our
+            self._notify()  # last contribution are not sent; the model ends on the outer parameters)
             try:
                 await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
             except GroupError:
@@ -368,12 +387,15 @@ class AsyncPeer(ContributionsSide):
                     for p in self.params:
                         p.grad = None
                     self.dropped += batch_size
-                else:
+                elif self._local is None:
                     self._acc.add(batch_size, self.version)
                 self._batch = batch_size
                 self._computing = False
                 notify, self._want_step = self._want_step, False
-            self._apply_queue()
+            if self._local is not None:
+                notify = self._inner_step(batch_size, void) or notify
+            else:
+                self._apply_queue()
         if notify:
             self._notify()
         with self._lock:
@@ -389,9 +411,27 @@ class AsyncPeer(ContributionsSide):
                 self._step_end = time.perf_counter()
         return applied
 
+    def _inner_step(self, batch_size: int, void: bool) -> bool:
+        """Local-steps mode (``_params_lock`` held): the user's optimizer steps on this batch,
+        the outer updates committed since land, and once ``sync_every`` inner steps are owed
+        and the last contribution is applied, the pseudo-gradient goes to the accumulator.
+        True: a contribution is ready (the cluster must hear of it)."""
+        if not void:
+            optimizer_step(self.params, self.optimizer, self.scheduler, self.clip_grad_norm)
+            self._local.stepped(batch_size)
+        self._apply_queue()
+        with self._lock:
+            if not self._local.due() or self._acc.samples or self._out is not None:
+                return False
+            delta, samples = self._local.contribute()
+            self._acc.add_weighted(delta, samples, self.version)
+            return True
+
     def _must_wait(self) -> bool:  # (under _lock)
         if self._finished:  # no round will take it: the run is over
             return False
+        if self._local is not None:  # at staleness 0 our pseudo-gradient is applied before step() returns
+            return self.staleness == 0 and bool(self._acc.samples or self._out is not None)
         if self.staleness == 0:  # our batch is applied before step() returns
             return bool(self._acc.samples or self._out is not None)
         return self._acc.samples >= self._share()  # our share of the target batch waits for a round
@@ -474,13 +514,16 @@ class AsyncPeer(ContributionsSide):
                     self._acc.release(update.held)
             metrics = update.metrics
             if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
-                sketch = param_sketch(self.params)  # the leader's cluster compares it with its own
+                # (the outer parameters in local-steps mode: the model holds this peer's local ones)
+                sketch = param_sketch(self._local.outer if self._local is not None else self.params)
                 self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, sketch)
                 metrics = metrics and replace(metrics, param_checksum=sketch_checksum(sketch))
             if metrics is not None:
                 self._publish(metrics)
 
     def _apply_update(self, update: CommittedUpdate) -> None:
+        if self._local is not None:
+            return self._local.apply(device_mean(update, self.device))
         apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
 
     def _publish(self, m: RoundMetrics) -> None:
@@ -498,10 +541,18 @@ class AsyncPeer(ContributionsSide):
             p = self._params_point
             return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                    "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch]}
+                    "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
+                    **self._outer_state()}
+
+    def _outer_state(self) -> dict:
+        """Local-steps mode: the outer momentum, for a checkpoint or a joiner ({} otherwise)."""
+        return {} if self._local is None else {"outer": {"momentum": self._local.velocity_state()}}
 
     def _true_state_dict(self) -> dict:
-        """``model.state_dict()``, with the true parameters where the model holds predicted ones."""
+        """``model.state_dict()``, with the true parameters where the model holds predicted ones,
+        and the outer ones in local-steps mode (the model holds this peer's local ones)."""
+        if self._local is not None:
+            return self._local.state_dict(self.model)
         return self.model.state_dict() if self._predictor is None else self._predictor.true_state_dict(self.model)
 
     def load_state_dict(self, state: dict) -> None:
@@ -513,5 +564,7 @@ class AsyncPeer(ContributionsSide):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
+        if self._local is not None:
+            self._local.reset((state.get("outer") or {}).get("momentum"))
         self.version = self._committed = self._computing_on = int(state.get("version", 0))
         self._start = _point(state.get("sync"))

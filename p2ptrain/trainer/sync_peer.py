@@ -37,14 +37,16 @@ class Peer:
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
-                 duration: float | None = None):
+                 duration: float | None = None, sync_every: int | None = None, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                                device=device, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
                                step_timeout=step_timeout, reconcile_every=reconcile_every,
                                weight_prediction=weight_prediction, seed=seed,
-                               max_rounds=max_rounds, duration=duration)
+                               max_rounds=max_rounds, duration=duration, sync_every=sync_every,
+                               outer_lr=outer_lr, outer_momentum=outer_momentum)
 
     def __enter__(self) -> Self:
         self.start()

@@ -1,0 +1,131 @@
+"""Local-steps mode (DiLoCo): the outer loop of one peer, on the model's device.
+
+Between rounds each peer takes inner steps with the user's optimizer on its own batches.
+A round averages the *pseudo-gradient*, the parameter change not contributed yet
+(``base - params``), weighted by samples, through the ring like a gradient (any codec,
+error feedback); every peer then applies the same outer step, SGD with Nesterov momentum,
+to the same *outer parameters*, so those stay bit-identical on every replica while the
+inner optimizer's state stays local (Douillard et al., 2023: lr 0.7, momentum 0.9).
+
+One round late. A peer forms its contribution once it has taken ``every`` inner steps since
+the last one (``due``) and its previous one is applied, then steps on while the ring runs
+(at staleness >= 1; at 0 ``step`` waits for the round). When the outer update lands, the
+progress made since the contribution is kept on top of the new outer parameters::
+
+    params <- outer_new + (params - base);  base <- outer_new
+
+``base`` is where uncontributed progress is measured from: the contributed point while a
+contribution is out, the outer parameters otherwise. Every inner step is contributed
+exactly once, and a peer that contributed nothing to a round (it was not stepping) keeps
+its progress for a later one. A faster device takes more inner steps per round: it steps
+on while the round waits for the slower peers' ``every`` steps.
+
+Memory: three more copies of the trainable parameters (outer, base, momentum); they must be
+float32 (``AsyncPeer`` says so).
+Calls come from the peer with its ``_params_lock`` held (no forward or backward runs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LocalSteps:
+    """The outer state: ``outer`` parameters, their Nesterov ``velocity``, and ``base``."""
+
+    def __init__(self, params: list[torch.Tensor], every: int, lr: float, momentum: float):
+        self.params, self.every, self.lr, self.momentum = params, every, lr, momentum
+        numel = sum(p.numel() for p in params)
+        device = params[0].device
+        self._outer = torch.empty(numel, dtype=torch.float32, device=device)
+        self._base = torch.empty_like(self._outer)
+        self._velocity = torch.zeros_like(self._outer)
+        self.outer, self.base, self.velocity = (self._views(t) for t in (self._outer, self._base, self._velocity))
+        self.steps = self.samples = 0  # inner steps and their samples since the last contribution
+        self.reset()
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset: offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return views
+
+    def _live(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.params]
+
+    def reset(self, velocity: torch.Tensor | None = None) -> None:
+        """The model's parameters are the outer ones now (start, a state loaded): no progress
+        is owed, and the momentum is ``velocity`` (a snapshot's; None: zero)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.outer, self._live())
+            self._base.copy_(self._outer)
+            if velocity is None:
+                self._velocity.zero_()
+            else:
+                self._velocity.copy_(velocity.reshape(-1).to(self._velocity.device, torch.float32))
+        self.steps = self.samples = 0
+
+    def stepped(self, batch_size: int) -> None:
+        """The user's optimizer took one inner step on ``batch_size`` samples."""
+        self.steps += 1
+        self.samples += batch_size
+
+    def due(self) -> bool:
+        return self.steps >= self.every
+
+    def contribute(self) -> tuple[list[torch.Tensor], int]:
+        """The pseudo-gradient owed (``base - params``, one tensor per parameter) and its samples;
+        the contributed point becomes ``base``."""
+        live = self._live()
+        with torch.no_grad():
+            delta = torch._foreach_sub([b for b in self.base], live)
+            torch._foreach_copy_(self.base, live)
+        samples, self.steps, self.samples = self.samples, 0, 0
+        return delta, samples
+
+    def apply(self, mean_delta: torch.Tensor) -> None:
+        """The round's averaged pseudo-gradient (flat, float32, on the device): the outer Nesterov
+        step (as ``torch.optim.SGD(nesterov=True)``), then local progress rebased onto it."""
+        g, v, outer, mu = mean_delta, self._velocity, self._outer, self.momentum
+        with torch.no_grad():
+            if mu:
+                v.mul_(mu).add_(g)
+                g = g.add(v, alpha=mu)
+            outer.sub_(g, alpha=self.lr)
+            live = self._live()
+            torch._foreach_sub_(live, self.base)  # progress since the contribution (0 if none) ...
+            torch._foreach_add_(live, self.outer)  # ... on top of the new outer parameters
+            self._base.copy_(outer)
+
+    def shift(self, outer: list[torch.Tensor], velocity: torch.Tensor | None) -> None:
+        """The leader's outer state at the same point (ours differs by rounding: another device
+        kind): everything here moves by the difference, so no progress is lost."""
+        with torch.no_grad():
+            diff = torch._foreach_sub([o.to(self._outer.device, torch.float32) for o in outer], self.outer)
+            for views in (self.outer, self.base, self._live()):
+                torch._foreach_add_(views, diff)
+            if velocity is not None:
+                self._velocity.copy_(velocity.reshape(-1).to(self._velocity.device, torch.float32))
+
+    def finish(self) -> None:
+        """Leaving: the model ends on the outer parameters, identical on every replica."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._live(), self.outer)
+        self._base.copy_(self._outer)
+        self.steps = self.samples = 0
+
+    def state_dict(self, model: torch.nn.Module) -> dict:
+        """``model.state_dict()`` with the outer parameters in place of the local ones."""
+        state = model.state_dict()
+        state.update(self.named_outer(model, remove_duplicate=False))
+        return state
+
+    def named_outer(self, model: torch.nn.Module, remove_duplicate: bool = True):
+        """``model.named_parameters()``, the trainable ones replaced by their outer values."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for name, p in model.named_parameters(remove_duplicate=remove_duplicate):
+            yield name, self.outer[index[id(p)]] if id(p) in index else p
+
+    def velocity_state(self) -> torch.Tensor:
+        return self._velocity.detach().clone()
