@@ -162,7 +162,8 @@ class Peer:
         if any(set(s["flags"]) != flags for s in seen):
             self.notes.append("the peers' joins take different flags: run the same p2ptrain everywhere")
         runs, skipped = _lan_train.plan(self.world, a.scaling, a.train_codecs, a.staleness, flags,
-                                        gloo=a.gloo, predict=a.weight_prediction) if a.train else ([], [])
+                                        gloo=a.gloo, predict=a.weight_prediction,
+                                        sync_every=a.sync_every or []) if a.train else ([], [])
         self.notes += skipped
         if a.step_delay and a.train and "--step-delay" not in flags:
             self.notes.append("--step-delay not applied: this join has no --step-delay (heterogeneity not measured)")
@@ -236,7 +237,8 @@ class Peer:
                                           model_size=a.model_size, batch_size=a.batch_size,
                                           rounds=a.rounds, secret=a.secret, flags=self.flags,
                                           cluster=f"lanbench-{self.nonce}-{run.index}",
-                                          step_delay=delay, log_level=a.log_level)
+                                          step_delay=delay, log_level=a.log_level, outer_lr=a.outer_lr,
+                                          outer_momentum=a.outer_momentum)
         else:
             cmd = _lan_train.ddp_command(run, rank=self.rank, master=self.hosts[0],
                                          port=self.ports[0] + 60 + run.index, metrics=metrics,
@@ -251,7 +253,8 @@ class Peer:
         rc, out = run_child(cmd, self.env, self.tmp / f"{name}.log", a.timeout, self._ticker(status),
                             progress=metrics, stall=a.stall)
         mine = {"ok": rc == 0, "error": None if rc == 0 else _error(rc, out),
-                "summary": _lan_train.summarize(*_lan_train.read_metrics(metrics), a.target_loss)}
+                "summary": _lan_train.summarize(*_lan_train.read_metrics(metrics), a.target_loss,
+                                                step_samples=a.batch_size * run.n)}
         if self.rank:
             mine["summary"].pop("curve", None)  # rank 0's curve is the one plotted
         return self._finish(ctl, name, mine)

@@ -70,6 +70,7 @@ class Report:
         first = taking[0].get("summary") or {}
         sums = [x.get("summary", {}).get("param_checksum") for x in taking]
         row = {"impl": run.impl, "codec": run.codec, "staleness": run.staleness, "predict": run.predict, "n": run.n,
+               "sync_every": run.sync_every,
                "ok": all(x["ok"] for x in taking),
                "error": next((f"peer {r}: {x['error']}" for r, x in enumerate(taking) if not x["ok"]), None),
                "identical": (len(set(sums)) == 1) if all(sums) else None,
@@ -78,7 +79,7 @@ class Report:
             row["per_peer_samples_per_s"] = row["samples_per_s"] / run.n
         if not row["ok"]:
             self.failed.append(f"{run.label}: {row['error'].splitlines()[0][:300]}")
-        elif row.get("identical") is False and run.staleness in (None, 0):
+        elif row.get("identical") is False and (run.staleness in (None, 0) or run.sync_every):
             self.failed.append(f"{run.label}: replicas ended with different parameters")
         self.train_rows.append(row)
 
@@ -123,8 +124,8 @@ class Report:
     def train_table(self) -> str:
         gloo = {r["n"]: r for r in self.train_rows if r["impl"] == "gloo" and r["ok"]}
         target = self.a.target_loss
-        head = ["impl", "codec", "staleness", "N", "rounds", "samples/s", "per peer", "scaling eff",
-                "vs gloo", f"to loss {target:g}", "final loss", "identical"]
+        head = ["impl", "codec", "staleness", "N", "rounds", "samples", "samples/s", "per peer", "rank 0 own/s",
+                "scaling eff", "vs gloo", f"to loss {target:g}", "vs gloo", "B/sample", "final loss", "identical"]
         rows = []
         for r in self.train_rows:
             g = gloo.get(r["n"])
@@ -133,11 +134,17 @@ class Report:
             alone = r["n"] == 1 and r["impl"] == "p2ptrain"  # codec and staleness do not matter alone
             tau = "-" if alone or r["impl"] == "gloo" else (r["staleness"] or 0)
             tau = f"{tau} +wp" if r.get("predict") else tau  # weight prediction
+            tau = f"{tau} H={r['sync_every']}" if r.get("sync_every") else tau  # local steps
+            own = (r["own_samples_by_peer"][0] / r["seconds"]
+                   if r.get("seconds") and r.get("own_samples_by_peer") and r["own_samples_by_peer"][0] else None)
+            ttl = (r["time_to_target_s"] / g["time_to_target_s"] if r["impl"] != "gloo" and g
+                   and r.get("time_to_target_s") and g.get("time_to_target_s") else None)
             rows.append([r["impl"], "-" if alone else r["codec"], tau,
-                         r["n"], r.get("rounds", 0) if r["ok"] else "FAILED",
+                         r["n"], r.get("rounds", 0) if r["ok"] else "FAILED", r.get("samples", "-"),
                          _f(r.get("samples_per_s"), ".0f"), _f(r.get("per_peer_samples_per_s"), ".0f"),
-                         _f(r.get("efficiency"), ".2f"), _f(vs, ".2f"),
-                         _f(r.get("time_to_target_s"), ".3g", " s") if r.get("rounds") else "-",
+                         _f(own, ".0f"), _f(r.get("efficiency"), ".2f"), _f(vs, ".2f"),
+                         _f(r.get("time_to_target_s"), ".3g", " s") if r.get("rounds") else "-", _f(ttl, ".2f"),
+                         _f(r.get("bytes_per_sample") or None, ".0f"),
                          _f(r.get("final_loss"), ".3f"), "-" if r.get("identical") is None else r["identical"]])
         return _common.table(rows, head)
 
@@ -227,6 +234,7 @@ class Report:
             for r in self.train_rows:
                 if r["n"] == big and r.get("curve"):
                     tau = "" if r["staleness"] is None else f" staleness {r['staleness']}"
+                    tau += f" H={r['sync_every']}" if r.get("sync_every") else ""
                     ax.plot(*zip(*r["curve"]), label=f"{r['impl']} {r['codec']}{tau}")
             if self.a.target_loss is not None:
                 ax.axhline(self.a.target_loss, color="gray", ls="--", label="target")

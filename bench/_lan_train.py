@@ -42,6 +42,7 @@ class Run:
     codec: str = "none"
     staleness: int | None = None   # None: not passed (join's own default)
     predict: bool = False   # join --weight-prediction
+    sync_every: int | None = None   # join --sync-every H: local-steps mode (DiLoCo)
 
     @property
     def label(self) -> str:
@@ -49,6 +50,7 @@ class Run:
             return f"gloo DDP fp32, N={self.n}"
         tau = "" if self.staleness is None else f", staleness {self.staleness}"
         tau += ", weight prediction" if self.predict else ""
+        tau += f", local steps H={self.sync_every}" if self.sync_every else ""
         return f"p2ptrain {self.codec}{tau}, N={self.n}"
 
 
@@ -62,10 +64,11 @@ def join_flags() -> set[str]:
 
 
 def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[int],
-         flags: set[str], gloo: bool, predict: bool = False) -> tuple[list[Run], list[str]]:
+         flags: set[str], gloo: bool, predict: bool = False,
+         sync_every: list[int] = ()) -> tuple[list[Run], list[str]]:
     """The runs, in order, and a line per thing that cannot be run with this join.
     ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
-    ``--weight-prediction``.
+    ``--weight-prediction``. ``sync_every``: a local-steps run (staleness 1) per H and codec.
 
     N=1 is run once per implementation: alone, a peer sends nothing, so its codec and
     staleness change nothing; it is the base of every scaling efficiency.
@@ -88,21 +91,31 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
             runs.append(Run(len(runs), "p2ptrain", n, codec, tau))
             if predict and n > 1 and tau and "--weight-prediction" in flags:
                 runs.append(Run(len(runs), "p2ptrain", n, codec, tau, predict=True))
+        for codec in codecs if n > 1 and "--sync-every" in flags else []:
+            runs += [Run(len(runs) + i, "p2ptrain", n, codec, 1, sync_every=h) for i, h in enumerate(sync_every)]
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
+    if sync_every and "--sync-every" not in flags:
+        skipped.append("local steps: this join has no --sync-every")
     return runs, skipped
+
+
+def local_rounds(run: Run, rounds: int) -> int:
+    """Rounds of a run: ``rounds`` steps, or in local-steps mode as many rounds as make that
+    many inner steps on a peer of average speed (the same samples as DDP's ``rounds`` steps)."""
+    return max(2, -(-rounds // run.sync_every)) if run.sync_every else rounds
 
 
 def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_size: str,
                  batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
-                 step_delay: float = 0.0, log_level: str = "warning",
-                 python: str = sys.executable) -> list[str]:
+                 step_delay: float = 0.0, log_level: str = "warning", outer_lr: float | None = None,
+                 outer_momentum: float | None = None, python: str = sys.executable) -> list[str]:
     """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
     host, port = own.rsplit(":", 1)
     cmd = [python, "-m", "p2ptrain", "join", "--log-level", log_level, "--task", "synthetic",
            "--model-size", model_size, "--batch-size", str(batch_size), "--seed", "0",
            "--host", host, "--port", port, "--cluster", cluster, "--secret", secret,
-           "--metrics", str(metrics), "--max-rounds", str(rounds), "--compression", run.codec,
+           "--metrics", str(metrics), "--max-rounds", str(local_rounds(run, rounds)), "--compression", run.codec,
            "--eval-every", "0", "--connect-timeout", "60"]
     if "--no-discovery" in flags:  # the cluster join: the others, found without beacons
         others = [p for p in peers if p != own]
@@ -113,6 +126,10 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--staleness", str(run.staleness)]
     if run.predict:
         cmd += ["--weight-prediction"]
+    if run.sync_every:
+        cmd += ["--sync-every", str(run.sync_every)]
+        cmd += ["--outer-lr", str(outer_lr)] if outer_lr is not None else []
+        cmd += ["--outer-momentum", str(outer_momentum)] if outer_momentum is not None else []
     if "--min-peers" in flags:
         cmd += ["--min-peers", str(run.n)]
     if step_delay and "--step-delay" in flags:
@@ -151,18 +168,23 @@ def read_metrics(path: Path) -> tuple[list[dict], dict]:
     return records, summary
 
 
-def smoothed(losses: list[float], beta: float = EMA_BETA) -> list[float]:
-    """Bias-corrected exponential moving average (the first value is the first loss)."""
-    out, ema = [], 0.0
-    for i, x in enumerate(losses, 1):
-        ema = beta * ema + (1 - beta) * x
-        out.append(ema / (1 - beta ** i))
+def smoothed(losses: list[float], beta: float = EMA_BETA, weights: list[float] | None = None) -> list[float]:
+    """Bias-corrected exponential moving average (the first value is the first loss). With
+    ``weights``, record i counts as that many steps (``beta ** w``): a local-steps round stands
+    for H steps, so the curves of runs with few and many samples per record stay comparable."""
+    out, ema, kept = [], 0.0, 1.0
+    for i, x in enumerate(losses):
+        b = beta ** (weights[i] if weights else 1.0)
+        ema = b * ema + (1 - b) * x
+        kept *= b
+        out.append(ema / (1 - kept))
     return out
 
 
-def summarize(records: list[dict], final: dict, target_loss: float | None) -> dict:
+def summarize(records: list[dict], final: dict, target_loss: float | None, step_samples: int | None = None) -> dict:
     """Throughput, smoothed loss curve and time to target of one peer's metrics (module docstring);
-    ``final`` is the file's summary event, whose byte counts and checksum win when present."""
+    ``final`` is the file's summary event, whose byte counts and checksum win when present.
+    ``step_samples`` (DDP's global batch): the loss is smoothed per that many samples."""
     if not records:
         return {"rounds": 0}
     start = records[0]["time"] - records[0].get("round_seconds", 0.0)
@@ -173,7 +195,8 @@ def summarize(records: list[dict], final: dict, target_loss: float | None) -> di
         seconds = times[-1] - times[warm]
     else:
         samples, seconds = records[0]["samples"], max(times[0], 1e-9)
-    ema = smoothed([r["loss"] for r in records])
+    ema = smoothed([r["loss"] for r in records],
+                   weights=[max(r["samples"], 1) / step_samples for r in records] if step_samples else None)
     reached = next((t for t, v in zip(times, ema) if target_loss is not None and v < target_loss), None)
     step = max(1, len(records) // CURVE_POINTS)
     last = records[-1]
@@ -184,6 +207,7 @@ def summarize(records: list[dict], final: dict, target_loss: float | None) -> di
         "wire_bytes": final.get("wire_bytes", last.get("wire_bytes")),
         "raw_bytes": final.get("raw_bytes", last.get("raw_bytes")),
         "own_samples": final.get("own_samples"), "dropped": last.get("dropped"),
+        "bytes_per_sample": (final.get("wire_bytes", last.get("wire_bytes")) or 0) / max(1, sum(r["samples"] for r in records)),
         "staleness_max": max((r.get("staleness_max") or 0) for r in records),
         "param_checksum": final.get("param_checksum", last.get("param_checksum")),
         "curve": [[round(times[i], 4), round(ema[i], 5)] for i in range(0, len(records), step)],

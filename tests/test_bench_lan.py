@@ -160,3 +160,21 @@ def test_join_command_for_the_static_group_and_the_cluster_join(tmp_path):
 def test_join_flags_reads_the_parser_itself():
     flags = _lan_train.join_flags()
     assert {"--peers", "--metrics", "--max-rounds", "--compression"} <= flags
+
+
+def test_local_steps_runs_take_as_many_inner_steps_as_ddp_takes_steps_and_smooth_per_sample():
+    flags = {"--staleness", "--sync-every"}
+    runs, skipped = _lan_train.plan(2, [1, 2], ["int8"], [0], flags=flags, gloo=False, sync_every=[8, 32])
+    assert [(r.n, r.staleness, r.sync_every) for r in runs] == [(1, 0, None), (2, 0, None), (2, 1, 8), (2, 1, 32)]
+    assert "local steps H=8" in runs[2].label and not skipped
+    assert _lan_train.plan(2, [2], ["int8"], [0], flags={"--staleness"}, gloo=False, sync_every=[8])[1] == [
+        "local steps: this join has no --sync-every"]
+    cmd = _lan_train.join_command(runs[2], peers=["a:1", "b:1"], own="a:1", metrics="m", model_size="1m",
+                                  batch_size=8, rounds=100, secret="s", cluster="c", flags=flags,
+                                  outer_lr=0.8, outer_momentum=0.6)
+    assert cmd[cmd.index("--max-rounds") + 1] == "13"  # 100 steps, 8 per round
+    assert cmd[cmd.index("--sync-every") + 1] == "8" and cmd[cmd.index("--outer-momentum") + 1] == "0.6"
+    # A record of H steps counts as H steps in the smoothed loss: one round of 8 moves it as 8 steps of 1 would.
+    per_round = _lan_train.smoothed([2.0, 1.0], weights=[8, 8])
+    per_step = _lan_train.smoothed([2.0] * 8 + [1.0] * 8)
+    assert abs(per_round[-1] - per_step[-1]) < 0.1 and per_round[0] == 2.0
