@@ -92,6 +92,19 @@ async def test_a_training_peer_goes_on_and_says_once_what_a_joiner_with_another_
     assert len(said) == 1 and "--seed 1 there, 0 here" in said[0] and "keeps training" in said[0], said
 
 
+def test_the_sync_peer_raises_it_too_for_another_staleness():
+    from p2ptrain import Peer
+
+    addrs = [f"127.0.0.1:{p}" for p in ports(2)]
+    peers = [Peer(*make(), listen=addr, peers=addrs, discovery=False, min_peers=2, step_timeout=20,
+                  staleness=staleness) for addr, staleness in zip(addrs, (0, 1))]
+    with peers[0], peers[1]:
+        x = torch.randn(8, 4)
+        F.cross_entropy(peers[0].model(x), torch.zeros(8, dtype=torch.long)).backward()
+        with pytest.raises(SettingsError, match="--staleness 1 there, 0 here"):
+            peers[0].step(batch_size=8)
+
+
 # -- join ------------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(150)

@@ -337,8 +337,10 @@ class AsyncPeer(ContributionsSide):
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
-        if self.staleness or self._local is not None:  # (local steps: the inner steps since our
-            self._notify()  # last contribution are not sent; the model ends on the outer parameters)
+        # (local steps: the inner steps since our last contribution are not sent; the model ends on
+        # the outer parameters. A stopped cluster applies nothing more: no wait for it.)
+        if (self.staleness or self._local is not None) and self.cluster.failure is None:
+            self._notify()
             try:
                 await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
             except GroupError:
