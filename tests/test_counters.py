@@ -66,3 +66,28 @@ def test_the_status_line_shows_the_clusters_round_and_update_and_windowed_rates(
     assert text.startswith("round 259  update 551  members 2"), text
     assert "samples/s 32 own, 64 cluster" in text and "wire 0.00 MB/s" in text, text
     assert job.rounds == 10 and job.samples == 640
+
+
+def test_validation_is_at_the_clusters_updates_whoever_counts(caplog):
+    """A joiner that loaded update 75 validates at 100 and 200, as the founders do, not after
+    its own 100th round."""
+    import logging
+
+    from p2ptrain.cluster.records import RoundLog
+
+    job = joined()
+    job.args = argparse.Namespace(eval_every=100, checkpoint_dir=None)
+    log, evaluated = RoundLog(), []
+    peer = fake_peer(version=75)
+    peer.cluster.rounds, peer.cluster.loads = log, []
+    task = SimpleNamespace(evaluate=lambda model, device: evaluated.append(peer.version) or 0.5)
+    peer.model = None
+    job.count, job._evaluated = RunCounters(start=0.0), peer.version
+    caplog.set_level(logging.INFO, logger="p2ptrain.join")
+    for k in range(150):  # rounds 176.. applied as updates 76..225
+        log.append(RoundRecord(176 + k, 2, 64, 32, 0, 0, 0.1, 0.0, log.total))
+        peer.version = 76 + k
+        job._take_records(peer, task, None, None)
+    assert evaluated == [100, 200]
+    said = [r.getMessage() for r in caplog.records if "validation loss" in r.getMessage()]
+    assert said == ["round 200  update 100  validation loss 0.5000", "round 300  update 200  validation loss 0.5000"]

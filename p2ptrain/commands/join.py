@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
                    "and a final {\"event\": \"summary\"}")
     g.add_argument("--eval-every", type=integer(0), default=_env("eval_every", "100"),
-                   help="validation loss every N rounds (default 100; 0 = only at the end)")
+                   help="validation loss at every N-th of the cluster's updates (default 100; 0 = only at the end)")
     g.add_argument("--trace", default=_env("trace"), help="write a Chrome-trace timeline (compute, encode, send, "
                    "receive, reduce, apply per round) to this file, for chrome://tracing or ui.perfetto.dev")
     g.add_argument("--checkpoint-dir", default=_env("checkpoint_dir"), help="write checkpoints here, and resume "
@@ -183,6 +183,7 @@ class _Join:
     def __init__(self, args, secret: bytes | None):
         self.args, self.secret = args, secret
         self.count = RunCounters(time.monotonic())  # this run's (restarted when training starts)
+        self._evaluated = 0  # the cluster's update at the last validation
         self.last_loss = float("nan")
         self._losses: list[float] = []  # this peer's batch losses since the last round record
         self.stopping = False
@@ -324,7 +325,7 @@ class _Join:
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
         await self._wait_for_members(peer)
         start = last_log = time.monotonic()
-        self.count = RunCounters(start)
+        self.count, self._evaluated = RunCounters(start), peer.version
         while not (self.stopping or peer.finished):  # (the cluster's end: --max-rounds, --duration)
             with self.trace("compute", "compute"):
                 batch = next(batches)
@@ -357,9 +358,14 @@ class _Join:
             self.count.applied(record, time.monotonic())
             if metrics:
                 self._write_metrics(metrics, peer, record)
-            if a.eval_every and task.evaluate and self.rounds % a.eval_every == 0:
-                log.info("round %d  validation loss %.4f", record.round, task.evaluate(peer.model, device))
             self._checkpoint(peer, task)
+        # At the cluster's updates N, 2N, ... (every peer at the same ones; a joiner or a resumed
+        # peer counting its own rounds evaluated wherever it happened to be).
+        if a.eval_every and task.evaluate and peer.version // a.eval_every > self._evaluated // a.eval_every:
+            self._evaluated = peer.version
+            shown = "-" if self.count.round is None else self.count.round
+            log.info("round %s  update %d  validation loss %.4f", shown, peer.version,
+                     task.evaluate(peer.model, device))
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
