@@ -152,35 +152,61 @@ def test_resumes_from_the_newest_checkpoint_after_kill_9(tmp_path):
     assert len(list(ckpt.glob("ckpt-r*.pt"))) <= 3 and not list(ckpt.glob(".ckpt-*"))  # kept 3; no temp left
 
 
-def wait_for_rounds(path, n, proc, timeout=60.0):
-    """Until ``proc`` has written ``n`` round records to its metrics file (it trains)."""
+def wait_for_rounds(path, n, alive, timeout=60.0):
+    """Until ``n`` round records are in the metrics file at ``path`` (that peer trains)."""
     deadline = time.monotonic() + timeout
     while not (os.path.exists(path) and sum("event" not in r for r in records(path)) >= n):
-        assert proc.poll() is None, proc.communicate()[1][-1500:]
+        assert alive(), f"the peer writing {path} stopped"
         assert time.monotonic() < deadline, f"no {n} rounds in {path} within {timeout} s"
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
-def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_parameters(tmp_path):
-    """No --min-peers: the first trains alone, the others join it a second apart while it runs
-    (a step takes 0.1 s: 200 rounds are 20 s, longer than a start on a loaded machine).
-    --max-rounds is the cluster's: all three leave at its round 200, with the same parameters,
-    and nobody trains on alone."""
-    mine, procs = ports(3), []
+def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_parameters(tmp_path, monkeypatch,
+                                                                                             capfd):
+    """No --min-peers: the first trains alone, the others join it one after the other while it
+    runs (a step takes 0.05 s: 200 rounds are at least 10 s). --max-rounds is the cluster's:
+    all three leave at its round 200, with the same parameters, and nobody trains on alone.
+    The three are `join` commands run in this process, each on its own thread and event loop
+    (cli.main, as `python -m p2ptrain` runs it): as subprocesses, a start on a loaded machine
+    (torch's import) took longer than a whole run."""
+    import collections
+    import logging
+    import threading
+
+    import torch
+
+    from p2ptrain.commands import cli
+    from p2ptrain.net import transport
+
+    monkeypatch.setattr(transport, "install_uvloop", lambda: False)  # (no process-wide loop policy)
+    threads_before = torch.get_num_threads()  # (join divides the cores among its local peers)
+    lines = collections.defaultdict(list)  # each join's own log lines, by the thread that runs it
+    handler = logging.Handler()
+    handler.emit = lambda record: lines[record.threadName].append(record.getMessage())
+    logging.getLogger("p2ptrain.join").addHandler(handler)
+    mine, runners, codes = ports(3), [], {}
+    paths = [tmp_path / f"m{port}.jsonl" for port in mine]
     try:
-        for i, port in enumerate(mine):
-            procs.append(join("--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", str(port),
-                              "--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port),
-                              "--max-rounds", "200", "--step-delay", "0.1", "--secret", "s", "--eval-every", "0",
-                              "--metrics", str(tmp_path / f"m{port}.jsonl")))
-            if i == 0:
-                wait_for_rounds(tmp_path / f"m{port}.jsonl", 1, procs[-1])  # it trains alone
-            time.sleep(1.0)
-        outs = finish(procs)
+        for port, path in zip(mine, paths):
+            argv = ["join", "--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", str(port),
+                    "--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port), "--max-rounds", "200",
+                    "--step-delay", "0.05", "--secret", "s", "--eval-every", "0", "--metrics", str(path)]
+            runner = threading.Thread(target=lambda a=argv, p=port: codes.__setitem__(p, cli.main(a)), daemon=True,
+                                      name=f"join-{port}")
+            runner.start()
+            runners.append(runner)
+            wait_for_rounds(path, 1, runner.is_alive)  # it trains (alone, or with those before it)
+            time.sleep(0.5)
+        left = 200 - sum("event" not in r for r in records(paths[0]))
+        assert left > 20, f"the joiners started with {left} rounds of the run left"
+        for runner in runners:
+            runner.join(120)
     finally:
-        finish(procs, timeout=1)
-    assert [p.returncode for p in procs] == [0] * 3, [e[-1500:] for _, e in outs]
-    runs = [records(tmp_path / f"m{port}.jsonl") for port in mine]
+        torch.set_num_threads(threads_before)
+        logging.getLogger("p2ptrain.join").removeHandler(handler)
+    out = capfd.readouterr().out
+    assert codes == {port: 0 for port in mine}
+    runs = [records(path) for path in paths]
     summaries = [r[-1] for r in runs]
     assert all(s["event"] == "summary" for s in summaries)
     ends = {(s["end"]["round"], s["end"]["version"], s["param_checksum"]) for s in summaries}
@@ -188,12 +214,13 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     for run, summary in zip(runs, summaries):  # each one's last round applied is the cluster's last
         assert [r for r in run if "event" not in r][-1]["round"] == summary["end"]["round"]
     assert all(any(r.get("event") == "loaded" for r in run) for run in runs[1:])  # they joined a running cluster
-    assert all("the cluster's run ended at round" in out for out, _ in outs)
+    assert out.count("the cluster's run ended at round") == 3
+    assert out.count("all bit-identical") == 2  # the members compared (one kind: bit-identical, and said so)
     # Counted as the cluster's: every summary says its update count; a joiner's rounds are those
     # it applied, and its status lines show the cluster's round numbers, from the one it loaded on.
     assert {s["version"] for s in summaries} == {200}
-    for run, summary, (_, err) in zip(runs[1:], summaries[1:], outs[1:]):
+    for run, summary, port in zip(runs[1:], summaries[1:], mine[1:]):
         assert summary["rounds"] == len([r for r in run if "event" not in r]) < 200
         loaded = min(r["round"] for r in run if r.get("event") == "loaded")
-        shown = [int(m) for m in re.findall(r"p2ptrain.join: round (\d+)  update \d+", err)]
+        shown = [int(m) for m in re.findall(r"^round (\d+)  update \d+", "\n".join(lines[f"join-{port}"]), re.M)]
         assert all(r >= loaded for r in shown), (loaded, shown)

@@ -461,7 +461,7 @@ class _Join:
                  f"final train loss {self.last_loss:.4f}",
                  f"validation loss {val:.4f}" if val is not None else "",
                  f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
-                 else "sent 0 MB", f"parameter checksum {checksum}"]
+                 else "sent 0 MB", f"parameter checksum {checksum}", _drift_line(c.reconciler)]
         print("\n".join(["", "summary", *[f"  {x}" for x in lines if x]]))
         if metrics_path:
             with open(metrics_path, "a", encoding="utf-8") as out:
@@ -476,6 +476,18 @@ class _Join:
             from p2ptrain.tasks import printable_text
 
             print("\nsample:\n" + printable_text(str(task.sample(model, device))))  # (a task file's too)
+
+
+def _drift_line(r) -> str:
+    """What the comparisons with the coordinator's parameters found (``cluster.reconcile``)."""
+    from p2ptrain.cluster.drift import TOLERANCE
+
+    if not r.compared:
+        return ""
+    how = "all bit-identical" if r.identical == r.compared else (
+        f"{r.identical} bit-identical, largest drift {r.drift_max:.1e} (tolerance {TOLERANCE:.0e})")
+    return f"parameters compared with the coordinator's {r.compared} times: {how}" + (
+        f"; its parameters loaded {r.reconciled} times" if r.reconciled else "")
 
 
 class _StatusLine:
