@@ -78,7 +78,10 @@ class ContributionsSide:
             else:
                 late = time.perf_counter() - self._step_end
                 patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
-                if self._computing and late < patience and self._committed + 1 - self._computing_on > self.staleness:
+                too_late = self._committed + 1 - self._computing_on > self.staleness
+                # (in lockstep at staleness 1 also a batch that would not be too late, so that each
+                # round holds every member's; at 2 or more a slower member is not waited for then)
+                if self._computing and late < patience and (too_late or (self.staleness == 1 and self._lockstep())):
                     self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
                     return self._hold("the batch in progress")
                 if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
@@ -121,6 +124,9 @@ class ContributionsSide:
             held = out if out is not None and total_samples and np.may_share_memory(summed, out.array) else None
             if out is not None and held is None:
                 self._acc.release(out)
+            if out is not None and total_samples:  # (seconds from our take to the commit: a moving mean)
+                took = now - out.taken_at
+                self._round_mean = took if self._round_mean is None else self._round_mean + 0.2 * (took - self._round_mean)
             self._linger_due = False
             self._rounds_seen += 1
             if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on

@@ -32,7 +32,9 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   what it has, up to its share of the target batch (``target_batch_size``; default members x
   its batch: DDP's global batch), so an update never averages more than that: a member that
   holds its share blocks in ``step`` until a round takes it (the next batch is computed while
-  the ring runs). Without the bound, a device faster than the ring piled dozens of batches
+  the ring runs, unless the ring takes less than ``OVERLAP_MIN`` of a batch's compute: then
+  overlapping would hide little and cost every gradient a staleness of one, so the member
+  waits for its round as at staleness 0). Without the bound, a device faster than the ring piled dozens of batches
   into each update at one learning rate, and progress per sample collapsed. A member whose
   batch in progress would be staler than tau after the round being collected does not
   contribute yet, so the round waits for it (a bounded while: ``contributions``): the fastest
@@ -105,6 +107,7 @@ log = logging.getLogger("p2ptrain.trainer.peer")
 
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``
+OVERLAP_MIN = 0.5  # staleness >= 1 overlaps a round with the next batch only if it takes this share of one
 RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
 
 
@@ -219,6 +222,7 @@ class AsyncPeer(ContributionsSide):
         self._compute_s = self._wait_s = 0.0
         self._compute_n = 0
         self._compute_mean = 0.0  # seconds per step outside step(), a moving mean
+        self._round_mean: float | None = None  # seconds from taking our contribution to its commit, a moving mean
         self._step_end = time.perf_counter()
         self._checksum = b""
         self._progress = ProgressLog()
@@ -436,7 +440,15 @@ class AsyncPeer(ContributionsSide):
             return self.staleness == 0 and bool(self._acc.samples or self._out is not None)
         if self.staleness == 0:  # our batch is applied before step() returns
             return bool(self._acc.samples or self._out is not None)
-        return self._acc.samples >= self._share()  # our share of the target batch waits for a round
+        if self._acc.samples >= self._share():  # our share of the target batch waits for a round
+            return True
+        return self._lockstep() and bool(self._acc.samples or self._out is not None)
+
+    def _lockstep(self) -> bool:  # (under _lock)
+        """A ring much quicker than a batch's compute: overlapping it would hide little of a step
+        and cost every gradient a staleness of one, so rounds go as at staleness 0 (a member
+        waits for its round; a round waits for each member's batch in progress)."""
+        return self._round_mean is not None and self._round_mean < OVERLAP_MIN * self._compute_mean
 
     def _share(self) -> int:
         """The most samples this peer contributes to one round: the target batch over the
