@@ -28,3 +28,11 @@ def test_codecs_bench_quick():
     assert p.returncode == 0, p.stderr[-1500:]
     for codec in ("none", "fp16", "bf16", "int8", "topk:0.01"):
         assert codec in p.stdout
+
+
+def test_train_bench_quick_runs_ddp_p2ptrain_and_alone_with_equal_fp32_losses():
+    p = run("bench/train.py", "--quick", "--reps", "1")
+    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
+    rows = {l.split("|")[2].strip(): l.split("|")[-2].strip() for l in p.stdout.splitlines() if l.startswith("| 2 ")}
+    assert set(rows) == {"ddp", "p2ptrain", "alone"}
+    assert rows["ddp"] == rows["p2ptrain"]  # staleness 0, fp32: DDP's mathematics, the same loss
