@@ -186,6 +186,12 @@ class Cluster:
         loop); the leader hears the count (``source.held()``, read when the message goes)."""
         self._post("holding")
 
+    def ring_seconds(self, r: int) -> float | None:
+        """Seconds since round r's ring started here (None: none did), for the trainer's
+        ``apply`` of that round: the wire's share of a round, without waiting for members."""
+        began = self._ring_began.get(r)
+        return None if began is None else asyncio.get_running_loop().time() - began
+
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
         self.mesh.propose(host, port)

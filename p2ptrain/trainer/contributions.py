@@ -124,8 +124,8 @@ class ContributionsSide:
             held = out if out is not None and total_samples and np.may_share_memory(summed, out.array) else None
             if out is not None and held is None:
                 self._acc.release(out)
-            if out is not None and total_samples:  # (seconds from our take to the commit: a moving mean)
-                took = now - out.taken_at
+            took = self.cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
+            if took is not None and total_samples:
                 self._round_mean = took if self._round_mean is None else self._round_mean + 0.2 * (took - self._round_mean)
             self._linger_due = False
             self._rounds_seen += 1

@@ -222,7 +222,7 @@ class AsyncPeer(ContributionsSide):
         self._compute_s = self._wait_s = 0.0
         self._compute_n = 0
         self._compute_mean = 0.0  # seconds per step outside step(), a moving mean
-        self._round_mean: float | None = None  # seconds from taking our contribution to its commit, a moving mean
+        self._round_mean: float | None = None  # seconds from a ring's start to its commit, a moving mean
         self._step_end = time.perf_counter()
         self._checksum = b""
         self._progress = ProgressLog()
