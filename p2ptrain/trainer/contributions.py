@@ -67,7 +67,7 @@ class ContributionsSide:
                     if not self._computing:  # inside step(): it says when its pseudo-gradient is ready
                         return self._hold("inner steps")
                     late = time.perf_counter() - self._step_end
-                    patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
+                    patience = max(PATIENCE_S, PATIENCE_STEPS * self._pacing.compute_mean)
                     if late < patience:  # its inner steps go on: wait for them
                         self._arm_linger(patience - late)
                         return self._hold("inner steps")
@@ -77,11 +77,11 @@ class ContributionsSide:
                     return self._hold("no batch yet")
             else:
                 late = time.perf_counter() - self._step_end
-                patience = max(PATIENCE_S, PATIENCE_STEPS * self._compute_mean)
+                patience = max(PATIENCE_S, PATIENCE_STEPS * self._pacing.compute_mean)
                 too_late = self._committed + 1 - self._computing_on > self.staleness
                 # (in lockstep at staleness 1 also a batch that would not be too late, so that each
                 # round holds every member's; at 2 or more a slower member is not waited for then)
-                if self._computing and late < patience and (too_late or (self.staleness == 1 and self._lockstep())):
+                if self._computing and late < patience and (too_late or (self.staleness == 1 and self._pacing.lockstep())):
                     self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
                     return self._hold("the batch in progress")
                 if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
@@ -126,7 +126,7 @@ class ContributionsSide:
                 self._acc.release(out)
             took = self.cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
             if took is not None and total_samples:
-                self._round_mean = took if self._round_mean is None else self._round_mean + 0.2 * (took - self._round_mean)
+                self._pacing.ring_took(took)
             self._linger_due = False
             self._rounds_seen += 1
             if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on

@@ -32,7 +32,7 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   what it has, up to its share of the target batch (``target_batch_size``; default members x
   its batch: DDP's global batch), so an update never averages more than that: a member that
   holds its share blocks in ``step`` until a round takes it (the next batch is computed while
-  the ring runs, unless the ring takes less than ``OVERLAP_MIN`` of a batch's compute: then
+  the ring runs, unless the ring takes less than ``pacing.OVERLAP_MIN`` of a batch's compute: then
   overlapping would hide little and cost every gradient a staleness of one, so the member
   waits for its round as at staleness 0). Without the bound, a device faster than the ring piled dozens of batches
   into each update at one learning rate, and progress per sample collapsed. A member whose
@@ -92,6 +92,7 @@ from p2ptrain.identity import new_peer_id
 from p2ptrain.trainer.local_steps import LocalSteps
 from p2ptrain.trainer.loopthread import LoopThread
 from p2ptrain.cluster.membership import genesis
+from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
@@ -107,7 +108,6 @@ log = logging.getLogger("p2ptrain.trainer.peer")
 
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 HISTORY = 1000  # updates kept in ``history``
-OVERLAP_MIN = 0.5  # staleness >= 1 overlaps a round with the next batch only if it takes this share of one
 RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
 
 
@@ -221,8 +221,7 @@ class AsyncPeer(ContributionsSide):
         self.history: collections.deque[RoundMetrics] = collections.deque(maxlen=HISTORY)
         self._compute_s = self._wait_s = 0.0
         self._compute_n = 0
-        self._compute_mean = 0.0  # seconds per step outside step(), a moving mean
-        self._round_mean: float | None = None  # seconds from a ring's start to its commit, a moving mean
+        self._pacing = Pacing()  # the compute and ring seconds the staleness rule needs (``pacing``)
         self._step_end = time.perf_counter()
         self._checksum = b""
         self._progress = ProgressLog()
@@ -388,7 +387,7 @@ class AsyncPeer(ContributionsSide):
             with self._lock:
                 self._compute_s += began - self._step_end
                 self._compute_n += 1
-                self._compute_mean += 0.1 * (began - self._step_end - self._compute_mean)
+                self._pacing.computed(began - self._step_end)
                 if void:  # computed on parameters just replaced
                     for p in self.params:
                         p.grad = None
@@ -433,29 +432,13 @@ class AsyncPeer(ContributionsSide):
             self._acc.add_weighted(delta, samples, self.version)
             return True
 
-    def _must_wait(self) -> bool:  # (under _lock)
-        if self._finished:  # no round will take it: the run is over
-            return False
-        if self._local is not None:  # at staleness 0 our pseudo-gradient is applied before step() returns
-            return self.staleness == 0 and bool(self._acc.samples or self._out is not None)
-        if self.staleness == 0:  # our batch is applied before step() returns
-            return bool(self._acc.samples or self._out is not None)
-        if self._acc.samples >= self._share():  # our share of the target batch waits for a round
-            return True
-        return self._lockstep() and bool(self._acc.samples or self._out is not None)
+    def _must_wait(self) -> bool:  # (under _lock) the rule is ``pacing.must_wait``
+        return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
+                         held=self._acc.samples, out=self._out is not None, share=self._share(),
+                         lockstep=self._pacing.lockstep())
 
-    def _lockstep(self) -> bool:  # (under _lock)
-        """A ring much quicker than a batch's compute: overlapping it would hide little of a step
-        and cost every gradient a staleness of one, so rounds go as at staleness 0 (a member
-        waits for its round; a round waits for each member's batch in progress)."""
-        return self._round_mean is not None and self._round_mean < OVERLAP_MIN * self._compute_mean
-
-    def _share(self) -> int:
-        """The most samples this peer contributes to one round: the target batch over the
-        members, in whole batches of the last size, at least one batch."""
-        members = max(1, self.members, self.min_peers)  # (no round runs with fewer than min_peers)
-        target = self.target_batch_size or members * self._batch
-        return max(1, target // members // self._batch) * self._batch
+    def _share(self) -> int:  # (no round runs with fewer than min_peers)
+        return share(self.target_batch_size, max(self.members, self.min_peers), self._batch)
 
     async def _wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
         """On the cluster's loop, while the caller waits in step: wake on every change until
