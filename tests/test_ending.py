@@ -110,3 +110,26 @@ def test_no_limits_no_end():
     assert not finished(net, "a") and net.m["a"].ended is None
     assert net.sent("a", M.PROPOSE)[-1]["end"] is None
     assert math.isinf(net.m["a"]._limits()[1])
+
+
+def test_idle_rounds_are_not_versions_the_end_counts_updates():
+    """A committed round in which nobody contributed (total 0) changes no parameter: like an
+    aborted round it leaves the chain as it was, so the run ends after ``max_version``
+    updates, not after that many rounds of which some applied nothing."""
+    net = Net("abc", max_version=12)
+    contribute = net.contribute
+
+    def some_idle(p, samples=None):  # every third round nobody has anything
+        r = min(r for r, n in net.asked[p].items() if n)
+        contribute(p, 0 if r % 3 == 0 else samples)
+
+    net.contribute = some_idle
+    net.found()
+    net.run(4.0)
+    for p in "abc":
+        idle = [a for a in net.of(p, Apply) if a.total_samples == 0]
+        updates = [a for a in net.of(p, Apply) if a.total_samples > 0]
+        assert idle and len(updates) == 12 == net.m[p].history.version, (p, len(idle), len(updates))
+        assert finished(net, p) == finished(net, "a") and finished(net, p)[0][0] == 12
+    assert len({net.m[p].history.digest for p in "abc"}) == 1
+    net.check_safety()

@@ -220,7 +220,7 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     # it applied, and its status lines show the cluster's round numbers, from the one it loaded on.
     assert {s["version"] for s in summaries} == {200}
     for run, summary, port in zip(runs[1:], summaries[1:], mine[1:]):
-        assert summary["rounds"] == len([r for r in run if "event" not in r]) < 200
+        assert summary["rounds"] == len([r for r in run if "event" not in r and r["samples"]]) < 200
         loaded = min(r["round"] for r in run if r.get("event") == "loaded")
         shown = [int(m) for m in re.findall(r"^round (\d+)  update \d+", "\n".join(lines[f"join-{port}"]), re.M)]
         assert all(r >= loaded for r in shown), (loaded, shown)

@@ -85,3 +85,37 @@ def test_a_step_after_the_end_returns_at_once_and_says_so(caplog):
         close_all(peers)
     assert peers[0].cluster.finished.version == 3
     assert "the cluster's run is over" in caplog.text
+
+
+def pausing(peer, rank):
+    """Until the run is over; after 5 steps both peers stop stepping a while (an evaluation,
+    a checkpoint): longer than a member is waited for, so the rounds meanwhile find nothing."""
+    g = torch.Generator().manual_seed(100 + rank)
+    steps = 0
+    while not peer.finished:
+        x = torch.randn(32, 16, generator=g)
+        F.cross_entropy(peer.model(x), label(x)).backward()
+        steps += 1
+        time.sleep(3.0 if steps == 5 else 0.01)
+        peer.step(batch_size=32)
+
+
+def test_idle_rounds_are_not_updates_one_count_for_the_end_and_the_peer():
+    """At staleness 1 a round in which nobody had a batch yet commits nothing (total 0). It is
+    not an update: the run ends at ``max_rounds`` updates applied, and ``peer.version`` (the
+    status line, ``join``'s summary, checkpoints) names the same count as the end. (Counting
+    idle rounds ended a run at "version 60" on peers whose summaries said "update 58".)"""
+    peers = open_peers([make_adam] * 2, start=0, staleness=1, max_rounds=20)
+    try:
+        for p in peers:
+            p.start()
+        run_threads([lambda r=r: pausing(peers[r], r) for r in range(2)])
+    finally:
+        close_all(peers)
+    idle = [sum(rec.samples == 0 for rec in p.cluster.rounds) for p in peers]
+    assert min(idle) > 0, idle  # (the case this test is about happened)
+    for p in peers:
+        updates = sum(rec.samples > 0 for rec in p.cluster.rounds)
+        assert p.cluster.finished.version == p.version == updates == 20, (p.cluster.finished, p.version, updates)
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)

@@ -167,7 +167,7 @@ class LeaderRole:
                 if pd["phase"] in (RING, RINGED):
                     self._decide(key, outcome)
                 if outcome and pd["phase"] == RINGED and pd["ok"]:
-                    v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])
+                    v, d = History.after(v, d, pd["r"], pd["view"], pd["total"])
                     self._send(p, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
                 else:
                     self._send(p, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],

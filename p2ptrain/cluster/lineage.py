@@ -110,7 +110,7 @@ class LineageRole:
         updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
         v, d, pd = m["version"], m["digest"], m["pending"]
         if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
-            v, d = v + 1, History.next_digest(d, pd["r"], pd["view"], pd["total"])  # about to commit it
+            v, d = History.after(v, d, pd["r"], pd["view"], pd["total"])  # about to commit it
         rel = relation(self.history, v, d, m["window"], m.get("at"), can_ask=not m["re"])
         if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
             return self._send(s, self._status())

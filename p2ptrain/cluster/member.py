@@ -200,10 +200,10 @@ class MemberRole:
         if not committed:
             self._emit(PutBack(p.r))
         else:
-            self.history.append(p.r, p.view, p.total)
+            self.history.append(p.r, p.view, p.total)  # (idle, total 0: the chain stays as it was)
             self._last_view = p.view
             self._elsewhere.difference_update(p.view)
-            for q in self.table.live_synced():  # synced but not in the view: behind us now
+            for q in self.table.live_synced() if p.total else ():  # synced, not in the view: behind us now
                 if q not in p.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
                     self._tell.add(q)  # tell it, and hold the next boundary while it catches up
                     self._admit[q] = now + self.config.join_hold

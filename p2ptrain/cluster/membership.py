@@ -239,10 +239,15 @@ def genesis(checksum: bytes = b"") -> bytes:
 
 
 class History:
-    """The hash chain over committed rounds: ``d_v = H(d_{v-1}, round, view, total)``.
+    """The hash chain over committed updates: ``d_v = H(d_{v-1}, round, view, total)``.
 
-    Aborted rounds change no parameter, so they are not in the chain: two peers that only
-    disagree on which rounds aborted hold the same parameters and the same digest.
+    Only a round that changes the parameters is in the chain, so its version counts the
+    updates applied: the count that ``--max-rounds``, ``peer.version``, checkpoints and
+    summaries all name. Aborted rounds change no parameter, and neither does a committed round
+    in which nobody contributed anything (total 0: an idle cluster at staleness >= 1); both
+    leave the chain as it was. Two peers that only disagree on which rounds aborted or were
+    idle hold the same parameters and the same digest. (Counting idle rounds made a run end
+    at "version 60" on peers that had applied 58 updates.)
     """
 
     def __init__(self, version: int = 0, digest: bytes | None = None, window: Iterable = ()):
@@ -265,7 +270,17 @@ class History:
         h.update("\0".join(view).encode())
         return h.digest()
 
+    @staticmethod
+    def after(version: int, digest: bytes, round: int, view: Iterable[str], total: int) -> tuple[int, bytes]:
+        """(version, digest) once a committed round is applied: unchanged if it was idle (total 0)."""
+        if not total:
+            return version, digest
+        return version + 1, History.next_digest(digest, round, view, total)
+
     def append(self, round: int, view: Iterable[str], total: int) -> bytes:
+        """A committed round; an idle one (total 0) changes nothing (see the class docstring)."""
+        if not total:
+            return self.digest
         self.digest = self.next_digest(self.digest, round, view, total)
         self.version += 1
         self._window[self.version] = self.digest

@@ -45,7 +45,7 @@ class RunCounters:
     (``cluster.records.RoundRecord``)."""
 
     def __init__(self, start: float):
-        self.rounds = 0  # rounds applied in this run
+        self.rounds = 0  # updates applied in this run (an idle round, nobody had anything, is none)
         self.samples = 0  # every member's samples in them
         self.own_samples = 0  # this peer's steps in this run
         self.round: int | None = None  # the cluster's number of the last round applied here
@@ -56,7 +56,7 @@ class RunCounters:
         self.own.add(samples, now)
 
     def applied(self, record, now: float) -> None:
-        self.rounds += 1
+        self.rounds += record.samples > 0  # (the cluster's version counts the same: ``History``)
         self.samples += record.samples
         self.round = record.round if self.round is None else max(self.round, record.round)
         self.cluster.add(record.samples, now)

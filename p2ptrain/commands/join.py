@@ -358,7 +358,8 @@ class _Join:
             self.count.applied(record, time.monotonic())
             if metrics:
                 self._write_metrics(metrics, peer, record)
-            self._checkpoint(peer, task)
+            if record.samples:  # (an idle round is no update: nothing new to save)
+                self._checkpoint(peer, task)
         # At the cluster's updates N, 2N, ... (every peer at the same ones; a joiner or a resumed
         # peer counting its own rounds evaluated wherever it happened to be).
         if a.eval_every and task.evaluate and peer.version // a.eval_every > self._evaluated // a.eval_every:
@@ -454,7 +455,7 @@ class _Join:
         val = task.evaluate(model, device) if task.evaluate else None
         checksum = param_checksum(model)
         end = c.finished  # (None: this peer left before the cluster's run was over)
-        lines = [f"rounds {self.rounds} in this run (the cluster's update {peer.version})",
+        lines = [f"updates {self.rounds} in this run (the cluster's update {peer.version})",
                  f"the cluster's run ended at round {end.r} (version {end.version})" if end else
                  "left before the cluster's run was over",
                  f"samples {self.samples} (this peer {self.own_samples})",

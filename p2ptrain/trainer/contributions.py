@@ -129,7 +129,7 @@ class ContributionsSide:
                 self._pacing.ring_took(took)
             self._linger_due = False
             self._rounds_seen += 1
-            if total_samples == 0:  # nobody had anything: nothing to apply; the lineage moves on
+            if total_samples == 0:  # nobody had anything: nothing to apply (nor a version: ``History``)
                 self._idle_rounds += 1
                 if self._queue:  # (parameters do not change: nothing to compare)
                     self._queue.append(CommittedUpdate(None, 0, point, None))
