@@ -2,6 +2,7 @@
 ``duration`` its leader's clock; every member, a late joiner too, leaves at the same version
 with the same parameters (``while not peer.finished``)."""
 
+import logging
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads
 
 from p2ptrain import ConfigError, Peer
+from p2ptrain.cluster.fingerprint import param_checksum
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +30,8 @@ def until_finished(peer, rank, delay=0.0, start_after=0.0):
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_a_late_joiner_and_the_founder_leave_at_the_same_version_with_the_same_parameters(staleness):
+def test_a_late_joiner_and_the_founder_leave_at_the_same_version_with_the_same_parameters(staleness, caplog):
+    caplog.set_level(logging.INFO, logger="p2ptrain.trainer.peer")
     peers = open_peers([make_adam] * 2, start=0, staleness=staleness, max_rounds=60)
     for p in peers:  # (no min_peers: the founder trains alone first, as `join` does by default)
         p._peer.min_peers = 1
@@ -44,6 +47,11 @@ def test_a_late_joiner_and_the_founder_leave_at_the_same_version_with_the_same_p
     assert len(peers[1].cluster.loads) == 1  # the joiner loaded the cluster's state, once
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)
+    # Each peer says where it finished, with a digest of its parameters (join's summary checksum).
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished at")]
+    digest = param_checksum(peers[0].model)
+    expected = f"finished at the cluster's round {ends[0].r}, version 60: this peer holds version 60 (chain "
+    assert len(said) == 2 and all(m.startswith(expected) and m.endswith(f"parameters {digest}") for m in said), said
 
 
 def test_the_leaders_duration_ends_the_run_for_a_member_without_one():

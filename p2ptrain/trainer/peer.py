@@ -100,6 +100,7 @@ from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
 from p2ptrain.cluster.drift import param_sketch, sketch_checksum
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
+from p2ptrain.cluster.snapshot import tensors_checksum
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -215,6 +216,7 @@ class AsyncPeer(ContributionsSide):
         self._scheduler_unsent = False  # the scheduler's state could not go in a snapshot (said once)
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
         self._said_finished = False
+        self._said_end = False  # the line naming where this peer finished was logged (``_say_finished``)
         self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
         self.staleness_max = 0
         self.metrics: RoundMetrics | None = None  # the last update applied here
@@ -496,6 +498,7 @@ class AsyncPeer(ContributionsSide):
             if update is None:
                 if self._predictor is not None:
                     self._predictor.predict()
+                self._say_finished()
                 return applied
             if update.summed is not None:
                 if self._predictor is not None:
@@ -517,6 +520,27 @@ class AsyncPeer(ContributionsSide):
                 metrics = metrics and replace(metrics, param_checksum=sketch_checksum(sketch))
             if metrics is not None:
                 self._publish(metrics)
+
+    def _say_finished(self) -> None:
+        """Once the cluster's run is over and its last update is applied here (``_params_lock``
+        held): one line naming the round, the version (the chain's digest too) and a digest of
+        the parameters, so that replicas that end apart can be told apart from their logs."""
+        with self._lock:
+            if not self._finished or self._queue or self._said_end:
+                return
+            self._said_end, point = True, self._params_point
+        end = self.cluster.finished
+        log.info("finished at the cluster's round %d, version %d: this peer holds version %d (chain %s), "
+                 "parameters %s", end.r, end.version, self.version, point.digest.hex()[:16] if point else "-",
+                 self._parameters_digest())
+
+    def _parameters_digest(self) -> str:
+        """The replicas' common parameters, hashed (``join``'s summary checksum in gradient mode):
+        the true ones where the model holds predicted ones, the outer ones in local-steps mode."""
+        if self._local is None and self._predictor is None:
+            return param_checksum(self.model)
+        state = self._true_state_dict()
+        return tensors_checksum((name, state[name]) for name, _ in self.model.named_parameters())
 
     def _apply_update(self, update: CommittedUpdate) -> None:
         if self._local is not None:
