@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="runs per mode, interleaved; the median is shown")
     p.add_argument("--staleness", type=int, default=0)
-    p.add_argument("--reconcile-every", type=int, default=1, help="p2ptrain's reconcile_every (its default: 1)")
+    p.add_argument("--reconcile-every", type=int, default=10,
+                   help="p2ptrain's reconcile_every (default 10, the library's: a parameter sketch every 10 updates)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps, auto (every process on it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--modes", default="ddp,p2ptrain,alone")
