@@ -253,16 +253,19 @@ async def test_step_yields_to_the_callers_loop_even_when_it_need_not_wait(monkey
             turns += 1
             await asyncio.sleep(0)
 
+    async def train(peer):  # (each peer its own task, as two machines: at staleness 1 a step
+        nonlocal starved    # may wait for its round, which holds the other's batch)
+        for k in range(60):
+            x, y = batch(k)
+            F.cross_entropy(peer.model(x), y).backward()
+            before = turns
+            await peer.step(batch_size=len(x))
+            starved += turns == before
+
     async with peers[0], peers[1]:
         other = asyncio.get_running_loop().create_task(other_task())
         try:
-            for k in range(60):
-                for peer in peers:
-                    x, y = batch(k)
-                    F.cross_entropy(peer.model(x), y).backward()
-                    before = turns
-                    await peer.step(batch_size=len(x))
-                    starved += turns == before
+            await asyncio.gather(*(train(p) for p in peers))
         finally:
             other.cancel()
         assert starved == 0  # (it was 398 of 400 steps before)

@@ -252,6 +252,23 @@ def test_when_the_ring_is_much_quicker_than_compute_staleness_1_waits_for_its_ro
     assert stale and sum(stale) <= len(stale) // 3, stale  # (before: 24 of 40 were one update stale)
 
 
+@pytest.mark.parametrize("compute_s", [0.0, 0.03])
+def test_where_overlapping_would_not_pay_for_the_delay_staleness_1_waits_for_its_round(compute_s):
+    """A ring slower than a batch (no compute delay: the GPU regime) or about as long as one
+    (30 ms): overlapping gains under 2x the batches, less than a gradient one update late
+    costs in updates (``pacing.DELAY_COST``), so each member waits for its round and almost
+    every update is fresh. (Before, with overlap whenever the ring took over half a batch:
+    29 of 30 updates were one update stale in both.)"""
+    peers = open_peers([make_wide] * 2, staleness=1, compression="int8")
+    try:
+        run_threads([lambda r=r: train_loop(peers[r], r, steps=30, compute_s=compute_s) for r in range(2)])
+    finally:
+        close_all(peers)
+    stale = [m.staleness for m in peers[0].history][3:]  # (after the first rounds timed the ring)
+    assert stale and sum(stale) <= len(stale) // 4, stale
+    assert peers[0].dropped == peers[1].dropped == 0
+
+
 def test_target_batch_size_bounds_every_update_and_splits_it_among_the_members():
     """target_batch_size=128 with batches of 32 and one peer 8x slower: no update averages more
     than 128 samples (each member's share is 64: two batches), the slow one's samples count

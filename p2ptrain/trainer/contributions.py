@@ -80,10 +80,14 @@ class ContributionsSide:
                 patience = max(PATIENCE_S, PATIENCE_STEPS * self._pacing.compute_mean)
                 too_late = self._committed + 1 - self._computing_on > self.staleness
                 # (in lockstep at staleness 1 also a batch that would not be too late, so that each
-                # round holds every member's; at 2 or more a slower member is not waited for then)
-                if self._computing and late < patience and (too_late or (self.staleness == 1 and self._pacing.lockstep())):
+                # round holds every member's; at 2 or more a slower member is not waited for then.
+                # That includes the next batch of a member still in step() applying the last update:
+                # a quicker member's batch starts the round before it computes one.)
+                lockstep = self.staleness == 1 and self._pacing.lockstep()
+                if late < patience and ((self._computing and (too_late or lockstep))
+                                        or (lockstep and not self._acc.samples and not self._leaving)):
                     self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
-                    return self._hold("the batch in progress")
+                    return self._hold("the batch in progress" if self._computing else "the next batch")
                 if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
                     dropped = self._acc.void()
                     self.dropped += dropped
@@ -98,7 +102,7 @@ class ContributionsSide:
         return out.array, out.samples
 
     def _hold(self, why: str) -> None:  # (under _lock) the round waits: step() must call contribution_available
-        log.debug("no contribution yet: %s", why)
+        log.debug("no contribution yet: %s (%s, computing %s)", why, self._pacing, self._computing)
         self._want_step = True
 
     def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then

@@ -32,9 +32,9 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   what it has, up to its share of the target batch (``target_batch_size``; default members x
   its batch: DDP's global batch), so an update never averages more than that: a member that
   holds its share blocks in ``step`` until a round takes it (the next batch is computed while
-  the ring runs, unless the ring takes less than ``pacing.OVERLAP_MIN`` of a batch's compute: then
-  overlapping would hide little and cost every gradient a staleness of one, so the member
-  waits for its round as at staleness 0). Without the bound, a device faster than the ring piled dozens of batches
+  the ring runs, unless measured timing shows that overlapping would not pay for the staleness
+  of one it costs every gradient: then the member waits for its round as at staleness 0;
+  ``pacing``). Without the bound, a device faster than the ring piled dozens of batches
   into each update at one learning rate, and progress per sample collapsed. A member whose
   batch in progress would be staler than tau after the round being collected does not
   contribute yet, so the round waits for it (a bounded while: ``contributions``): the fastest
@@ -223,7 +223,7 @@ class AsyncPeer(ContributionsSide):
         self.history: collections.deque[RoundMetrics] = collections.deque(maxlen=HISTORY)
         self._compute_s = self._wait_s = 0.0
         self._compute_n = 0
-        self._pacing = Pacing()  # the compute and ring seconds the staleness rule needs (``pacing``)
+        self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
         self._step_end = time.perf_counter()
         self._checksum = b""
         self._progress = ProgressLog()
