@@ -24,7 +24,6 @@ from p2ptrain import (
     Peer,
 )
 from p2ptrain.cluster import snapshot
-from p2ptrain.trainer import pacing
 from p2ptrain.tasks import param_checksum
 
 pytestmark = pytest.mark.timeout(90)
@@ -232,15 +231,13 @@ def test_overhead_bench_quick():
     assert [r.split("|")[1].strip() for r in rows] == ["plain", "p2ptrain s0", "p2ptrain s1"]
 
 
-async def test_step_yields_to_the_callers_loop_even_when_it_need_not_wait(monkeypatch):
+async def test_step_yields_to_the_callers_loop_even_when_it_need_not_wait():
     """At staleness 1 a step seldom waits; it must still let the caller's loop run (its other
     tasks, and its signal handlers: Ctrl-C on ``join --staleness 1`` went unseen for minutes).
 
-    Both peers step on this one thread, so each one's compute, as the pacing rule times it,
-    holds the other's step: the rule could take the ring for quick and go to lockstep, where a
-    step waits for a round that waits for the other peer's batch, which waits for this step
-    (a 90 s timeout under load). The subject here is yielding, so lockstep is off."""
-    monkeypatch.setattr(pacing, "OVERLAP_MIN", 0.0)
+    Each peer steps in its own task, as on two machines: stepped in turn from one loop, a step
+    in lockstep (``pacing``) would wait for a round that waits for the other peer's batch,
+    which waits for this step (a 90 s timeout under load)."""
     mine = ports(2)
     addrs = [f"127.0.0.1:{p}" for p in mine]
     peers = [AsyncPeer(*make(), listen=a, peers=addrs, discovery=False, staleness=1, min_peers=2, secret="s")
