@@ -17,7 +17,9 @@ Rows, per N and codec: ``ddp`` (DistributedDataParallel, gloo, fp32), ``p2ptrain
 synchronous ``p2ptrain.Peer`` at ``--staleness``, default 0, with the codec), and ``alone``
 (each process runs the same steps with no communication at all: the floor). Every process
 runs ``--warmup`` steps, then ``--steps`` timed ones; a run's time is the slowest process's,
-a row's the median of ``--reps`` runs, the modes interleaved.
+a row's the median of ``--reps`` runs, the modes interleaved. ``cpu ms / step`` is the CPU
+time a process spent per timed step (all its threads; the mean over processes, in that
+median run): on a shared machine it says what each mode costs when wall times swing.
 ``loss`` is the evaluation loss after the run (rank 0's; at staleness 0 and fp32 p2ptrain's
 equals DDP's: the same mathematics, so equal steps are equal time to a loss).
 """
@@ -81,13 +83,14 @@ def _worker(a) -> None:
         for x, y in batches[: a.warmup]:
             step(x, y)
         synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for x, y in batches[a.warmup:]:
             step(x, y)
         synchronize(device)  # note: a sync point, so the clock sees the device's work
+        extra["cpu_s"] = time.process_time() - c0  # (every thread of this process)
         return time.perf_counter() - t0
 
-    extra = {}
+    extra: dict = {}
     if a.mode == "alone":
         def step(x, y):
             optimizer.zero_grad(set_to_none=True)
@@ -114,7 +117,7 @@ def _worker(a) -> None:
                 F.cross_entropy(model(x), y).backward()
                 peer.step(batch_size=len(x))
             seconds = run(step)
-            extra = {"updates": peer.version, "wire_bytes": peer.cluster.wire_bytes}
+            extra.update(updates=peer.version, wire_bytes=peer.cluster.wire_bytes)
     with torch.no_grad():
         loss = float(F.cross_entropy(model(xe), ye))
     print(MARK + json.dumps({"seconds": seconds, "loss": loss, **extra}), flush=True)
@@ -158,6 +161,7 @@ def run_mode(a, mode: str, n: int, codec: str = "none", lan=None, tree: str | No
     seconds = max(r["seconds"] for r in results)
     return {"mode": mode if tree is None else f"{mode} (baseline)", "n": n, "codec": codec if mode == "p2ptrain" else "fp32" if mode == "ddp" else "-",
             "seconds": seconds, "steps_per_s": a.steps / seconds, "loss": results[0]["loss"],
+            "cpu_ms_per_step": 1e3 * sum(r["cpu_s"] for r in results) / len(results) / a.steps,
             "wire_bytes": results[0].get("wire_bytes")}
 
 
@@ -223,8 +227,10 @@ def main(argv=None) -> int:
     alone = {r["n"]: r["seconds"] for r in rows if r["mode"] == "alone"}
     out = [[r["n"], r["mode"], r["codec"], f"{r['seconds']:.2f} s", f"{r['steps_per_s']:.1f}",
             f"{r['seconds'] / ddp[r['n']]:.2f}" if r["n"] in ddp else "-",
-            f"{r['seconds'] / alone[r['n']]:.2f}" if r["n"] in alone else "-", f"{r['loss']:.4f}"] for r in rows]
-    print(_common.table(out, ["N", "mode", "codec", "time", "steps/s", "time / ddp", "time / alone", "loss"]))
+            f"{r['seconds'] / alone[r['n']]:.2f}" if r["n"] in alone else "-", f"{r['cpu_ms_per_step']:.0f}",
+            f"{r['loss']:.4f}"] for r in rows]
+    print(_common.table(out, ["N", "mode", "codec", "time", "steps/s", "time / ddp", "time / alone",
+                              "cpu ms / step", "loss"]))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
