@@ -102,8 +102,11 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
 
 
 def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=None, uvloop=True,
-                 timeout: float = 900, chunk_kib: int = 1024, threads: int | None = None) -> list[dict]:
-    """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows."""
+                 timeout: float = 900, chunk_kib: int = 1024, threads: int | None = None,
+                 tree: str | None = None) -> list[dict]:
+    """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows.
+
+    ``tree``: import p2ptrain from that source tree instead of this one (a baseline)."""
     if lan is not None:
         addrs = [f"{h.addr}:{PORT}" for h in lan.hosts[:n]]
     else:
@@ -114,7 +117,8 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
            "--chunk-kib", str(chunk_kib)] + ([] if threads is None else ["--threads", str(threads)])
     if not uvloop:
         cmd.append("--no-uvloop")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(tree or Path(__file__).resolve().parents[1]).resolve()),
+               OMP_NUM_THREADS="1")
     procs = []
     try:
         for r in range(n):
@@ -141,6 +145,9 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
     if threads is not None:
         for r in rows:
             r["impl"], r["threads"] = f"p2ptrain t{threads}", threads
+    if tree is not None:
+        for r in rows:
+            r["impl"] += " (baseline)"
     return rows
 
 
@@ -174,6 +181,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
     p.add_argument("--threads", default=None, help="data-path threads per peer, comma-separated to compare "
                    "(default: the machine's rule, p2ptrain.collective.pool)")
+    p.add_argument("--baseline-tree", help="also run p2ptrain from this source tree, before this one "
+                   "(before/after in the same run)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the p2ptrain runs (baseline and this tree "
+                   "interleaved) this many times (default 1)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: N=2, 1 MiB, 2 reps")
     p.add_argument("--json", help="write all rows to this file")
     # worker mode
@@ -190,6 +201,7 @@ def main(argv=None) -> int:
     sizes = [float(x) for x in a.sizes.split(",")]
     codecs = a.codecs.split(",")
     threads = [None] if a.threads is None else [int(t) for t in a.threads.split(",")]
+    trees = ([a.baseline_tree] if a.baseline_tree else []) + [None]
     rows: list[dict] = []
     gloo_rows: list[dict] = []
     import gloo_allreduce
@@ -198,20 +210,26 @@ def main(argv=None) -> int:
         rates = a.rates.split(",") if a.rates else ([a.netns] * n if a.netns else None)
         if rates is not None:
             with netns.EmulatedLan(n_hosts=n, rates=rates) as lan:
-                for t in threads:
-                    rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop, chunk_kib=a.chunk_kib,
-                                         threads=t)
+                for _ in range(a.rounds):
+                    for tree in trees:
+                        for t in threads:
+                            rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop,
+                                                 chunk_kib=a.chunk_kib, threads=t, tree=tree)
                 if not a.no_gloo:
                     gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps, lan=lan)
         else:
-            for t in threads:
-                rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib, threads=t)
+            for _ in range(a.rounds):
+                for tree in trees:
+                    for t in threads:
+                        rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib,
+                                             threads=t, tree=tree)
             if not a.no_gloo:
                 gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps)
     gloo = {(g["n"], g["size_bytes"]): g for g in gloo_rows}
     for g in gloo_rows:
         g.setdefault("impl", "gloo")
-    _print(sorted(rows + gloo_rows, key=lambda r: (r["n"], r["size_bytes"], r["impl"] != "gloo")), gloo)
+    _print(sorted(rows + gloo_rows, key=lambda r: (r["n"], r["size_bytes"], r["impl"] != "gloo", r["codec"]
+                                                   if "codec" in r else "")), gloo)
     if a.json:
         Path(a.json).write_text(json.dumps(rows + gloo_rows, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
