@@ -16,7 +16,8 @@ Call order. The cluster calls ``take`` when a round collects (our accumulator is
 None: nothing yet, and ``step`` or the linger timer calls ``contribution_available`` later),
 then ``apply`` on commit or ``put_back`` on abort; ``held`` when the leader counts samples;
 ``snapshot``, ``restore`` and ``reconcile`` for state transfer. All of these run on the
-cluster's loop thread. A state handed over is loaded later, at a safe point, on the caller's
+cluster's loop thread, and so does ``_wait``: what a blocked ``step`` runs there (committed
+updates and state loads land meanwhile). A state handed over is loaded later, at a safe point, on the caller's
 thread (``_load_restore`` and ``_load_reconcile``, ``_params_lock`` held), never under a
 forward or a backward.
 
@@ -29,9 +30,12 @@ contributes nothing (rounds in which nobody had anything back off to one per ``L
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +43,7 @@ import torch
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
 from p2ptrain.cluster import snapshot
 from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.errors import ClosedError, GroupError
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
@@ -100,6 +105,43 @@ class ContributionsSide:
         self._acc.to_host(out)  # (that buffer is no longer step()'s)
         self._changed.set()
         return out.array, out.samples
+
+    async def _wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
+        """On the cluster's loop, while the caller waits in step: wake on every change until
+        ``blocked()`` is false. A pending state load lands here too."""
+        loop = asyncio.get_running_loop()
+        began, deadline = time.perf_counter(), loop.time() + timeout
+        try:
+            while True:
+                self.cluster.check()
+                if self._closed and not flushing:
+                    raise ClosedError("this peer was closed while step() waited")
+                # The caller waits in step (no forward or backward runs): a pending state
+                # load lands here, and so do committed updates, so that a snapshot for a
+                # joiner is never refused while this peer waits for a round to take its share.
+                if (self._restore is not None or self._queue) and self._params_lock.acquire(blocking=False):
+                    try:
+                        self._load_restore()
+                        self._applied_waiting += self._apply_queue()
+                    finally:
+                        self._params_lock.release()
+                with self._lock:
+                    if not blocked():
+                        return
+                self._changed.clear()
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise GroupError(f"no round took or applied this peer's batch within {timeout:.0f} s "
+                                     f"({self.cluster.machine.table.can_train(self.min_peers)[1]}; linked: "
+                                     f"{', '.join(self.cluster.mesh.peers) or 'nobody'}): check that the other "
+                                     "peers run, with the same --cluster and --secret")
+                try:  # (woken by every change; at least twice a second, for the cluster's failures)
+                    await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                self._wait_s += time.perf_counter() - began
 
     def _hold(self, why: str) -> None:  # (under _lock) the round waits: step() must call contribution_available
         log.debug("no contribution yet: %s (%s, computing %s)", why, self._pacing, self._computing)

@@ -19,8 +19,8 @@ into ``p.grad``, clipped (``clip_grad_norm``), the optimizer steps (its own step
 it), then ``scheduler`` steps: once per applied update. Parameters change only inside
 ``step``, never under a forward or a backward.
 
-This module is the caller's side (lifetime, ``step``, applying updates, metrics, checkpoints);
-what the cluster calls on its thread (``cluster.Contributions``: ``take``, ``apply``,
+This module is the caller's side (lifetime, ``step``); applying committed updates and
+checkpoints are ``updates.UpdatesSide``'s; what the cluster calls on its thread (``cluster.Contributions``: ``take``, ``apply``,
 ``put_back``, ``held``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
 ``contributions.ContributionsSide``. Past ``take``: ``cluster`` (rounds), ``collective`` (the
 ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
@@ -75,17 +75,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import apply_update, device_mean, optimizer_step
+from p2ptrain.trainer.apply import optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
-from p2ptrain.trainer.contributions import ContributionsSide, _point
+from p2ptrain.trainer.contributions import ContributionsSide
+from p2ptrain.trainer.updates import UpdatesSide
 from p2ptrain.device import device_kind, pick_device
 from p2ptrain.net.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ClosedError, ConfigError, GroupError
@@ -99,9 +99,7 @@ from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
-from p2ptrain.cluster.drift import param_sketch, sketch_checksum
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
-from p2ptrain.cluster.snapshot import tensors_checksum
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -113,7 +111,7 @@ HISTORY = 1000  # updates kept in ``history``
 RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
 
 
-class AsyncPeer(ContributionsSide):
+class AsyncPeer(ContributionsSide, UpdatesSide):
     """One member of a training cluster, for asyncio programs. See the module docstring.
 
     Keywords are the ``join`` flags: ``cluster``, ``secret``, ``peers``, ``listen``,
@@ -462,43 +460,6 @@ class AsyncPeer(ContributionsSide):
     def _share(self) -> int:  # (no round runs with fewer than min_peers)
         return share(self.target_batch_size, max(self.members, self.min_peers), self._batch)
 
-    async def _wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
-        """On the cluster's loop, while the caller waits in step: wake on every change until
-        ``blocked()`` is false. A pending state load lands here too."""
-        loop = asyncio.get_running_loop()
-        began, deadline = time.perf_counter(), loop.time() + timeout
-        try:
-            while True:
-                self.cluster.check()
-                if self._closed and not flushing:
-                    raise ClosedError("this peer was closed while step() waited")
-                # The caller waits in step (no forward or backward runs): a pending state
-                # load lands here, and so do committed updates, so that a snapshot for a
-                # joiner is never refused while this peer waits for a round to take its share.
-                if (self._restore is not None or self._queue) and self._params_lock.acquire(blocking=False):
-                    try:
-                        self._load_restore()
-                        self._applied_waiting += self._apply_queue()
-                    finally:
-                        self._params_lock.release()
-                with self._lock:
-                    if not blocked():
-                        return
-                self._changed.clear()
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise GroupError(f"no round took or applied this peer's batch within {timeout:.0f} s "
-                                     f"({self.cluster.machine.table.can_train(self.min_peers)[1]}; linked: "
-                                     f"{', '.join(self.cluster.mesh.peers) or 'nobody'}): check that the other "
-                                     "peers run, with the same --cluster and --secret")
-                try:  # (woken by every change; at least twice a second, for the cluster's failures)
-                    await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            with self._lock:
-                self._wait_s += time.perf_counter() - began
-
     def _notify(self, tell: Callable[[], None] | None = None) -> None:
         """Tell the cluster this peer has something now (or call ``tell`` there), from whichever
         thread we are on."""
@@ -508,104 +469,3 @@ class AsyncPeer(ContributionsSide):
         elif not self._loop.is_closed():
             self._loop.call_soon_threadsafe(tell)
 
-    def _apply_queue(self) -> int:
-        """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
-        applied = 0
-        while True:
-            self._load_reconcile()
-            with self._lock:
-                update = self._queue.popleft() if self._queue else None
-            if update is None:
-                if self._predictor is not None:
-                    self._predictor.predict()
-                self._say_finished()
-                return applied
-            if update.summed is not None:
-                if self._predictor is not None:
-                    self._predictor.before_update()
-                self._apply_update(update)
-                if update.held is None:  # (the ring's result, ours now: its memory serves a later ring)
-                    self.cluster.recycle(update.summed)
-                applied += 1
-            with self._lock:
-                self._params_point = update.point
-                self.version += update.summed is not None
-                if update.held is not None:  # (a peer alone: the ring's result was our own buffer)
-                    self._acc.release(update.held)
-            metrics = update.metrics
-            if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
-                # (the outer parameters in local-steps mode: the model holds this peer's local ones)
-                sketch = param_sketch(self._local.outer if self._local is not None else self.params)
-                self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, sketch)
-                metrics = metrics and replace(metrics, param_checksum=sketch_checksum(sketch))
-            if metrics is not None:
-                self._publish(metrics)
-
-    def _say_finished(self) -> None:
-        """Once the cluster's run is over and its last update is applied here (``_params_lock``
-        held): one line naming the round, the version (the chain's digest too) and a digest of
-        the parameters, so that replicas that end apart can be told apart from their logs."""
-        with self._lock:
-            if not self._finished or self._queue or self._said_end:
-                return
-            self._said_end, point = True, self._params_point
-        end = self.cluster.finished
-        log.info("finished at the cluster's round %d, version %d: this peer holds version %d (chain %s), "
-                 "parameters %s", end.r, end.version, self.version, point.digest.hex()[:16] if point else "-",
-                 self._parameters_digest())
-
-    def _parameters_digest(self) -> str:
-        """The replicas' common parameters, hashed (``join``'s summary checksum in gradient mode):
-        the true ones where the model holds predicted ones, the outer ones in local-steps mode."""
-        if self._local is None and self._predictor is None:
-            return param_checksum(self.model)
-        state = self._true_state_dict()
-        return tensors_checksum((name, state[name]) for name, _ in self.model.named_parameters())
-
-    def _apply_update(self, update: CommittedUpdate) -> None:
-        if self._local is not None:
-            return self._local.apply(device_mean(update, self.device))
-        apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
-
-    def _publish(self, m: RoundMetrics) -> None:
-        m = self._progress.completed(m, self.cluster)
-        self.metrics = m
-        self.history.append(m)
-        self._progress.applied(m, self.staleness_max, self.dropped)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
-        version, and the cluster's point at the last applied update. Save it as you save
-        anything (``torch.save``). Call it between steps."""
-        with self._params_lock, self._lock:
-            p = self._params_point
-            return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                    "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
-                    **self._outer_state()}
-
-    def _outer_state(self) -> dict:
-        """Local-steps mode: the outer momentum, for a checkpoint or a joiner ({} otherwise)."""
-        return {} if self._local is None else {"outer": {"momentum": self._local.velocity_state()}}
-
-    def _true_state_dict(self) -> dict:
-        """``model.state_dict()``, with the true parameters where the model holds predicted ones,
-        and the outer ones in local-steps mode (the model holds this peer's local ones)."""
-        if self._local is not None:
-            return self._local.state_dict(self.model)
-        return self.model.state_dict() if self._predictor is None else self._predictor.true_state_dict(self.model)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers
-        restarted from the same checkpoint form one cluster again, and the ``scheduler`` (if
-        both the state and this peer have one) continues at the saved update's learning rate."""
-        if self._thread is not None:
-            raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._load_scheduler(state)
-        if self._local is not None:
-            self._local.reset((state.get("outer") or {}).get("momentum"))
-        self.version = self._committed = self._computing_on = int(state.get("version", 0))
-        self._start = _point(state.get("sync"))

@@ -1,0 +1,135 @@
+"""Committed updates reach the model here: ``UpdatesSide``, a mixin of ``peer.AsyncPeer`` (as
+``contributions.ContributionsSide`` is), for the caller's thread.
+
+``_apply_queue`` applies the updates the cluster committed (``contributions.apply`` queued
+them), in round order, at a safe point (inside ``step``, or while ``step`` waits;
+``_params_lock`` held): the averaged gradient goes through ``apply.apply_update`` (``p.grad``
+set to views of the ring's sum divided by the samples, clipped, the optimizer and scheduler
+step), the ring's buffer goes back to the cluster (``recycle``), the version moves on, and
+every ``reconcile_every`` updates a parameter sketch goes to the leader (``cluster.drift``).
+``state_dict``/``load_state_dict`` give and load the state as of the last applied update
+(checkpoints). The state used is the peer's: ``_queue``, ``_lock``, ``version``,
+``_params_point``, ``_acc``, ``_predictor``, ``_local``, ``cluster``, ``metrics``, ``history``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from p2ptrain.cluster.drift import param_sketch, sketch_checksum
+from p2ptrain.cluster.fingerprint import param_checksum
+from p2ptrain.cluster.snapshot import tensors_checksum
+from p2ptrain.errors import ConfigError
+from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
+from p2ptrain.trainer.apply import apply_update, device_mean
+from p2ptrain.trainer.contributions import _point
+
+log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
+
+
+class UpdatesSide:
+    """Applying committed updates, and the state they give (see the module docstring). A mixin:
+    the state is the peer's."""
+
+    def _apply_queue(self) -> int:
+        """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
+        applied = 0
+        while True:
+            self._load_reconcile()
+            with self._lock:
+                update = self._queue.popleft() if self._queue else None
+            if update is None:
+                if self._predictor is not None:
+                    self._predictor.predict()
+                self._say_finished()
+                return applied
+            if update.summed is not None:
+                if self._predictor is not None:
+                    self._predictor.before_update()
+                self._apply_update(update)
+                if update.held is None:  # (the ring's result, ours now: its memory serves a later ring)
+                    self.cluster.recycle(update.summed)
+                applied += 1
+            with self._lock:
+                self._params_point = update.point
+                self.version += update.summed is not None
+                if update.held is not None:  # (a peer alone: the ring's result was our own buffer)
+                    self._acc.release(update.held)
+            metrics = update.metrics
+            if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
+                # (the outer parameters in local-steps mode: the model holds this peer's local ones)
+                sketch = param_sketch(self._local.outer if self._local is not None else self.params)
+                self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, sketch)
+                metrics = metrics and replace(metrics, param_checksum=sketch_checksum(sketch))
+            if metrics is not None:
+                self._publish(metrics)
+
+    def _say_finished(self) -> None:
+        """Once the cluster's run is over and its last update is applied here (``_params_lock``
+        held): one line naming the round, the version (the chain's digest too) and a digest of
+        the parameters, so that replicas that end apart can be told apart from their logs."""
+        with self._lock:
+            if not self._finished or self._queue or self._said_end:
+                return
+            self._said_end, point = True, self._params_point
+        end = self.cluster.finished
+        log.info("finished at the cluster's round %d, version %d: this peer holds version %d (chain %s), "
+                 "parameters %s", end.r, end.version, self.version, point.digest.hex()[:16] if point else "-",
+                 self._parameters_digest())
+
+    def _parameters_digest(self) -> str:
+        """The replicas' common parameters, hashed (``join``'s summary checksum in gradient mode):
+        the true ones where the model holds predicted ones, the outer ones in local-steps mode."""
+        if self._local is None and self._predictor is None:
+            return param_checksum(self.model)
+        state = self._true_state_dict()
+        return tensors_checksum((name, state[name]) for name, _ in self.model.named_parameters())
+
+    def _apply_update(self, update: CommittedUpdate) -> None:
+        if self._local is not None:
+            return self._local.apply(device_mean(update, self.device))
+        apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
+
+    def _publish(self, m: RoundMetrics) -> None:
+        m = self._progress.completed(m, self.cluster)
+        self.metrics = m
+        self.history.append(m)
+        self._progress.applied(m, self.staleness_max, self.dropped)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
+        version, and the cluster's point at the last applied update. Save it as you save
+        anything (``torch.save``). Call it between steps."""
+        with self._params_lock, self._lock:
+            p = self._params_point
+            return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                    "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
+                    **self._outer_state()}
+
+    def _outer_state(self) -> dict:
+        """Local-steps mode: the outer momentum, for a checkpoint or a joiner ({} otherwise)."""
+        return {} if self._local is None else {"outer": {"momentum": self._local.velocity_state()}}
+
+    def _true_state_dict(self) -> dict:
+        """``model.state_dict()``, with the true parameters where the model holds predicted ones,
+        and the outer ones in local-steps mode (the model holds this peer's local ones)."""
+        if self._local is not None:
+            return self._local.state_dict(self.model)
+        return self.model.state_dict() if self._predictor is None else self._predictor.true_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers
+        restarted from the same checkpoint form one cluster again, and the ``scheduler`` (if
+        both the state and this peer have one) continues at the saved update's learning rate."""
+        if self._thread is not None:
+            raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_scheduler(state)
+        if self._local is not None:
+            self._local.reset((state.get("outer") or {}).get("momentum"))
+        self.version = self._committed = self._computing_on = int(state.get("version", 0))
+        self._start = _point(state.get("sync"))
