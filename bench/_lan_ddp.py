@@ -8,8 +8,9 @@ The same task as ``python -m p2ptrain join --task synthetic`` (built by
 stream (``train_batches(rank, world, ...)``), so that the two loss curves differ only
 in how the gradients are averaged and how fast. It writes the metrics file in join's
 format (one JSON object per step: time, round, members, samples, loss, round_seconds)
-so both are read by the same code. ``--step-delay`` sleeps after each backward pass: the
-slow-peer emulation; DDP has no staleness bound, so every rank waits for the slowest.
+so both are read by the same code. ``--step-delay`` sleeps (with ``--step-busy``: computes)
+before each backward pass: the slow-peer emulation; DDP has no staleness bound, so every rank
+waits for the slowest.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--metrics", required=True)
     ap.add_argument("--step-delay", type=float, default=0.0)
+    ap.add_argument("--step-busy", action="store_true", help="the delay computes (a core busy) instead of sleeping")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--timeout", type=float, default=300.0)
     a = ap.parse_args(argv)
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from p2ptrain.commands.join import burn
     from p2ptrain.tasks import load_task
 
     if a.threads:
@@ -56,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 optimizer.zero_grad(set_to_none=False)
                 loss = task.loss(model, next(batches), device)
-                if a.step_delay:
-                    time.sleep(a.step_delay)  # before backward: DDP's allreduce starts inside it
+                if a.step_delay:  # before backward: DDP's allreduce starts inside it
+                    burn(a.step_delay) if a.step_busy else time.sleep(a.step_delay)
                 loss.backward()
                 optimizer.step()
                 out.write(json.dumps({"time": time.time(), "round": step, "members": a.world,

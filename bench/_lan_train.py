@@ -70,8 +70,9 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
     ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
     ``--weight-prediction``. ``sync_every``: a local-steps run (staleness 1) per H and codec.
 
-    N=1 is run once per implementation: alone, a peer sends nothing, so its codec and
-    staleness change nothing; it is the base of every scaling efficiency.
+    N=1 is run once per implementation (and once per H in local-steps mode): alone, a peer
+    sends nothing, so its codec and staleness change nothing; it is the base of every scaling
+    efficiency, and of the fast peer's samples/s beside a slow one (``--step-delay``).
     """
     skipped = []
     taus: list[int | None] = []
@@ -91,7 +92,8 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
             runs.append(Run(len(runs), "p2ptrain", n, codec, tau))
             if predict and n > 1 and tau and "--weight-prediction" in flags:
                 runs.append(Run(len(runs), "p2ptrain", n, codec, tau, predict=True))
-        for codec in codecs if n > 1 and "--sync-every" in flags else []:
+        # (local steps alone too: the base of the slow-peer figure, the fast peer's own samples/s)
+        for codec in (codecs if n > 1 else codecs[:1]) if "--sync-every" in flags else []:
             runs += [Run(len(runs) + i, "p2ptrain", n, codec, 1, sync_every=h) for i, h in enumerate(sync_every)]
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
@@ -108,8 +110,9 @@ def local_rounds(run: Run, rounds: int) -> int:
 
 def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_size: str,
                  batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
-                 step_delay: float = 0.0, log_level: str = "warning", outer_lr: float | None = None,
-                 outer_momentum: float | None = None, python: str = sys.executable) -> list[str]:
+                 step_delay: float = 0.0, step_busy: bool = False, log_level: str = "warning",
+                 outer_lr: float | None = None, outer_momentum: float | None = None,
+                 python: str = sys.executable) -> list[str]:
     """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
     host, port = own.rsplit(":", 1)
     cmd = [python, "-m", "p2ptrain", "join", "--log-level", log_level, "--task", "synthetic",
@@ -133,19 +136,19 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
     if "--min-peers" in flags:
         cmd += ["--min-peers", str(run.n)]
     if step_delay and "--step-delay" in flags:
-        cmd += ["--step-delay", str(step_delay)]
+        cmd += ["--step-delay", str(step_delay)] + (["--step-busy"] if step_busy and "--step-busy" in flags else [])
     return cmd
 
 
 def ddp_command(run: Run, *, rank: int, master: str, port: int, metrics: Path, model_size: str,
                 batch_size: int, rounds: int, step_delay: float, threads: int,
-                timeout: float, python: str = sys.executable) -> list[str]:
+                timeout: float, step_busy: bool = False, python: str = sys.executable) -> list[str]:
     """The bench/_lan_ddp.py command line of rank ``rank`` in ``run``."""
     script = Path(__file__).resolve().parent / "_lan_ddp.py"
     return [python, str(script), "--rank", str(rank), "--world", str(run.n), "--master", master,
             "--port", str(port), "--model-size", model_size, "--batch-size", str(batch_size),
             "--rounds", str(rounds), "--metrics", str(metrics), "--step-delay", str(step_delay),
-            "--threads", str(threads), "--timeout", str(timeout)]
+            "--threads", str(threads), "--timeout", str(timeout)] + (["--step-busy"] if step_busy else [])
 
 
 # ------------------------------------------------------------------ reading a metrics file

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="extra compute delay per step on the slow peers (heterogeneity)")
     t.add_argument("--slow-ranks", type=_csv(int), help="which peers are slow (default: the last)")
+    t.add_argument("--slow-busy", action="store_true", help="the slow peers' --step-delay computes (keeps a "
+                   "core busy, as a slower device does) instead of sleeping (which frees the core for the others)")
     t.add_argument("--no-train", dest="train", action="store_false", help="skip the training part")
     o = p.add_argument_group("output and limits")
     o.add_argument("--no-gloo", dest="gloo", action="store_false", help="skip the gloo baselines")

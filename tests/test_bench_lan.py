@@ -165,11 +165,13 @@ def test_join_flags_reads_the_parser_itself():
 def test_local_steps_runs_take_as_many_inner_steps_as_ddp_takes_steps_and_smooth_per_sample():
     flags = {"--staleness", "--sync-every"}
     runs, skipped = _lan_train.plan(2, [1, 2], ["int8"], [0], flags=flags, gloo=False, sync_every=[8, 32])
-    assert [(r.n, r.staleness, r.sync_every) for r in runs] == [(1, 0, None), (2, 0, None), (2, 1, 8), (2, 1, 32)]
-    assert "local steps H=8" in runs[2].label and not skipped
+    assert [(r.n, r.staleness, r.sync_every) for r in runs] == [(1, 0, None), (1, 1, 8), (1, 1, 32), (2, 0, None),
+                                                                (2, 1, 8), (2, 1, 32)]
+    runs = runs[3:]
+    assert "local steps H=8" in runs[1].label and not skipped
     assert _lan_train.plan(2, [2], ["int8"], [0], flags={"--staleness"}, gloo=False, sync_every=[8])[1] == [
         "local steps: this join has no --sync-every"]
-    cmd = _lan_train.join_command(runs[2], peers=["a:1", "b:1"], own="a:1", metrics="m", model_size="1m",
+    cmd = _lan_train.join_command(runs[1], peers=["a:1", "b:1"], own="a:1", metrics="m", model_size="1m",
                                   batch_size=8, rounds=100, secret="s", cluster="c", flags=flags,
                                   outer_lr=0.8, outer_momentum=0.6)
     assert cmd[cmd.index("--max-rounds") + 1] == "13"  # 100 steps, 8 per round
@@ -178,3 +180,18 @@ def test_local_steps_runs_take_as_many_inner_steps_as_ddp_takes_steps_and_smooth
     per_round = _lan_train.smoothed([2.0, 1.0], weights=[8, 8])
     per_step = _lan_train.smoothed([2.0] * 8 + [1.0] * 8)
     assert abs(per_round[-1] - per_step[-1]) < 0.1 and per_round[0] == 2.0
+
+
+def test_a_slow_peer_that_computes_is_passed_to_join_and_ddp():
+    """``--slow-busy``: the slow peer's delay keeps a core busy (``join.burn``), as a slower device
+    does, instead of sleeping and lending its core to the fast peer."""
+    run = _lan_train.Run(0, "p2ptrain", 2, "int8", 1)
+    flags = {"--staleness", "--step-delay", "--step-busy"}
+    cmd = _lan_train.join_command(run, peers=["a:1", "b:1"], own="b:1", metrics="m", model_size="1m", batch_size=8,
+                                  rounds=10, secret="s", cluster="c", flags=flags, step_delay=0.04, step_busy=True)
+    assert cmd[cmd.index("--step-delay") + 1] == "0.04" and "--step-busy" in cmd
+    ddp = _lan_train.ddp_command(_lan_train.Run(1, "gloo", 2, "fp32"), rank=1, master="a", port=1, metrics="m",
+                                 model_size="1m", batch_size=8, rounds=10, step_delay=0.04, threads=1, timeout=9,
+                                 step_busy=True)
+    assert "--step-busy" in ddp
+    assert "--step-busy" in _lan_train.join_flags()

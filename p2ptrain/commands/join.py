@@ -91,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=number(above=0), default=_env("duration"),
                    help="the run ends this many seconds after the coordinator started, for every member")
     g.add_argument("--step-delay", type=number(at_least=0), default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
+    g.add_argument("--step-busy", action="store_true", help=argparse.SUPPRESS)  # benchmarks: the delay computes
     g = p.add_argument_group("output")
     g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
                    "and a final {\"event\": \"summary\"}")
@@ -175,6 +176,16 @@ def _local_hosts() -> set[str]:
     from p2ptrain.net.interfaces import list_interfaces
 
     return {"localhost", "127.0.0.1", "0.0.0.0"} | {i.address for i in list_interfaces()}
+
+
+def burn(seconds: float) -> None:
+    """Keep a core busy with torch work for ``seconds`` (``--step-busy``: a slower device that
+    computes, releasing the GIL as real compute does, rather than one that sleeps and frees its core)."""
+    import torch
+
+    a, end = torch.ones(96, 96), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
 
 
 class _Join:
@@ -334,8 +345,10 @@ class _Join:
                 loss.backward()
                 self.last_loss = float(loss.detach())
                 self._losses.append(self.last_loss)
-                if a.step_delay:
-                    await asyncio.sleep(a.step_delay)  # a slower device, for benchmarks
+                if a.step_delay and a.step_busy:  # a slower device, for benchmarks: one that computes
+                    burn(a.step_delay)               # (a core busy) or one that sleeps (a core free)
+                elif a.step_delay:
+                    await asyncio.sleep(a.step_delay)
             with self.trace("step", "compute"):
                 await peer.step(batch_size=n)
             self.count.stepped(n, time.monotonic())
