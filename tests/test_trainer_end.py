@@ -127,3 +127,35 @@ def test_idle_rounds_are_not_updates_one_count_for_the_end_and_the_peer():
         assert p.cluster.finished.version == p.version == updates == 20, (p.cluster.finished, p.version, updates)
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("leave", ["step", "close"])
+def test_a_state_loaded_at_the_end_is_in_the_parameters_once_finished(leave):
+    """A joiner's state load lands at its next step; the end can come before that step (END
+    follows the joiner's STATUS within milliseconds, while its loop computes). ``finished``
+    waits for the load, and a close loads it too: the joiner ends with the cluster's
+    parameters, not its own initial ones. (Seen twice under load: peers at the same version
+    with different parameter checksums.)"""
+    peers = open_peers([make_adam], start=0, staleness=0)
+    peer, inner = peers[0], peers[0]._peer
+    inner.min_peers = 1
+    try:
+        peer.start()
+        state = inner.snapshot()
+        state["model"] = {k: v + 1.0 for k, v in state["model"].items()}  # (the cluster's, not ours)
+
+        async def load_then_end():  # (on the cluster's thread, as the cluster calls them)
+            inner.restore(state)
+            inner.finish()
+
+        inner._thread.call(load_then_end())
+        assert not peer.finished  # the cluster's state is not in the parameters yet
+        if leave == "step":
+            x = torch.randn(32, 16)
+            F.cross_entropy(peer.model(x), label(x)).backward()
+            peer.step(batch_size=32)
+            assert peer.finished
+    finally:
+        close_all(peers)
+    for name, p in peer.model.named_parameters():
+        assert torch.equal(p, state["model"][name]), name

@@ -237,9 +237,11 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         """The cluster's run is over (its ``max_rounds`` version, or its leader's ``duration``)
         and this peer has applied its last update: leave the loop (``while not peer.finished``).
         Every member finishes at the same version, with the same parameters; the version is
-        ``cluster.finished.version``."""
+        ``cluster.finished.version``. Not while a state load waits for the next step (a joiner
+        that loaded the cluster's state just before the end: it would end with its own
+        parameters at the cluster's version)."""
         with self._lock:
-            return self._finished and not self._queue
+            return self._finished and not self._queue and self._restore is None
 
     # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
     async def __aenter__(self) -> Self:
@@ -353,6 +355,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 log.warning("leaving with %d samples not applied: no round took them within %.0f s",
                             self._acc.samples, FLUSH_S)
         with self._params_lock:
+            self._load_restore()  # (a state that came after the loop's last step: the cluster's, at the end)
             self._apply_queue()
 
     async def _flush_inner_steps(self, deadline: float) -> None:

@@ -70,13 +70,13 @@ class UpdatesSide:
         held): one line naming the round, the version (the chain's digest too) and a digest of
         the parameters, so that replicas that end apart can be told apart from their logs."""
         with self._lock:
-            if not self._finished or self._queue or self._said_end:
+            if not self._finished or self._queue or self._restore is not None or self._said_end:
                 return
             self._said_end, point = True, self._params_point
         end = self.cluster.finished
-        log.info("finished at the cluster's round %d, version %d: this peer holds version %d (chain %s), "
-                 "parameters %s", end.r, end.version, self.version, point.digest.hex()[:16] if point else "-",
-                 self._parameters_digest())
+        log.info("finished at the cluster's round %s, version %s: this peer holds version %d (chain %s), "
+                 "parameters %s", end and end.r, end and end.version, self.version,
+                 point.digest.hex()[:16] if point else "-", self._parameters_digest())
 
     def _parameters_digest(self) -> str:
         """The replicas' common parameters, hashed (``join``'s summary checksum in gradient mode):
