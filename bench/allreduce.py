@@ -45,7 +45,7 @@ async def _worker(a) -> None:
     addrs = a.addrs.split(",")
     rows = []
     async with Group(listen=addrs[a.rank], peers=addrs, connect_timeout=60, timeout=300,
-                     secret="bench", chunk_bytes=a.chunk_kib * 1024,
+                     secret="bench", **({} if a.chunk_kib is None else {"chunk_bytes": a.chunk_kib * 1024}),
                      codec_threads=None if a.threads is None else int(a.threads)) as g:
         barrier = torch.zeros(1)
         for codec in a.codecs.split(","):
@@ -102,7 +102,7 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
 
 
 def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=None, uvloop=True,
-                 timeout: float = 900, chunk_kib: int = 1024, threads: int | None = None,
+                 timeout: float = 900, chunk_kib: int | None = None, threads: int | None = None,
                  tree: str | None = None) -> list[dict]:
     """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows.
 
@@ -114,7 +114,8 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
         addrs = [f"127.0.0.1:{base + i}" for i in range(n)]
     cmd = [sys.executable, __file__, "--worker", "--addrs", ",".join(addrs), "--sizes",
            ",".join(str(s) for s in sizes), "--reps", str(reps), "--codecs", ",".join(codecs),
-           "--chunk-kib", str(chunk_kib)] + ([] if threads is None else ["--threads", str(threads)])
+           ] + ([] if chunk_kib is None else ["--chunk-kib", str(chunk_kib)]) + (
+               [] if threads is None else ["--threads", str(threads)])
     if not uvloop:
         cmd.append("--no-uvloop")
     env = dict(os.environ, PYTHONPATH=str(Path(tree or Path(__file__).resolve().parents[1]).resolve()),
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--netns", metavar="RATE", help="run across network namespaces capped at RATE (e.g. 1gbit)")
     p.add_argument("--rates", help="per-host rates for a mixed LAN, e.g. 1gbit,1gbit,100mbit")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
-    p.add_argument("--chunk-kib", type=int, default=1024, help="p2ptrain chunk size in KiB (default 1024)")
+    p.add_argument("--chunk-kib", type=int, default=None, help="p2ptrain's largest chunk in KiB (default: Group's)")
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
     p.add_argument("--threads", default=None, help="data-path threads per peer, comma-separated to compare "
                    "(default: the machine's rule, p2ptrain.collective.pool)")

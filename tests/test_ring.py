@@ -69,10 +69,10 @@ def test_bad_plans():
 
 
 def test_chunk_size_rule():
-    from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, MIN_CHUNK_ELEMS, chunk_elems_for
+    from p2ptrain.collective.ring import CHUNKS_PER_SEGMENT, DEFAULT_CHUNK_ELEMS, MIN_CHUNK_ELEMS, chunk_elems_for
     assert chunk_elems_for(10, 2) == MIN_CHUNK_ELEMS
     assert chunk_elems_for(1 << 30, 2) == DEFAULT_CHUNK_ELEMS
-    assert chunk_elems_for(16 << 20, 2) == (8 << 20) // 32
+    assert chunk_elems_for(4 << 20, 2) == (2 << 20) // CHUNKS_PER_SEGMENT
     assert chunk_elems_for(16 << 20, 2, max_elems=1024) == 1024
 
 

@@ -49,7 +49,7 @@ import xxhash
 from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
-from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, RingPlan, Transfer, chunks_of
+from p2ptrain.collective.ring import RingPlan, Transfer, chunks_of
 from p2ptrain.trace import NO_TRACE
 from p2ptrain.net.transport import Link
 
@@ -99,7 +99,7 @@ class _BufferCache:
                 self._kept += size
 
 
-_CACHE = _BufferCache(32 << 20)  # 32 one-MiB chunks in flight; loopback peaks at ~10
+_CACHE = _BufferCache(32 << 20)  # sixteen 2 MiB chunks in flight; loopback peaks at ~5-10
 
 
 class _BufferPool:
@@ -122,21 +122,22 @@ class _BufferPool:
 # The largest chunk of a sparse codec: 2 MiB of float32, ~40 KiB of top-k:0.01 payload,
 # ~0.4 ms to encode. Measured best of 1, 2 and 4 MiB (64 MiB buffers, 2 and 4 peers on
 # 2 cores): larger ones spill the selection's scratch out of the cache.
-_SPARSE_CHUNK_ELEMS = 2 * DEFAULT_CHUNK_ELEMS
+_SPARSE_CHUNK_ELEMS = 1 << 19
 
 
 def _chunk_elems(codec: Codec, chunk_elems: int, length: int, size: int) -> int:
-    """The chunk size for this codec: ``chunk_elems``, or larger for a sparse codec.
+    """The chunk size for this codec: ``chunk_elems``, or for a sparse codec at least 1/8
+    of a segment and at most _SPARSE_CHUNK_ELEMS (unless asked for more).
 
     A codec whose payload is at most 1/8 of float32 (top-k up to 1/16) keeps a link busy
     with few chunks, while each chunk still costs its fixed CPU (a frame each way, a dozen
-    numpy calls): its chunks hold at least 1/8 of a segment, up to _SPARSE_CHUNK_ELEMS.
+    numpy calls); its selection's scratch spills out of the cache above _SPARSE_CHUNK_ELEMS.
     A pure function of the call, so every peer derives the same plan.
     """
-    if codec.max_payload(DEFAULT_CHUNK_ELEMS) * 8 > 4 * DEFAULT_CHUNK_ELEMS:
+    if codec.max_payload(_SPARSE_CHUNK_ELEMS) * 8 > 4 * _SPARSE_CHUNK_ELEMS:
         return chunk_elems
     segment = -(-length // max(1, size))
-    return max(chunk_elems, min(_SPARSE_CHUNK_ELEMS, -(-segment // 8)))
+    return max(min(chunk_elems, _SPARSE_CHUNK_ELEMS), min(_SPARSE_CHUNK_ELEMS, -(-segment // 8)))
 
 
 def buffer_digest(values: np.ndarray, plan: RingPlan) -> bytes:
