@@ -6,7 +6,7 @@ import pytest
 
 from helpers import until
 
-from p2ptrain.cluster import cluster as cluster_module
+from p2ptrain.cluster import rings as rings_module
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.errors import GroupError
 from p2ptrain.cluster.rounds import RoundConfig
@@ -128,7 +128,7 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
     With ``abort``, a round whose rings both ran (and wrote residuals) is aborted: it leaves
     the residual owed before it as it was, and its contributions come back."""
     if abort:
-        class FailsOnce(cluster_module.RingAllreduce):
+        class FailsOnce(rings_module.RingAllreduce):
             calls = 0
 
             async def run(self):
@@ -138,7 +138,7 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
                     raise GroupError("injected after the ring ran")
                 return stats
 
-        monkeypatch.setattr(cluster_module, "RingAllreduce", FailsOnce)
+        monkeypatch.setattr(rings_module, "RingAllreduce", FailsOnce)
     rounds = 6
     trainers = [QueuedTrainer(seed, rounds) for seed in (1, 2)]
     clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
@@ -151,7 +151,7 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
         for a, b in zip(*(t.applied for t in trainers)):
             assert np.array_equal(a, b)  # every peer applied the same sums
         applied = np.sum(trainers[0].applied, axis=0, dtype=np.float64)
-        owed = [np.zeros(LENGTH) if c._residual is None else c._residual for c in clusters]
+        owed = [np.zeros(LENGTH) if c.rings.residual is None else c.rings.residual for c in clusters]
         given = trainers[0].given + trainers[1].given
         assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
         assert np.abs(applied - given).max() > 1.0  # (what the feedback carries is not small)

@@ -7,7 +7,7 @@ returns, in order:
 
     Send / Broadcast  -> mesh.send
     Contribute(r)     -> source.take(): this round's gradient sum and sample count
-    StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (a task)
+    StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (``rings``)
     Apply(r, total)   -> source.apply(summed, total)
     PutBack(r)        -> cancel the ring if it runs; source.put_back(contribution)
     Resync(source)    -> fetch a snapshot from it (``statesync``), ``source.restore`` it, then
@@ -16,14 +16,9 @@ returns, in order:
     Finish(version)   -> ``finished``; source.finish(): the cluster's run is over (``ending``)
 
 Reconciliation (parameter sketches compared with the leader's, a drift past the tolerance
-corrected) is ``reconcile``'s; the records of applied rounds are ``records``'.
-
-Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
-``residual``: of its own contribution and of the partial sums it forwarded) is added to its
-contribution in the next round, so the applied updates plus what is still owed always sum to
-the gradients computed. It is owed from the round's commit on; an aborted round leaves the
-residual owed before it as it was (two buffers of the model's size: the owed one, and the one
-a ring writes).
+corrected) is ``reconcile``'s; the records of applied rounds are ``records``'; the rings, their
+sums and error feedback's residual (a lossy codec's dropped part, owed to the next round) are
+``rings``'.
 
 The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
@@ -39,7 +34,6 @@ ours, and a peer that has applied nothing and has no member stops with ``Setting
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import time
 import logging
@@ -50,13 +44,11 @@ import numpy as np
 from p2ptrain.net import auth
 from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.codecs import parse_codec
-from p2ptrain.collective.allreduce import RingAllreduce
 from p2ptrain.cluster import settings as shared_settings
 from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
-from p2ptrain.collective.pool import shared_pool
-from p2ptrain.collective.ring import chunk_elems_for
+from p2ptrain.cluster.rings import Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.records import RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
@@ -66,7 +58,6 @@ from p2ptrain.trace import NO_TRACE
 log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
-KEEP_RESULTS = 2  # applied sums kept for later rings to write into
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
 REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secret) while we cannot train
 
@@ -119,13 +110,13 @@ class Cluster:
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._fetcher: asyncio.Task | None = None
-        self._ring_stats: dict[int, object] = {}
         self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
         self.trace = NO_TRACE  # or a p2ptrain.trace.Tracer: rounds, rings and applies as spans
         self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
-        self.ring_timeout = ring_timeout
+        self.rings = Rings(peer_id, self.mesh, self.codec, ring_timeout,
+                           on_done=lambda r, ok, checksum: self._post("ring_done", r, ok, checksum))
         self.applied = 0  # rounds applied here
         self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
         self.reconciler = Reconciler(peer_id, self.machine, self.transfer, source)
@@ -133,14 +124,6 @@ class Cluster:
         self._events: asyncio.Queue = asyncio.Queue()
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
         self._waiting_take: list[int] = []  # rounds asked for a contribution the source did not have yet
-        # A finished ring's sum, and the residual owed once it commits (None: nothing is owed).
-        self._results: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        # Error feedback (lossy codecs): what our encodes dropped in the rounds applied so far,
-        # added to our next contribution; a round's own residual replaces it when it commits.
-        self._residual: np.ndarray | None = None
-        self._residual_spare: np.ndarray | None = None  # (the buffer the next ring writes into)
-        self._rings: dict[int, asyncio.Task] = {}
-        self._free_results: collections.deque[np.ndarray] = collections.deque()  # (recycle: any thread)
         self._tasks: list[asyncio.Task] = []
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
         self.finished: msg.Finish | None = None  # the cluster's run is over: its last version and round here
@@ -165,9 +148,10 @@ class Cluster:
         except asyncio.TimeoutError:
             pass
         fetcher = [t for t in (self._fetcher, self.reconciler.task) if t]
-        for task in [*self._tasks, *self._rings.values(), *fetcher]:
+        rings = list(self.rings.tasks.values())
+        for task in [*self._tasks, *rings, *fetcher]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._rings.values(), *fetcher, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *rings, *fetcher, return_exceptions=True)
         await self.transfer.close()
         await self.mesh.close()
 
@@ -294,7 +278,7 @@ class Cluster:
                 elif kind == "restored":
                     window = tuple(args[0].pop(LINEAGE, None) or ())
                     self.source.restore(args[0])
-                    self._residual = None  # (owed for gradients that were voided with the accumulator)
+                    self.rings.forget_residual()  # (owed for gradients that were voided with the accumulator)
                     self.loads.append(args[1])
                     self.reconciler.forget()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
@@ -335,7 +319,7 @@ class Cluster:
                                                                          vector.nbytes))
             elif isinstance(action, msg.StartRing):
                 self._ring_began[action.r] = loop.time()
-                self._rings[action.r] = loop.create_task(self._ring(action.r, action.view))
+                self.rings.start(action.r, action.view, self._taken[action.r][0], self.trace)  # (READY: taken)
             elif isinstance(action, msg.Apply):
                 own = self._taken.get(action.r, (None, 0))[1]
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
@@ -343,7 +327,6 @@ class Cluster:
                 self._record(action.r, action.total_samples, own, action.view)
             elif isinstance(action, msg.PutBack):
                 self._put_back(action.r)
-                self._ring_stats.pop(action.r, None)
                 self._ring_began.pop(action.r, None)
             elif isinstance(action, msg.Resync):
                 if self._fetcher is None or self._fetcher.done():
@@ -366,62 +349,14 @@ class Cluster:
             log.debug("send to %s failed: %s", peer, exc)
 
     # -- rounds ---------------------------------------------------------------------------
-    async def _ring(self, r: int, view: tuple[str, ...]) -> None:
-        vector, _ = self._taken[r]
-        # The vector stays whole (an aborted round puts it back), and so does the residual
-        # owed from earlier rounds: a ring writes this round's into the spare buffer.
-        owed = self._residual if self._residual is not None and len(self._residual) == len(vector) else None
-        if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
-            self._results[r] = (vector if owed is None else vector + owed, None)  # (exact: nothing owed)
-            self._rings.pop(r, None)
-            self._post("ring_done", r, True, None)
-            return
-        # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
-        # in); our values are read from ``vector`` itself (``source``), never copied first.
-        work = self._result_buffer(len(vector))
-        if owed is not None:
-            np.add(vector, owed, out=work)
-        residual, self._residual_spare = self._residual_spare, None
-        if self.codec.lossless:
-            residual = None
-        elif residual is None or len(residual) != len(work):
-            residual = np.empty_like(work)
-        ok = True
-        try:
-            rank, n = view.index(self.peer_id), len(view)
-            run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
-                                recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
-                                op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.ring_timeout,
-                                residual=residual, trace=self.trace, digest=True, executor=shared_pool(),
-                                source=vector if owed is None else None)
-            self._ring_stats[r] = await run.run()
-            self._results[r] = (work, residual)
-            checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
-        except (P2PTrainError, KeyError, ValueError) as exc:
-            log.warning("round %d: ring failed: %s", r, exc)
-            ok, checksum = False, None
-        self._rings.pop(r, None)
-        self._post("ring_done", r, ok, checksum)
-
     def recycle(self, summed: np.ndarray) -> None:
         """The trainer is done with an applied sum (any thread): a later ring writes into it."""
-        if len(self._free_results) < KEEP_RESULTS:
-            self._free_results.append(summed)
-
-    def _result_buffer(self, n: int) -> np.ndarray:
-        while self._free_results:
-            buffer = self._free_results.pop()
-            if len(buffer) == n:
-                return buffer
-        return np.empty(n, np.float32)
+        self.rings.recycle(summed)
 
     def _apply(self, r: int, total: int) -> None:
-        summed, residual = self._results.pop(r, (None, None))
+        summed = self.rings.commit(r)  # (what this round dropped is owed now)
         self._taken.pop(r, None)
         if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
-            owed, self._residual = self._residual, residual  # what this round dropped is owed now
-            if owed is not None:
-                self._residual_spare = owed
             self.source.apply(summed, total)
         self.applied += 1
 
@@ -429,10 +364,7 @@ class Cluster:
         log.debug("round %d: putting back %s", r, "our contribution" if r in self._taken else "nothing")
         if r in self._waiting_take:
             self._waiting_take.remove(r)
-        ring = self._rings.pop(r, None)
-        if ring is not None:
-            ring.cancel()
-        self._results.pop(r, None)  # (and its residual: the one owed before it is still owed)
+        self.rings.cancel(r)  # (and its residual: the one owed before it is still owed)
         taken = self._taken.pop(r, None)
         if taken is not None:
             self.source.put_back(*taken)
@@ -519,7 +451,7 @@ class Cluster:
             log.error("%s; this peer keeps training with the others", text)
 
     def _record(self, r: int, total: int, own: int, view: tuple) -> None:
-        stats = self._ring_stats.pop(r, None)
+        stats = self.rings.stats.pop(r, None)
         wire, raw = (stats.wire_bytes, stats.raw_bytes) if stats is not None else (0, 0)
         self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
         began = self._ring_began.pop(r, None)

@@ -1,0 +1,120 @@
+"""What ``join`` shows: the status line, the metrics file's records, the summary at exit.
+
+``JoinOutput`` is a mixin of ``join._Join``: the counts it reports (``count``, ``rounds``,
+``samples``, ``own_samples``, ``last_loss``), ``args`` and ``status`` are the command's. Apart
+from ``join`` because it is one job: saying what the run did, in the words the README documents
+(the cluster's round and update, this run's counts, the parameter checksum), not running it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+log = logging.getLogger("p2ptrain.join")  # (join's lines, under join's name)
+
+
+class JoinOutput:
+    """The status line, metrics records and summary of ``join`` (a mixin of ``_Join``)."""
+
+    def _write_metrics(self, out, peer, record) -> None:
+        out.write(json.dumps({
+            "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
+            "own_samples": record.own_samples,
+            "loss": self._mean_loss(), "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
+            "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
+            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer)}) + "\n")
+        out.flush()
+
+    def _mean_loss(self) -> float:
+        """The mean of this peer's batch losses since the last record (several batches per round
+        at staleness >= 1 or with --sync-every), then start over."""
+        losses, self._losses = self._losses, []
+        return sum(losses) / len(losses) if losses else self.last_loss
+
+    def _checksum(self, peer) -> str:
+        """The replicas' common parameters: the model's, or in local-steps mode the outer ones
+        (the model holds this peer's local parameters between rounds), as of the last update."""
+        from p2ptrain.tasks import param_checksum
+
+        if self.args.sync_every is None:
+            return param_checksum(peer.model)
+        return peer.metrics.param_checksum if peer.metrics is not None else ""
+
+    def _report(self, peer, now: float) -> None:
+        """The status line: the cluster's round and update, and rates over the last few seconds."""
+        c, count = peer.cluster, self.count
+        ratio = c.raw_bytes / c.wire_bytes if c.wire_bytes else 1.0
+        text = (f"round {'-' if count.round is None else count.round}  update {peer.version}  members "
+                f"{peer.members}  loss {self.last_loss:.3f}  samples/s {count.own.per_second(now):.0f} own, "
+                f"{count.cluster.per_second(now):.0f} cluster  wire {count.wire.per_second(now) / 1e6:.2f} MB/s  "
+                f"ratio {ratio:.1f}x  staleness {getattr(peer, 'staleness_max', 0)}")
+        self.status.show(text)
+
+    def _summary(self, peer, task, model, device, metrics_path) -> None:
+        from p2ptrain.tasks import param_checksum
+
+        c = peer.cluster
+        val = task.evaluate(model, device) if task.evaluate else None
+        checksum = param_checksum(model)
+        end = c.finished  # (None: this peer left before the cluster's run was over)
+        lines = [f"updates {self.rounds} in this run (the cluster's update {peer.version})",
+                 f"the cluster's run ended at round {end.r} (version {end.version})" if end else
+                 "left before the cluster's run was over",
+                 f"samples {self.samples} (this peer {self.own_samples})",
+                 f"final train loss {self.last_loss:.4f}",
+                 f"validation loss {val:.4f}" if val is not None else "",
+                 f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
+                 else "sent 0 MB", f"parameter checksum {checksum}", _drift_line(c.reconciler)]
+        print("\n".join(["", "summary", *[f"  {x}" for x in lines if x]]))
+        if metrics_path:
+            with open(metrics_path, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": self.rounds,
+                                      "version": peer.version,
+                                      "samples": self.samples, "own_samples": self.own_samples,
+                                      "dropped": getattr(peer, "dropped", 0),
+                                      "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
+                                      "raw_bytes": c.raw_bytes, "param_checksum": checksum,
+                                      "end": end and {"round": end.r, "version": end.version}}) + "\n")
+        if task.sample:
+            from p2ptrain.tasks import printable_text
+
+            print("\nsample:\n" + printable_text(str(task.sample(model, device))))  # (a task file's too)
+
+
+def _drift_line(r) -> str:
+    """What the comparisons with the coordinator's parameters found (``cluster.reconcile``)."""
+    from p2ptrain.cluster.drift import TOLERANCE
+
+    if not r.compared:
+        return ""
+    how = "all bit-identical" if r.identical == r.compared else (
+        f"{r.identical} bit-identical, largest drift {r.drift_max:.1e} (tolerance {TOLERANCE:.0e})")
+    return f"parameters compared with the coordinator's {r.compared} times: {how}" + (
+        f"; its parameters loaded {r.reconciled} times" if r.reconciled else "")
+
+
+class StatusLine:
+    """On a terminal, one line rewritten in place; elsewhere a log line every few seconds."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self._last = 0.0
+        self._width = 0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self._width))
+            self.stream.flush()
+            self._width = len(text)
+        elif time.monotonic() - self._last >= 5.0:
+            self._last = time.monotonic()
+            log.info("%s", text)
+
+    def clear(self) -> None:
+        if self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
