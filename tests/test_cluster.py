@@ -160,3 +160,52 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
     finally:
         for c in clusters:
             await c.close()
+
+
+class IdleEveryOther(QueuedTrainer):
+    """As ``QueuedTrainer``, but every other round it has nothing (zeros, 0 samples), as every
+    member of an idle round at staleness >= 1; a round of total 0 applies nothing."""
+
+    def __init__(self, seed, rounds):
+        super().__init__(seed, rounds)
+        self.idle_next, self.idle = False, 0
+
+    def take(self):
+        if not self.queue:
+            return None
+        self.idle_next = not self.idle_next
+        return (np.zeros(LENGTH, np.float32), 0) if self.idle_next else super().take()
+
+    def apply(self, summed, total):
+        if total:
+            super().apply(summed, total)
+        else:
+            self.idle += 1
+
+    def put_back(self, contribution, samples):
+        if samples:
+            super().put_back(contribution, samples)
+
+
+async def test_an_idle_round_keeps_what_error_feedback_owes():
+    """A round in which nobody had anything (total 0) applies nothing, so what each peer owed
+    before it is still owed after it: its ring carried the owed residual, and that sum is
+    dropped with the round. (It was replaced by the idle round's own residual: the part of the
+    owed that the ring carried was lost, about 90% of it with top-k.)"""
+    rounds = 4
+    trainers = [IdleEveryOther(seed, rounds) for seed in (1, 2)]
+    clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
+                        config=RoundConfig(min_peers=2)) for pid, t in zip("ab", trainers)]
+    try:
+        for c in clusters:
+            await c.__aenter__()
+        clusters[0].propose("127.0.0.1", clusters[1].port)
+        await until(lambda: all(len(t.applied) == rounds for t in trainers), timeout=30)
+        assert all(t.idle >= rounds - 1 for t in trainers)  # (idle rounds between the updates)
+        applied = np.sum(trainers[0].applied, axis=0, dtype=np.float64)
+        owed = [np.zeros(LENGTH) if c.rings.residual is None else c.rings.residual for c in clusters]
+        given = trainers[0].given + trainers[1].given
+        assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
+    finally:
+        for c in clusters:
+            await c.close()

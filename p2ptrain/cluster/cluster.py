@@ -354,7 +354,7 @@ class Cluster:
         self.rings.recycle(summed)
 
     def _apply(self, r: int, total: int) -> None:
-        summed = self.rings.commit(r)  # (what this round dropped is owed now)
+        summed = self.rings.commit(r, total)  # (what this round dropped is owed now)
         self._taken.pop(r, None)
         if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
             self.source.apply(summed, total)

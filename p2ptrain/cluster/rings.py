@@ -8,9 +8,9 @@ buffers. It owns every buffer of the model's size that a round uses besides the 
 Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
 ``residual``: of its own contribution and of the partial sums it forwarded) is added to its
 contribution in the next round, so the applied updates plus what is still owed always sum to
-the gradients computed. It is owed from the round's commit on; an aborted round leaves the
-residual owed before it as it was (two buffers of the model's size: the owed one, and the one
-a ring writes).
+the gradients computed. It is owed from the round's commit on; an aborted round, and a round
+in which nobody had anything (total 0: its sum is not applied), leave the residual owed before
+it as it was (two buffers of the model's size: the owed one, and the one a ring writes).
 """
 
 from __future__ import annotations
@@ -92,11 +92,15 @@ class Rings:
         self.tasks.pop(r, None)
         self._on_done(r, ok, checksum)
 
-    def commit(self, r: int) -> np.ndarray | None:
+    def commit(self, r: int, total: int) -> np.ndarray | None:
         """Round r committed: its sum (None: no ring of ours finished for it); what it dropped
-        is owed from now on."""
+        is owed from now on. A round of total 0 (nobody had anything) applies nothing: what was
+        owed before it is still owed (its ring carried it, and that sum is not applied)."""
         summed, residual = self._results.pop(r, (None, None))
-        if summed is not None:
+        if summed is not None and not total:
+            if residual is not None:
+                self._spare = residual
+        elif summed is not None:
             owed, self.residual = self.residual, residual
             if owed is not None:
                 self._spare = owed
