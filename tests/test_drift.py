@@ -98,3 +98,17 @@ def test_malformed_or_mismatched_sketches_are_refused():
         compare(a, param_sketch(params()[:2]))
     nan = param_sketch(moved(params(), 0, float("nan")))
     assert compare(a, nan).beyond
+
+
+def test_a_sketch_started_is_that_of_the_parameters_at_its_start():
+    """``start_sketch`` takes the numbers now and reads them later (on CUDA by a non-blocking
+    copy; on a CPU at once): an update after the start does not change what it reads."""
+    from p2ptrain.cluster.drift import start_sketch
+
+    params = [torch.randn(300, 40), torch.randn(7).half()]
+    before = param_sketch(params)
+    read = start_sketch(params)
+    with torch.no_grad():
+        params[0] += 1.0  # (the next update)
+    assert read.ready() and read.result() == before != param_sketch(params)
+    assert start_sketch([]).result() == b""

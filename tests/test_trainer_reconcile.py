@@ -5,7 +5,7 @@ alone (no download), one beyond it loads the leader's parameters; replicas that 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads
+from test_trainer_staleness import close_all, label, make_adam, open_peers, run_threads, train_loop
 
 from p2ptrain import ConfigError, Peer
 from p2ptrain.cluster.drift import TOLERANCE
@@ -145,3 +145,38 @@ def test_replicas_that_agree_compare_and_say_they_are_identical():
 def test_reconcile_every_is_checked():
     with pytest.raises(ConfigError, match="reconcile_every"):
         Peer(*make_adam(), reconcile_every=-1, discovery=False)
+
+
+def test_a_sketch_read_late_goes_out_in_order_and_compares_alike(monkeypatch):
+    """On CUDA a sketch's numbers reach the host by a copy that ends after the update that
+    started it (``drift.start_sketch``); the trainer reads it at the next update at the latest.
+    Here (CPU) every read says it is not ready until then: comparisons still happen at the
+    right points (bit-identical peers: identical every time), and every update's metrics are
+    published once, in order, the compared ones with their sketch's checksum."""
+    from p2ptrain.cluster import drift
+    from p2ptrain.trainer import updates
+
+    class Late:
+        def __init__(self, read):
+            self.read = read
+
+        def ready(self):
+            return False  # (a device copy still in flight)
+
+        def result(self):
+            return self.read.result()
+
+    started = []
+    monkeypatch.setattr(updates, "start_sketch", lambda ts: started.append(Late(drift.start_sketch(ts))) or started[-1])
+    peers = open_peers([make_adam] * 2, staleness=0, reconcile_every=2)
+    try:
+        run_threads([lambda r=r: train_loop(peers[r], r, steps=12) for r in range(2)])
+    finally:
+        close_all(peers)
+    assert started
+    for p in peers:
+        versions = [m.version for m in p.history]
+        assert versions == sorted(set(versions)) and versions[-1] == p.version, versions
+        assert all(m.param_checksum for m in p.history if m.version % 2 == 0 and m.members == 2)
+    compared = [p.cluster.reconciler for p in peers]
+    assert sum(r.compared for r in compared) >= 3 and all(r.identical == r.compared for r in compared)

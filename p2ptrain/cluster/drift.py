@@ -138,21 +138,59 @@ def param_sketch(tensors) -> bytes:
     float64 (on MPS, which has none, a chunk at a time is copied to the host): two small
     reads from the device, no copy of the parameters. On a CPU, about 40 ms per 36 MB on one
     loaded core, four times an xxh3 checksum: hence a comparison every few updates."""
+    return start_sketch(tensors).result()
+
+
+class SketchRead:
+    """A sketch on its way from the device (``start_sketch``): ``ready()`` without waiting,
+    ``result()`` the bytes (waiting for the copy if it is not done). On a CPU it is done at once."""
+
+    def __init__(self, host: torch.Tensor | None, counts: np.ndarray, event=None):
+        self._host, self._counts, self._event = host, counts, event  # host: (tensors, K + 2) float64
+        self._bytes: bytes | None = None if host is not None else b""
+
+    def ready(self) -> bool:
+        return self._bytes is not None or self._event is None or self._event.query()
+
+    def result(self) -> bytes:
+        if self._bytes is None:
+            if self._event is not None:
+                self._event.synchronize()
+            table = self._host.numpy()  # [bits (int64 bits in a float64 slot), norm2, K projections]
+            n = len(table)
+            signs = _TENSORS[np.arange(n) % _MAX_CHUNKS]
+            rows = np.concatenate([table[:, :1], self._counts, table[:, 1:2], table[:, 2:] * signs], axis=1)
+            self._bytes = _group(rows).tobytes()
+            self._host = None
+        return self._bytes
+
+
+def start_sketch(tensors) -> SketchRead:
+    """``param_sketch``, its numbers computed on the parameters' device now and read later: on
+    CUDA they go by a non-blocking copy into pinned host memory, ordered on the stream after
+    the kernels that compute them (an update applied after this call does not change them), so
+    the caller's thread does not wait for the device; elsewhere the read is done at once."""
     tensors = [t for t in tensors]
+    counts = np.array([[t.numel()] for t in tensors], dtype=np.float64)
     if not tensors:
-        return b""
+        return SketchRead(None, counts)
     device = tensors[0].device
     work = device if device.type != "mps" else torch.device("cpu")
     with torch.no_grad():
-        stats = torch.stack([_tensor_stats(t, work) for t in tensors]).cpu().numpy()
+        stats = torch.stack([_tensor_stats(t, work) for t in tensors])
         bits = [_bits(t) for t in tensors]
+        if device.type == "cuda":
+            words = torch.stack([b.reshape(()) for b in bits]).view(torch.float64).to(work)
+            table = torch.cat([words[:, None], stats], dim=1)
+            host = torch.empty(table.shape, dtype=torch.float64, pin_memory=True)
+            host.copy_(table, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return SketchRead(host, counts, event)
         if device.type != "cpu":
             bits = torch.stack([torch.as_tensor(b, device=device) for b in bits]).cpu().tolist()
-    signs = _TENSORS[np.arange(len(tensors)) % _MAX_CHUNKS]
-    counts = np.array([[t.numel()] for t in tensors], dtype=np.float64)
-    rows = np.concatenate([np.array(bits, dtype=np.int64).view(np.float64)[:, None], counts, stats[:, :1],
-                           stats[:, 1:] * signs], axis=1)
-    return _group(rows).tobytes()
+        words = torch.from_numpy(np.array(bits, dtype=np.int64).view(np.float64)[:, None])
+        return SketchRead(torch.cat([words, stats.cpu()], dim=1), counts)
 
 
 def _group(rows: np.ndarray) -> np.ndarray:

@@ -216,6 +216,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
         self._said_finished = False
         self._said_end = False  # the line naming where this peer finished was logged (``_say_finished``)
+        self._sketching = None  # (point, metrics, drift.SketchRead): a sketch the device still copies
         self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
         self.staleness_max = 0
         self.metrics: RoundMetrics | None = None  # the last update applied here

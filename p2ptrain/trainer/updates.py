@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from p2ptrain.cluster.drift import param_sketch, sketch_checksum
+from p2ptrain.cluster.drift import sketch_checksum, start_sketch
 from p2ptrain.cluster.fingerprint import param_checksum
 from p2ptrain.cluster.snapshot import tensors_checksum
 from p2ptrain.errors import ConfigError
@@ -40,10 +40,13 @@ class UpdatesSide:
             with self._lock:
                 update = self._queue.popleft() if self._queue else None
             if update is None:
+                # (read once the device copied it, a CPU's at once; leaving or at the end, now)
+                self._deliver_sketch(wait=self._leaving or self._finished)
                 if self._predictor is not None:
                     self._predictor.predict()
                 self._say_finished()
                 return applied
+            self._deliver_sketch(wait=True)  # (the last one's, read before the next update: copied by now)
             if update.summed is not None:
                 if self._predictor is not None:
                     self._predictor.before_update()
@@ -59,11 +62,26 @@ class UpdatesSide:
             metrics = update.metrics
             if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
                 # (the outer parameters in local-steps mode: the model holds this peer's local ones)
-                sketch = param_sketch(self._local.outer if self._local is not None else self.params)
-                self._loop.call_soon_threadsafe(self.cluster.parameters_at, update.point, sketch)
-                metrics = metrics and replace(metrics, param_checksum=sketch_checksum(sketch))
+                read = start_sketch(self._local.outer if self._local is not None else self.params)
+                self._sketching, metrics = (update.point, metrics, read), None  # (published with it)
+                self._deliver_sketch(wait=False)
             if metrics is not None:
                 self._publish(metrics)
+
+    def _deliver_sketch(self, wait: bool) -> None:
+        """The parameter sketch started at an update (``drift.start_sketch``) goes to the
+        cluster, and that update's metrics (with its checksum) are published, once its numbers
+        are on the host: on CUDA the device copies them while the caller computes, and they are
+        read at the next update at the latest (``wait``), in order; on a CPU at once."""
+        pending = self._sketching
+        if pending is None or not (wait or pending[2].ready()):
+            return
+        self._sketching = None
+        point, metrics, read = pending
+        sketch = read.result()
+        self._loop.call_soon_threadsafe(self.cluster.parameters_at, point, sketch)
+        if metrics is not None:
+            self._publish(replace(metrics, param_checksum=sketch_checksum(sketch)))
 
     def _say_finished(self) -> None:
         """Once the cluster's run is over and its last update is applied here (``_params_lock``
