@@ -119,7 +119,9 @@ def test_a_4x_slower_peer_does_not_hold_the_fast_one_which_takes_more_inner_step
 
 def test_a_joiner_gets_the_outer_state_and_ends_identical():
     """A third peer, started later from other parameters, loads the outer parameters and
-    momentum from the snapshot (not a member's local parameters), and all end bit-identical."""
+    momentum from the snapshot (not a member's local parameters), and all end bit-identical.
+    The run ends with the cluster (``max_rounds``): peers that close one after another each
+    send their unsent inner steps, so their own last versions could differ by a round."""
     def make_other():
         model, optimizer = make_adam()
         torch.manual_seed(9)
@@ -127,17 +129,17 @@ def test_a_joiner_gets_the_outer_state_and_ends_identical():
             torch.nn.init.normal_(p)
         return model, optimizer
 
-    peers = open_peers([make_adam, make_adam, make_other], start=2, staleness=1, sync_every=4)
+    peers = open_peers([make_adam, make_adam, make_other], start=2, staleness=1, sync_every=4, max_rounds=60)
     late = peers[2]
     try:
-        end = time.monotonic() + 4.0
+        end = time.monotonic() + 60.0  # (a bound: the loops end when the cluster's run does)
         run_threads([lambda: train_loop(peers[0], 0, until_t=end, compute_s=0.01),
                      lambda: train_loop(peers[1], 1, until_t=end, compute_s=0.01), joining_late(late, 2, 1.0, end)])
-        late.close()
+        assert all(p.finished for p in peers)
     finally:
         close_all(peers)
     assert late.cluster.loads and any(m.members == 3 for m in late.history)
-    assert late.version == peers[0].version == peers[1].version
+    assert late.version == peers[0].version == peers[1].version == 60
     assert late._peer._local.velocity_state().abs().sum() > 0  # the momentum came with the state
     assert [p.cluster.reconciled for p in peers] == [0, 0, 0]
     for p in peers[1:]:

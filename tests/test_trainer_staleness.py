@@ -91,7 +91,7 @@ def train_loop(peer, rank, *, steps=None, until_t=None, compute_s=0.0, log=None)
     """A peer's ordinary loop; ``compute_s`` stands in for a device's time per batch."""
     g = torch.Generator().manual_seed(100 + rank)
     done = 0
-    while (steps is None or done < steps) and (until_t is None or time.monotonic() < until_t):
+    while (steps is None or done < steps) and (until_t is None or time.monotonic() < until_t) and not peer.finished:
         x = torch.randn(32, 16, generator=g)
         F.cross_entropy(peer.model(x), label(x)).backward()
         time.sleep(compute_s)
