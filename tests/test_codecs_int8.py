@@ -1,0 +1,97 @@
+"""int8 gives, bit for bit, what a plain numpy reference gives.
+
+The reference below is the codec written in the plainest way (one numpy call per step, each
+an IEEE float32 operation). Any faster version must produce the same payload bytes and the
+same decoded floats for every input, or peers running different versions would disagree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from p2ptrain.codecs import parse_codec
+from p2ptrain.errors import ConfigError
+from test_codecs import KINDS, make_chunk
+
+BLOCK = 256
+
+
+def reference_encode(x: np.ndarray) -> bytes:
+    n = x.size
+    nb, full = -(-n // BLOCK), n // BLOCK * BLOCK
+    scales = np.empty(nb, np.float32)
+    mag = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF))
+    if full:
+        scales[: full // BLOCK] = mag[:full].reshape(-1, BLOCK).max(axis=1).view(np.float32)
+    if full < n:
+        scales[-1] = mag[full:].max().view(np.float32)
+    scales = np.maximum(scales / np.float32(127), np.float32(2.0**-126))
+    inv = np.float32(1) / scales
+    q = np.rint(x * np.repeat(inv, BLOCK)[:n]).astype(np.int8)
+    return scales.astype("<f4").tobytes() + q.tobytes()
+
+
+def reference_decode(n: int, payload: bytes) -> np.ndarray:
+    nb = -(-n // BLOCK)
+    scales = np.frombuffer(payload, "<f4", nb)
+    codes = np.frombuffer(payload, np.int8, n, offset=4 * nb)
+    return (codes.astype(np.float32) * np.repeat(scales, BLOCK)[:n]).astype(np.float32)
+
+
+def assert_same_as_reference(x: np.ndarray) -> None:
+    codec = parse_codec("int8+nozstd")
+    enc = codec.encode(x)
+    payload = enc.tobytes()
+    assert payload == reference_encode(x)
+    want = reference_decode(x.size, payload)
+    for buf in (payload, memoryview(bytearray(payload))):  # read-only and writeable payloads
+        got = np.full(x.size, np.nan, np.float32)
+        codec.decode(enc.params, buf, got)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    out = np.empty_like(x)
+    codec.encode_decoded(x, out)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    dst = np.linspace(-3, 3, x.size, dtype=np.float32)
+    expected = dst + want
+    codec.decode_add(enc.params, payload, dst, np.empty_like(dst))
+    assert np.array_equal(dst.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 4097, 70_000, 1 << 18])
+def test_int8_matches_reference(kind, n):
+    assert_same_as_reference(make_chunk(n, kind, n))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=arrays(np.float32, st.integers(1, 1300),
+                elements=st.floats(-(2.0**127), 2.0**127, width=32, allow_subnormal=True)))
+def test_int8_matches_reference_on_any_finite_values(x):
+    assert_same_as_reference(x)
+
+
+def test_int8_rounds_half_to_even_like_the_reference():
+    # Blocks whose absmax is 127 make the scale 1: x / scale lands exactly on the halves.
+    x = np.tile(np.array([127.0, -0.5, 0.5, 1.5, 2.5, -1.5, -2.5, 126.5], np.float32), 64)
+    assert_same_as_reference(x)
+    assert np.array_equal(np.frombuffer(reference_encode(x), np.int8, 8, offset=8),
+                          [127, 0, 0, 2, 2, -2, -2, 126])
+
+
+def test_int8_reads_a_read_only_input():
+    x = make_chunk(1000, "normal", 3)
+    x.flags.writeable = False
+    assert_same_as_reference(x)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 3e38])
+@pytest.mark.parametrize("where", [0, 300, 999])
+def test_int8_refuses_nonfinite_anywhere(bad, where):
+    x = np.ones(1000, np.float32)
+    x[where] = bad
+    with pytest.raises(ConfigError):
+        parse_codec("int8").encode(x)
