@@ -48,8 +48,9 @@ goes to the accumulator as a pseudo-gradient, and a committed round is an outer 
 on parameters every replica holds alike. At staleness 0 ``step`` waits for that round; at >= 1
 it steps on while the ring runs and while a round waits for slower peers' inner steps.
 
-Leaving: at staleness >= 1 a normal exit first waits (at most ``FLUSH_S``) until this peer's
-samples are applied, and two rounds more for what the others computed meanwhile. Loops should
+Leaving: at staleness >= 1 (and in local-steps mode) a normal exit first waits (at most
+``FLUSH_S``) until this peer's samples are applied (in local-steps mode the inner steps not
+contributed yet go in one more round), and two rounds more for what the others computed meanwhile. Loops should
 end with the cluster, not after their own steps: a faster peer takes more steps, and one that
 left early could leave the others short of ``min_peers``. With ``max_rounds`` or ``duration``
 the run's end is the cluster's (``cluster.ending``): ``while not peer.finished``, and every
@@ -343,11 +344,13 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
-        # (local steps: the inner steps since our last contribution are not sent; the model ends on
-        # the outer parameters. A stopped cluster applies nothing more: no wait for it.)
+        # (local steps: once our contribution in flight is applied, the inner steps made since go
+        # too; the model ends on the outer parameters. A stopped cluster applies nothing more.)
         if (self.staleness or self._local is not None) and self.cluster.failure is None:
             self._notify()
             try:
+                if self._local is not None:
+                    await self._flush_inner_steps(deadline)
                 await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
             except GroupError:
                 log.warning("leaving with %d samples not applied: no round took them within %.0f s",
@@ -355,6 +358,23 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         with self._params_lock:
             self._load_restore()  # (a state that came after the loop's last step: the cluster's, at the end)
             self._apply_queue()
+
+    async def _flush_inner_steps(self, deadline: float) -> None:
+        """Local steps, leaving: wait for our contribution in flight, then contribute the inner
+        steps made since (fewer than ``sync_every``, or more if the last round was slow)."""
+        def in_flight() -> bool:  # (under _lock)
+            return (not self._finished and self.cluster.machine.table.can_train(self.min_peers)[0]
+                    and bool(self._acc.samples or self._out is not None))
+
+        await self._wait(in_flight, max(0.0, deadline - asyncio.get_running_loop().time()), flushing=True)
+        with self._params_lock:  # (the caller is in close(): no forward or backward runs)
+            self._apply_queue()
+            with self._lock:
+                if self._finished or self._acc.samples or self._out is not None or not self._local.samples:
+                    return
+                delta, samples = self._local.contribute()
+                self._acc.add_weighted(delta, samples, self.version)
+        self._notify()
 
     # -- the training loop's side -------------------------------------------------------------
     async def step(self, batch_size: int) -> int:
