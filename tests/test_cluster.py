@@ -139,8 +139,19 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
                 return stats
 
         monkeypatch.setattr(rings_module, "RingAllreduce", FailsOnce)
-    rounds = 6
-    trainers = [QueuedTrainer(seed, rounds) for seed in (1, 2)]
+    trainers = [QueuedTrainer(seed, 6) for seed in (1, 2)]
+    applied, owed, given = await topk_books(trainers, 6)
+    for a, b in zip(*(t.applied for t in trainers)):
+        assert np.array_equal(a, b)  # every peer applied the same sums
+    assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
+    assert np.abs(applied - given).max() > 1.0  # (what the feedback carries is not small)
+    assert all(np.count_nonzero(o) > LENGTH // 2 for o in owed)  # both owe, each its own part
+    assert all(t.put_backs == (1 if abort else 0) for t in trainers)
+
+
+async def topk_books(trainers, rounds):
+    """Two top-k clusters on loopback, one per trainer, until each applied ``rounds`` updates:
+    (the sum applied, what each peer still owes, the sum of every gradient contributed)."""
     clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
                         config=RoundConfig(min_peers=2)) for pid, t in zip("ab", trainers)]
     try:
@@ -148,15 +159,9 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
             await c.__aenter__()
         clusters[0].propose("127.0.0.1", clusters[1].port)
         await until(lambda: all(len(t.applied) == rounds for t in trainers), timeout=30)
-        for a, b in zip(*(t.applied for t in trainers)):
-            assert np.array_equal(a, b)  # every peer applied the same sums
         applied = np.sum(trainers[0].applied, axis=0, dtype=np.float64)
         owed = [np.zeros(LENGTH) if c.rings.residual is None else c.rings.residual for c in clusters]
-        given = trainers[0].given + trainers[1].given
-        assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
-        assert np.abs(applied - given).max() > 1.0  # (what the feedback carries is not small)
-        assert all(np.count_nonzero(o) > LENGTH // 2 for o in owed)  # both owe, each its own part
-        assert all(t.put_backs == (1 if abort else 0) for t in trainers)
+        return applied, owed, trainers[0].given + trainers[1].given
     finally:
         for c in clusters:
             await c.close()
@@ -192,20 +197,7 @@ async def test_an_idle_round_keeps_what_error_feedback_owes():
     before it is still owed after it: its ring carried the owed residual, and that sum is
     dropped with the round. (It was replaced by the idle round's own residual: the part of the
     owed that the ring carried was lost, about 90% of it with top-k.)"""
-    rounds = 4
-    trainers = [IdleEveryOther(seed, rounds) for seed in (1, 2)]
-    clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
-                        config=RoundConfig(min_peers=2)) for pid, t in zip("ab", trainers)]
-    try:
-        for c in clusters:
-            await c.__aenter__()
-        clusters[0].propose("127.0.0.1", clusters[1].port)
-        await until(lambda: all(len(t.applied) == rounds for t in trainers), timeout=30)
-        assert all(t.idle >= rounds - 1 for t in trainers)  # (idle rounds between the updates)
-        applied = np.sum(trainers[0].applied, axis=0, dtype=np.float64)
-        owed = [np.zeros(LENGTH) if c.rings.residual is None else c.rings.residual for c in clusters]
-        given = trainers[0].given + trainers[1].given
-        assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
-    finally:
-        for c in clusters:
-            await c.close()
+    trainers = [IdleEveryOther(seed, 4) for seed in (1, 2)]
+    applied, owed, given = await topk_books(trainers, 4)
+    assert all(t.idle >= 3 for t in trainers)  # (idle rounds between the updates)
+    assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
