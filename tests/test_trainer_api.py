@@ -326,7 +326,9 @@ def test_custom_loop_example_resumes_at_the_schedulers_learning_rate(tmp_path):
     import math
     import signal
 
-    port, updates, ckpt = ports(1)[0], 100, str(tmp_path / "ckpt.pt")
+    # (1,000 updates: the first run must not finish its schedule between printing step 20 and
+    # handling the SIGINT; with 100, a clean CI run once saw the tiny model reach update 100 first)
+    port, updates, ckpt = ports(1)[0], 1000, str(tmp_path / "ckpt.pt")
     cmd = [sys.executable, os.path.join(REPO, "examples", "custom_loop.py"), "--updates", str(updates),
            "--no-discovery", "--listen", f"127.0.0.1:{port}", "--checkpoint", ckpt]
     env = dict(os.environ, OMP_NUM_THREADS="1")
