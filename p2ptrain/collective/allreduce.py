@@ -23,8 +23,8 @@ With an ``executor`` (``pool.shared_pool()``), the data work (the sender's encod
 receiver's decode, add and hash) runs on its threads, so it and the event loop's socket work
 proceed in parallel (numpy, zstd and xxhash release the GIL). A hop to a thread and back
 costs tens of microseconds of wake-ups and GIL hand-offs on each side, so the ``none``
-codec's steps that only hash (or do nothing) stay on the event loop: only its adds move. Sender and receiver each use their
-own codec instance: zstd contexts are not thread-safe.
+codec's steps that only hash (or do nothing) stay on the event loop: only its adds move.
+Sender and receiver each use their own codec instance: zstd contexts are not thread-safe.
 
 With ``digest=True`` every chunk's final values are hashed (xxh3-64) where they become
 final: by the owner after encoding its sum, by every other peer after decoding the
