@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DELAY_COST = 2.0  # how many times the updates to a loss when every gradient is one update late (1.85 measured; see above)
+DELAY_COST = 2.0  # times the updates to a loss when every gradient is one update late (1.85 measured)
 PREDICTED_DELAY_COST = 1.25  # the same with weight prediction (batches computed on predicted parameters)
 COMPUTE_WEIGHT = 0.1  # the weight of the newest batch in the moving mean of compute seconds
 ROUND_WEIGHT = 0.2  # the weight of the newest round in the moving mean of ring seconds
