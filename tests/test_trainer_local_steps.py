@@ -13,8 +13,8 @@ from p2ptrain import Peer
 from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.local_steps import LocalSteps
 
-from test_trainer_staleness import (close_all, eval_loss, joining_late, label, make_adam, open_peers, run_threads,
-                                    train_loop)
+from test_trainer_staleness import (close_all, eval_loss, joining_late, label, make_adam, make_other_start, open_peers,
+                                    run_threads, train_at_speeds, train_loop)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,15 +95,8 @@ def test_a_4x_slower_peer_does_not_hold_the_fast_one_which_takes_more_inner_step
     nothing is lost, replicas end identical and their checksums agreed after every round."""
     fast_s, slow_s = 0.01, 0.04
     peers = open_peers([make_adam] * 2, staleness=1, compression="int8", sync_every=4)
-    logs, counts = ([], []), [0, 0]
     try:
-        end = time.monotonic() + 3.0
-
-        def loop(rank):
-            counts[rank] = train_loop(peers[rank], rank, until_t=end, compute_s=(fast_s, slow_s)[rank],
-                                      log=logs[rank])
-
-        run_threads([lambda: loop(0), lambda: loop(1)])
+        logs, counts = train_at_speeds(peers, 3.0, (fast_s, slow_s))
     finally:
         close_all(peers)
     fast, slow = peers
@@ -122,14 +115,7 @@ def test_a_joiner_gets_the_outer_state_and_ends_identical():
     momentum from the snapshot (not a member's local parameters), and all end bit-identical.
     The run ends with the cluster (``max_rounds``): peers that close one after another each
     send their unsent inner steps, so their own last versions could differ by a round."""
-    def make_other():
-        model, optimizer = make_adam()
-        torch.manual_seed(9)
-        for p in model.parameters():
-            torch.nn.init.normal_(p)
-        return model, optimizer
-
-    peers = open_peers([make_adam, make_adam, make_other], start=2, staleness=1, sync_every=4, max_rounds=60)
+    peers = open_peers([make_adam, make_adam, make_other_start], start=2, staleness=1, sync_every=4, max_rounds=60)
     late = peers[2]
     try:
         end = time.monotonic() + 60.0  # (a bound: the loops end when the cluster's run does)

@@ -103,6 +103,28 @@ def train_loop(peer, rank, *, steps=None, until_t=None, compute_s=0.0, log=None)
     return done
 
 
+def make_other_start():
+    """``make_adam``'s model and optimizer, from other parameters (a peer that must load the state)."""
+    model, optimizer = make_adam()
+    torch.manual_seed(9)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    return model, optimizer
+
+
+def train_at_speeds(peers, seconds, compute_s):
+    """Each peer's loop on its own thread for ``seconds``, at its ``compute_s`` per batch:
+    (each peer's log of (seconds in step, version) per step, each peer's step count)."""
+    logs, counts = tuple([] for _ in peers), [0] * len(peers)
+    end = time.monotonic() + seconds
+
+    def loop(rank):
+        counts[rank] = train_loop(peers[rank], rank, until_t=end, compute_s=compute_s[rank], log=logs[rank])
+
+    run_threads([lambda r=r: loop(r) for r in range(len(peers))])
+    return logs, counts
+
+
 def joining_late(peer, rank, after, until_t):
     """A thread body: start ``peer`` ``after`` seconds from now, then train it until ``until_t``."""
     def run():
@@ -149,15 +171,8 @@ def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
     runs tau + 1 batches per slow one; nothing is lost either way."""
     fast_s, slow_s = 0.02, 0.1  # seconds per batch: one device 5x slower
     peers = open_peers([make_adam] * 2, staleness=staleness, compression="int8")
-    logs, counts = ([], []), [0, 0]
     try:
-        end = time.monotonic() + 2.5
-
-        def loop(rank):
-            counts[rank] = train_loop(peers[rank], rank, until_t=end, compute_s=(fast_s, slow_s)[rank],
-                                      log=logs[rank])
-
-        run_threads([lambda: loop(0), lambda: loop(1)])
+        logs, counts = train_at_speeds(peers, 2.5, (fast_s, slow_s))
         # One leaves first: its flush waits for a round holding its last samples, which also
         # takes the other's (idle: waited for only PATIENCE_S). Then nothing is left anywhere.
         peers[1].close()
@@ -188,14 +203,7 @@ def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
 def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():
     """Two peers train at staleness 1; a third, started later from other parameters, downloads
     a snapshot (``AsyncPeer.snapshot``/``restore``), joins the view, and all end bit-identical."""
-    def make_other():
-        model, optimizer = make_adam()
-        torch.manual_seed(9)
-        for p in model.parameters():
-            torch.nn.init.normal_(p)
-        return model, optimizer
-
-    peers = open_peers([make_adam, make_adam, make_other], start=2, staleness=1, compression="int8")
+    peers = open_peers([make_adam, make_adam, make_other_start], start=2, staleness=1, compression="int8")
     late = peers[2]
     try:
         end = time.monotonic() + 4.0

@@ -62,6 +62,15 @@ class Outgoing:  # this peer's contribution, held by the cluster until applied o
     staging: HostStaging | None = None
 
 
+def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
+    """Views of a flat buffer, one per parameter, shaped like it, in order."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset: offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
 class Accumulator:
     """``sum(batch_size * grad)`` in a flat float32 buffer on the model's device, and what it
     holds: samples, batches, the oldest parameter version. ``swap`` hands the sum over and
@@ -79,19 +88,12 @@ class Accumulator:
         self._staging: list[HostStaging] = []
         self._flat = self._fresh()
         self._dirty = False  # _flat holds an old sum: the next add writes instead of adding
-        self._views = self._split(self._flat)
+        self._views = param_views(self._flat, self.params)
         self.samples = self.batches = 0
         self.oldest: int | None = None
 
     def _fresh(self) -> torch.Tensor:
         return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in self.params:
-            views.append(flat[offset: offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
 
     def add(self, batch_size: int, version: int) -> None:
         """Add the parameters' gradients times ``batch_size``, and clear them."""
@@ -152,7 +154,7 @@ class Accumulator:
         out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members)
         self._dirty = bool(self._spare)  # (a reused buffer holds an old sum)
         self._flat = self._fresh()
-        self._views = self._split(self._flat)
+        self._views = param_views(self._flat, self.params)
         self.samples = self.batches = 0
         self.oldest = None
         return out

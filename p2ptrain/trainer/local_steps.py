@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from p2ptrain.trainer.accumulator import param_views
+
 
 class LocalSteps:
     """The outer state: ``outer`` parameters, their Nesterov ``velocity``, and ``base``."""
@@ -40,16 +42,9 @@ class LocalSteps:
         self._outer = torch.empty(numel, dtype=torch.float32, device=device)
         self._base = torch.empty_like(self._outer)
         self._velocity = torch.zeros_like(self._outer)
-        self.outer, self.base, self.velocity = (self._views(t) for t in (self._outer, self._base, self._velocity))
+        self.outer, self.base, self.velocity = (param_views(t, self.params) for t in (self._outer, self._base, self._velocity))
         self.steps = self.samples = 0  # inner steps and their samples since the last contribution
         self.reset()
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in self.params:
-            views.append(flat[offset: offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
 
     def _live(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]
