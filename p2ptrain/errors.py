@@ -3,9 +3,11 @@
     P2PTrainError
     ├── ConfigError            a bad option or argument from our own caller (also a ValueError)
     ├── RemoteProtocolError    a peer sent something we refuse; the peer's fault, not ours
-    │   ├── FrameError         bytes that are not a valid frame (magic, version, lengths, header)
+    │   ├── FrameError         bytes that are not a valid frame (magic, version, lengths, header);
+    │   │                      ``peer_version`` set when the frame is of another protocol version
     │   ├── CodecError         a compressed payload that fails validation
-    │   └── HandshakeError     a peer not admitted (cluster, version, secret), or one that refused us
+    │   └── HandshakeError     a peer not admitted (cluster, version, secret), or one that refused us;
+    │                          ``reason`` is the fixed reason, ``by_peer`` says who refused
     ├── LinkError              a connection that failed, closed or timed out
     ├── GroupError             a group that cannot form, or a collective that cannot complete
     ├── FingerprintError       this model is not the cluster's (names the first difference)
@@ -14,7 +16,9 @@
     └── ClosedError            an object used after it was closed
 
 Messages are one line and say what to do. Nothing internal is ever echoed to a peer:
-the reasons sent over the wire are the fixed strings in ``p2ptrain.net.auth``.
+the reasons sent over the wire are the fixed strings in ``p2ptrain.net.auth``. Code that
+must tell causes apart reads an attribute (``peer_version``, ``reason``, ``by_peer``), never
+the message.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ class RemoteProtocolError(P2PTrainError):
 
 
 class FrameError(RemoteProtocolError):
-    """Bytes that are not a valid frame: wrong magic or version, a length over its limit, a bad header."""
+    """Bytes that are not a valid frame: wrong magic or version, a length over its limit, a bad header.
+    ``peer_version`` is the protocol version the peer speaks when that is what is wrong, else None."""
+
+    def __init__(self, message: str, *, peer_version: int | None = None):
+        super().__init__(message)
+        self.peer_version = peer_version
 
 
 class CodecError(RemoteProtocolError):
@@ -41,11 +50,14 @@ class CodecError(RemoteProtocolError):
 
 
 class HandshakeError(RemoteProtocolError):
-    """A connection that did not pass the handshake. ``reason`` is one line, safe to log."""
+    """A connection that did not pass the handshake. ``reason`` is one line, safe to log: one of
+    ``p2ptrain.net.auth``'s fixed reasons, or, with ``by_peer``, the words of a peer that refused
+    us (sanitised; a peer of this version sends one of those fixed reasons too)."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
+    def __init__(self, reason: str, *, by_peer: bool = False):
+        super().__init__(f"refused by peer: {reason}" if by_peer else reason)
         self.reason = reason
+        self.by_peer = by_peer
 
 
 class LinkError(P2PTrainError):

@@ -25,10 +25,11 @@ def ports(n):
 
 
 def test_advice_names_the_setting_to_fix():
-    assert "--secret" in auth.advice(f"refused by peer: {auth.REASON_SECRET}")
+    assert "--secret" in auth.advice(auth.REASON_SECRET)
     assert "or none to all" in auth.advice(auth.REASON_SECRET_MODE)
     assert "--cluster" in auth.advice(auth.REASON_CLUSTER)
     assert auth.advice(auth.REASON_MALFORMED) is None and auth.advice(auth.REASON_TIMEOUT) is None
+    assert auth.advice(f"refused by peer: {auth.REASON_SECRET}") is None  # a reason, not a message
 
 
 async def test_a_wrong_secret_is_said_once_on_each_side_however_often_it_dials(monkeypatch, caplog):
@@ -44,7 +45,7 @@ async def test_a_wrong_secret_is_said_once_on_each_side_however_often_it_dials(m
             return len([r for r in caplog.records if "refused this peer again" in r.getMessage()]) >= 5
 
         await until(dials, timeout=10)
-        assert ours.refusing() is not None and ours.refusing()[1] == auth.REASON_SECRET
+        assert ours.refusing() is not None and ours.refusing()[1] == [auth.REASON_SECRET]
         warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         dialer = [m for m in warned if "refused this peer" in m]
         listener = [m for m in warned if "refused connection from" in m]

@@ -656,6 +656,23 @@ def test_goodbye_reforms_at_once():
     assert new and new[-1][1] == ("a", "c")
 
 
+def test_a_round_aborted_for_a_goodbye_is_logged_as_routine_and_one_for_a_fault_as_a_warning():
+    def aborts(leaving=None, crash=None, run=0.0):
+        net = cluster("abc", run=0.3)
+        if leaving:
+            net.handle(leaving, net.m[leaving].leave(net.now))
+            net.crashed.add(leaving)
+        if crash:
+            net.crash(crash)
+        net.settle()
+        net.run(run)
+        return [(x.level, x.text.split(": ")[1]) for x in net.of("a", Log) if "aborted" in x.text]
+
+    assert aborts(leaving="b") == [("info", "b said goodbye")]
+    assert aborts(leaving="a") == [("info", "the leader is leaving")]
+    assert aborts(crash="c", run=15.0) == [("warning", "c was silent for 10 s")]
+
+
 def test_leader_goodbye_next_takes_over_at_the_next_tick():
     net = cluster("abc", run=0.3)
     n = len(net.applied("b"))

@@ -9,7 +9,7 @@ from helpers import until
 
 from p2ptrain.cluster import statesync
 from p2ptrain.cluster.cluster import Cluster
-from p2ptrain.errors import FingerprintError, RemoteProtocolError
+from p2ptrain.errors import FingerprintError, LinkError, RemoteProtocolError
 from p2ptrain.cluster.rounds import RoundConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,3 +160,49 @@ def test_assembly_takes_parts_in_order_and_checks_every_length():
         b.add(*part(1, 2, size, b"y" * 9))  # short last part
     assert b.add(*part(1, 2, size, b"y" * 10))
     assert bytes(b.buffer[-11:]) == b"x" + b"y" * 10
+
+
+class FakeMesh:
+    """Two StateTransfers joined without sockets: a frame sent is the other one's ``on_frame``."""
+
+    def __init__(self, me):
+        self.me, self.other = me, None
+
+    async def send(self, peer, header, payload=(), timeout=None):
+        data = b"".join(bytes(p) for p in payload)
+        self.other.transfer.on_frame(self.me, statesync.wire.Frame(header, memoryview(data)))
+
+
+def joined(fp_asker, fp_member, on_ask):
+    asker_mesh, member_mesh = FakeMesh("asker"), FakeMesh("member")
+    asker = statesync.StateTransfer(asker_mesh, fp_asker, on_ask=None, on_foreign=lambda p, d: None)
+    member = statesync.StateTransfer(member_mesh, fp_member, on_ask=on_ask, on_foreign=lambda p, d: None)
+    asker_mesh.other, member_mesh.other = member_mesh, asker_mesh
+    asker_mesh.transfer, member_mesh.transfer = asker, member
+    return asker, member
+
+
+async def test_a_refusal_for_another_model_is_told_apart_by_its_cause_not_its_words():
+    other = [("w", (LENGTH + 1,), "float32")]
+    asker, member = joined(other, FP, on_ask=lambda *a: pytest.fail("a peer of another model is served"))
+    try:
+        with pytest.raises(FingerprintError, match=r"peer member trains another model: parameter .w."):
+            await asker.fetch("member")
+    finally:
+        await member.close()
+        await asker.close()
+
+
+async def test_any_other_refusal_is_a_link_error_whatever_its_words():
+    asker, member = None, None
+
+    def on_ask(peer, ask_id, parameters_only):
+        member.refuse(peer, ask_id, "another model, it says, but no cause: not synced itself")
+
+    asker, member = joined(FP, FP, on_ask)
+    try:
+        with pytest.raises(LinkError, match="refused to send its state: another model, it says"):
+            await asker.fetch("member")
+    finally:
+        await member.close()
+        await asker.close()

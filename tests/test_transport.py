@@ -127,6 +127,13 @@ async def test_wrong_version_gets_a_reason_naming_versions(caplog):
                    for r in caplog.records)
 
 
+async def test_a_malformed_frame_gets_the_malformed_reason(caplog):
+    async with Server() as srv:
+        got = await raw(srv.port, wire.PREFIX.pack(wire.MAGIC, wire.PROTOCOL_VERSION, 1, 4, 0) + b"abcd")
+        reasons = [f.header.get("reason") for f in wire.FrameDecoder().feed(got)]
+        assert reasons[-1] == auth.REASON_MALFORMED
+
+
 async def test_wrong_secret_is_refused_both_sides(caplog):
     caplog.set_level(logging.WARNING, "p2ptrain.net.transport")
     async with Server(secret=b"right") as srv:

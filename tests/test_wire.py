@@ -55,8 +55,9 @@ def test_encode_frame_passes_payload_views_uncopied():
 ])
 def test_bad_frames_raise_frame_error(data, match):
     dec = wire.FrameDecoder()
-    with pytest.raises(FrameError, match=match):
+    with pytest.raises(FrameError, match=match) as err:
         dec.feed(data)
+    assert err.value.peer_version == (99 if match == "version 99" else None)  # the cause, for the reply
     with pytest.raises(FrameError):  # dead after an error
         dec.get_buffer()
 

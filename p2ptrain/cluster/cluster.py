@@ -433,12 +433,12 @@ class Cluster:
         refusing = self.mesh.refusing()
         if refusing is None or self.failure is not None or self.members >= self.machine.config.min_peers:
             return
-        since, why = refusing
+        since, reasons = refusing
         if now - since >= REFUSED_GIVE_UP:
-            fixes = sorted({fix for part in why.split("; ") if (fix := auth.advice(part))})
+            fixes = sorted({fix for reason in reasons if (fix := auth.advice(reason))})
             where = ", ".join(f"{h}:{p}" for h, p in sorted(self.mesh.refused))
             self.failure = GroupError(f"every peer this one knows ({where}) refused it for {REFUSED_GIVE_UP:.0f} s "
-                                      f"({why}): {'; '.join(fixes)}")
+                                      f"({'; '.join(reasons)}): {'; '.join(fixes)}")
 
     def _other_settings(self, peer: str, diffs: list[str]) -> None:
         """A peer with other shared settings: a peer that has applied nothing and has no

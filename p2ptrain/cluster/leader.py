@@ -294,7 +294,9 @@ class LeaderRole:
         self._broadcast({"t": COMMIT, "r": L.r, "b": list(L.b)}, sorted(set(L.view) | set(out)))
         L.phase, L.r = self._move(_LEADER, L.phase, COMMIT), L.r + 1
 
-    def _abort(self, now: float, reason: str, drop, tell=True) -> None:
+    def _abort(self, now: float, reason: str, drop, tell=True, routine=False) -> None:
+        """Abort the round we lead, for ``reason`` (one line); ``routine`` (a goodbye, not a
+        fault) logs it at info."""
         L, drop = self.lead, sorted(set(drop))
         if L.phase == RUNNING:
             self._decide((L.r, L.b), False)
@@ -304,7 +306,6 @@ class LeaderRole:
                 self._tell.add(q)
         self._broadcast({"t": ABORT, "r": L.r, "b": list(L.b), "reason": reason[:MAX_REASON], "drop": drop},
                         sorted(set(L.view) | set(drop)))
-        routine = reason == "the leader is leaving" or reason.endswith("said goodbye")
         self._emit(Log("info" if routine else "warning", f"round {L.r} aborted: {reason}"))
         L.phase, L.r = self._move(_LEADER, L.phase, ABORT), L.r + 1
 

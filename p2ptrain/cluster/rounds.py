@@ -156,7 +156,7 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         """Say goodbye; the machine is done (an outstanding contribution is put back)."""
         def go():
             if self.lead and self.lead.phase in (COLLECTING, RUNNING):
-                self._abort(now, "the leader is leaving", drop=[self.id])
+                self._abort(now, "the leader is leaving", drop=[self.id], routine=True)
             if self.pending and self.pending.samples is not None:
                 self._emit(PutBack(self.pending.r))
             self._broadcast({"t": GOODBYE, "end": self.ended}, self._peers())
@@ -278,17 +278,18 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
 
     def _on_goodbye(self, s, m, now) -> None:
         self.table.said_goodbye(s, now)
-        self._gone(s, now, "said goodbye")
+        self._gone(s, now, "said goodbye", routine=True)
         if m["end"] is not None:
             self._heard_end(s, m["end"], now)
 
-    def _gone(self, s: str, now: float, why: str) -> None:
-        """Peer s can no longer take part: re-form at once, without waiting for a deadline."""
+    def _gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
+        """Peer s can no longer take part: re-form at once, without waiting for a deadline.
+        ``routine``: it said goodbye (a round it aborts is logged at info, not as a warning)."""
         L, p = self.lead, self.pending
         if L is not None and L.phase == QUERYING:
             L.waiting.discard(s)
         elif L is not None and L.phase in (COLLECTING, RUNNING) and s in L.view:
-            self._abort(now, f"{s} {why}", drop=[s])
+            self._abort(now, f"{s} {why}", drop=[s], routine=routine)
         if p is not None and not p.started and p.b[1] == s:
             self._withdraw(p)
         if s == self._rival and not self.table.is_live(s):  # lost (link, goodbye, silence), not just behind

@@ -6,7 +6,7 @@ are told what differs. One frame type (``wire.STATE``); its header's ``"k"`` say
                                              boundary (or refuses: not synced, another model);
                                              only "parameters": its trainable parameters alone
                   <----  {k: part, id, i, n, size, sync, checksum} + bytes   (n parts of PART_BYTES)
-                  <----  {k: refuse, id, why}
+                  <----  {k: refuse, id, why, cause?}      (cause "model": another model)
     {k: model} + our fingerprint      <--->  sent both ways when the handshake's model digests
                                              differ, so each side can name the first difference
 
@@ -133,7 +133,7 @@ class StateTransfer:
             if type(h.get("id")) is not int:
                 raise RemoteProtocolError("malformed state ask: no id")
             if diff:
-                self.refuse(peer, h["id"], f"another model: {diff}")
+                self.refuse(peer, h["id"], f"another model: {diff}", cause=MODEL)
             else:
                 self._on_ask(peer, h["id"], h.get("only") == "parameters")
         elif k in (PART, REFUSE):
@@ -150,8 +150,11 @@ class StateTransfer:
             self._spawn(self._send(peer, {"t": wire.STATE, "k": MODEL}, [_fp_bytes(self.fingerprint)]))
 
     # -- serving ------------------------------------------------------------------------------
-    def refuse(self, peer: str, ask_id: int, why: str) -> None:
-        self._spawn(self._send(peer, {"t": wire.STATE, "k": REFUSE, "id": ask_id, "why": why[:200]}))
+    def refuse(self, peer: str, ask_id: int, why: str, cause: str | None = None) -> None:
+        """Tell ``peer`` it gets no snapshot, and ``why`` (one line, for its log). ``cause``
+        (MODEL: it trains another model) is what the asker branches on."""
+        head = {"t": wire.STATE, "k": REFUSE, "id": ask_id, "why": why[:200]}
+        self._spawn(self._send(peer, {**head, "cause": cause} if cause else head))
 
     def serve(self, peer: str, ask_id: int, state: dict, point: SyncPoint,
               on_sent: Callable[[], None] = lambda: None) -> None:
@@ -204,7 +207,7 @@ class StateTransfer:
                     raise LinkError(f"{peer} sent no state for {FLOOR_S:.0f} s") from None
                 if frame.header["k"] == REFUSE:
                     why = str(frame.header.get("why", ""))[:200]
-                    if why.startswith("another model"):
+                    if frame.header.get("cause") == MODEL:
                         raise FingerprintError(f"peer {peer} trains {why}; start every peer with the same model")
                     raise LinkError(f"{peer} refused to send its state: {why}")
                 if assembly is None:

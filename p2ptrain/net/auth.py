@@ -9,7 +9,7 @@ Theory of operation. Both ends of a new TCP connection run the same ``Handshake`
 
 The connection is admitted when we checked their PROOF *and* got their WELCOME. Any failed
 check sends REJECT {reason} with one of the fixed reasons below and raises ``HandshakeError``;
-a REJECT received raises it too, with the peer's (sanitised) reason.
+a REJECT received raises it too, with the peer's (sanitised) reason and ``by_peer`` set.
 
 With a secret the mac is HMAC-SHA256 over both ids and both fresh nonces, prover first, so
 a proof cannot be replayed on another connection or reflected back at its sender. Without
@@ -52,9 +52,9 @@ ADVICE = {
 
 
 def advice(reason: str) -> str | None:
-    """What to do about a handshake refused for ``reason`` (ours or the peer's words), or None
-    when it is not a setting (a malformed or timed-out handshake: a fault, or a moment)."""
-    return next((fix for known, fix in ADVICE.items() if known in reason), None)
+    """What to do about a handshake refused for ``reason`` (``HandshakeError.reason``, by either
+    end), or None when it is not a setting (a malformed or timed-out handshake: a fault, or a moment)."""
+    return ADVICE.get(reason)
 
 
 def secret_from(secret: str | bytes | None, env: dict | None = None) -> bytes | None:
@@ -130,10 +130,10 @@ class Handshake:
 
     def receive(self, header: dict) -> list[dict]:
         """Advance on one received header. Raises HandshakeError (after which: send
-        ``reject(err.reason)`` if it was ours to refuse, then close)."""
+        ``reject(err.reason)`` unless ``err.by_peer``, then close)."""
         t = header.get("t")
         if t == wire.REJECT:
-            raise HandshakeError(f"refused by peer: {_sanitise(header.get('reason', 'no reason'))}")
+            raise HandshakeError(_sanitise(header.get("reason", "no reason")), by_peer=True)
         if t == wire.HELLO and self._their is None:
             return self._on_hello(header)
         if t == wire.PROOF and self._their is not None and not self._verified:

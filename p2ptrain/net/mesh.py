@@ -191,7 +191,7 @@ class Mesh:
         try:
             link = await transport.open_link(host, port, self._handshake(), timeout=5.0)
         except auth.HandshakeError as exc:
-            self._refused_by((host, port), str(exc))
+            self._refused_by((host, port), exc)
             return
         except P2PTrainError as exc:
             log.debug("dial %s:%d failed: %s", host, port, exc)
@@ -200,32 +200,33 @@ class Mesh:
             return
         self._adopt(link, dialed_by=self.peer_id, addr=(host, port))
 
-    def _refused_by(self, key: tuple[str, int], reason: str) -> None:
+    def _refused_by(self, key: tuple[str, int], exc: auth.HandshakeError) -> None:
         now = asyncio.get_running_loop().time()
         self._failed_at[key] = now
-        if auth.REASON_SELF in reason:
+        reason = exc.reason  # (the same whichever end refused: said once)
+        if reason == auth.REASON_SELF:
             return
         fix = auth.advice(reason)
         if (key, reason) in self._said:
-            log.debug("peer at %s:%d refused this peer again: %s", *key, reason)
+            log.debug("peer at %s:%d refused this peer again: %s", *key, exc)
         else:
             self._said.add((key, reason))
-            log.warning("peer at %s:%d refused this peer: %s%s", *key, reason, f"; {fix}" if fix else "")
+            log.warning("peer at %s:%d refused this peer: %s%s", *key, exc, f"; {fix}" if fix else "")
         if fix is not None:
             before = self.refused.get(key)
             self.refused[key] = (reason, before[1] if before and before[0] == reason else now)
         else:
             self.refused.pop(key, None)
 
-    def refusing(self) -> tuple[float, str] | None:
-        """(since when, the reasons) every address proposed to this mesh has refused our
-        handshake for a setting (a wrong secret, another cluster), while no peer is linked:
-        nobody we know will take us. None otherwise."""
+    def refusing(self) -> tuple[float, list[str]] | None:
+        """(since when, the reasons: ``auth``'s fixed strings, sorted) every address proposed to
+        this mesh has refused our handshake for a setting (a wrong secret, another cluster),
+        while no peer is linked: nobody we know will take us. None otherwise."""
         known = self._proposed
         if self._links or not known or any(key not in self.refused for key in known):
             return None
-        reasons = sorted({self.refused[key][0].removeprefix("refused by peer: ") for key in known})
-        return max(self.refused[key][1] for key in known), "; ".join(reasons)
+        reasons = sorted({self.refused[key][0] for key in known})
+        return max(self.refused[key][1] for key in known), reasons
 
     def _admit_incoming(self, link: transport.Link) -> None:
         port = link.peer.info.get("port")

@@ -303,7 +303,7 @@ class Link:
         except FrameError as exc:
             log.debug("%s: closing connection: %s", self.remote, exc)  # the link's owner reports it
             self._fail(exc)
-            self._refuse(auth.REASON_VERSION if "version" in str(exc) else auth.REASON_MALFORMED)
+            self._refuse(auth.REASON_MALFORMED if exc.peer_version is None else auth.REASON_VERSION)
             return
         frames = self._decoder.pop_frames()
         if frames:
@@ -350,7 +350,7 @@ async def _admit(link: Link, hs: auth.Handshake, timeout: float,
         link.close(auth.REASON_TIMEOUT)
         raise LinkError(f"{link.remote}: handshake not completed within {timeout:.0f} s") from None
     except HandshakeError as exc:
-        link.close(None if exc.reason.startswith("refused by peer") else exc.reason)
+        link.close(None if exc.by_peer else exc.reason)  # (a refusal is not answered with one)
         raise
     except BaseException:
         link.close()
@@ -419,7 +419,7 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
         if len(said) >= MAX_SAID:
             said.clear()
         said.add(key)
-        fix = auth.advice(str(exc)) if isinstance(exc, HandshakeError) else None
+        fix = auth.advice(exc.reason) if isinstance(exc, HandshakeError) else None
         log.warning("refused connection from %s: %s%s", remote, exc, f"; {fix}" if fix else "")
 
     def factory():

@@ -185,7 +185,7 @@ class FrameDecoder:
         if version != PROTOCOL_VERSION:
             raise FrameError(
                 f"peer speaks protocol version {version}, this peer speaks {PROTOCOL_VERSION}: "
-                "run the same p2ptrain version everywhere"
+                "run the same p2ptrain version everywhere", peer_version=version,
             )
         if flags != 0:
             raise FrameError(f"unknown frame flags {flags:#x}")
