@@ -156,11 +156,14 @@ class Peer:
         a = self.a
         mine = _lan_train.join_flags() if a.train else set()
         seen = ctl.exchange("hello", {"flags": sorted(mine), "host": socket.gethostname(),
-                                      "nonce": os.urandom(4).hex()})
+                                      "nonce": os.urandom(4).hex(), "cores": sorted(os.sched_getaffinity(0))})
         self.nonce = seen[0]["nonce"]  # rank 0's: a cluster name no earlier run can answer to
         self.flags = flags = set(seen[0]["flags"])  # every peer plans the same runs
         if any(set(s["flags"]) != flags for s in seen):
             self.notes.append("the peers' joins take different flags: run the same p2ptrain everywhere")
+        if a.pin_cores:
+            self.notes.append("CPU cores (--pin-cores): " + ", ".join(
+                f"peer {r} on core {','.join(map(str, s['cores']))}" for r, s in enumerate(seen)))
         runs, skipped = _lan_train.plan(self.world, a.scaling, a.train_codecs, a.staleness, flags,
                                         gloo=a.gloo, predict=a.weight_prediction,
                                         sync_every=a.sync_every or []) if a.train else ([], [])

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--peers", help="every peer, host:port, the same list on every machine (rank 0 first)")
     w.add_argument("--host", help="this machine's entry in --peers (its address as written there)")
     w.add_argument("--port", type=int, help="with --host, when several entries share the host")
+    w.add_argument("--pin-cores", action="store_true", help="peer i and what it runs keep to CPU core "
+                   "i mod (cores it may use): with --local, one core per emulated host, as on separate machines")
     w.add_argument("--link", type=_csv(str), metavar="RATE[,RATE...]",
                    help="nominal link rate(s), e.g. 1gbit, for 'of link' and 'of bound' (the slowest counts)")
     r = p.add_argument_group("allreduce")
@@ -163,10 +165,22 @@ def run_peer(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     a.scaling = a.scaling or list(range(1, len(peers) + 1))
     a.slow_ranks = a.slow_ranks if a.slow_ranks is not None else [len(peers) - 1]
     a.threads = a.threads or 0
+    if a.pin_cores:
+        pin_to_core(mine[0])
     _check(p, a, len(peers))
     import _lan_peer
 
     return _lan_peer.Peer(a, peers, mine[0]).run()
+
+
+def pin_to_core(rank: int) -> int:
+    """Keep this process, and every process it starts from now on, to one CPU core: the
+    rank-th, mod the cores it may use. A peer emulating a machine of its own then cannot take
+    another peer's core, and the ones it runs inherit it. Returns the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
 
 
 # ------------------------------------------------------------------ --local: N peers here

@@ -66,11 +66,14 @@ def test_quick_local_run_reports_p2ptrain_beside_gloo(tmp_path):
 def test_quick_run_across_emulated_hosts_at_100mbit(tmp_path):
     # Training with 2 peers only: a peer alone (N=1) sends nothing over the link, and the local
     # run above trains it, with the same code.
-    code, out, err, pid = lan("--local", "2", "--quick", "--netns", "100mbit", "--scaling", "2",
+    # Each emulated host keeps to a core of its own (--pin-cores), as on separate machines.
+    code, out, err, pid = lan("--local", "2", "--quick", "--netns", "100mbit", "--scaling", "2", "--pin-cores",
                               "--json", str(tmp_path / "lan.json"))
     assert code == 0, out[-2000:] + err[-3000:]
     doc = json.loads((tmp_path / "lan.json").read_text())
     check_quick_report(doc, out, scaling=(2,))
+    cores = sorted(os.sched_getaffinity(0))
+    assert f"peer 0 on core {cores[0]}, peer 1 on core {cores[1 % len(cores)]}" in out
     assert "[lan 4/4]" in err
     assert doc["config"]["link_bps"] == 100e6
     big = [r for r in doc["allreduce"] if r["size_bytes"] == 1 << 20]
@@ -81,6 +84,18 @@ def test_quick_run_across_emulated_hosts_at_100mbit(tmp_path):
             assert r["of_link"] > 1.5, r
     left = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=30).stdout
     assert f"p2pt-{pid}-" not in left  # the launcher tore its hosts down
+
+
+def test_a_pinned_peer_and_what_it_starts_keep_to_one_core():
+    cores = sorted(os.sched_getaffinity(0))
+    code = ("import lan, os, subprocess, sys; core = lan.pin_to_core(3); "
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], "
+            "capture_output=True, text=True, timeout=60).stdout; print(core, child)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "bench", capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr
+    core = cores[3 % len(cores)]
+    assert out.stdout.split() == [str(core), f"[{core}]"]
 
 
 def test_bad_options_are_refused_with_one_line():
