@@ -50,6 +50,8 @@ class Net:
         self.needs_sync = {}  # peers told to load state -> from whom: the auto host does it
         self.manual_sync = set()  # ... except for these
         self.budget = Counter()  # auto host: one batch per peer per tick (compute takes time)
+        self.compute = {}  # peer -> seconds from a Contribute to its contribution (auto host; else a tick)
+        self.asked_at = {}  # (peer, r) -> when Contribute(r) came
         self.nbytes = 4000  # each contribution's buffer (the ring deadlines scale with it)
         self.ring_time = 0.0  # seconds a ring takes once all of its view started it (or a function of the view)
         self.full_at = {}  # (r, view) -> when the last member started it
@@ -137,6 +139,7 @@ class Net:
                     self.post(p, to, a.msg)
             elif isinstance(a, Contribute):
                 self.asked[p][a.r] += 1
+                self.asked_at[(p, a.r)] = self.now
             elif isinstance(a, StartRing):
                 assert self.out[p][a.r] > 0, "a ring without a contribution"
                 self.started[(a.r, a.view)] = self.started.get((a.r, a.view), set()) | {p}
@@ -193,6 +196,11 @@ class Net:
         n = samples if samples is not None else 10 + sorted(self.m).index(p)
         self.handle(p, self.m[p].on_contribution_ready(r, n, self.now, nbytes=self.nbytes))
 
+    def computed(self, p):
+        """Whether p's contribution to its oldest asked round is computed (``compute``)."""
+        r = min(r for r, n in self.asked[p].items() if n)
+        return self.now - self.asked_at.get((p, r), self.now) >= self.compute.get(p, 0.0) - 1e-9
+
     def ring_ready(self, p):
         """The first ring p runs that can end now: (r, view, ok) or None."""
         for r, view in self.running[p]:
@@ -229,7 +237,8 @@ class Net:
                 continue
             if not self.auto:
                 return
-            p = next((p for p in self.live() if any(self.asked[p].values()) and self.budget[p]), None)
+            p = next((p for p in self.live() if any(self.asked[p].values()) and self.budget[p]
+                      and self.computed(p)), None)
             if p:
                 self.budget[p] -= 1
                 self.contribute(p)
@@ -1055,6 +1064,23 @@ def test_stall_logging_names_the_waited_for_peers():
     net.run(36.0)  # ... up to ready_patience (8) deadlines of 5 s: stalls at 10 and 20 s, given up at 40
     assert [s.seconds // 5 for s in net.of("a", Stall)] == [0, 1, 2, 4, 8]
     assert [m["drop"] for m in net.sent("a", M.ABORT)] == [["c"]]
+
+
+def test_a_round_that_waits_as_long_as_usual_is_no_stall_but_a_longer_wait_is():
+    """Local steps: every round waits for the slowest member's H inner steps (here 4 s, past half
+    the 5 s deadline). Once rounds have shown that wait, it is not reported as a stall each round
+    (it was: "round N waits 3 s for c (ready)"); a wait well past it still is."""
+    net = cluster("abc", run=0.0)
+    net.compute["c"] = 4.0
+    net.run(30.0)
+    rounds = sorted({r for r, _, _ in net.applied("a")})
+    assert len(rounds) >= 5 and all(v == ("a", "b", "c") for _, v, _ in net.applied("a"))
+    assert {s.r for s in net.of("a", Stall)} <= {rounds[0]}  # (the first: no wait measured yet)
+    net.compute["c"] = 15.0  # c's device slows down: past the usual wait and the deadline
+    net.run(20.0)
+    late = [s for s in net.of("a", Stall) if s.r > rounds[-1]]
+    assert late and late[0].waiting_for == ("c",) and late[0].phase == "ready" and 4.9 < late[0].seconds < 5.5
+    net.check_safety()
 
 
 def test_a_member_slower_than_the_deadline_is_waited_for_not_dropped():

@@ -61,6 +61,7 @@ QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "r
 REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
 LEAVE_OUT, LEAVE_OUT_MAX = 2.0, 30.0  # a peer a member cannot reach stays out of views this long, doubling
 MISSING_AGAIN = 5.0  # a peer named missing twice within this many seconds is left out (once: a link re-forming)
+USUAL_SLACK = 1.5  # a round first says it stalls once it waits this many times the usual wait (if past half its deadline)
 
 # (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
 _LEADER = {
@@ -213,7 +214,7 @@ class LeaderRole:
         if target and sum(self._have.get(p, 0) for p in view) < target:
             return  # the members do not hold target_batch_size samples yet: their next HAVE asks again
         L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), view
-        L.since, L.mark, L.waiting, L.got, L.failed = now, self.config.stall_warn, set(L.view), {}, set()
+        L.since, L.mark, L.waiting, L.got, L.failed = now, self._ready_stall_mark(), set(L.view), {}, set()
         self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view), "end": self._limits_msg(now)},
                         L.view)
 
@@ -244,6 +245,14 @@ class LeaderRole:
             L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn
             L.waiting = set(L.view)
             self._broadcast(self._start_msg(L), L.view)
+
+    def _ready_stall_mark(self) -> float:
+        """When a collecting round first says it stalls, as a fraction of its deadline: at
+        ``stall_warn``, or where rounds usually wait longer (local steps: the slowest member's H
+        inner steps; a slow device's batch) at USUAL_SLACK times the usual wait, at most the
+        deadline (where a member says its round stalls). A usual wait is the round's work."""
+        timer = self.timers["ready"]
+        return max(self.config.stall_warn, min(1.0, USUAL_SLACK * timer.usual() / timer.deadline()))
 
     @staticmethod
     def _start_msg(L: _Lead) -> dict:

@@ -387,12 +387,15 @@ class RoundTimer:
     def throughput(self) -> float:
         return statistics.median(self._rates) if self._rates else self._default_tp
 
+    def usual(self) -> float:
+        """The longest the recent rounds make usual: median + MAD_K MAD of the durations (0: none yet)."""
+        if not self._durations:
+            return 0.0
+        med = statistics.median(self._durations)
+        return med + self.MAD_K * statistics.median(abs(x - med) for x in self._durations)
+
     def deadline(self, nbytes: int = 0) -> float:
-        d = self.floor
+        d = max(self.floor, self.usual())
         if nbytes > 0:
             d = max(d, self.slack * nbytes / self.throughput)
-        if self._durations:
-            med = statistics.median(self._durations)
-            mad = statistics.median(abs(x - med) for x in self._durations)
-            d = max(d, med + self.MAD_K * mad)
         return d
