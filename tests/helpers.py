@@ -21,3 +21,10 @@ def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[tuple[st
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def pending_tasks() -> list:
+    """The loop's tasks still pending, the caller's own aside: after ``close()``, what its owner
+    left behind (STYLE rule 5: every task is kept, cancelled and awaited by its owner)."""
+    me = asyncio.current_task()
+    return [t for t in asyncio.all_tasks() if t is not me and not t.done()]

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from helpers import until
+from helpers import pending_tasks, until
 
 from p2ptrain.cluster import rings as rings_module
 from p2ptrain.cluster.cluster import Cluster
@@ -71,6 +71,7 @@ async def test_three_peers_commit_the_same_rounds():
     finally:
         for c in clusters:
             await c.close()
+    assert pending_tasks() == []  # (closed while rounds ran: actors, tickers, rings, mesh readers, pings)
 
 
 @pytest.mark.parametrize("how", ["goodbye", "crash"])

@@ -5,10 +5,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from helpers import until
+from helpers import pending_tasks, until
 
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce
+from p2ptrain.net import mesh as mesh_module, transport, wire
 from p2ptrain.net.mesh import Mesh
 
 pytestmark = pytest.mark.timeout(30)
@@ -129,3 +130,25 @@ async def test_wrong_secret_is_never_admitted():
     finally:
         await good.mesh.close()
         await bad.mesh.close()
+
+
+async def test_close_leaves_no_task_behind_not_even_a_ping_stuck_in_a_send(monkeypatch):
+    monkeypatch.setattr(mesh_module, "KEEPALIVE", 0.05)
+    send, stuck = transport.Link.send, []
+
+    async def stalled_ping(self, header, payload=(), timeout=None):
+        if header["t"] == wire.PING:  # a peer that stopped reading: the ping waits (up to 5 keepalives)
+            stuck.append(self)
+            await asyncio.sleep(60)
+        await send(self, header, payload, timeout)
+
+    monkeypatch.setattr(transport.Link, "send", stalled_ping)
+    peers = await started("a", "b")
+    try:
+        await everyone_proposes_everyone(peers)
+        await until(lambda: all(len(p.mesh.peers) == 1 for p in peers))
+        await until(lambda: len(stuck) >= 4)  # pings of both ends, several rounds of them
+    finally:
+        for p in peers:
+            await p.mesh.close()
+    assert pending_tasks() == []

@@ -53,6 +53,7 @@ from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.records import RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
 from p2ptrain.cluster.statesync import LINEAGE, StateTransfer
+from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
 log = logging.getLogger("p2ptrain.cluster.cluster")
@@ -109,30 +110,30 @@ class Cluster:
         self._refused: set[str] = set()  # peers refused for their settings, said once each
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
-        self._fetcher: asyncio.Task | None = None
+        self._tasks = TaskSet()  # every task of this cluster: actor, ticker, rings, state downloads
+        self._fetcher: asyncio.Task | None = None  # (of those: the state download in progress)
         self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
         self.trace = NO_TRACE  # or a p2ptrain.trace.Tracer: rounds, rings and applies as spans
         self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
-        self.rings = Rings(peer_id, self.mesh, self.codec, ring_timeout,
+        self.rings = Rings(peer_id, self.mesh, self.codec, ring_timeout, self._tasks,
                            on_done=lambda r, ok, checksum: self._post("ring_done", r, ok, checksum))
         self.applied = 0  # rounds applied here
         self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
-        self.reconciler = Reconciler(peer_id, self.machine, self.transfer, source)
+        self.reconciler = Reconciler(peer_id, self.machine, self.transfer, source, self._tasks)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
         self._taken: dict[int, tuple[np.ndarray, int]] = {}
         self._waiting_take: list[int] = []  # rounds asked for a contribution the source did not have yet
-        self._tasks: list[asyncio.Task] = []
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
         self.finished: msg.Finish | None = None  # the cluster's run is over: its last version and round here
 
     async def __aenter__(self) -> "Cluster":
         auth.warn_if_open(self._secret)
         await self.mesh.start()
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._actor()), loop.create_task(self._ticker())]
+        self._tasks.spawn(self._actor())
+        self._tasks.spawn(self._ticker())
         self._post("synced", self._start)
         return self
 
@@ -147,11 +148,7 @@ class Cluster:
             await asyncio.wait_for(done, 2.0)
         except asyncio.TimeoutError:
             pass
-        fetcher = [t for t in (self._fetcher, self.reconciler.task) if t]
-        rings = list(self.rings.tasks.values())
-        for task in [*self._tasks, *rings, *fetcher]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *rings, *fetcher, return_exceptions=True)
+        await self._tasks.close()
         await self.transfer.close()
         await self.mesh.close()
 
@@ -330,7 +327,7 @@ class Cluster:
                 self._ring_began.pop(action.r, None)
             elif isinstance(action, msg.Resync):
                 if self._fetcher is None or self._fetcher.done():
-                    self._fetcher = loop.create_task(self._fetch_state(action.source))
+                    self._fetcher = self._tasks.spawn(self._fetch_state(action.source))
             elif isinstance(action, msg.Stall):
                 log.warning("round %d waits %.0f s for %s (%s)", action.r, action.seconds,
                             ", ".join(action.waiting_for), action.phase)

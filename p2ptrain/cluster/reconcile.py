@@ -26,6 +26,7 @@ from p2ptrain.cluster import drift
 from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.cluster.statesync import LINEAGE
 from p2ptrain.errors import P2PTrainError, RemoteProtocolError
+from p2ptrain.taskset import TaskSet
 
 log = logging.getLogger("p2ptrain.cluster.cluster")  # (the cluster's lines, under the cluster's name)
 
@@ -36,10 +37,12 @@ _SKETCH_BYTES = drift.MAX_GROUPS * (drift.K + 3) * 8
 
 class Reconciler:
     """Our sketches and the leader's, compared at equal points; a drift past the tolerance loads
-    the leader's parameters (``transfer.fetch``) and hands them to ``source.reconcile``."""
+    the leader's parameters (``transfer.fetch``, a task in the owner's ``tasks``) and hands them
+    to ``source.reconcile``."""
 
-    def __init__(self, peer_id: str, machine, transfer, source):
+    def __init__(self, peer_id: str, machine, transfer, source, tasks: TaskSet):
         self.peer_id, self.machine, self.transfer, self.source = peer_id, machine, transfer, source
+        self._tasks = tasks
         self.reconciled = 0  # the leader's parameters downloaded because ours drifted past the tolerance
         self.compared = 0  # comparisons with the leader's sketch
         self.identical = 0  # ... of which bit-identical
@@ -85,7 +88,7 @@ class Reconciler:
             log.info("parameters drifted from the leader %s's after update %d: relative L2 %.1e in group %d, "
                      "beyond the tolerance %.0e; loading its parameters", theirs[0], version, d.relative, d.group,
                      drift.TOLERANCE)
-            self.task = asyncio.get_running_loop().create_task(self._reconcile(theirs[0]))
+            self.task = self._tasks.spawn(self._reconcile(theirs[0]))
         return []
 
     def _count(self, d: drift.Drift, leader: str, version: int) -> None:

@@ -28,6 +28,7 @@ from p2ptrain.collective.pool import shared_pool
 from p2ptrain.collective.ring import chunk_elems_for
 from p2ptrain.errors import P2PTrainError
 from p2ptrain.net.mesh import Mesh
+from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
 log = logging.getLogger("p2ptrain.cluster.cluster")  # (the cluster's lines, under the cluster's name)
@@ -35,14 +36,15 @@ KEEP_RESULTS = 2  # applied sums kept for later rings to write into
 
 
 class Rings:
-    """One peer's rings. ``start`` a round's ring (a task; ``on_done(r, ok, checksum)`` when it
-    ends), then ``commit`` (its sum, for the trainer) or ``cancel`` it."""
+    """One peer's rings. ``start`` a round's ring (a task in the owner's ``tasks``, which
+    closing cancels; ``on_done(r, ok, checksum)`` when it ends), then ``commit`` (its sum, for
+    the trainer) or ``cancel`` it."""
 
-    def __init__(self, peer_id: str, mesh: Mesh, codec: Codec, timeout: float,
+    def __init__(self, peer_id: str, mesh: Mesh, codec: Codec, timeout: float, tasks: TaskSet,
                  on_done: Callable[[int, bool, bytes | None], None]):
         self.peer_id, self.mesh, self.codec, self.timeout = peer_id, mesh, codec, timeout
-        self._on_done = on_done
-        self.tasks: dict[int, asyncio.Task] = {}  # the rings running, by round
+        self._tasks, self._on_done = tasks, on_done
+        self._running: dict[int, asyncio.Task] = {}  # the rings running, by round
         self.stats: dict[int, object] = {}  # a finished ring's ``RingStats``, until the round is recorded
         # A finished ring's sum, and the residual owed once it commits (None: nothing is owed).
         self._results: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
@@ -54,7 +56,7 @@ class Rings:
 
     def start(self, r: int, view: tuple[str, ...], vector: np.ndarray, trace=NO_TRACE) -> None:
         """Round r's ring over ``view`` (in its order), on our contribution ``vector``."""
-        self.tasks[r] = asyncio.get_running_loop().create_task(self._ring(r, view, vector, trace))
+        self._running[r] = self._tasks.spawn(self._ring(r, view, vector, trace))
 
     async def _ring(self, r: int, view: tuple[str, ...], vector: np.ndarray, trace) -> None:
         # The vector stays whole (an aborted round puts it back), and so does the residual
@@ -62,7 +64,7 @@ class Rings:
         owed = self.residual if self.residual is not None and len(self.residual) == len(vector) else None
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
             self._results[r] = (vector if owed is None else vector + owed, None)  # (exact: nothing owed)
-            self.tasks.pop(r, None)
+            self._running.pop(r, None)
             self._on_done(r, True, None)
             return
         # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
@@ -89,7 +91,7 @@ class Rings:
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok, checksum = False, None
-        self.tasks.pop(r, None)
+        self._running.pop(r, None)
         self._on_done(r, ok, checksum)
 
     def commit(self, r: int, total: int) -> np.ndarray | None:
@@ -109,7 +111,7 @@ class Rings:
     def cancel(self, r: int) -> None:
         """Round r aborted: stop its ring if it runs, forget its sum (and its residual: the one
         owed before it is still owed)."""
-        ring = self.tasks.pop(r, None)
+        ring = self._running.pop(r, None)
         if ring is not None:
             ring.cancel()
         self._results.pop(r, None)

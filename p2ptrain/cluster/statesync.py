@@ -34,6 +34,7 @@ from p2ptrain.cluster import snapshot
 
 from p2ptrain.net import wire
 from p2ptrain.errors import FingerprintError, LinkError, P2PTrainError, RemoteProtocolError
+from p2ptrain.taskset import TaskSet
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.fingerprint import fingerprint_diff
 
@@ -105,18 +106,12 @@ class StateTransfer:
         self._on_ask, self._on_foreign = on_ask, on_foreign
         self._ids = itertools.count(1)
         self._fetches: dict[int, tuple[str, asyncio.Queue]] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._sending = TaskSet()  # the messages and snapshots being sent
         self._told: set[str] = set()
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Stop sending: a snapshot half sent is abandoned."""
+        await self._sending.close()
 
     # -- frames in ----------------------------------------------------------------------------
     def on_frame(self, peer: str, frame: wire.Frame) -> None:
@@ -147,14 +142,14 @@ class StateTransfer:
         """Send our fingerprint to a peer whose handshake digest differs (once per peer)."""
         if peer not in self._told:
             self._told.add(peer)
-            self._spawn(self._send(peer, {"t": wire.STATE, "k": MODEL}, [_fp_bytes(self.fingerprint)]))
+            self._sending.spawn(self._send(peer, {"t": wire.STATE, "k": MODEL}, [_fp_bytes(self.fingerprint)]))
 
     # -- serving ------------------------------------------------------------------------------
     def refuse(self, peer: str, ask_id: int, why: str, cause: str | None = None) -> None:
         """Tell ``peer`` it gets no snapshot, and ``why`` (one line, for its log). ``cause``
         (MODEL: it trains another model) is what the asker branches on."""
         head = {"t": wire.STATE, "k": REFUSE, "id": ask_id, "why": why[:200]}
-        self._spawn(self._send(peer, {**head, "cause": cause} if cause else head))
+        self._sending.spawn(self._send(peer, {**head, "cause": cause} if cause else head))
 
     def serve(self, peer: str, ask_id: int, state: dict, point: SyncPoint,
               on_sent: Callable[[], None] = lambda: None) -> None:
@@ -166,7 +161,7 @@ class StateTransfer:
         n = -(-blob.nbytes // PART_BYTES)
         head = {"t": wire.STATE, "k": PART, "id": ask_id, "n": n, "size": blob.nbytes, "checksum": checksum,
                 "sync": [point.version, point.digest, point.round, point.epoch]}
-        self._spawn(self._send_parts(peer, head, blob, on_sent))
+        self._sending.spawn(self._send_parts(peer, head, blob, on_sent))
 
     async def _send_parts(self, peer: str, head: dict, blob: memoryview, on_sent: Callable[[], None]) -> None:
         try:

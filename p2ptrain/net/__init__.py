@@ -4,5 +4,5 @@ Sans-I/O: ``wire`` (frames, limits), ``auth`` (handshake, beacon tags), ``beacon
 format and filter). I/O: ``transport`` (TCP listener and links), ``mesh`` (one link per
 pair of peers that talk), ``discovery`` (UDP beacons, static peers), ``interfaces``.
 
-May import: the base modules (``p2ptrain.errors``, ``identity``, ``trace``, ``device``).
+May import: the base modules (``p2ptrain.errors``, ``identity``, ``trace``, ``device``, ``taskset``).
 """

@@ -11,6 +11,9 @@ which routes what arrives:
 - keepalives (``wire.PING``, every KEEPALIVE seconds on every link) only refresh ``heard_at``;
 - everything else (round messages, the round machine's GOODBYE too) to ``on_message(peer_id, header)``.
 
+Every task the mesh runs (dials, readers, keepalives) is in one ``TaskSet``, which ``close``
+cancels and awaits.
+
 Two peers that dial each other at once end up with two links; both keep the one dialed by
 the smaller peer id and close the other, so they agree without talking. A link that fails
 or closes is dropped and reported once through ``on_lost(peer_id, reason)``.
@@ -28,6 +31,7 @@ from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, transport, wire
 from p2ptrain.errors import ConfigError, LinkError, P2PTrainError
+from p2ptrain.taskset import TaskSet
 
 log = logging.getLogger("p2ptrain.net.mesh")
 
@@ -95,8 +99,8 @@ class Mesh:
         self._dialer: dict[str, str] = {}  # peer id -> which end opened our link to it
         self._addr: dict[str, tuple[str, int]] = {}  # peer id -> where it listens
         self._channels: dict[str, ChunkChannel] = {}
+        self._tasks = TaskSet()  # owns every task below, readers of losing duplicates and pings too
         self._readers: dict[str, asyncio.Task] = {}
-        self._lingering: set[asyncio.Task] = set()  # readers of losing duplicates
         self._dialing: dict[tuple[str, int], asyncio.Task] = {}
         self._failed_at: dict[tuple[str, int], float] = {}
         self._proposed: set[tuple[str, int]] = set()  # every address proposed (not our own)
@@ -106,7 +110,6 @@ class Mesh:
         self._said: set[tuple[tuple[str, int], str]] = set()
         self._listener: transport.Listener | None = None
         self._closed = False
-        self._pinger: asyncio.Task | None = None
         self.heard_at: dict[str, float] = {}  # peer id -> loop time of the last frame from it
 
     # -- life cycle -----------------------------------------------------------------------
@@ -120,7 +123,7 @@ class Mesh:
                               "listen=; 0: any free one) or an address of this machine (--host)") from None
         self.port = self._listener.port
         self.info["port"] = self.port
-        self._pinger = asyncio.get_running_loop().create_task(self._ping())
+        self._tasks.spawn(self._ping())
 
     async def close(self) -> None:
         """Say goodbye to every peer, then close links, dialers and the listener."""
@@ -130,10 +133,7 @@ class Mesh:
                 await link.send({"t": wire.BYE}, timeout=1.0)
             except P2PTrainError:
                 pass
-        tasks = [*self._dialing.values(), *self._readers.values(), *self._lingering, *filter(None, [self._pinger])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
         for link in self._links.values():
             link.close()
         self._links.clear()
@@ -166,7 +166,7 @@ class Mesh:
         if (self._closed or key in self._dialing or key in self._addr.values()
                 or now - self._failed_at.get(key, -1e9) < RETRY_AFTER):
             return
-        task = loop.create_task(self._dial(host, port))
+        task = self._tasks.spawn(self._dial(host, port))
         self._dialing[key] = task
         task.add_done_callback(lambda t, k=key: self._dialing.pop(k, None))
 
@@ -252,24 +252,21 @@ class Mesh:
             self.refused.pop(addr, None)
             self._said = {said for said in self._said if said[0] != addr}  # (a later refusal is news)
         self._channels[pid] = ChunkChannel(link)
-        self._readers[pid] = asyncio.get_running_loop().create_task(self._read(pid, link))
+        self._readers[pid] = self._tasks.spawn(self._read(pid, link))
         self._on_admitted(pid, link.peer.info)
 
     def _linger(self, pid: str, link: transport.Link) -> None:
         """Stop sending on a losing duplicate but read it a while: the other end may still
         send on it until it sees the link we keep."""
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(self._read(pid, link))
-        self._lingering.add(task)
-        task.add_done_callback(self._lingering.discard)
-        loop.call_later(DUPLICATE_GRACE, link.close)
+        self._tasks.spawn(self._read(pid, link))
+        asyncio.get_running_loop().call_later(DUPLICATE_GRACE, link.close)
 
     async def _ping(self) -> None:
         while True:
             await asyncio.sleep(KEEPALIVE)
             for link in list(self._links.values()):
                 if not link.closed:
-                    asyncio.get_running_loop().create_task(self._ping_one(link))
+                    self._tasks.spawn(self._ping_one(link))
 
     @staticmethod
     async def _ping_one(link: transport.Link) -> None:

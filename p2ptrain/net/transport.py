@@ -31,6 +31,7 @@ from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, wire
 from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
+from p2ptrain.taskset import TaskSet
 
 log = logging.getLogger("p2ptrain.net.transport")
 
@@ -376,9 +377,9 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
 class Listener:
     """A listening socket and the handshakes in progress on it; owns both. ``close()`` ends them."""
 
-    def __init__(self, server: asyncio.AbstractServer, pending: set[asyncio.Task]):
+    def __init__(self, server: asyncio.AbstractServer, admissions: TaskSet):
         self.server = server
-        self._pending = pending
+        self._admissions = admissions
 
     @property
     def port(self) -> int:
@@ -386,10 +387,7 @@ class Listener:
 
     async def close(self) -> None:
         self.server.close()
-        for task in list(self._pending):
-            task.cancel()
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=5.0)
+        await self._admissions.close(timeout=5.0)
         try:  # from 3.12 this also waits for accepted connections: their owners close them
             await asyncio.wait_for(self.server.wait_closed(), 5.0)
         except asyncio.TimeoutError:
@@ -408,7 +406,7 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
     The caller owns the returned ``Listener`` and closes it.
     """
     loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task] = set()
+    admissions = TaskSet()  # the handshakes in progress
     said: set[tuple[str, str]] = set()  # (remote host, reason) logged
 
     def refused(remote: str, exc: P2PTrainError) -> None:
@@ -435,12 +433,7 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
             if asyncio.iscoroutine(result):
                 await result
 
-        def start():
-            task = loop.create_task(admit())
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-
-        return _FrameProtocol(link, start)
+        return _FrameProtocol(link, lambda: admissions.spawn(admit()))
 
     server = await loop.create_server(factory, host, port, reuse_address=True)
-    return Listener(server, pending)
+    return Listener(server, admissions)

@@ -1,0 +1,55 @@
+"""``TaskSet``: the tasks one object starts, kept, cancelled and awaited by it (STYLE rule 5).
+
+``asyncio.TaskGroup`` (Python 3.11) is the model; we support 3.10, and our owners hold their
+tasks from ``start`` to ``close`` rather than for one ``async with`` block, so this is the part
+of it they need: ``spawn`` keeps the task until it ends, ``close`` cancels what still runs and
+waits for it. Unlike a TaskGroup, a task that fails does not cancel its siblings: each owner
+handles its tasks' errors where they arise (a link reader reports its link lost).
+
+Call order: ``spawn`` any number of times; ``await close()`` once. A set that is closed runs
+nothing new: a task spawned after ``close`` is cancelled before its first step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+
+
+class TaskSet:
+    """The tasks of one owner. See the module docstring."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """Run ``coro`` as a task this set owns (call on the running loop)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if self._closed:
+            task.cancel()
+        return task
+
+    def __iter__(self) -> Iterator[asyncio.Task]:
+        """The tasks still running."""
+        return iter(list(self._tasks))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Cancel every task and wait for them (at most ``timeout`` seconds; None: until they
+        end). Their exceptions are retrieved and dropped: the owner is closing. A cancellation
+        of the caller itself still propagates."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            return
+        done, _ = await asyncio.wait(tasks, timeout=timeout)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # (retrieved: asyncio would log it as never retrieved)

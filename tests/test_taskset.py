@@ -1,0 +1,80 @@
+"""TaskSet: the tasks of one owner are kept while they run, and cancelled and awaited on close."""
+
+import asyncio
+
+import pytest
+
+from helpers import pending_tasks
+
+from p2ptrain.taskset import TaskSet
+
+pytestmark = pytest.mark.timeout(10)
+
+
+async def test_close_cancels_and_awaits_every_task_and_keeps_none_that_ended():
+    tasks, cleaned = TaskSet(), []
+
+    async def forever(i):
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.append(i)
+
+    async def quick():
+        return 1
+
+    for i in range(3):
+        tasks.spawn(forever(i))
+    done = tasks.spawn(quick())
+    await done
+    await asyncio.sleep(0)
+    assert len(tasks) == 3 and done not in list(tasks)  # a task that ended is let go
+    await tasks.close()
+    assert sorted(cleaned) == [0, 1, 2] and len(tasks) == 0 and pending_tasks() == []
+
+
+async def test_a_task_spawned_after_close_never_runs():
+    tasks, ran = TaskSet(), []
+    await tasks.close()
+
+    async def work():
+        ran.append(1)
+
+    task = tasks.spawn(work())
+    await asyncio.sleep(0.01)
+    assert task.cancelled() and ran == []
+
+
+async def test_a_task_that_failed_does_not_stop_its_siblings_and_close_retrieves_its_error():
+    tasks = TaskSet()
+
+    async def fail():
+        raise ValueError("a bug")
+
+    failed = tasks.spawn(fail())
+    sibling = tasks.spawn(asyncio.sleep(60))
+    await asyncio.sleep(0.01)
+    assert failed.done() and not sibling.done()
+    await tasks.close()
+    assert sibling.cancelled()
+
+
+async def test_close_gives_up_waiting_after_its_timeout():
+    tasks = TaskSet()
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass  # swallowed once (what no task of ours does: rule 5)
+        await asyncio.sleep(60)
+
+    task = tasks.spawn(stubborn())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await tasks.close(timeout=0.1)
+    assert 0.1 <= loop.time() - t0 < 1.0 and not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
