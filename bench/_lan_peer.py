@@ -87,10 +87,25 @@ def _ifname_of(host: str) -> str | None:
     return next((i.name for i in list_interfaces() if i.address == addr), None)
 
 
+def cpu_times(pid: int) -> tuple[float, float] | None:
+    """Seconds the threads of process ``pid`` ran on a CPU, and waited runnable for one (other
+    processes on its cores had it), from Linux's /proc/PID/task/*/schedstat; None elsewhere."""
+    run = queued = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
+                fields = f.read().split()
+            run, queued = run + int(fields[0]), queued + int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return run / 1e9, queued / 1e9
+
+
 def run_child(cmd: list[str], env: dict, log: Path, timeout: float, tick=None,
-              progress: Path | None = None, stall: float = 0.0) -> tuple[int, str]:
+              progress: Path | None = None, stall: float = 0.0, cpu: dict | None = None) -> tuple[int, str]:
     """Run cmd to completion; exit code and output tail. Killed (in ``finally`` at the latest)
-    after ``timeout`` s, or when the file ``progress`` has not grown for ``stall`` s (once it exists)."""
+    after ``timeout`` s, or when the file ``progress`` has not grown for ``stall`` s (once it exists).
+    ``cpu``: filled with the child's last ``cpu_times`` seen (``cpu_s``, ``queued_s``)."""
     with open(log, "w", encoding="utf-8") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -98,6 +113,9 @@ def run_child(cmd: list[str], env: dict, log: Path, timeout: float, tick=None,
         size, grew = -1, time.monotonic()
         while p.poll() is None:
             now = time.monotonic()
+            times = cpu_times(p.pid) if cpu is not None else None
+            if times:
+                cpu["cpu_s"], cpu["queued_s"] = times
             if progress is not None and stall and progress.exists():
                 if progress.stat().st_size != size:
                     size, grew = progress.stat().st_size, now
@@ -255,11 +273,12 @@ class Peer:
             records, _ = _lan_train.read_metrics(metrics)
             return f"round {len(records)}/{a.rounds}" + (f"  loss {records[-1]['loss']:.3f}" if records else "")
 
+        cpu: dict = {}
         rc, out = run_child(cmd, self.env, self.tmp / f"{name}.log", a.timeout, self._ticker(status),
-                            progress=metrics, stall=a.stall)
+                            progress=metrics, stall=a.stall, cpu=cpu)
         mine = {"ok": rc == 0, "error": None if rc == 0 else _error(rc, out),
-                "summary": _lan_train.summarize(*_lan_train.read_metrics(metrics), a.target_loss,
-                                                step_samples=a.batch_size * run.n)}
+                "summary": {**_lan_train.summarize(*_lan_train.read_metrics(metrics), a.target_loss,
+                                                   step_samples=a.batch_size * run.n), **cpu}}
         if self.rank:
             mine["summary"].pop("curve", None)  # rank 0's curve is the one plotted
         return self._finish(ctl, name, mine)

@@ -20,6 +20,7 @@ from pathlib import Path
 import _common
 
 BENCH = Path(__file__).resolve().parent
+QUEUED_NOTE = 0.1  # a note when rank 0's training process waited for a CPU more than this share of its time
 ERR_ELEMS = 1 << 20  # the codec error is simulated on at most this many values per peer
 
 
@@ -77,6 +78,10 @@ class Report:
                "own_samples_by_peer": [x.get("summary", {}).get("own_samples") for x in taking], **first}
         if row.get("samples_per_s"):
             row["per_peer_samples_per_s"] = row["samples_per_s"] / run.n
+        row["queued_by_peer"] = [_queued(x.get("summary", {})) for x in taking]
+        if (row["queued_by_peer"][0] or 0) > QUEUED_NOTE:
+            self.notes.append(f"{run.label}: rank 0 waited for a CPU {row['queued_by_peer'][0]:.0%} of the time it "
+                              "could run (other processes had its cores): its own/s is low by up to that share")
         if not row["ok"]:
             self.failed.append(f"{run.label}: {row['error'].splitlines()[0][:300]}")
         elif row.get("identical") is False and (run.staleness in (None, 0) or run.sync_every):
@@ -244,6 +249,12 @@ class Report:
             made.append(_save(fig, stem.parent / f"{stem.name}-loss.png"))
         plt.close("all")
         return made
+
+
+def _queued(summary: dict) -> float | None:
+    """The share of the time a peer's training process could run that it waited for a CPU."""
+    run, queued = summary.get("cpu_s"), summary.get("queued_s")
+    return queued / (run + queued) if run is not None and queued is not None and run + queued > 0 else None
 
 
 def _loadavg() -> list[float] | None:

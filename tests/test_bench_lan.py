@@ -98,6 +98,16 @@ def test_a_pinned_peer_and_what_it_starts_keep_to_one_core():
     assert out.stdout.split() == [str(core), f"[{core}]"]
 
 
+def test_a_training_process_says_how_long_it_waited_for_a_cpu():
+    import _lan_peer
+    import _lan_report
+
+    run, queued = _lan_peer.cpu_times(os.getpid())
+    assert run > 0 and queued >= 0
+    assert _lan_peer.cpu_times(2 ** 22 + 1) is None  # (no such process)
+    assert _lan_report._queued({"cpu_s": 3.0, "queued_s": 1.0}) == 0.25 and _lan_report._queued({}) is None
+
+
 def test_bad_options_are_refused_with_one_line():
     code, _, err, _ = lan("--local", "2", "--netns", "1gbit,100mbit,100mbit", timeout=60)
     assert code == 2 and "gives 3 rates for --local 2" in err
