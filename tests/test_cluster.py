@@ -90,6 +90,7 @@ async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
         before = len(trainers[0].applied)
         await until(lambda: len(trainers[0].applied) >= before + 3, timeout=20)
         assert trainers[0].applied[-1] == trainers[1].applied[-1] == (3.0, 2)  # a and b: 1 + 2, two samples
+        assert all(len(c._rounds) <= 2 for c in clusters[:2])  # rounds applied or put back are let go
         n = min(len(trainers[0].applied), len(trainers[1].applied))
         assert trainers[0].applied[:n] == trainers[1].applied[:n]
     finally:

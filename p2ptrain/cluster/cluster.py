@@ -15,6 +15,9 @@ returns, in order:
     Stall / Log       -> logging
     Finish(version)   -> ``finished``; source.finish(): the cluster's run is over (``ending``)
 
+What one round holds here (our contribution, when its ring began, the ring, its sum) is a
+``rings.Round``, one per round in flight in ``_rounds``, from Contribute to Apply or PutBack.
+
 Reconciliation (parameter sketches compared with the leader's, a drift past the tolerance
 corrected) is ``reconcile``'s; the records of applied rounds are ``records``'; the rings, their
 sums and error feedback's residual (a lossy codec's dropped part, owed to the next round) are
@@ -48,7 +51,7 @@ from p2ptrain.cluster import settings as shared_settings
 from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
-from p2ptrain.cluster.rings import Rings
+from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.records import RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
@@ -112,7 +115,6 @@ class Cluster:
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._tasks = TaskSet()  # every task of this cluster: actor, ticker, rings, state downloads
         self._fetcher: asyncio.Task | None = None  # (of those: the state download in progress)
-        self._ring_began: dict[int, float] = {}
         self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
         self.trace = NO_TRACE  # or a p2ptrain.trace.Tracer: rounds, rings and applies as spans
@@ -124,8 +126,7 @@ class Cluster:
         self.reconciler = Reconciler(peer_id, self.machine, self.transfer, source, self._tasks)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
-        self._taken: dict[int, tuple[np.ndarray, int]] = {}
-        self._waiting_take: list[int] = []  # rounds asked for a contribution the source did not have yet
+        self._rounds: dict[int, Round] = {}  # the rounds in flight here (contributed, ringing, or waiting to)
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
         self.finished: msg.Finish | None = None  # the cluster's run is over: its last version and round here
 
@@ -170,7 +171,7 @@ class Cluster:
     def ring_seconds(self, r: int) -> float | None:
         """Seconds since round r's ring started here (None: none did), for the trainer's
         ``apply`` of that round: the wire's share of a round, without waiting for members."""
-        began = self._ring_began.get(r)
+        began = self._rounds[r].began if r in self._rounds else None
         return None if began is None else asyncio.get_running_loop().time() - began
 
     def propose(self, host: str, port: int) -> None:
@@ -256,8 +257,10 @@ class Cluster:
                 elif kind == "synced":
                     actions = m.on_synced(args[0], now)
                 elif kind == "take":
-                    waiting, self._waiting_take = self._waiting_take, []
-                    actions = [msg.Contribute(r) for r in waiting]
+                    waiting = [rnd for rnd in self._rounds.values() if rnd.waiting]
+                    for rnd in waiting:
+                        rnd.waiting = False
+                    actions = [msg.Contribute(rnd.r) for rnd in waiting]
                 elif kind == "holding":
                     actions = m.on_holding(self.source.held(), now)
                 elif kind == "params":
@@ -305,26 +308,28 @@ class Cluster:
                 for peer in action.to:
                     await self._send(peer, action.msg)
             elif isinstance(action, msg.Contribute):
+                rnd = self._rounds.setdefault(action.r, Round(action.r))
                 taken = self.source.take()
                 if taken is None:  # the round waits for this peer (its next batch, or a moment)
-                    self._waiting_take.append(action.r)
+                    rnd.waiting = True
                     continue
-                vector, samples = taken
+                vector, samples = rnd.taken = taken
                 log.debug("round %d: contributing %d samples", action.r, samples)
-                self._taken[action.r] = (vector, samples)
                 await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
                                                                          vector.nbytes))
             elif isinstance(action, msg.StartRing):
-                self._ring_began[action.r] = loop.time()
-                self.rings.start(action.r, action.view, self._taken[action.r][0], self.trace)  # (READY: taken)
+                rnd = self._rounds[action.r]  # (READY: taken)
+                rnd.began = loop.time()
+                self.rings.start(rnd, action.view, self.trace)
             elif isinstance(action, msg.Apply):
-                own = self._taken.get(action.r, (None, 0))[1]
+                rnd = self._rounds.get(action.r) or Round(action.r)  # (none: we had no part in it)
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
-                    self._apply(action.r, action.total_samples)
-                self._record(action.r, action.total_samples, own, action.view)
+                    self._apply(rnd, action.total_samples)
+                self._record(rnd, action.total_samples, action.view)
+                if not rnd.waiting:  # (one still waiting is answered at the next take, late: the machine asked)
+                    self._rounds.pop(action.r, None)
             elif isinstance(action, msg.PutBack):
                 self._put_back(action.r)
-                self._ring_began.pop(action.r, None)
             elif isinstance(action, msg.Resync):
                 if self._fetcher is None or self._fetcher.done():
                     self._fetcher = self._tasks.spawn(self._fetch_state(action.source))
@@ -350,21 +355,18 @@ class Cluster:
         """The trainer is done with an applied sum (any thread): a later ring writes into it."""
         self.rings.recycle(summed)
 
-    def _apply(self, r: int, total: int) -> None:
-        summed = self.rings.commit(r, total)  # (what this round dropped is owed now)
-        self._taken.pop(r, None)
+    def _apply(self, rnd: Round, total: int) -> None:
+        summed = self.rings.commit(rnd, total)  # (what this round dropped is owed now)
         if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
             self.source.apply(summed, total)
         self.applied += 1
 
     def _put_back(self, r: int) -> None:
-        log.debug("round %d: putting back %s", r, "our contribution" if r in self._taken else "nothing")
-        if r in self._waiting_take:
-            self._waiting_take.remove(r)
-        self.rings.cancel(r)  # (and its residual: the one owed before it is still owed)
-        taken = self._taken.pop(r, None)
-        if taken is not None:
-            self.source.put_back(*taken)
+        rnd = self._rounds.pop(r, None) or Round(r)
+        log.debug("round %d: putting back %s", r, "our contribution" if rnd.taken is not None else "nothing")
+        self.rings.cancel(rnd)  # (and its residual: the one owed before it is still owed)
+        if rnd.taken is not None:
+            self.source.put_back(*rnd.taken)
 
     # -- state transfer -------------------------------------------------------------------
     def _serve(self, peer: str, ask_id: int, waited: float, parameters_only: bool = False) -> list:
@@ -447,13 +449,13 @@ class Cluster:
             self._refused.add(peer)
             log.error("%s; this peer keeps training with the others", text)
 
-    def _record(self, r: int, total: int, own: int, view: tuple) -> None:
-        stats = self.rings.stats.pop(r, None)
+    def _record(self, rnd: Round, total: int, view: tuple) -> None:
+        stats, r, began = rnd.stats, rnd.r, rnd.began
         wire, raw = (stats.wire_bytes, stats.raw_bytes) if stats is not None else (0, 0)
         self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
-        began = self._ring_began.pop(r, None)
         seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0
-        self.rounds.append(RoundRecord(r, len(view), total, own, wire, raw, seconds, time.time(), self.rounds.total))
+        self.rounds.append(RoundRecord(r, len(view), total, rnd.samples, wire, raw, seconds, time.time(),
+                                       self.rounds.total))
         if began is not None:
             now = self.trace.now()
             self.trace.span(f"round {r}", "round", now - seconds, now, members=len(view), samples=total,

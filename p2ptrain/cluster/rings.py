@@ -1,5 +1,6 @@
 """``Rings``: the data path of a peer's rounds, for ``Cluster``: each round's ring-allreduce
 over the mesh, its sum kept until the round commits or aborts, and error feedback's residual.
+``Round``: what one round holds on this peer, from its contribution to its commit or abort.
 
 Why apart from ``cluster``: the cluster's actor decides (events in, the machine's actions
 out); this is what carries out ``StartRing``, and what ``Apply`` and ``PutBack`` do to the
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable
 
 import numpy as np
 
 from p2ptrain.codecs import Codec
-from p2ptrain.collective.allreduce import RingAllreduce
+from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
 from p2ptrain.collective.pool import shared_pool
 from p2ptrain.collective.ring import chunk_elems_for
 from p2ptrain.errors import P2PTrainError
@@ -35,36 +37,55 @@ log = logging.getLogger("p2ptrain.cluster.cluster")  # (the cluster's lines, und
 KEEP_RESULTS = 2  # applied sums kept for later rings to write into
 
 
+@dataclasses.dataclass(eq=False)
+class Round:
+    """One round's state on this peer, from the machine's ``Contribute`` to its ``Apply`` or
+    ``PutBack``. ``Cluster`` keeps one per round in flight, by number, and forgets it then (one
+    still ``waiting`` at its Apply, once the next take has answered the machine, late);
+    ``Rings`` fills in the ring's part."""
+
+    r: int
+    taken: tuple[np.ndarray, int] | None = None  # our contribution (vector, samples), once the source gave it
+    waiting: bool = False  # asked for a contribution the source did not have yet: the next ``take`` asks again
+    began: float | None = None  # loop time our ring started
+    ring: asyncio.Task | None = None  # our ring, while it runs
+    stats: AllreduceStats | None = None  # what a finished ring sent
+    summed: np.ndarray | None = None  # a finished ring's sum ...
+    residual: np.ndarray | None = None  # ... and the residual owed once it commits (None: nothing is owed)
+
+    @property
+    def samples(self) -> int:
+        """Our contribution's samples (0: none taken)."""
+        return self.taken[1] if self.taken is not None else 0
+
+
 class Rings:
     """One peer's rings. ``start`` a round's ring (a task in the owner's ``tasks``, which
     closing cancels; ``on_done(r, ok, checksum)`` when it ends), then ``commit`` (its sum, for
-    the trainer) or ``cancel`` it."""
+    the trainer) or ``cancel`` it. What a ring leaves (its sum, residual, stats) is the ``Round``'s."""
 
     def __init__(self, peer_id: str, mesh: Mesh, codec: Codec, timeout: float, tasks: TaskSet,
                  on_done: Callable[[int, bool, bytes | None], None]):
         self.peer_id, self.mesh, self.codec, self.timeout = peer_id, mesh, codec, timeout
         self._tasks, self._on_done = tasks, on_done
-        self._running: dict[int, asyncio.Task] = {}  # the rings running, by round
-        self.stats: dict[int, object] = {}  # a finished ring's ``RingStats``, until the round is recorded
-        # A finished ring's sum, and the residual owed once it commits (None: nothing is owed).
-        self._results: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         # Error feedback (lossy codecs): what our encodes dropped in the rounds applied so far,
         # added to our next contribution; a round's own residual replaces it when it commits.
         self.residual: np.ndarray | None = None
         self._spare: np.ndarray | None = None  # (the buffer the next ring writes its residual into)
         self._free: collections.deque[np.ndarray] = collections.deque()  # (recycle: any thread)
 
-    def start(self, r: int, view: tuple[str, ...], vector: np.ndarray, trace=NO_TRACE) -> None:
-        """Round r's ring over ``view`` (in its order), on our contribution ``vector``."""
-        self._running[r] = self._tasks.spawn(self._ring(r, view, vector, trace))
+    def start(self, rnd: Round, view: tuple[str, ...], trace=NO_TRACE) -> None:
+        """The round's ring over ``view`` (in its order), on our contribution (``rnd.taken``)."""
+        rnd.ring = self._tasks.spawn(self._ring(rnd, view, rnd.taken[0], trace))
 
-    async def _ring(self, r: int, view: tuple[str, ...], vector: np.ndarray, trace) -> None:
+    async def _ring(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> None:
         # The vector stays whole (an aborted round puts it back), and so does the residual
         # owed from earlier rounds: a ring writes this round's into the spare buffer.
+        r = rnd.r
         owed = self.residual if self.residual is not None and len(self.residual) == len(vector) else None
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
-            self._results[r] = (vector if owed is None else vector + owed, None)  # (exact: nothing owed)
-            self._running.pop(r, None)
+            rnd.summed = vector if owed is None else vector + owed  # (exact: nothing owed)
+            rnd.ring = None
             self._on_done(r, True, None)
             return
         # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
@@ -85,20 +106,20 @@ class Rings:
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.timeout,
                                 residual=residual, trace=trace, digest=True, executor=shared_pool(),
                                 source=vector if owed is None else None)
-            self.stats[r] = await run.run()
-            self._results[r] = (work, residual)
+            rnd.stats = await run.run()
+            rnd.summed, rnd.residual = work, residual
             checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok, checksum = False, None
-        self._running.pop(r, None)
+        rnd.ring = None
         self._on_done(r, ok, checksum)
 
-    def commit(self, r: int, total: int) -> np.ndarray | None:
-        """Round r committed: its sum (None: no ring of ours finished for it); what it dropped
+    def commit(self, rnd: Round, total: int) -> np.ndarray | None:
+        """The round committed: its sum (None: no ring of ours finished for it); what it dropped
         is owed from now on. A round of total 0 (nobody had anything) applies nothing: what was
         owed before it is still owed (its ring carried it, and that sum is not applied)."""
-        summed, residual = self._results.pop(r, (None, None))
+        summed, residual, rnd.summed, rnd.residual = rnd.summed, rnd.residual, None, None
         if summed is not None and not total:
             if residual is not None:
                 self._spare = residual
@@ -108,14 +129,12 @@ class Rings:
                 self._spare = owed
         return summed
 
-    def cancel(self, r: int) -> None:
-        """Round r aborted: stop its ring if it runs, forget its sum (and its residual: the one
+    def cancel(self, rnd: Round) -> None:
+        """The round aborted: stop its ring if it runs, forget its sum (and its residual: the one
         owed before it is still owed)."""
-        ring = self._running.pop(r, None)
-        if ring is not None:
-            ring.cancel()
-        self._results.pop(r, None)
-        self.stats.pop(r, None)
+        if rnd.ring is not None:
+            rnd.ring.cancel()
+        rnd.ring = rnd.summed = rnd.residual = rnd.stats = None
 
     def forget_residual(self) -> None:
         """A state was loaded: what was owed is for gradients voided with the accumulator."""
