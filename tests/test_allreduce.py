@@ -8,10 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from helpers import until
+from helpers import pending_tasks, until
 
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
+from p2ptrain.errors import LinkError
+from p2ptrain.net import wire
 from p2ptrain.net.mesh import Mesh
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,3 +120,58 @@ async def test_a_source_is_read_never_written_and_gives_the_same_bits(n, codec):
     finally:
         for m in ms:
             await m.close()
+
+
+class FaultyLink:
+    """A link whose sends and receives either fail at once or never end (the faults a ring meets)."""
+
+    def __init__(self, name: str, send_fails: bool = False, recv_fails: bool = False):
+        self.name, self.send_fails, self.recv_fails = name, send_fails, recv_fails
+        self.allocator = wire.default_allocate
+
+    def set_allocator(self, allocate) -> None:
+        self.allocator = allocate
+
+    async def send(self, header, payload, timeout):
+        if self.send_fails:
+            raise LinkError(f"{self.name}: send failed")
+
+    async def recv(self, timeout):
+        if self.recv_fails:
+            raise LinkError(f"{self.name}: receive failed")
+        await asyncio.sleep(3600)
+
+
+def own_tasks() -> list:
+    """The pending tasks that run a ``RingAllreduce``'s sender or receiver."""
+    return [t for t in pending_tasks()
+            if t.get_coro().__qualname__ in ("RingAllreduce._send_all", "RingAllreduce._recv_all")]
+
+
+@pytest.mark.parametrize("failing", ["sender", "receiver"])
+async def test_a_failed_allreduce_raises_the_failure_and_leaves_no_task_behind(failing):
+    # rank 0 of 3: it sends to one neighbour and receives from the other. One of its two tasks
+    # fails while the other waits (the sender for a chunk, the receiver for a frame).
+    send_link = FaultyLink("next", send_fails=failing == "sender")
+    recv_link = FaultyLink("previous", recv_fails=failing == "receiver")
+    run = RingAllreduce(np.ones(10_000, np.float32), rank=0, size=3, send_link=send_link, recv_link=recv_link,
+                        codec=parse_codec("none"), op_id=1, chunk_elems=1000, timeout=60)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(LinkError, match="send" if failing == "sender" else "receive"):
+        await run.run()
+    assert loop.time() - began < 5  # the failure, not the other task's timeout
+    assert own_tasks() == []  # the other task was cancelled and awaited
+    assert recv_link.allocator is wire.default_allocate  # the link's allocator is its own again
+
+
+async def test_a_cancelled_allreduce_leaves_no_task_behind():
+    run = RingAllreduce(np.ones(10_000, np.float32), rank=0, size=3, send_link=FaultyLink("next"),
+                        recv_link=FaultyLink("previous"), codec=parse_codec("none"), op_id=1,
+                        chunk_elems=1000, timeout=60)
+    call = asyncio.ensure_future(run.run())
+    await until(lambda: len(own_tasks()) == 2)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert own_tasks() == []

@@ -10,7 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import finish
+from helpers import finish, pending_tasks
 import torch
 
 from p2ptrain import ConfigError, Group, GroupError
@@ -163,6 +163,33 @@ async def test_missing_peer_is_named_after_the_timeout():
     with pytest.raises(GroupError, match=peers[1].replace(".", r"\.")):
         async with Group(listen=peers[0], peers=peers, connect_timeout=1):
             pass
+
+
+def dialers() -> list:
+    return [t for t in pending_tasks() if t.get_coro().__qualname__ == "Group._dial"]
+
+
+async def test_a_group_that_never_forms_or_is_cancelled_entering_leaves_no_dial_behind():
+    peers = addrs(3)  # rank 0 dials ranks 1 and 2, which never listen
+    with pytest.raises(GroupError):
+        async with Group(listen=peers[0], peers=peers, connect_timeout=1):
+            pass
+    assert dialers() == []
+    entering = asyncio.ensure_future(Group(listen=peers[0], peers=peers, connect_timeout=30).__aenter__())
+    await asyncio.sleep(0.3)
+    assert len(dialers()) == 2  # still dialing
+    entering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await entering
+    assert dialers() == []
+
+
+async def test_a_closed_group_cannot_be_entered_again():
+    peers = addrs(2)
+    group = Group(listen=peers[0], peers=peers, connect_timeout=1)
+    await group.close()
+    with pytest.raises(ClosedError, match="new Group"):
+        await group.__aenter__()
 
 
 async def test_wrong_secret_never_forms():

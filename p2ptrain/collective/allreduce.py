@@ -52,6 +52,7 @@ from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
 from p2ptrain.collective.ring import RingPlan, Transfer, chunks_of
+from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 from p2ptrain.net.transport import Link
 
@@ -207,19 +208,14 @@ class RingAllreduce:
                 self.residual.fill(0)  # (alone, the sum is exact)
             return self.stats
         self.recv_link.set_allocator(self._allocate)
+        tasks = TaskSet()  # sender and receiver: neither outlives this call, however it ends
         try:
-            sender = asyncio.ensure_future(self._send_all())
-            receiver = asyncio.ensure_future(self._recv_all())
-            try:
-                done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
-                for task in done:
-                    task.result()  # raises the first failure
-                await asyncio.gather(sender, receiver)
-            finally:
-                for task in (sender, receiver):
-                    task.cancel()
-                await asyncio.gather(sender, receiver, return_exceptions=True)
+            sender, receiver = tasks.spawn(self._send_all()), tasks.spawn(self._recv_all())
+            done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # raises the first failure (the other task is cancelled below)
         finally:
+            await tasks.close()
             self.recv_link.set_allocator(wire.default_allocate)
         return self.stats
 

@@ -34,6 +34,7 @@ from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
 from p2ptrain.device import HostStaging
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
 from p2ptrain.identity import new_peer_id
+from p2ptrain.taskset import TaskSet
 from p2ptrain.collective.pool import default_threads
 from p2ptrain.collective.ring import DEFAULT_CHUNK_ELEMS, chunk_elems_for
 
@@ -71,7 +72,7 @@ class Group:
         self._links: dict[int, transport.Link] = {}
         self._linked = asyncio.Event()
         self._server = None
-        self._dialers: list[asyncio.Task] = []
+        self._dialers = TaskSet()  # dials to the later neighbours, until they link or time out
         self._lock = asyncio.Lock()
         self._next_op = 0
         self._feedback: dict[tuple, np.ndarray] = {}
@@ -125,6 +126,8 @@ class Group:
             return
 
     async def __aenter__(self) -> "Group":
+        if self._closed:
+            raise ClosedError("this group was closed: create a new Group to connect again")
         auth.warn_if_open(self._secret)
         if self.size == 1:
             return self
@@ -136,7 +139,9 @@ class Group:
             raise ConfigError(f"cannot listen on {self.listen}: {exc.strerror or exc}") from None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
-        self._dialers = [asyncio.ensure_future(self._dial(j, deadline)) for j in self._neighbours if j > self.rank]
+        for j in self._neighbours:
+            if j > self.rank:
+                self._dialers.spawn(self._dial(j, deadline))
         try:
             await asyncio.wait_for(self._linked.wait(), self.connect_timeout)
         except asyncio.TimeoutError:
@@ -156,9 +161,7 @@ class Group:
     async def close(self) -> None:
         """Close every link and the listener. Idempotent."""
         self._closed = True
-        for task in self._dialers:
-            task.cancel()
-        await asyncio.gather(*self._dialers, return_exceptions=True)
+        await self._dialers.close()
         for link in self._links.values():
             link.close()
         if self._server is not None:
