@@ -6,8 +6,9 @@ of it they need: ``spawn`` keeps the task until it ends, ``close`` cancels what 
 waits for it. Unlike a TaskGroup, a task that fails does not cancel its siblings: each owner
 handles its tasks' errors where they arise (a link reader reports its link lost).
 
-Call order: ``spawn`` any number of times; ``await close()`` once. A set that is closed runs
-nothing new: a task spawned after ``close`` is cancelled before its first step.
+Call order: ``spawn`` any number of times; ``await close()`` once (``cancel()`` before it, where
+the caller cannot await). A set that is closed or cancelled runs nothing new: a task spawned
+after either is cancelled before its first step.
 """
 
 from __future__ import annotations
@@ -39,14 +40,20 @@ class TaskSet:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    def cancel(self) -> None:
+        """Cancel every task now, without waiting for them: the first half of ``close``, for a
+        caller that cannot await (a signal handler). The set runs nothing new from then on;
+        ``close`` still waits for the tasks."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+
     async def close(self, timeout: float | None = None) -> None:
         """Cancel every task and wait for them (at most ``timeout`` seconds; None: until they
         end). Their exceptions are retrieved and dropped: the owner is closing. A cancellation
         of the caller itself still propagates."""
-        self._closed = True
+        self.cancel()
         tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
         if not tasks:
             return
         done, _ = await asyncio.wait(tasks, timeout=timeout)

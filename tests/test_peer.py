@@ -66,6 +66,18 @@ async def test_staleness_0_equals_one_process_on_the_union(n):
         assert torch.equal(a, b)  # replicas bit-identical
 
 
+async def test_a_peer_that_left_leaves_no_task_on_its_loop():
+    model, opt = model_and_optimizer()
+    peer = AsyncPeer(model, opt, listen="127.0.0.1:0", min_peers=1, secret="s", discovery=False,
+                     peers=["127.0.0.1:9"])  # (an address to propose: the proposer runs)
+    async with peer:
+        for x, y in batches(0, 2):
+            F.cross_entropy(model(x), y).backward()
+            await peer.step(batch_size=len(x))
+    loop = peer._loop  # the cluster's loop, stopped now: what still pends there never ends
+    assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+
+
 def test_bad_options_are_refused_clearly():
     model, opt = model_and_optimizer()
     with pytest.raises(ConfigError, match="target_batch_size needs staleness >= 1"):

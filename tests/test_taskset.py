@@ -78,3 +78,17 @@ async def test_close_gives_up_waiting_after_its_timeout():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_cancel_stops_every_task_without_waiting_and_nothing_spawned_after_runs():
+    tasks, ran = TaskSet(), []
+
+    async def work():
+        ran.append(1)
+
+    running = tasks.spawn(asyncio.sleep(60))
+    await asyncio.sleep(0)
+    tasks.cancel()  # (synchronous: what a signal handler calls)
+    late = tasks.spawn(work())
+    await tasks.close()
+    assert running.cancelled() and late.cancelled() and ran == [] and pending_tasks() == []

@@ -25,6 +25,7 @@ from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput, StatusLine
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import ConfigError
+from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
@@ -201,7 +202,7 @@ class _Join(JoinOutput):
         self._losses: list[float] = []  # this peer's batch losses since the last round record
         self.stopping = False
         self._threads = 0
-        self._train_task: asyncio.Task | None = None
+        self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
         self.status = None
         self.trace = NO_TRACE
@@ -262,13 +263,14 @@ class _Join(JoinOutput):
                     from p2ptrain.trace import Tracer
 
                     self.trace = peer.cluster.trace = Tracer(a.trace, f"p2ptrain peer {peer.peer_id}")
-                self._train_task = asyncio.get_running_loop().create_task(self._train(peer, task, device, metrics))
-                try:
-                    await self._train_task
+                try:  # (a Ctrl-C that came while the peer started: the loop never begins)
+                    await self._training.spawn(self._train(peer, task, device, metrics))
                 except asyncio.CancelledError:
                     if not self.stopping:
                         raise
                     log.info("leaving the cluster")
+                finally:
+                    await self._training.close()
         finally:
             self.status.clear()
             if metrics:
@@ -323,8 +325,7 @@ class _Join(JoinOutput):
                 os._exit(130)
             self.stopping = True
             print("\nleaving the cluster (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
-            if self._train_task is not None:
-                self._train_task.cancel()
+            self._training.cancel()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:

@@ -90,6 +90,7 @@ from p2ptrain.device import device_kind, pick_device
 from p2ptrain.net.discovery import Discovery, parse_host_port
 from p2ptrain.errors import ClosedError, ConfigError, GroupError
 from p2ptrain.identity import new_peer_id
+from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
 from p2ptrain.trainer.loopthread import LoopThread
 from p2ptrain.cluster.membership import genesis
@@ -182,7 +183,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self.discovery: Discovery | None = None
         self._thread: LoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._proposer: asyncio.Task | None = None
+        self._tasks = TaskSet()  # on the cluster's loop: the proposer (the cluster and discovery own theirs)
         self._start: SyncPoint | None = None  # a checkpoint's point (load_state_dict), else genesis
         self._closed = False
 
@@ -293,7 +294,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         except BaseException:
             await self.cluster.close()
             raise
-        self._proposer = asyncio.get_running_loop().create_task(self._propose())
+        self._tasks.spawn(self._propose())
         self._step_end = time.perf_counter()
 
     async def _close(self, flush: bool) -> None:
@@ -304,9 +305,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             self._closed = True
             if self._linger is not None:
                 self._linger.cancel()
-            if self._proposer is not None:
-                self._proposer.cancel()
-                await asyncio.gather(self._proposer, return_exceptions=True)
+            await self._tasks.close()
             await self.cluster.close()
             await self.discovery.__aexit__(None, None, None)
             if self._predictor is not None:  # the model ends on the true parameters
