@@ -128,8 +128,7 @@ async def test_silent_peer_expires_after_ttl(lo_port):
         b = on_lo("lab", "peer-b", 7001, lo_port)
         await b.__aenter__()
         await a.wait_for(lambda h: ids(h) == {"peer-b"}, timeout=5)
-        b._task.cancel()  # b goes silent without saying goodbye
-        await asyncio.wait([b._task])
+        await b._tasks.close()  # b's beacon loop stops: b goes silent without saying goodbye
         b._ssock.close()
         b._ssock = None
         await a.wait_for(lambda h: not h, timeout=3)
@@ -166,9 +165,17 @@ async def test_wait_for_times_out():
 
 
 @pytest.mark.timeout(10)
+async def test_close_leaves_no_beacon_loop_behind():
+    async with on_lo("lab", "peer-a", 7000, free_udp_port(), silence_warning_after=None) as a:
+        await asyncio.sleep(0.05)
+        assert len(a._tasks) == 1
+    assert [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Discovery._run"] == []
+
+
+@pytest.mark.timeout(10)
 async def test_disabled_discovery_opens_nothing():
     async with Discovery("lab", "peer-a", 7000, enabled=False, static_peers="127.0.0.1:7001") as d:
-        assert d._rsock is None and d._ssock is None and d._task is None
+        assert d._rsock is None and d._ssock is None and len(d._tasks) == 0
         assert d.heard() == [] and d.addresses() == [("127.0.0.1", 7001)]
         with pytest.raises(asyncio.TimeoutError):
             await d.wait_for(lambda h: bool(h), timeout=0.1)

@@ -32,6 +32,7 @@ from typing import Callable, Iterable
 
 from p2ptrain.net.beacon import HEARD_TTL, Beacon, BeaconFilter, HeardPeer, HeardPeers, encode_beacon
 from p2ptrain.errors import ConfigError
+from p2ptrain.taskset import TaskSet
 from p2ptrain.net.interfaces import Interface, list_interfaces, pick_address, usable_interfaces
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class Discovery:
         self._rsock: socket.socket | None = None
         self._ssock: socket.socket | None = None
         self._transport: asyncio.DatagramTransport | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks = TaskSet()  # the beacon loop (_run)
         self._failure: BaseException | None = None
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
@@ -190,8 +191,7 @@ class Discovery:
             self._close_sockets()
             raise
         self._started_at = self._loop.time()
-        self._task = asyncio.ensure_future(self._run())  # owned: cancelled and awaited by close()
-        self._task.add_done_callback(self._task_done)
+        self._tasks.spawn(self._run()).add_done_callback(self._task_done)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -203,9 +203,7 @@ class Discovery:
             return
         self._closed = True
         try:
-            if self._task is not None:
-                self._task.cancel()
-                await asyncio.wait([self._task], timeout=CLOSE_TIMEOUT)  # our own cancellation still propagates
+            await self._tasks.close(timeout=CLOSE_TIMEOUT)  # (our own cancellation still propagates)
         finally:
             if self.send_beacons and self._ssock is not None:
                 self._send_beacon(state="leaving")  # others forget us now, not after their ttl
