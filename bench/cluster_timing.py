@@ -282,7 +282,7 @@ def _worker(argv: list[str]) -> int:
 def _cluster(a, trainer):
     from p2ptrain.cluster.cluster import Cluster
 
-    c = Cluster(peer_id=a.id, source=trainer, checksum=f"start-{a.id}".encode(), secret=SECRET.encode(),
+    c = Cluster(peer_id=a.id, trainer=trainer, checksum=f"start-{a.id}".encode(), secret=SECRET.encode(),
                 host="0.0.0.0", port=a.port, fingerprint=[("w", (a.params,), "float32")])
     trainer.cluster = c
     return c

@@ -32,12 +32,12 @@ async def meshes(n):
     return ids, ms
 
 
-async def allreduce(ms, ids, data, codec, op_id=1, executor=None, chunk_elems=1000, sources=None, residuals=None):
+async def allreduce(ms, ids, data, codec, op_id=1, executor=None, chunk_elems=1000, own_values=None, residuals=None):
     n = len(ms)
 
     async def one(rank):
         m = ms[rank]
-        run = RingAllreduce(data[rank], rank=rank, size=n, source=sources and sources[rank],
+        run = RingAllreduce(data[rank], rank=rank, size=n, own=own_values and own_values[rank],
                             residual=residuals and residuals[rank], send_link=m.channel(ids[(rank + 1) % n]),
                             recv_link=m.channel(ids[(rank - 1) % n]), codec=parse_codec(codec), op_id=op_id,
                             chunk_elems=chunk_elems, timeout=10, executor=executor, digest=True)
@@ -101,19 +101,19 @@ def test_the_data_path_pool_follows_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("codec", ["none", "int8", "topk:0.1"])
 @pytest.mark.parametrize("n", [2, 3])
-async def test_a_source_is_read_never_written_and_gives_the_same_bits(n, codec):
+async def test_own_values_apart_are_read_never_written_and_give_the_same_bits(n, codec):
     ids, ms = await meshes(n)
     try:
         rng = np.random.default_rng(2)
         data = [rng.standard_normal(10_007).astype(np.float32) for _ in range(n)]
-        sources = [d.copy() for d in data]
+        own_values = [d.copy() for d in data]
         in_place = [d.copy() for d in data]
         res_a = [np.zeros_like(d) for d in data]
         res_b = [np.zeros_like(d) for d in data]
         await allreduce(ms, ids, in_place, codec, op_id=1, residuals=res_a)
         works = [np.full_like(d, np.nan) for d in data]  # (what work holds on entry does not matter)
-        runs = await allreduce(ms, ids, works, codec, op_id=2, sources=sources, residuals=res_b)
-        assert all(np.array_equal(s, d) for s, d in zip(sources, data))  # untouched
+        runs = await allreduce(ms, ids, works, codec, op_id=2, own_values=own_values, residuals=res_b)
+        assert all(np.array_equal(s, d) for s, d in zip(own_values, data))  # untouched
         assert all(np.array_equal(w, x) for w, x in zip(works, in_place))  # the same sum, bit for bit
         assert all(np.array_equal(a, b) for a, b in zip(res_a, res_b))  # and the same residuals
         assert len({r.sum_digest() for r in runs}) == 1

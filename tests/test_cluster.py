@@ -45,7 +45,7 @@ class FakeTrainer:
 
 def make(ids, config=None):
     trainers = [FakeTrainer(i) for i in range(len(ids))]
-    clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", config=config)
+    clusters = [Cluster(peer_id=pid, trainer=t, checksum=b"same-start", secret=b"k", config=config)
                 for pid, t in zip(ids, trainers)]
     return trainers, clusters
 
@@ -154,7 +154,7 @@ async def test_a_lossy_codec_loses_nothing_over_rounds_error_feedback_carries_it
 async def topk_books(trainers, rounds):
     """Two top-k clusters on loopback, one per trainer, until each applied ``rounds`` updates:
     (the sum applied, what each peer still owes, the sum of every gradient contributed)."""
-    clusters = [Cluster(peer_id=pid, source=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
+    clusters = [Cluster(peer_id=pid, trainer=t, checksum=b"same-start", secret=b"k", compression="topk:0.1",
                         config=RoundConfig(min_peers=2)) for pid, t in zip("ab", trainers)]
     try:
         for c in clusters:

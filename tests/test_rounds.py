@@ -166,7 +166,7 @@ class Net:
                     self.running[p].remove(key)
             elif isinstance(a, Resync):
                 self.resyncs[p].append(a.reason)
-                self.needs_sync[p] = a.source
+                self.needs_sync[p] = a.donor
                 self.out[p].clear()
                 self.asked[p].clear()
                 self.running[p].clear()

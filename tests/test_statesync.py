@@ -46,7 +46,7 @@ class TensorTrainer:
 
 
 async def start(ids, trainers, fingerprints, checksums, min_peers=1, join_hold=10.0):
-    clusters = [Cluster(peer_id=pid, source=t, checksum=c, secret=b"k", fingerprint=fp,
+    clusters = [Cluster(peer_id=pid, trainer=t, checksum=c, secret=b"k", fingerprint=fp,
                         config=RoundConfig(min_peers=min_peers, join_hold=join_hold))
                 for pid, t, fp, c in zip(ids, trainers, fingerprints, checksums)]
     for c in clusters:

@@ -6,14 +6,14 @@ an event on its queue; the actor hands it to the machine and carries out the act
 returns, in order:
 
     Send / Broadcast  -> mesh.send
-    Contribute(r)     -> source.take(): this round's gradient sum and sample count
+    Contribute(r)     -> trainer.take(): this round's gradient sum and sample count
     StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (``rings``)
-    Apply(r, total)   -> source.apply(summed, total)
-    PutBack(r)        -> cancel the ring if it runs; source.put_back(contribution)
-    Resync(source)    -> fetch a snapshot from it (``statesync``), ``source.restore`` it, then
+    Apply(r, total)   -> trainer.apply(summed, total)
+    PutBack(r)        -> cancel the ring if it runs; trainer.put_back(contribution)
+    Resync(donor)     -> fetch a snapshot from it (``statesync``), ``trainer.restore`` it, then
                          ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
-    Finish(version)   -> ``finished``; source.finish(): the cluster's run is over (``ending``)
+    Finish(version)   -> ``finished``; trainer.finish(): the cluster's run is over (``ending``)
 
 What one round holds here (our contribution, when its ring began, the ring, its sum) is a
 ``rings.Round``, one per round in flight in ``_rounds``, from Contribute to Apply or PutBack.
@@ -23,7 +23,7 @@ corrected) is ``reconcile``'s; the records of applied rounds are ``records``'; t
 sums and error feedback's residual (a lossy codec's dropped part, owed to the next round) are
 ``rings``'.
 
-The ``source`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
+The ``trainer`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
 meeting a cluster that is ahead, or a bigger side after a split, makes the machine ask for a
 ``Resync``. Snapshots are served by the actor itself, between events, so the parameters it
@@ -91,12 +91,12 @@ def _brief(header: dict) -> dict:
 class Cluster:
     """Rounds over a mesh of peers. ``async with Cluster(...) as c:``; ``c.propose(host, port)``."""
 
-    def __init__(self, *, peer_id: str, source: Contributions, checksum: bytes, cluster: str = "default",
+    def __init__(self, *, peer_id: str, trainer: Contributions, checksum: bytes, cluster: str = "default",
                  secret: bytes | None = None, host: str = "127.0.0.1", port: int = 0, compression: str = "none",
                  config: RoundConfig | None = None, ring_timeout: float = 30.0, fingerprint: list | None = None,
                  start: SyncPoint | None = None, settings: dict | None = None):
         self.peer_id = peer_id
-        self.source = source
+        self.trainer = trainer
         self._secret = secret
         self.codec = parse_codec(compression)
         self.machine = RoundMachine(peer_id, config)
@@ -123,7 +123,7 @@ class Cluster:
                            on_done=lambda r, ok, checksum: self._post("ring_done", r, ok, checksum))
         self.applied = 0  # rounds applied here
         self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
-        self.reconciler = Reconciler(peer_id, self.machine, self.transfer, source, self._tasks)
+        self.reconciler = Reconciler(peer_id, self.machine, self.transfer, trainer, self._tasks)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
         self._rounds: dict[int, Round] = {}  # the rounds in flight here (contributed, ringing, or waiting to)
@@ -154,7 +154,7 @@ class Cluster:
         await self.mesh.close()
 
     def contribution_available(self) -> None:
-        """The source has something now: rounds waiting for a contribution take it."""
+        """The trainer has something now: rounds waiting for a contribution take it."""
         self._post("take")
 
     def parameters_at(self, point: SyncPoint, sketch: bytes) -> None:
@@ -262,7 +262,7 @@ class Cluster:
                         rnd.waiting = False
                     actions = [msg.Contribute(rnd.r) for rnd in waiting]
                 elif kind == "holding":
-                    actions = m.on_holding(self.source.held(), now)
+                    actions = m.on_holding(self.trainer.held(), now)
                 elif kind == "params":
                     actions = self.reconciler.on_params(args[0], args[1])
                 elif kind == "ask":
@@ -277,7 +277,7 @@ class Cluster:
                     continue
                 elif kind == "restored":
                     window = tuple(args[0].pop(LINEAGE, None) or ())
-                    self.source.restore(args[0])
+                    self.trainer.restore(args[0])
                     self.rings.forget_residual()  # (owed for gradients that were voided with the accumulator)
                     self.loads.append(args[1])
                     self.reconciler.forget()
@@ -309,7 +309,7 @@ class Cluster:
                     await self._send(peer, action.msg)
             elif isinstance(action, msg.Contribute):
                 rnd = self._rounds.setdefault(action.r, Round(action.r))
-                taken = self.source.take()
+                taken = self.trainer.take()
                 if taken is None:  # the round waits for this peer (its next batch, or a moment)
                     rnd.waiting = True
                     continue
@@ -332,7 +332,7 @@ class Cluster:
                 self._put_back(action.r)
             elif isinstance(action, msg.Resync):
                 if self._fetcher is None or self._fetcher.done():
-                    self._fetcher = self._tasks.spawn(self._fetch_state(action.source))
+                    self._fetcher = self._tasks.spawn(self._fetch_state(action.donor))
             elif isinstance(action, msg.Stall):
                 log.warning("round %d waits %.0f s for %s (%s)", action.r, action.seconds,
                             ", ".join(action.waiting_for), action.phase)
@@ -342,7 +342,7 @@ class Cluster:
                 self.finished = action
                 log.info("the run is over at the cluster's round %d (version %d): %s", action.r, action.version,
                          action.reason)
-                self.source.finish()
+                self.trainer.finish()
 
     async def _send(self, peer: str, header: dict) -> None:
         try:
@@ -357,8 +357,8 @@ class Cluster:
 
     def _apply(self, rnd: Round, total: int) -> None:
         summed = self.rings.commit(rnd, total)  # (what this round dropped is owed now)
-        if summed is not None:  # (total 0: nobody had anything; the source still hears of the round)
-            self.source.apply(summed, total)
+        if summed is not None:  # (total 0: nobody had anything; the trainer still hears of the round)
+            self.trainer.apply(summed, total)
         self.applied += 1
 
     def _put_back(self, r: int) -> None:
@@ -366,7 +366,7 @@ class Cluster:
         log.debug("round %d: putting back %s", r, "our contribution" if rnd.taken is not None else "nothing")
         self.rings.cancel(rnd)  # (and its residual: the one owed before it is still owed)
         if rnd.taken is not None:
-            self.source.put_back(*rnd.taken)
+            self.trainer.put_back(*rnd.taken)
 
     # -- state transfer -------------------------------------------------------------------
     def _serve(self, peer: str, ask_id: int, waited: float, parameters_only: bool = False) -> list:
@@ -381,7 +381,7 @@ class Cluster:
         joiner = not parameters_only and m.table.state(peer) != SYNCED
         actions = m.hold_for(peer, now, sending=True) if joiner else []
         state = (None if joiner and m.is_leader and m.pending is not None
-                 else self.source.snapshot(parameters_only=True) if parameters_only else self.source.snapshot())
+                 else self.trainer.snapshot(parameters_only=True) if parameters_only else self.trainer.snapshot())
         if state is None and waited < SNAPSHOT_WAIT:
             asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2,
                                                   parameters_only)
@@ -396,24 +396,24 @@ class Cluster:
                                 on_sent=lambda: self._post("sent", peer))
         return actions
 
-    async def _fetch_state(self, source: str) -> None:
-        """Download a snapshot, from ``source`` first, then from any synced member, until one loads."""
+    async def _fetch_state(self, donor: str) -> None:
+        """Download a snapshot, from ``donor`` first, then from any synced member, until one loads."""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                state, point = await self.transfer.fetch(source)
-                self._post("restored", state, point, source)
+                state, point = await self.transfer.fetch(donor)
+                self._post("restored", state, point, donor)
                 return
             except FingerprintError as exc:
                 self.failure = exc
                 log.error("%s", exc)
                 return
             except P2PTrainError as exc:
-                log.warning("loading state from %s failed: %s; trying again", source, exc)
+                log.warning("loading state from %s failed: %s; trying again", donor, exc)
             await asyncio.sleep(RETRY_FETCH)
             members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
-            if members and source not in members:
-                source = members[int(loop.time()) % len(members)]
+            if members and donor not in members:
+                donor = members[int(loop.time()) % len(members)]
 
     def _foreign_model(self, peer: str, diff: str) -> None:
         fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]

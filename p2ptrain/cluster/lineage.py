@@ -46,7 +46,7 @@ class LineageRole:
 
     def _init_lineage(self) -> None:
         self._out_until = float("-inf")  # a leader leaves us out of its views until then
-        self._load_later: tuple = ()  # (reason, source, leader): a load put off, until _load_at (or left out)
+        self._load_later: tuple = ()  # (reason, donor, leader): a load put off, until _load_at (or left out)
         self._load_at = float("-inf")
         self._side_leader = ""  # the leader of the side whose state we load
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
@@ -132,17 +132,17 @@ class LineageRole:
             if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
                 why = "behind" if rel == "ahead" else "split"
                 leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
-                src = leader if leader != self.id and self.table.is_live(leader) else s
+                donor = leader if leader != self.id and self.table.is_live(leader) else s
                 reason = f"{why}: {s} has version {v}, its side {m['members']} peer(s)"
                 if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
                     self.counters["behind_left_out"] += 1  # load once our time left out is over
-                    self._load_later = (reason, src, leader)
-                elif rel == "ahead" and src != leader != self.id:  # no link to its leader yet: wait for
+                    self._load_later = (reason, donor, leader)
+                elif rel == "ahead" and donor != leader != self.id:  # no link to its leader yet: wait for
                     if not self._load_later:  # one a moment (only a leader holds its rounds while we
                         self._load_at = now + LEADER_WAIT  # load; from another, we would end behind)
-                    self._load_later = (reason, src, leader)
+                    self._load_later = (reason, donor, leader)
                 else:
-                    return self._resync(reason, src, now, leader)
+                    return self._resync(reason, donor, now, leader)
         if not m["re"]:
             self._send(s, self._status(re=True, their=v, to=s))
 
@@ -158,8 +158,8 @@ class LineageRole:
         since = {q for q in self._last_view if q not in self._elsewhere and self.table.is_live(q)}
         return sorted(set(self.table.live_synced()) | since)
 
-    def _resync(self, reason: str, source: str, now: float, leader: str = "") -> None:
-        """Load state from ``source``, of the side that ``leader`` leads (``on_synced`` backs
+    def _resync(self, reason: str, donor: str, now: float, leader: str = "") -> None:
+        """Load state from ``donor``, of the side that ``leader`` leads (``on_synced`` backs
         off from leading while that leader is not seen synced: the side has one)."""
         self._load_later, self._load_at, self._side_leader = (), float("-inf"), leader
         if self.lead:
@@ -168,7 +168,7 @@ class LineageRole:
             self._withdraw(self.pending)
         self.pending, self.synced = None, False  # an in-doubt contribution is void: Resync says so
         self._set_self()
-        self._emit(Resync(reason, source))
+        self._emit(Resync(reason, donor))
         self._emit(Log("warning", f"loading state again: {reason}"))
         self._broadcast(self._status(), self._peers())
 
@@ -177,11 +177,11 @@ class LineageRole:
         a link to it is over (from it as soon as it is linked)."""
         if not (self._load_later and now >= self._out_until and self.synced):
             return
-        reason, src, leader = self._load_later
+        reason, donor, leader = self._load_later
         if leader != self.id and self.table.is_live(leader):
-            src = leader
+            donor = leader
         elif now < self._load_at:
             return
-        if self.table.is_live(src):
-            self._resync(reason, src, now, leader)
+        if self.table.is_live(donor):
+            self._resync(reason, donor, now, leader)
         self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)

@@ -11,7 +11,7 @@ the chain (version, digest):
   (the largest seen is ``drift_max``; the first is logged);
 - beyond it: the member downloads the leader's *parameters* (never its optimizer state) while
   it goes on taking part in rounds, and the trainer loads them when its own parameters reach
-  that point (``source.reconcile``): nothing it computed is voided.
+  that point (``trainer.reconcile``): nothing it computed is voided.
 
 ``Reconciler`` runs on the cluster's loop, called by its actor between events.
 """
@@ -38,10 +38,10 @@ _SKETCH_BYTES = drift.MAX_GROUPS * (drift.K + 3) * 8
 class Reconciler:
     """Our sketches and the leader's, compared at equal points; a drift past the tolerance loads
     the leader's parameters (``transfer.fetch``, a task in the owner's ``tasks``) and hands them
-    to ``source.reconcile``."""
+    to ``trainer.reconcile``."""
 
-    def __init__(self, peer_id: str, machine, transfer, source, tasks: TaskSet):
-        self.peer_id, self.machine, self.transfer, self.source = peer_id, machine, transfer, source
+    def __init__(self, peer_id: str, machine, transfer, trainer, tasks: TaskSet):
+        self.peer_id, self.machine, self.transfer, self.trainer = peer_id, machine, transfer, trainer
         self._tasks = tasks
         self.reconciled = 0  # the leader's parameters downloaded because ours drifted past the tolerance
         self.compared = 0  # comparisons with the leader's sketch
@@ -109,7 +109,7 @@ class Reconciler:
             log.warning("could not load the leader's parameters to reconcile: %s", exc)
             return
         self.reconciled += 1
-        self.source.reconcile(state, point)
+        self.trainer.reconcile(state, point)
 
 
 def _remember(table: collections.OrderedDict, key, value) -> None:

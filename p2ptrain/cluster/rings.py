@@ -45,8 +45,8 @@ class Round:
     ``Rings`` fills in the ring's part."""
 
     r: int
-    taken: tuple[np.ndarray, int] | None = None  # our contribution (vector, samples), once the source gave it
-    waiting: bool = False  # asked for a contribution the source did not have yet: the next ``take`` asks again
+    taken: tuple[np.ndarray, int] | None = None  # our contribution (vector, samples), once the trainer gave it
+    waiting: bool = False  # asked for a contribution the trainer did not have yet: the next ``take`` asks again
     began: float | None = None  # loop time our ring started
     ring: asyncio.Task | None = None  # our ring, while it runs
     stats: AllreduceStats | None = None  # what a finished ring sent
@@ -89,7 +89,7 @@ class Rings:
             self._on_done(r, True, None)
             return
         # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
-        # in); our values are read from ``vector`` itself (``source``), never copied first.
+        # in); our values are read from ``vector`` itself (``own``), never copied first.
         work = self._buffer(len(vector))
         if owed is not None:
             np.add(vector, owed, out=work)
@@ -105,7 +105,7 @@ class Rings:
                                 recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
                                 op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.timeout,
                                 residual=residual, trace=trace, digest=True, executor=shared_pool(),
-                                source=vector if owed is None else None)
+                                own=vector if owed is None else None)
             rnd.stats = await run.run()
             rnd.summed, rnd.residual = work, residual
             checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)

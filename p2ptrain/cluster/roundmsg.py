@@ -184,10 +184,10 @@ class PutBack:
 
 @dataclass(frozen=True)
 class Resync:
-    """Our state is not the cluster's: load ``source``'s (or only the missing rounds, when
+    """Our state is not the cluster's: load ``donor``'s (or only the missing rounds, when
     ``reason`` starts with "behind"), drop outstanding contributions, then ``on_synced``."""
     reason: str
-    source: str
+    donor: str  # the peer whose state we load
 
 
 @dataclass(frozen=True)

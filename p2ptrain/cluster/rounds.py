@@ -134,9 +134,9 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
     def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None) -> list:
         return self._run(now, self._ring_done, r, bool(ok), now, checksum)
 
-    def on_synced(self, point: SyncPoint, now: float, source: str | None = None) -> list:
-        """Our state is now the one ``point`` describes (a snapshot from ``source``, or a
-        founder's genesis). The source held it, so it counts on our side at once: a heal
+    def on_synced(self, point: SyncPoint, now: float, donor: str | None = None) -> list:
+        """Our state is now the one ``point`` describes (a snapshot from ``donor``, or a
+        founder's genesis). The donor has it too, so it counts on our side at once: a heal
         compared before the others' STATUS arrives does not see our side as one peer. Nor do
         we lead that side before we see its leader (a replugged peer with a small id, linked
         to one member first, took the members away from their leader, which then loaded state)."""
@@ -144,9 +144,9 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         self.synced, self.pending, self.promised, self._asked = True, None, None, set()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
         self._last_view, self._elsewhere = (), set()  # (our side is the one we loaded: see _side)
-        if source is not None and source != self.id and self.table.is_live(source):
-            self.table.synced(source, point.version, point.digest, point.round, now)
-        if source is not None and self._side_leader not in ("", self.id):  # that side has a leader:
+        if donor is not None and donor != self.id and self.table.is_live(donor):
+            self.table.synced(donor, point.version, point.digest, point.round, now)
+        if donor is not None and self._side_leader not in ("", self.id):  # that side has a leader:
             self._rival, self._no_lead_until = self._side_leader, now + self.config.query_timeout  # not us
         self._set_self()
         self._hello, self._hello_until = set(self._peers()), now + self.config.query_timeout

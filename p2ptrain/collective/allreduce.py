@@ -163,7 +163,7 @@ def _combine(digests: dict[int, int]) -> bytes:
 class RingAllreduce:
     """One allreduce of ``work`` (1-D float32, summed in place) as peer ``rank`` of ``size``.
 
-    With ``source`` (the same shape), this peer's values are read from ``source``, which is
+    With ``own`` (the same shape), this peer's values are read from ``own``, which is
     left untouched, and the sum is written into ``work`` (its contents on entry do not
     matter): a caller that must keep its contribution whole (to put it back if the call
     fails) need not copy it first."""
@@ -171,14 +171,14 @@ class RingAllreduce:
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
                  residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE,
-                 digest: bool = False, source: np.ndarray | None = None):
+                 digest: bool = False, own: np.ndarray | None = None):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
-        if source is not None and (source.dtype != np.float32 or source.shape != work.shape
-                                   or not source.flags.c_contiguous or np.may_share_memory(source, work)):
-            raise TypeError("source must be a contiguous float32 array of work's shape, apart from it")
+        if own is not None and (own.dtype != np.float32 or own.shape != work.shape
+                                or not own.flags.c_contiguous or np.may_share_memory(own, work)):
+            raise TypeError("own must be a contiguous float32 array of work's shape, apart from it")
         self.work = work
-        self.source = work if source is None else source  # this peer's own values
+        self.own = work if own is None else own  # this peer's own values
         chunk_elems = _chunk_elems(codec, chunk_elems, len(work), size)
         self.plan = RingPlan(rank, size, len(work), chunk_elems)
         self.send_link, self.recv_link = send_link, recv_link
@@ -202,8 +202,8 @@ class RingAllreduce:
 
     async def run(self) -> AllreduceStats:
         if self.plan.size == 1 or len(self.work) == 0:
-            if self.source is not self.work:
-                self.work[:] = self.source
+            if self.own is not self.work:
+                self.work[:] = self.own
             if self.residual is not None:
                 self.residual.fill(0)  # (alone, the sum is exact)
             return self.stats
@@ -225,7 +225,7 @@ class RingAllreduce:
         for t in self.plan.sends:
             if t.after is not None:
                 await self._wait_arrived(t.after)
-            src = (self.source if t.g == 0 else self.work)[t.start : t.stop]  # (step 0: our own values)
+            src = (self.own if t.g == 0 else self.work)[t.start : t.stop]  # (step 0: our own values)
             if self.codec.is_identity and (t.reduce or t.g == owner_step):
                 params, payload = {}, [memoryview(src)]  # nothing to compute: no thread hop
                 if not t.reduce:
@@ -362,7 +362,7 @@ class RingAllreduce:
                 raise CodecError(f"{payload.nbytes} bytes for {n} float32 values")
             incoming = np.frombuffer(payload, np.float32)
             if t.reduce:
-                np.add(incoming, self.source[t.start : t.stop], out=dst)
+                np.add(incoming, self.own[t.start : t.stop], out=dst)
             elif incoming.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
                 dst[:] = incoming  # arrived before this call owned the link's allocator
             if not t.reduce:
@@ -370,8 +370,8 @@ class RingAllreduce:
             self._pool.give(payload)
             return
         if t.reduce:
-            if self.source is not self.work:
-                dst[:] = self.source[t.start : t.stop]
+            if self.own is not self.work:
+                dst[:] = self.own[t.start : t.stop]
             self._recv_codec.decode_add(params, payload, dst, self._recv_scratch[:n])
             self._pool.give(payload)
         else:

@@ -278,7 +278,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         return self._thread
 
     async def _open(self) -> None:
-        self.cluster = Cluster(peer_id=self.peer_id, source=self, checksum=self._checksum,
+        self.cluster = Cluster(peer_id=self.peer_id, trainer=self, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
                                                    asyncio.get_running_loop().time()),
