@@ -1208,10 +1208,10 @@ def test_with_a_target_batch_size_the_leader_proposes_once_the_view_holds_it():
     net.run(1.0)
     assert net.sent("a", M.PROPOSE) == []  # nobody said it holds anything
     for p, n in (("a", 30), ("b", 30)):
-        net.handle(p, net.m[p].on_holding(n, net.now))
+        net.handle(p, net.m[p].on_samples_ready(n, net.now))
     net.run(0.5)
     assert net.sent("a", M.PROPOSE) == []  # 60 < 100
-    net.handle("c", net.m["c"].on_holding(45, net.now))  # c tells its leader a (M.HAVE)
+    net.handle("c", net.m["c"].on_samples_ready(45, net.now))  # c tells its leader a (M.HAVE)
     assert net.sent("c", M.HAVE)[-1]["samples"] == 45
     told = len(net.sent("c", M.HAVE))
     net.run(0.5)
@@ -1220,9 +1220,9 @@ def test_with_a_target_batch_size_the_leader_proposes_once_the_view_holds_it():
     first = len(net.sent("a", M.PROPOSE))
     net.run(1.0)  # the counts start again from zero after each READY: no more rounds without HAVE
     assert len(net.sent("a", M.PROPOSE)) == first
-    net.handle("c", net.m["c"].on_holding(45, net.now))  # the same count again is news after a READY
+    net.handle("c", net.m["c"].on_samples_ready(45, net.now))  # the same count again is news after a READY
     assert len(net.sent("c", M.HAVE)) == told + 1
-    net.handle("c", net.m["c"].on_holding(45, net.now))  # ... but not twice
+    net.handle("c", net.m["c"].on_samples_ready(45, net.now))  # ... but not twice
     assert len(net.sent("c", M.HAVE)) == told + 1
 
 

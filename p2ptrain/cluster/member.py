@@ -73,7 +73,7 @@ class MemberRole:
         if self.lead and self.lead.b != b:
             self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
         if new_leader and self.config.target_batch_size:
-            self._tell_holding()
+            self._tell_samples()
 
     def _on_query(self, s, m, now) -> None:
         if m["b"][1] != s:
@@ -125,7 +125,7 @@ class MemberRole:
             return self._emit(PutBack(r))
         p.phase, p.samples, p.since = self._move(_MEMBER, p.phase, "contribution"), samples, now
         self._send(p.b[1], self._ready_msg(p))
-        self._holding = 0  # (the leader counts us from zero after this READY)
+        self._samples_told = 0  # (the leader counts us from zero after this READY)
 
     def _ready_msg(self, p: _Pending) -> dict:
         return {"t": READY, "r": p.r, "b": list(p.b), "samples": p.samples,

@@ -19,7 +19,7 @@ a round number they have seen.
 Ballots. Every message of a leader carries its ballot b = (epoch, its id). A member obeys
 the best ballot it has seen (higher epoch; on a tie the smaller id) and answers a worse one,
 or a view naming a peer it has no link to, with NACK. The machine is one object with three
-held roles, each a mixin in its own module: the member's side (``p2ptrain.cluster.member``,
+roles, each a mixin in its own module: the member's side (``p2ptrain.cluster.member``,
 its transitions ``_MEMBER``), the leader's side (``p2ptrain.cluster.leader``: taking the
 lead, fencing, attempts left in doubt, refusals under partial connectivity; ``_LEADER``),
 and lineage (``p2ptrain.cluster.lineage``: STATUS, comparing chains, loading state). This
@@ -71,7 +71,7 @@ class RoundConfig:
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
     max_version: int = 0  # > 0: the cluster's run ends at this version (``ending``: our start + --max-rounds)
     deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
-    target_batch_size: int = 0  # > 0: the leader proposes once its view holds this many samples (HAVE)
+    target_batch_size: int = 0  # > 0: the leader proposes once its view has this many samples ready (HAVE)
 
 
 class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
@@ -102,8 +102,8 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         self._tell: set = set()  # peers to send our STATUS once this event is handled
         self._nbytes, self._left = 0, False
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
-        self._holding = 0  # what our trainer holds (target_batch_size), as last told to the leader
-        self._have: dict = {}  # peer -> what it holds, from its HAVE messages (the leader counts them)
+        self._samples_told = 0  # our trainer's samples ready (target_batch_size), as last told to the leader
+        self._have: dict = {}  # peer -> its samples ready, from its HAVE messages (the leader counts them)
         self._now = 0.0  # the time of the event being handled
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
@@ -256,22 +256,22 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
 
-    def on_holding(self, samples: int, now: float) -> list:
-        """With ``target_batch_size``: our trainer holds ``samples`` now (after a step, a put-back).
+    def on_samples_ready(self, samples: int, now: float) -> list:
+        """With ``target_batch_size``: our trainer has ``samples`` ready now (after a step, a put-back).
         The leader we obey hears it (HAVE) when it changes; as leader we count it ourselves."""
         if type(samples) is not int or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
 
         def go():
-            if samples != self._holding:
-                self._holding = samples
-                self._tell_holding()
+            if samples != self._samples_told:
+                self._samples_told = samples
+                self._tell_samples()
         return self._run(now, go)
 
-    def _tell_holding(self) -> None:
+    def _tell_samples(self) -> None:
         leader = (self.promised or (0, None))[1]
         if leader is not None and self.synced:
-            self._send(leader, {"t": HAVE, "samples": self._holding})
+            self._send(leader, {"t": HAVE, "samples": self._samples_told})
 
     def _on_have(self, s, m, now) -> None:
         self._have[s] = m["samples"]  # (in order with its READY on one link: counts after that READY)
