@@ -230,45 +230,45 @@ class Cluster:
 
     async def _serve_events(self) -> None:
         loop = asyncio.get_running_loop()
-        m = self.machine
+        machine = self.machine
         while True:
             kind, args = await self._events.get()
             now = loop.time()
             try:
                 if kind == "tick":
                     for peer, heard in self.mesh.heard_at.items():  # any frame (pings too) is a sign of life
-                        m.table.message(peer, heard)
-                    actions = m.on_tick(now)
-                    self.members = m.members()
+                        machine.table.message(peer, heard)
+                    actions = machine.on_tick(now)
+                    self.members = machine.members()
                     for peer in self.mesh.peers:
-                        if m.table.state(peer) == DEAD:
+                        if machine.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")
                     self._give_up_if_refused(now)
                 elif kind == "message":
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("from %s: %s", args[0], _brief(args[1]))
-                    actions = m.on_message(args[0], args[1], now)
+                    actions = machine.on_message(args[0], args[1], now)
                 elif kind == "connected":
-                    actions = m.on_connected(args[0], now)
+                    actions = machine.on_connected(args[0], now)
                 elif kind == "lost":
-                    actions = m.on_peer_lost(args[0], now)
+                    actions = machine.on_peer_lost(args[0], now)
                 elif kind == "ring_done":
-                    actions = m.on_ring_done(args[0], args[1], now, args[2])
+                    actions = machine.on_ring_done(args[0], args[1], now, args[2])
                 elif kind == "synced":
-                    actions = m.on_synced(args[0], now)
+                    actions = machine.on_synced(args[0], now)
                 elif kind == "take":
                     waiting = [rnd for rnd in self._rounds.values() if rnd.waiting]
                     for rnd in waiting:
                         rnd.waiting = False
                     actions = [msg.Contribute(rnd.r) for rnd in waiting]
                 elif kind == "samples":
-                    actions = m.on_samples_ready(self.trainer.samples_ready(), now)
+                    actions = machine.on_samples_ready(self.trainer.samples_ready(), now)
                 elif kind == "params":
                     actions = self.reconciler.on_params(args[0], args[1])
                 elif kind == "ask":
                     actions = self._serve(*args)
                 elif kind == "sent":  # our snapshot is on its way to a joiner: hold a while more
-                    actions = m.hold_for(args[0], now)
+                    actions = machine.hold_for(args[0], now)
                 elif kind == "foreign":
                     self._foreign_model(*args)
                     continue
@@ -283,9 +283,9 @@ class Cluster:
                     self.reconciler.forget()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
-                    actions = m.on_synced(dataclasses.replace(args[1], window=window), now, args[2])
+                    actions = machine.on_synced(dataclasses.replace(args[1], window=window), now, args[2])
                 elif kind == "leave":
-                    await self._carry_out(m.leave(now))
+                    await self._carry_out(machine.leave(now))
                     args[0].set_result(None)
                     continue
                 else:  # pragma: no cover - our own bug
@@ -374,25 +374,25 @@ class Cluster:
         joiner we hold the next round from its ask on (as leader), and let one in flight end
         first: a snapshot taken during a round is one update behind once that round commits.
         A member correcting its drift asks for our parameters only (``parameters_only``)."""
-        m, now = self.machine, asyncio.get_running_loop().time()
-        if not m.synced:
+        machine, now = self.machine, asyncio.get_running_loop().time()
+        if not machine.synced:
             self.transfer.refuse(peer, ask_id, "not synced itself; ask another member")
             return []
-        joiner = not parameters_only and m.table.state(peer) != SYNCED
-        actions = m.hold_for(peer, now, sending=True) if joiner else []
-        state = (None if joiner and m.is_leader and m.pending is not None
+        joiner = not parameters_only and machine.table.state(peer) != SYNCED
+        actions = machine.hold_for(peer, now, sending=True) if joiner else []
+        state = (None if joiner and machine.is_leader and machine.pending is not None
                  else self.trainer.snapshot(parameters_only=True) if parameters_only else self.trainer.snapshot())
         if state is None and waited < SNAPSHOT_WAIT:
             asyncio.get_running_loop().call_later(TICK / 2, self._post, "ask", peer, ask_id, waited + TICK / 2,
                                                   parameters_only)
         elif state is None:
             self.transfer.refuse(peer, ask_id, "its trainer did not reach a round boundary in time")
-            actions += m.hold_for(peer, now)
+            actions += machine.hold_for(peer, now)
         elif not joiner:
-            self.transfer.serve(peer, ask_id, state, m.sync_point())
+            self.transfer.serve(peer, ask_id, state, machine.sync_point())
         else:  # with our History: it can then tell a split from lagging, as we can
-            lineage = [[v, d] for v, d in m.history.recent(WINDOW)]
-            self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, m.sync_point(),
+            lineage = [[v, d] for v, d in machine.history.recent(WINDOW)]
+            self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, machine.sync_point(),
                                 on_sent=lambda: self._post("sent", peer))
         return actions
 

@@ -89,9 +89,9 @@ class EndRole:
     def _finish_run(self, now: float, why: str, theirs: tuple | None = None) -> None:
         if self.lead is not None:
             self._step_down(now, "the run is over")
-        p = self.pending
-        if p is not None and not p.started:
-            self._withdraw(p)
+        pending = self.pending
+        if pending is not None and not pending.started:
+            self._withdraw(pending)
         if theirs is not None and (theirs[0] != self.history.version
                                    or theirs[1] not in (None, self.history.digest)):
             self._emit(Log("warning", f"the cluster's run ended at version {theirs[0]} while this peer holds "

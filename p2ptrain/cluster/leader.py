@@ -104,17 +104,17 @@ class LeaderRole:
         self._said_waiting = False
 
     def _drive(self, now: float, tick: bool) -> None:
-        L = self.lead
+        lead = self.lead
         if not self.synced or self.ended is not None:
             return
-        if L is None:
+        if lead is None:
             if tick and self._should_lead(now):
                 self._takeover(now)
-        elif L.phase == QUERYING and not L.waiting:
+        elif lead.phase == QUERYING and not lead.waiting:
             self._recover()
-        elif L.phase == BETWEEN and self.table.coordinator() != self.id:
+        elif lead.phase == BETWEEN and self.table.coordinator() != self.id:
             self._step_down(now, f"handing the lead over to {self.table.coordinator()}")
-        elif L.phase == BETWEEN:
+        elif lead.phase == BETWEEN:
             self._propose(now)
 
     def _should_lead(self, now: float) -> bool:
@@ -124,9 +124,9 @@ class LeaderRole:
             return False  # a leader leaves us out, or we are behind and load soon: do not fork
         if now < self._no_lead_until and self.table.state(self._rival) != SYNCED:
             return False  # a rival we cannot see leads: do not flip-flop with it every round
-        owner, p = (self.promised or (0, None))[1], self.pending
+        owner, pending = (self.promised or (0, None))[1], self.pending
         owner_alive = owner != self.id and self.table.state(owner) == SYNCED
-        if p is not None and p.started:  # in doubt: only once its leader is gone
+        if pending is not None and pending.started:  # in doubt: only once its leader is gone
             return not owner_alive
         return not (owner_alive and owner < self.id)  # a smaller live leader keeps the lead
 
@@ -140,17 +140,17 @@ class LeaderRole:
         self._emit(Log("info", f"coordinating from epoch {b[0]}: asking {len(cands)} peer(s) for their state"))
 
     def _recover(self) -> None:
-        L = self.lead
-        got = {p: st for p, st in L.got.items() if st["synced"]}
-        got[self.id] = parse(self._status(L.b))
+        lead = self.lead
+        got = {p: st for p, st in lead.got.items() if st["synced"]}
+        got[self.id] = parse(self._status(lead.b))
         for st in got.values():
-            L.r = max(L.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
+            lead.r = max(lead.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
         after = self._resolve(got)
-        for p in set(L.got) | set(after):
+        for p in set(lead.got) | set(after):
             if after.get(p) != after[self.id]:  # not synced, or another state: it hears ours
                 self.table.unsynced(p)
                 self._tell.add(p)
-        L.phase, L.got = self._move(_LEADER, L.phase, "recovered"), {}
+        lead.phase, lead.got = self._move(_LEADER, lead.phase, "recovered"), {}
 
     def _resolve(self, got: dict) -> dict:
         """Decide the attempts that members report pending: commit where anyone committed it,
@@ -160,20 +160,20 @@ class LeaderRole:
         learned, after = {}, {}
         for r, b, c in [e for st in got.values() for e in st["log"]] + list(self._log):
             learned[(r, b)] = learned.get((r, b), False) or c
-        for p, st in got.items():
-            v, d, pd = st["version"], st["digest"], st["pending"]
+        for peer, st in got.items():
+            version, digest, pd = st["version"], st["digest"], st["pending"]
             if pd is not None:
                 key = (pd["r"], pd["b"])
                 outcome = self._decided.get(key, learned.get(key, False))
                 if pd["phase"] in (RING, RINGED):
                     self._decide(key, outcome)
                 if outcome and pd["phase"] == RINGED and pd["ok"]:
-                    v, d = History.after(v, d, pd["r"], pd["view"], pd["total"])
-                    self._send(p, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
+                    version, digest = History.after(version, digest, pd["r"], pd["view"], pd["total"])
+                    self._send(peer, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
                 else:
-                    self._send(p, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
+                    self._send(peer, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
                                    "reason": "its leader was lost"})
-            after[p] = (v, d)
+            after[peer] = (version, digest)
         return after
 
     def _decide(self, key: tuple, committed: bool) -> None:
@@ -182,7 +182,7 @@ class LeaderRole:
             self._decided.popitem(last=False)
 
     def _propose(self, now: float) -> None:
-        L = self.lead
+        lead = self.lead
         over = self._run_over(now)
         if over:  # (``ending``) once no joiner is catching up: they end with the same parameters
             self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
@@ -213,38 +213,40 @@ class LeaderRole:
         target = self.config.target_batch_size
         if target and sum(self._have.get(p, 0) for p in view) < target:
             return  # the members do not hold target_batch_size samples yet: their next HAVE asks again
-        L.phase, L.view = self._move(_LEADER, L.phase, PROPOSE), view
-        L.since, L.mark, L.waiting, L.got, L.failed = now, self._ready_stall_mark(), set(L.view), {}, set()
-        self._broadcast({"t": PROPOSE, "r": L.r, "b": list(L.b), "view": list(L.view), "end": self._limits_msg(now)},
-                        L.view)
+        lead.phase, lead.view = self._move(_LEADER, lead.phase, PROPOSE), view
+        lead.since, lead.mark = now, self._ready_stall_mark()
+        lead.waiting, lead.got, lead.failed = set(lead.view), {}, set()
+        self._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
+                         "end": self._limits_msg(now)}, lead.view)
 
     def _lead_msg(self, s, m) -> _Lead | None:
         """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
-        L = self.lead
-        if L is None or L.phase != (COLLECTING if m["t"] == READY else RUNNING) or (m["r"], m["b"]) != (L.r, L.b):
+        lead = self.lead
+        waits_for = COLLECTING if m["t"] == READY else RUNNING
+        if lead is None or lead.phase != waits_for or (m["r"], m["b"]) != (lead.r, lead.b):
             self.counters["stale"] += 1
             return None
-        if s not in L.waiting:
+        if s not in lead.waiting:
             raise RemoteProtocolError(f"{m['t'].upper()} from a peer not waited for in this round")
-        L.waiting.discard(s)
-        return L
+        lead.waiting.discard(s)
+        return lead
 
     def _on_ready(self, s, m, now) -> None:
         if self._answer_late_ready(s, m):
             return
-        L = self._lead_msg(s, m)
-        if L is None:
+        lead = self._lead_msg(s, m)
+        if lead is None:
             return
         if (m["version"], m["digest"]) != (self.history.version, self.history.digest):
             self.table.unsynced(s)
             return self._abort(now, f"{s} holds another state", drop=[s])
-        L.got[s] = m["samples"]
+        lead.got[s] = m["samples"]
         self._have[s] = 0  # (it swapped its accumulator: its next HAVE counts from there)
-        if not L.waiting:
-            self.timers["ready"].record(now - L.since)
-            L.phase, L.since, L.mark = self._move(_LEADER, L.phase, START), now, self.config.stall_warn
-            L.waiting = set(L.view)
-            self._broadcast(self._start_msg(L), L.view)
+        if not lead.waiting:
+            self.timers["ready"].record(now - lead.since)
+            lead.phase, lead.since, lead.mark = self._move(_LEADER, lead.phase, START), now, self.config.stall_warn
+            lead.waiting = set(lead.view)
+            self._broadcast(self._start_msg(lead), lead.view)
 
     def _ready_stall_mark(self) -> float:
         """When a collecting round first says it stalls, as a fraction of its deadline: at
@@ -255,8 +257,8 @@ class LeaderRole:
         return max(self.config.stall_warn, min(1.0, USUAL_SLACK * timer.usual() / timer.deadline()))
 
     @staticmethod
-    def _start_msg(L: _Lead) -> dict:
-        return {"t": START, "r": L.r, "b": list(L.b), "view": list(L.view), "total": sum(L.got.values())}
+    def _start_msg(lead: _Lead) -> dict:
+        return {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values())}
 
     def _answer_late_ready(self, s, m) -> bool:
         """A READY (sent again) for an attempt of ours that collects no more. Its member waits
@@ -264,15 +266,15 @@ class LeaderRole:
         while we wait for it. A member that never started a ring is in no round that
         committed (the ring needs every member of its view), so an attempt that is not
         running is an ABORT for it."""
-        L, r, b = self.lead, m["r"], tuple(m["b"])
+        lead, r, b = self.lead, m["r"], tuple(m["b"])
         if b[1] != self.id:
             return False
-        if L is not None and (r, b) == (L.r, L.b):
-            if L.phase == COLLECTING:
-                return s in L.got  # (counted already: that READY is here)
-            if L.phase == RUNNING and s in L.waiting and s in L.view:  # (already started: it ignores this)
+        if lead is not None and (r, b) == (lead.r, lead.b):
+            if lead.phase == COLLECTING:
+                return s in lead.got  # (counted already: that READY is here)
+            if lead.phase == RUNNING and s in lead.waiting and s in lead.view:  # (already started: it ignores this)
                 self.counters["start_again"] += 1
-                self._send(s, self._start_msg(L))
+                self._send(s, self._start_msg(lead))
             return True
         if self._decided.get((r, b)) is not True:
             self.counters["abort_again"] += 1
@@ -280,56 +282,56 @@ class LeaderRole:
         return True
 
     def _on_done(self, s, m, now) -> None:
-        L = self._lead_msg(s, m)
-        if L is None:
+        lead = self._lead_msg(s, m)
+        if lead is None:
             return
         self.table.report(s, m["r"], m["checksum"])
         if not m["ok"]:
-            L.failed.add(s)
-        if L.waiting:
+            lead.failed.add(s)
+        if lead.waiting:
             return
-        if L.failed:
-            return self._abort(now, f"the ring failed at {', '.join(sorted(L.failed))}", drop=[])
-        self._record_ring(now - L.since, L.view)
-        sums = {self.table.get(p).checksum for p in L.view if self.table.get(p)} - {None}
+        if lead.failed:
+            return self._abort(now, f"the ring failed at {', '.join(sorted(lead.failed))}", drop=[])
+        self._record_ring(now - lead.since, lead.view)
+        sums = {self.table.get(p).checksum for p in lead.view if self.table.get(p)} - {None}
         if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
-            self._emit(Log("info", f"round {L.r}: parameter checksums differ ({len(sums)} kinds)"))
-        self._decide((L.r, L.b), True)
-        for p in L.view:  # in a round that worked: a later refusal starts from LEAVE_OUT again
+            self._emit(Log("info", f"round {lead.r}: parameter checksums differ ({len(sums)} kinds)"))
+        self._decide((lead.r, lead.b), True)
+        for p in lead.view:  # in a round that worked: a later refusal starts from LEAVE_OUT again
             self._left_out.pop(p, None)
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
         out = [p for p in self._left_out if self._is_left_out(p, now) and self.table.is_live(p)]
-        self._broadcast({"t": COMMIT, "r": L.r, "b": list(L.b)}, sorted(set(L.view) | set(out)))
-        L.phase, L.r = self._move(_LEADER, L.phase, COMMIT), L.r + 1
+        self._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b)}, sorted(set(lead.view) | set(out)))
+        lead.phase, lead.r = self._move(_LEADER, lead.phase, COMMIT), lead.r + 1
 
     def _abort(self, now: float, reason: str, drop, tell=True, routine=False) -> None:
         """Abort the round we lead, for ``reason`` (one line); ``routine`` (a goodbye, not a
         fault) logs it at info."""
-        L, drop = self.lead, sorted(set(drop))
-        if L.phase == RUNNING:
-            self._decide((L.r, L.b), False)
+        lead, drop = self.lead, sorted(set(drop))
+        if lead.phase == RUNNING:
+            self._decide((lead.r, lead.b), False)
         for q in set(drop) - {self.id}:
             self.table.unsynced(q)
             if tell:  # it may be alive: our STATUS lets it show its own and come back
                 self._tell.add(q)
-        self._broadcast({"t": ABORT, "r": L.r, "b": list(L.b), "reason": reason[:MAX_REASON], "drop": drop},
-                        sorted(set(L.view) | set(drop)))
-        self._emit(Log("info" if routine else "warning", f"round {L.r} aborted: {reason}"))
-        L.phase, L.r = self._move(_LEADER, L.phase, ABORT), L.r + 1
+        self._broadcast({"t": ABORT, "r": lead.r, "b": list(lead.b), "reason": reason[:MAX_REASON], "drop": drop},
+                        sorted(set(lead.view) | set(drop)))
+        self._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
+        lead.phase, lead.r = self._move(_LEADER, lead.phase, ABORT), lead.r + 1
 
     def _on_nack(self, s, m, now) -> None:
-        L = self.lead
+        lead = self.lead
         self.max_epoch = max(self.max_epoch, m["b"][0])
-        if L is not None and beats(m["b"], L.b):
+        if lead is not None and beats(m["b"], lead.b):
             self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
-        elif L is not None and m["r"] == L.r and L.phase == COLLECTING and s in L.view:
-            missing = sorted(set(m["missing"] or ()) & set(L.view) - {self.id, s})
+        elif lead is not None and m["r"] == lead.r and lead.phase == COLLECTING and s in lead.view:
+            missing = sorted(set(m["missing"] or ()) & set(lead.view) - {self.id, s})
             again = [q for q in missing  # (a peer left out before, and not in a round since, counts too)
                      if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
             self._missing_at.update((q, now) for q in missing)
             if again:  # no link to them, again: leave them out a while (or it, if they are more)
-                fewer = 2 * len(missing) - (len(L.view) - 1)  # < 0: it misses fewer than it reaches
+                fewer = 2 * len(missing) - (len(lead.view) - 1)  # < 0: it misses fewer than it reaches
                 newcomers = s in self._last_view and not set(missing) & set(self._last_view)
                 out = missing if fewer < 0 or (fewer == 0 and newcomers) else [s]  # (a tie: the newcomers)
                 self._leave_out(out, now, f"{s} is not connected to {', '.join(missing)}")

@@ -54,7 +54,7 @@ class LineageRole:
     def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
         """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
         to a peer our views leave out, for how many seconds more (``out``)."""
-        p, ids = self.pending, self._side()
+        pending, ids = self.pending, self._side()
         at = self.history.at(their) if their is not None and their < self.history.version else None
         return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
                 "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
@@ -62,8 +62,8 @@ class LineageRole:
                 "promised": list(self.promised) if self.promised else None,
                 "at": [their, at] if at is not None else None,
                 "log": [[r, list(bb), c] for r, bb, c in self._log],
-                "pending": p and {"r": p.r, "b": list(p.b), "phase": p.phase, "ok": p.ok,
-                                  "view": list(p.view), "total": p.total},
+                "pending": pending and {"r": pending.r, "b": list(pending.b), "phase": pending.phase, "ok": pending.ok,
+                                  "view": list(pending.view), "total": pending.total},
                 "out": self._out_for(to) if to is not None and self.lead is not None else None,
                 "end": self.ended}
 
@@ -73,18 +73,18 @@ class LineageRole:
             return self._heard_end(s, m["end"], now)
         if m["out"] is not None:  # its views leave us out a while: loading its state before then is
             self._out_until = now + m["out"]  # wasted; 0: back in, load now if behind
-        L, pd = self.lead, m["pending"]
-        if L is not None and m["b"] == L.b and L.phase == QUERYING and s in L.waiting:  # our QUERY's answer
-            L.waiting.discard(s)
-            L.got[s] = m
+        lead, pd = self.lead, m["pending"]
+        if lead is not None and m["b"] == lead.b and lead.phase == QUERYING and s in lead.waiting:  # our QUERY's answer
+            lead.waiting.discard(s)
+            lead.got[s] = m
             return
-        if L is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != L.b \
+        if lead is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != lead.b \
                 and self._ours_to_resolve(m):
-            if L.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
-                return self._send(s, {"t": QUERY, "b": list(L.b)})  # in doubt, obeying another: ask it
+            if lead.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
+                return self._send(s, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
             self._resolve({s: m})  # in doubt and it obeys us: decide its attempt
             self._tell.add(s)
-            if L.phase in (COLLECTING, RUNNING) and s in L.view:
+            if lead.phase in (COLLECTING, RUNNING) and s in lead.view:
                 self._abort(now, f"{s} was in doubt about an earlier round", drop=[])
             return
         if not m["synced"]:

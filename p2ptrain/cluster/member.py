@@ -63,13 +63,13 @@ class MemberRole:
     def _promise(self, b: tuple, now: float, keep: int = -1) -> None:
         """Obey ballot b from now on. An unstarted attempt of another ballot can never start
         here any more: it is withdrawn (unless it is round ``keep``, proposed again under b)."""
-        p = self.pending
-        if p is not None and not p.started and p.b != b and p.r != keep:
-            self._withdraw(p)
+        pending = self.pending
+        if pending is not None and not pending.started and pending.b != b and pending.r != keep:
+            self._withdraw(pending)
         new_leader = (self.promised or (0, None))[1] != b[1]
         self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
-        if p is not None and not p.started and p.b[1] != b[1]:  # its leader would wait for our READY:
-            self._nack(p.b[1], p.r, "superseded")  # it steps down now, not at its deadline
+        if pending is not None and not pending.started and pending.b[1] != b[1]:  # its leader would wait for our READY:
+            self._nack(pending.b[1], pending.r, "superseded")  # it steps down now, not at its deadline
         if self.lead and self.lead.b != b:
             self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
         if new_leader and self.config.target_batch_size:
@@ -85,8 +85,8 @@ class MemberRole:
         self._send(s, self._status(m["b"], re=True))
 
     def _on_propose(self, s, m, now) -> None:
-        r, b, view, p = m["r"], m["b"], m["view"], self.pending
-        if b[1] != s or (p is not None and (p.r, p.b) == (r, b)):
+        r, b, view, pending = m["r"], m["b"], m["view"], self.pending
+        if b[1] != s or (pending is not None and (pending.r, pending.b) == (r, b)):
             raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
         if not self.synced or r <= self.round:
             self.counters["old_round" if self.synced else "unsynced"] += 1
@@ -97,7 +97,7 @@ class MemberRole:
         elif any(q != self.id and not self.table.is_live(q) for q in view):
             missing = [q for q in view if q != self.id and not self.table.is_live(q)]
             self._nack(s, r, "the view names a peer we are not connected to", missing)
-        elif p is not None and p.started:  # in doubt: this leader must resolve that attempt first
+        elif pending is not None and pending.started:  # in doubt: this leader must resolve that attempt first
             self._promise(b, now)
             self._send(s, self._status(b, re=True))
         else:
@@ -106,11 +106,12 @@ class MemberRole:
             self._proposed = (r, b)
             if self.pending is not None and self.pending.r != r:
                 self._withdraw(self.pending)
-            p = self.pending
-            if p is not None:  # the same round under a better ballot: keep our contribution
-                p.phase, p.b, p.view, p.since = self._move(_MEMBER, p.phase, PROPOSE), b, view, now
-                if p.phase == READIED:
-                    self._send(s, self._ready_msg(p))
+            pending = self.pending
+            if pending is not None:  # the same round under a better ballot: keep our contribution
+                pending.phase = self._move(_MEMBER, pending.phase, PROPOSE)
+                pending.b, pending.view, pending.since = b, view, now
+                if pending.phase == READIED:
+                    self._send(s, self._ready_msg(pending))
                 return
             self.pending = _Pending(r, b, view, self._move(_MEMBER, None, PROPOSE), now)
             if r not in self._asked:  # (one outstanding Contribute per round number)
@@ -119,95 +120,97 @@ class MemberRole:
 
     def _contributed(self, r, samples, now) -> None:
         self._asked.discard(r)
-        p = self.pending
-        if p is None or p.r != r or p.phase != PROPOSED:
+        pending = self.pending
+        if pending is None or pending.r != r or pending.phase != PROPOSED:
             self.counters["late_contribution"] += 1
             return self._emit(PutBack(r))
-        p.phase, p.samples, p.since = self._move(_MEMBER, p.phase, "contribution"), samples, now
-        self._send(p.b[1], self._ready_msg(p))
+        pending.phase = self._move(_MEMBER, pending.phase, "contribution")
+        pending.samples, pending.since = samples, now
+        self._send(pending.b[1], self._ready_msg(pending))
         self._samples_told = 0  # (the leader counts us from zero after this READY)
 
-    def _ready_msg(self, p: _Pending) -> dict:
-        return {"t": READY, "r": p.r, "b": list(p.b), "samples": p.samples,
+    def _ready_msg(self, pending: _Pending) -> dict:
+        return {"t": READY, "r": pending.r, "b": list(pending.b), "samples": pending.samples,
                 "version": self.history.version, "digest": self.history.digest}
 
     def _attempt(self, s, m) -> _Pending | None:
         """The attempt a leader's START/COMMIT/ABORT is about, or None if stale (counted)."""
-        p, r, b = self.pending, m["r"], m["b"]
+        pending, r, b = self.pending, m["r"], m["b"]
         if s != (self.promised or (0, None))[1]:  # a leader we no longer obey: it must step down
             self.counters["superseded"] += 1
             if beats(self.promised, b):
                 self._nack(s, r, "superseded")
             return None
-        if p is not None and (p.r, p.b) == (r, b):
-            return p
+        if pending is not None and (pending.r, pending.b) == (r, b):
+            return pending
         if m["t"] == START and r > self.round and (r, b) != self._proposed:  # (not one we withdrew)
             raise RemoteProtocolError("START for a round that was not proposed to us")
         self.counters["stale"] += 1
         return None
 
     def _on_start(self, s, m, now) -> None:
-        p = self._attempt(s, m)
-        if p is None:
+        pending = self._attempt(s, m)
+        if pending is None:
             return
-        if p.started and m["view"] == p.view:  # sent again, for a READY we sent again
+        if pending.started and m["view"] == pending.view:  # sent again, for a READY we sent again
             self.counters["stale"] += 1
             return
-        if p.phase != READIED or m["view"] != p.view:
+        if pending.phase != READIED or m["view"] != pending.view:
             raise RemoteProtocolError("START before READY, or with another view")
-        self.timers["ready"].record(now - p.since)
-        p.phase, p.total, p.since, p.mark = self._move(_MEMBER, p.phase, START), m["total"], now, 1.0
-        self._emit(StartRing(p.r, p.view))
+        self.timers["ready"].record(now - pending.since)
+        pending.phase = self._move(_MEMBER, pending.phase, START)
+        pending.total, pending.since, pending.mark = m["total"], now, 1.0
+        self._emit(StartRing(pending.r, pending.view))
 
     def _ring_done(self, r, ok, now, checksum) -> None:
-        p = self.pending
-        if p is None or p.r != r or p.phase != RING:
+        pending = self.pending
+        if pending is None or pending.r != r or pending.phase != RING:
             self.counters["late_ring"] += 1
             return
-        p.phase, p.ok = self._move(_MEMBER, p.phase, "ring_done"), ok
-        if self.promised and self.promised[1] == p.b[1]:  # else a newer leader resolves it
-            self._send(p.b[1], {"t": DONE, "r": r, "b": list(p.b), "ok": ok, "checksum": checksum})
+        pending.phase, pending.ok = self._move(_MEMBER, pending.phase, "ring_done"), ok
+        if self.promised and self.promised[1] == pending.b[1]:  # else a newer leader resolves it
+            self._send(pending.b[1], {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum})
 
     def _on_decision(self, s, m, now) -> None:
         if m["t"] == ABORT and s == (self.promised or (0, None))[1]:
             for q in set(m["drop"]) - {s, self.id}:
                 self.table.unsynced(q)
-        p = self._attempt(s, m)
-        if p is None:
+        pending = self._attempt(s, m)
+        if pending is None:
             return
-        if m["t"] == COMMIT and not (p.phase == RINGED and p.ok):
+        if m["t"] == COMMIT and not (pending.phase == RINGED and pending.ok):
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
-        self._move(_MEMBER, p.phase, m["t"])
-        if p.started:
-            self._finish(p, m["t"] == COMMIT, now)
+        self._move(_MEMBER, pending.phase, m["t"])
+        if pending.started:
+            self._finish(pending, m["t"] == COMMIT, now)
         else:
-            self._withdraw(p)
+            self._withdraw(pending)
         if m["t"] == ABORT and s != self.id:  # (a leader logged its own abort)
             self._emit(Log("info", f"round {m['r']} aborted: {m['reason']}"))
 
-    def _withdraw(self, p: _Pending) -> None:
+    def _withdraw(self, pending: _Pending) -> None:
         """An unstarted attempt goes away (a started one is never withdrawn, only decided)."""
-        self._move(_MEMBER, p.phase, "withdraw")
-        if p.samples is not None:
-            self._emit(PutBack(p.r))
+        self._move(_MEMBER, pending.phase, "withdraw")
+        if pending.samples is not None:
+            self._emit(PutBack(pending.r))
         self.pending = None
 
-    def _finish(self, p: _Pending, committed: bool, now: float) -> None:
-        self.pending, self.round = None, max(self.round, p.r)
-        self._log.append((p.r, p.b, committed))
-        self._record_ring(now - p.since, p.view)
-        self.table.mark_served(p.view)
+    def _finish(self, pending: _Pending, committed: bool, now: float) -> None:
+        self.pending, self.round = None, max(self.round, pending.r)
+        self._log.append((pending.r, pending.b, committed))
+        self._record_ring(now - pending.since, pending.view)
+        self.table.mark_served(pending.view)
         if not committed:
-            self._emit(PutBack(p.r))
+            self._emit(PutBack(pending.r))
         else:
-            self.history.append(p.r, p.view, p.total)  # (idle, total 0: the chain stays as it was)
-            self._last_view = p.view
-            self._elsewhere.difference_update(p.view)
-            for q in self.table.live_synced() if p.total else ():  # synced, not in the view: behind us now
-                if q not in p.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
+            self.history.append(pending.r, pending.view, pending.total)  # (idle, total 0: the chain stays as it was)
+            self._last_view = pending.view
+            self._elsewhere.difference_update(pending.view)
+            for q in self.table.live_synced() if pending.total else ():  # synced, not in the view: behind us now
+                if q not in pending.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
                     self._tell.add(q)  # tell it, and hold the next boundary while it catches up
                     self._admit[q] = now + self.config.join_hold
-            for q in p.view:
-                self.table.synced(q, self.history.version, self.history.digest, p.r)
-            self._emit(Apply(p.r, p.total, p.view))
+            for q in pending.view:
+                self.table.synced(q, self.history.version, self.history.digest, pending.r)
+            self._emit(Apply(pending.r, pending.total, pending.view))
         self._set_self()

@@ -193,8 +193,8 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         view our leader proposed to us if that is more. A peer dropped from a round (a refusal,
         a timeout) is marked unsynced here until it shows its STATUS to us, which it may not do
         before the next round commits; the leader, which heard it, proposes it again."""
-        p = self.pending
-        return max(len(self.table.live_synced()), len(p.view) if p is not None else 0)
+        pending = self.pending
+        return max(len(self.table.live_synced()), len(pending.view) if pending is not None else 0)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _run(self, now, fn, *args, tick=False) -> list:
@@ -285,13 +285,13 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
     def _gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
         """Peer s can no longer take part: re-form at once, without waiting for a deadline.
         ``routine``: it said goodbye (a round it aborts is logged at info, not as a warning)."""
-        L, p = self.lead, self.pending
-        if L is not None and L.phase == QUERYING:
-            L.waiting.discard(s)
-        elif L is not None and L.phase in (COLLECTING, RUNNING) and s in L.view:
+        lead, pending = self.lead, self.pending
+        if lead is not None and lead.phase == QUERYING:
+            lead.waiting.discard(s)
+        elif lead is not None and lead.phase in (COLLECTING, RUNNING) and s in lead.view:
             self._abort(now, f"{s} {why}", drop=[s], routine=routine)
-        if p is not None and not p.started and p.b[1] == s:
-            self._withdraw(p)
+        if pending is not None and not pending.started and pending.b[1] == s:
+            self._withdraw(pending)
         if s == self._rival and not self.table.is_live(s):  # lost (link, goodbye, silence), not just behind
             self._rival, self._no_lead_until = "", float("-inf")  # the leader we backed off from is gone
 
@@ -320,34 +320,35 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         if self.ended is not None:
             return
         self._tick_lineage(now)
-        for p in self.table.expire(now, self.config.peer_timeout):
-            self._gone(p, now, f"was silent for {self.config.peer_timeout:g} s")
-        L, p = self.lead, self.pending
-        if L is not None and L.phase in (QUERYING, COLLECTING, RUNNING):
-            waited = now - L.since
-            if waited >= L.mark * self._deadline(L.phase, L.view):
-                what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[L.phase]
-                self._emit(Stall(tuple(sorted(L.waiting)), what, waited, L.r))
-                if L.mark < 1.0:
-                    L.mark = 1.0
-                elif L.phase == QUERYING:  # the silent are left out until they show a STATUS
-                    self._tell.update(L.waiting)
-                    for q in L.waiting:
+        for peer in self.table.expire(now, self.config.peer_timeout):
+            self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
+        lead, pending = self.lead, self.pending
+        if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
+            waited = now - lead.since
+            if waited >= lead.mark * self._deadline(lead.phase, lead.view):
+                what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[lead.phase]
+                self._emit(Stall(tuple(sorted(lead.waiting)), what, waited, lead.r))
+                if lead.mark < 1.0:
+                    lead.mark = 1.0
+                elif lead.phase == QUERYING:  # the silent are left out until they show a STATUS
+                    self._tell.update(lead.waiting)
+                    for q in lead.waiting:
                         self.table.unsynced(q)
-                    L.waiting.clear()
-                elif L.phase == COLLECTING and L.mark * 2 <= self.config.ready_patience:
-                    L.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
+                    lead.waiting.clear()
+                elif lead.phase == COLLECTING and lead.mark * 2 <= self.config.ready_patience:
+                    lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
                 else:
                     self._abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
-                                     f"{', '.join(sorted(L.waiting))}", drop=L.waiting)
+                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
         quiet = min(2 * self.config.query_timeout, self.config.peer_timeout / 2)  # well before we seem dead
-        if self.synced and (p is None or p.started) and now - self._heard_lead > quiet:
+        if self.synced and (pending is None or pending.started) and now - self._heard_lead > quiet:
             self._heard_lead = now  # no leader speaks to us: we may be left out, or in doubt, unheard
             self._broadcast(self._status(), self._peers())
-        if p is not None and p.phase in (READIED, RINGED) and p.b[1] != self.id:
-            waited = now - p.since
-            if waited >= p.mark * self._deadline(p.phase, p.view):
-                self._emit(Stall((p.b[1],), "start" if p.phase == READIED else "decision", waited, p.r))
-                p.mark *= 2
-                if p.phase == READIED:  # our READY, or its START or ABORT, may have been lost with a link:
-                    self._send(p.b[1], self._ready_msg(p))  # its leader answers again (``_on_ready``)
+        if pending is not None and pending.phase in (READIED, RINGED) and pending.b[1] != self.id:
+            waited = now - pending.since
+            if waited >= pending.mark * self._deadline(pending.phase, pending.view):
+                what = "start" if pending.phase == READIED else "decision"
+                self._emit(Stall((pending.b[1],), what, waited, pending.r))
+                pending.mark *= 2
+                if pending.phase == READIED:  # our READY, or its START or ABORT, may have been lost with a link:
+                    self._send(pending.b[1], self._ready_msg(pending))  # its leader answers again (``_on_ready``)
