@@ -108,10 +108,11 @@ class LineageRole:
     def _compare(self, s, m, now) -> None:
         """Their chain against ours. On one chain the peer behind loads state (it lacks
         updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
-        v, d, pd = m["version"], m["digest"], m["pending"]
+        their_version, their_digest, pd = m["version"], m["digest"], m["pending"]
         if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
-            v, d = History.after(v, d, pd["r"], pd["view"], pd["total"])  # about to commit it
-        rel = relation(self.history, v, d, m["window"], m.get("at"), can_ask=not m["re"])
+            their_version, their_digest = History.after(  # about to commit it
+                their_version, their_digest, pd["r"], pd["view"], pd["total"])
+        rel = relation(self.history, their_version, their_digest, m["window"], m.get("at"), can_ask=not m["re"])
         if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
             return self._send(s, self._status())
         if rel == "behind" and m["round"] < self.round and s in self._last_view:
@@ -119,21 +120,22 @@ class LineageRole:
             return
         if rel == "same":
             self._elsewhere.discard(s)
-            self.table.synced(s, v, d, m["round"], now)
+            self.table.synced(s, their_version, their_digest, m["round"], now)
             self._admit.pop(s, None)
             self._held.pop(s, None)
         else:
-            if rel == "behind" and self.lead and self._held.get(s, -1) < v and not self._is_left_out(s, now):
-                self._held[s], self._admit[s] = v, now + self.config.join_hold
+            if (rel == "behind" and self.lead and self._held.get(s, -1) < their_version
+                    and not self._is_left_out(s, now)):
+                self._held[s], self._admit[s] = their_version, now + self.config.join_hold
             self.table.unsynced(s)
             self._elsewhere.add(s)
             self._gone(s, now, f"holds another state ({rel})")
-            theirs = Lineage(m["members"], d, v, m["min_id"] or s)
+            theirs = Lineage(m["members"], their_digest, their_version, m["min_id"] or s)
             if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
                 why = "behind" if rel == "ahead" else "split"
                 leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
                 donor = leader if leader != self.id and self.table.is_live(leader) else s
-                reason = f"{why}: {s} has version {v}, its side {m['members']} peer(s)"
+                reason = f"{why}: {s} has version {their_version}, its side {m['members']} peer(s)"
                 if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
                     self.counters["behind_left_out"] += 1  # load once our time left out is over
                     self._load_later = (reason, donor, leader)
@@ -144,7 +146,7 @@ class LineageRole:
                 else:
                     return self._resync(reason, donor, now, leader)
         if not m["re"]:
-            self._send(s, self._status(re=True, their=v, to=s))
+            self._send(s, self._status(re=True, their=their_version, to=s))
 
     def _lineage(self) -> Lineage:
         ids = self._side()

@@ -115,28 +115,28 @@ class StateTransfer:
 
     # -- frames in ----------------------------------------------------------------------------
     def on_frame(self, peer: str, frame: wire.Frame) -> None:
-        h, k = frame.header, frame.header.get("k")
-        if k in (ASK, MODEL):
+        header, kind = frame.header, frame.header.get("k")
+        if kind in (ASK, MODEL):
             try:
                 theirs = msgpack.unpackb(frame.payload, raw=False, max_ext_len=0) if frame.payload.nbytes else None
             except Exception:  # noqa: BLE001 - any msgpack failure means "not a fingerprint"
                 theirs = None
             diff = fingerprint_diff(self.fingerprint, theirs) if theirs is not None else "no model fingerprint"
-            if k == MODEL:
+            if kind == MODEL:
                 self._on_foreign(peer, diff or "the same parameters, but the handshake digests differ")
                 return
-            if type(h.get("id")) is not int:
+            if type(header.get("id")) is not int:
                 raise RemoteProtocolError("malformed state ask: no id")
             if diff:
-                self.refuse(peer, h["id"], f"another model: {diff}", cause=MODEL)
+                self.refuse(peer, header["id"], f"another model: {diff}", cause=MODEL)
             else:
-                self._on_ask(peer, h["id"], h.get("only") == "parameters")
-        elif k in (PART, REFUSE):
-            entry = self._fetches.get(h.get("id"))
+                self._on_ask(peer, header["id"], header.get("only") == "parameters")
+        elif kind in (PART, REFUSE):
+            entry = self._fetches.get(header.get("id"))
             if entry is not None and entry[0] == peer:
                 entry[1].put_nowait(frame)
         else:
-            raise RemoteProtocolError(f"unknown state message {str(k)[:20]!r}")
+            raise RemoteProtocolError(f"unknown state message {str(kind)[:20]!r}")
 
     def tell_model(self, peer: str) -> None:
         """Send our fingerprint to a peer whose handshake digest differs (once per peer)."""

@@ -275,16 +275,16 @@ class Link:
     def _refuse(self, reason: str, linger: float = 1.0) -> None:
         """Send REJECT, half-close, discard input, close for good after ``linger`` seconds."""
         self._close_direct()
-        t = self._transport
-        if t is None or t.is_closing() or self._discarding:
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._discarding:
             return
         self._discarding = True
-        t.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
-        if t.can_write_eof():
-            t.write_eof()
+        transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
+        if transport.can_write_eof():
+            transport.write_eof()
         if self._reading_paused:
-            t.resume_reading()
-        asyncio.get_running_loop().call_later(linger, t.close)
+            transport.resume_reading()
+        asyncio.get_running_loop().call_later(linger, transport.close)
 
     # -- protocol callbacks ---------------------------------------------------------------
     def _attach(self, transport: asyncio.Transport) -> None:
