@@ -1201,38 +1201,6 @@ def test_random_cuts_never_apply_different_rounds_and_heal(steps):
     heals_and_keeps_committing(net)
 
 
-# -- target_batch_size ----------------------------------------------------------------------------
-def test_with_a_target_batch_size_the_leader_proposes_once_the_view_holds_it():
-    net = Net("abc", target_batch_size=100)
-    net.found()
-    net.run(1.0)
-    assert net.sent("a", M.PROPOSE) == []  # nobody said it holds anything
-    for p, n in (("a", 30), ("b", 30)):
-        net.handle(p, net.m[p].on_samples_ready(n, net.now))
-    net.run(0.5)
-    assert net.sent("a", M.PROPOSE) == []  # 60 < 100
-    net.handle("c", net.m["c"].on_samples_ready(45, net.now))  # c tells its leader a (M.HAVE)
-    assert net.sent("c", M.HAVE)[-1]["samples"] == 45
-    told = len(net.sent("c", M.HAVE))
-    net.run(0.5)
-    assert len(net.sent("a", M.PROPOSE)) >= 1  # 105: a round
-    assert net.applied("a")
-    first = len(net.sent("a", M.PROPOSE))
-    net.run(1.0)  # the counts start again from zero after each READY: no more rounds without HAVE
-    assert len(net.sent("a", M.PROPOSE)) == first
-    net.handle("c", net.m["c"].on_samples_ready(45, net.now))  # the same count again is news after a READY
-    assert len(net.sent("c", M.HAVE)) == told + 1
-    net.handle("c", net.m["c"].on_samples_ready(45, net.now))  # ... but not twice
-    assert len(net.sent("c", M.HAVE)) == told + 1
-
-
-def test_have_is_parsed_strictly():
-    assert M.parse({"t": M.HAVE, "samples": 3}) == {"t": M.HAVE, "samples": 3}
-    for bad in ({"t": M.HAVE}, {"t": M.HAVE, "samples": -1}, {"t": M.HAVE, "samples": "3"}):
-        with pytest.raises(RemoteProtocolError):
-            M.parse(bad)
-
-
 # -- a READY sent again: a START or ABORT lost with a link is told again ---------------------------
 def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
     net = cluster("abc", run=0.5, min_peers=3)

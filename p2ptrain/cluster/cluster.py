@@ -79,7 +79,6 @@ class Contributions(Protocol):
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated
     def reconcile(self, state: dict, point: SyncPoint) -> None: ...  # the leader's state at point: load it
     #                                                   when ours reach that point; keep what is accumulated
-    def samples_ready(self) -> int: ...  # samples accumulated and not taken (target_batch_size: the leader counts them)
     def finish(self) -> None: ...  # the cluster's run is over (``ending``): stop once the last update is applied
 
 
@@ -162,11 +161,6 @@ class Cluster:
         ``point`` is applied (call on the cluster's loop): the leader tells the members, a
         member compares (``reconcile``)."""
         self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "sketch": sketch})
-
-    def samples_changed(self) -> None:
-        """With ``target_batch_size``: the trainer's count of samples ready changed (call on the
-        cluster's loop); the leader hears it (``trainer.samples_ready()``, read when the message goes)."""
-        self._post("samples")
 
     def ring_seconds(self, r: int) -> float | None:
         """Seconds since round r's ring started here (None: none did), for the trainer's
@@ -261,8 +255,6 @@ class Cluster:
                     for rnd in waiting:
                         rnd.waiting = False
                     actions = [msg.Contribute(rnd.r) for rnd in waiting]
-                elif kind == "samples":
-                    actions = machine.on_samples_ready(self.trainer.samples_ready(), now)
                 elif kind == "params":
                     actions = self.reconciler.on_params(args[0], args[1])
                 elif kind == "ask":

@@ -35,11 +35,6 @@ it hears our STATUS, catches up (we hold the boundary) and is in the next view. 
 that names nobody (an older peer) drops the refuser and delays the next proposal by
 REFUSAL_BACKOFF, so that it cannot loop at once.
 
-Target batch size. With ``RoundConfig.target_batch_size`` the leader proposes only once the
-members of its view hold that many samples together, as their HAVE messages (and its own
-trainer) say. A member's HAVE follows its READY on the same link, so a count is reset on READY
-and what comes after it counts the fresh accumulator.
-
 Transitions (``_LEADER``; ``_move`` refuses any other):
     none -takeover-> querying -all STATUS or timeout-> between
     between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
@@ -210,9 +205,6 @@ class LeaderRole:
         view = tuple(p for p in self.table.live_synced() if p == self.id or not self._is_left_out(p, now))
         if len(view) < self.config.min_peers:
             return  # (peers left out for a while: wait for them)
-        target = self.config.target_batch_size
-        if target and sum(self._have.get(p, 0) for p in view) < target:
-            return  # the members do not hold target_batch_size samples yet: their next HAVE asks again
         lead.phase, lead.view = self._move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
         lead.waiting, lead.got, lead.failed = set(lead.view), {}, set()
@@ -241,7 +233,6 @@ class LeaderRole:
             self.table.unsynced(s)
             return self._abort(now, f"{s} holds another state", drop=[s])
         lead.got[s] = m["samples"]
-        self._have[s] = 0  # (it swapped its accumulator: its next HAVE counts from there)
         if not lead.waiting:
             self.timers["ready"].record(now - lead.since)
             lead.phase, lead.since, lead.mark = self._move(_LEADER, lead.phase, START), now, self.config.stall_warn

@@ -66,14 +66,11 @@ class MemberRole:
         pending = self.pending
         if pending is not None and not pending.started and pending.b != b and pending.r != keep:
             self._withdraw(pending)
-        new_leader = (self.promised or (0, None))[1] != b[1]
         self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
         if pending is not None and not pending.started and pending.b[1] != b[1]:  # its leader would wait for our READY:
             self._nack(pending.b[1], pending.r, "superseded")  # it steps down now, not at its deadline
         if self.lead and self.lead.b != b:
             self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
-        if new_leader and self.config.target_batch_size:
-            self._tell_samples()
 
     def _on_query(self, s, m, now) -> None:
         if m["b"][1] != s:
@@ -127,7 +124,6 @@ class MemberRole:
         pending.phase = self._move(_MEMBER, pending.phase, "contribution")
         pending.samples, pending.since = samples, now
         self._send(pending.b[1], self._ready_msg(pending))
-        self._samples_told = 0  # (the leader counts us from zero after this READY)
 
     def _ready_msg(self, pending: _Pending) -> dict:
         return {"t": READY, "r": pending.r, "b": list(pending.b), "samples": pending.samples,

@@ -31,7 +31,6 @@ NACK = "nack"  # member -> a leader it does not obey  {r, b (the ballot it obeys
 GOODBYE = "goodbye"  # a leaving peer -> all  {end (the version at which the cluster's run ended here, or None)}
 END = "end"  # leader -> every peer it knows, at a boundary  {b, version, digest, why}: the cluster's run is
 #              over (its --max-rounds version, or its clock's --duration); members stop after that version
-HAVE = "have"  # member -> the leader it obeys  {samples}: its trainer's samples ready now (target_batch_size)
 
 # A member's phase in the attempt it takes part in (a STATUS reports it as "pending"; None: idle).
 PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"
@@ -127,7 +126,6 @@ _SCHEMA = {
     NACK: {"r": lambda v: _int(v, -1), "b": _ballot, "reason": _of(str, MAX_REASON), "missing": _opt(_ids)},
     GOODBYE: {"end": _opt(_int)},
     END: {"b": _ballot, "version": _int, "digest": _of(bytes, 64), "why": _of(str, MAX_REASON)},
-    HAVE: {"samples": _int},
 }
 
 

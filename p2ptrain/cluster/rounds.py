@@ -41,7 +41,7 @@ from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
 from p2ptrain.cluster.lineage import LineageRole
 from p2ptrain.cluster.member import MemberRole, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, END, GOODBYE, HAVE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, END, GOODBYE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
                                        RINGED, START, STATUS, Broadcast, PutBack, Send, Stall, parse)
 
 
@@ -71,7 +71,6 @@ class RoundConfig:
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
     max_version: int = 0  # > 0: the cluster's run ends at this version (``ending``: our start + --max-rounds)
     deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
-    target_batch_size: int = 0  # > 0: the leader proposes once its view has this many samples ready (HAVE)
 
 
 class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
@@ -102,8 +101,6 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         self._tell: set = set()  # peers to send our STATUS once this event is handled
         self._nbytes, self._left = 0, False
         self._asked: set = set()  # rounds whose Contribute the host has not answered yet
-        self._samples_told = 0  # our trainer's samples ready (target_batch_size), as last told to the leader
-        self._have: dict = {}  # peer -> its samples ready, from its HAVE messages (the leader counts them)
         self._now = 0.0  # the time of the event being handled
         self._out: list = []
         self._loop: deque = deque()  # messages to ourselves
@@ -251,30 +248,10 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
             self._seen_r, self._heard_lead = max(self._seen_r, m.get("r", -1)), now
         {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
-         NACK: self._on_nack, GOODBYE: self._on_goodbye, HAVE: self._on_have, END: self._on_end}[m["t"]](s, m, now)
+         NACK: self._on_nack, GOODBYE: self._on_goodbye, END: self._on_end}[m["t"]](s, m, now)
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
-
-    def on_samples_ready(self, samples: int, now: float) -> list:
-        """With ``target_batch_size``: our trainer has ``samples`` ready now (after a step, a put-back).
-        The leader we obey hears it (HAVE) when it changes; as leader we count it ourselves."""
-        if type(samples) is not int or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-
-        def go():
-            if samples != self._samples_told:
-                self._samples_told = samples
-                self._tell_samples()
-        return self._run(now, go)
-
-    def _tell_samples(self) -> None:
-        leader = (self.promised or (0, None))[1]
-        if leader is not None and self.synced:
-            self._send(leader, {"t": HAVE, "samples": self._samples_told})
-
-    def _on_have(self, s, m, now) -> None:
-        self._have[s] = m["samples"]  # (in order with its READY on one link: counts after that READY)
 
     def _on_goodbye(self, s, m, now) -> None:
         self.table.said_goodbye(s, now)

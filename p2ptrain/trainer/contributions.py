@@ -14,7 +14,7 @@ progress (``_computing``, ``_want_step``, ``_step_end``, ``_compute_mean``), the
 
 Call order. The cluster calls ``take`` when a round collects (our accumulator is swapped out, or
 None: nothing yet, and ``step`` or the linger timer calls ``contribution_available`` later),
-then ``apply`` on commit or ``put_back`` on abort; ``samples_ready`` when the leader counts samples;
+then ``apply`` on commit or ``put_back`` on abort;
 ``snapshot``, ``restore`` and ``reconcile`` for state transfer. All of these run on the
 cluster's loop thread, and so does ``_wait``: what a blocked ``step`` runs there (committed
 updates and state loads land meanwhile). A state handed over is loaded later, at a safe point, on the caller's
@@ -204,10 +204,6 @@ class ContributionsSide:
             self._out = None
             self._acc.merge(out)
         self._changed.set()
-
-    def samples_ready(self) -> int:
-        with self._lock:
-            return self._acc.samples
 
     def finish(self) -> None:
         """The cluster's run is over: ``step`` waits for no round any more, and ``finished`` is

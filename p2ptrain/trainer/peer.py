@@ -21,7 +21,7 @@ it), then ``scheduler`` steps: once per applied update. Parameters change only i
 
 This module is the caller's side (lifetime, ``step``); applying committed updates and
 checkpoints are ``updates.UpdatesSide``'s; what the cluster calls on its thread (``cluster.Contributions``: ``take``, ``apply``,
-``put_back``, ``samples_ready``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
+``put_back``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
 ``contributions.ContributionsSide``. Past ``take``: ``cluster`` (rounds), ``collective`` (the
 ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
 
