@@ -37,23 +37,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-busy", action="store_true", help="the delay computes (a core busy) instead of sleeping")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda[:i], mps, auto (as join's --device)")
     a = ap.parse_args(argv)
 
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     from p2ptrain.commands.join import burn
+    from p2ptrain.device import pick_device, synchronize
     from p2ptrain.tasks import load_task
 
     if a.threads:
         torch.set_num_threads(a.threads)
     with _common.gloo_group(a.master, a.port, a.rank, a.world, a.timeout):
+        device = pick_device(a.device)
         task = load_task("synthetic", {"seed": a.seed, "model_size": a.model_size,
-                                       "batch_size": a.batch_size, "data": None, "device": "cpu"})
-        model = DistributedDataParallel(task.model)
+                                       "batch_size": a.batch_size, "data": None, "device": str(device)})
+        model = DistributedDataParallel(task.model.to(device))  # (gloo allreduces CUDA tensors through the host)
         optimizer = task.make_optimizer(model.parameters(), task.default_lr)
         batches = task.train_batches(a.rank, a.world, a.batch_size, a.seed)
-        device = torch.device("cpu")
         with open(a.metrics, "w", encoding="utf-8") as out:
             for step in range(1, a.rounds + 1):
                 t0 = time.monotonic()
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                     burn(a.step_delay) if a.step_busy else time.sleep(a.step_delay)
                 loss.backward()
                 optimizer.step()
+                synchronize(device)  # (the step's time includes the device's work)
                 out.write(json.dumps({"time": time.time(), "round": step, "members": a.world,
                                       "samples": a.batch_size * a.world, "loss": float(loss.detach()),
                                       "round_seconds": time.monotonic() - t0}) + "\n")

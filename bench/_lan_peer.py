@@ -260,13 +260,13 @@ class Peer:
                                           cluster=f"lanbench-{self.nonce}-{run.index}",
                                           step_delay=delay, step_busy=a.slow_busy, log_level=a.log_level,
                                           outer_lr=a.outer_lr,
-                                          outer_momentum=a.outer_momentum)
+                                          outer_momentum=a.outer_momentum, device=a.device)
         else:
             cmd = _lan_train.ddp_command(run, rank=self.rank, master=self.hosts[0],
                                          port=self.ports[0] + 60 + run.index, metrics=metrics,
                                          model_size=a.model_size, batch_size=a.batch_size,
                                          rounds=a.rounds, step_delay=delay, step_busy=a.slow_busy,
-                                         threads=a.threads,
+                                         threads=a.threads, device=a.device,
                                          timeout=a.timeout)
 
         def status() -> str:

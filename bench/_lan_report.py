@@ -202,7 +202,7 @@ class Report:
                 "train_codecs": a.train_codecs, "staleness": a.staleness, "model_size": a.model_size,
                 "batch_size": a.batch_size, "rounds": a.rounds, "target_loss": a.target_loss,
                 "step_delay_s": a.step_delay, "slow_busy": a.slow_busy, "slow_ranks": a.slow_ranks, "threads": a.threads,
-                "pin_cores": a.pin_cores,
+                "pin_cores": a.pin_cores, "device": a.device,
                 "quick": a.quick, "host": socket.gethostname(), "python": platform.python_version(),
                 "torch": torch.__version__, "p2ptrain_git": _git_describe(), "unix_time": time.time(),
                 "cpus": os.cpu_count(), "loadavg_start": self.load_start, "loadavg_end": _loadavg()}

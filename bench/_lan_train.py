@@ -112,14 +112,14 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
                  batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
                  step_delay: float = 0.0, step_busy: bool = False, log_level: str = "warning",
                  outer_lr: float | None = None, outer_momentum: float | None = None,
-                 python: str = sys.executable) -> list[str]:
+                 device: str = "cpu", python: str = sys.executable) -> list[str]:
     """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
     host, port = own.rsplit(":", 1)
     cmd = [python, "-m", "p2ptrain", "join", "--log-level", log_level, "--task", "synthetic",
            "--model-size", model_size, "--batch-size", str(batch_size), "--seed", "0",
            "--host", host, "--port", port, "--cluster", cluster, "--secret", secret,
            "--metrics", str(metrics), "--max-rounds", str(local_rounds(run, rounds)), "--compression", run.codec,
-           "--eval-every", "0", "--connect-timeout", "60"]
+           "--eval-every", "0", "--connect-timeout", "60", "--device", device]
     if "--no-discovery" in flags:  # the cluster join: the others, found without beacons
         others = [p for p in peers if p != own]
         cmd += ["--no-discovery"] + (["--peers", ",".join(others)] if others else [])
@@ -142,13 +142,15 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
 
 def ddp_command(run: Run, *, rank: int, master: str, port: int, metrics: Path, model_size: str,
                 batch_size: int, rounds: int, step_delay: float, threads: int,
-                timeout: float, step_busy: bool = False, python: str = sys.executable) -> list[str]:
+                timeout: float, step_busy: bool = False, device: str = "cpu",
+                python: str = sys.executable) -> list[str]:
     """The bench/_lan_ddp.py command line of rank ``rank`` in ``run``."""
     script = Path(__file__).resolve().parent / "_lan_ddp.py"
     return [python, str(script), "--rank", str(rank), "--world", str(run.n), "--master", master,
             "--port", str(port), "--model-size", model_size, "--batch-size", str(batch_size),
             "--rounds", str(rounds), "--metrics", str(metrics), "--step-delay", str(step_delay),
-            "--threads", str(threads), "--timeout", str(timeout)] + (["--step-busy"] if step_busy else [])
+            "--threads", str(threads), "--timeout", str(timeout), "--device", device] + \
+        (["--step-busy"] if step_busy else [])
 
 
 # ------------------------------------------------------------------ reading a metrics file

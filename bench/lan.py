@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--slow-ranks", type=_csv(int), help="which peers are slow (default: the last)")
     t.add_argument("--slow-busy", action="store_true", help="the slow peers' --step-delay computes (keeps a "
                    "core busy, as a slower device does) instead of sleeping (which frees the core for the others)")
+    t.add_argument("--device", default="cpu", help="where each peer trains, p2ptrain and DDP alike: cpu (default), "
+                   "cuda[:i], mps, auto (join's --device)")
     t.add_argument("--no-train", dest="train", action="store_false", help="skip the training part")
     o = p.add_argument_group("output and limits")
     o.add_argument("--no-gloo", dest="gloo", action="store_false", help="skip the gloo baselines")

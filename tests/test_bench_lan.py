@@ -220,3 +220,18 @@ def test_a_slow_peer_that_computes_is_passed_to_join_and_ddp():
                                  step_busy=True)
     assert "--step-busy" in ddp
     assert "--step-busy" in _lan_train.join_flags()
+
+
+def test_the_device_reaches_join_and_ddp_alike():
+    """``--device``: every training process of a run, p2ptrain's and DDP's, on the same device."""
+    run = _lan_train.Run(0, "p2ptrain", 2, "int8", 1)
+    cmd = _lan_train.join_command(run, peers=["a:1", "b:1"], own="b:1", metrics="m", model_size="1m", batch_size=8,
+                                  rounds=10, secret="s", cluster="c", flags=set(), device="cuda:1")
+    assert cmd[cmd.index("--device") + 1] == "cuda:1"
+    ddp = _lan_train.ddp_command(_lan_train.Run(1, "gloo", 2, "fp32"), rank=1, master="a", port=1, metrics="m",
+                                 model_size="1m", batch_size=8, rounds=10, step_delay=0.0, threads=1, timeout=9,
+                                 device="cuda:1")
+    assert ddp[ddp.index("--device") + 1] == "cuda:1"
+    assert "--device" in _lan_train.join_flags()
+    import lan as lan_bench
+    assert lan_bench.build_parser().parse_args(["--local", "2"]).device == "cpu"  # (no GPU unless asked)
