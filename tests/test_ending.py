@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 import pytest
-from test_rounds import GENESIS, Net, cluster
+from roundnet import GENESIS, Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.roundmsg import Apply, Finish, Log

@@ -1,0 +1,310 @@
+"""The leader role of the round machine (``p2ptrain.cluster.leader``): refusals under partial
+connectivity and who is left out, taking the lead when a leader goes, rivals and ballots,
+min_peers, and answering a READY sent again, on the fake bus of ``roundnet``."""
+
+import pytest
+from roundnet import Net, cluster
+
+from p2ptrain.cluster import roundmsg as M
+from p2ptrain.cluster.leader import COLLECTING, RUNNING
+from p2ptrain.cluster.roundmsg import Log
+from p2ptrain.cluster.rounds import LEAVE_OUT, REFUSAL_BACKOFF
+
+
+# -- partial connectivity: a member has no link to a peer the leader sees -----------------------
+def proposals(net, leader="a"):
+    return [tuple(m["view"]) for m in net.sent(leader, M.PROPOSE)]
+
+
+def test_refused_for_a_peer_it_cannot_reach_next_view_leaves_that_peer_out_and_commits():
+    net = cluster("abcd", run=0.5)
+    n = len(proposals(net))
+    net.cut("b", "d")  # a, c see both; b and d never get a link to each other
+    net.run(1.0)
+    nacks = net.sent("b", M.NACK)  # the first time a link may be re-forming: b is dropped a moment
+    assert len(nacks) == 2 and all(x["missing"] == ["d"] for x in nacks)
+    views = proposals(net)[n:]
+    refused = [i for i, v in enumerate(views) if v == ("a", "b", "c", "d")][1]
+    k = len(net.applied("a"))
+    assert views[refused + 1] == ("a", "b", "c")  # the second time: at once, without d
+    net.run(0.3)
+    assert [x[1] for x in net.applied("a")[k:] if x[1] == ("a", "b", "c")]
+    logs = [x.text for x in net.of("a", Log) if x.level == "info" and "leaving" in x.text]
+    assert logs == ["leaving d out of the rounds for 2 s: b is not connected to d"]
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_left_out_peer_is_back_in_the_view_once_its_time_out_is_over():
+    net = cluster("abcd", run=0.5)
+    net.cut("b", "d")
+    net.run(1.0)  # (refused twice: d is left out)
+    net.reconnect("b", "d")
+    net.run(0.5)
+    assert {v for v in proposals(net)[-5:]} == {("a", "b", "c")}  # still left out
+    net.run(2.5)
+    assert proposals(net)[-1] == ("a", "b", "c", "d")
+    assert net.applied("d")[-1][1] == ("a", "b", "c", "d")
+    assert "d" not in net.m["a"]._left_out  # it took part again: a later refusal starts from 2 s
+    net.check_safety()
+    net.check_nothing_lost()
+
+
+def test_refusals_do_not_loop_the_rest_keep_training():
+    """The leader kept proposing a view a member refused, every 0.3 s for 14 minutes: now each
+    refusal after the first leaves the peer out twice as long (2, 4, 8, 16 s), and rounds go on
+    without it."""
+    net = cluster("abcd", run=0.5)
+    k = len(net.applied("a"))
+    net.cut("b", "d")
+    net.run(20.0)
+    outs = [x.text.split(": ")[0] for x in net.of("a", Log) if "leaving" in x.text]
+    assert outs == [f"leaving d out of the rounds for {s} s" for s in (2, 4, 8, 16)]
+    loads = len(net.resyncs["d"])
+    net.run(10.0)
+    assert len(net.resyncs["d"]) == loads  # left out, d does not load state again and again meanwhile
+    assert len(net.sent("b", M.NACK)) == 5 and len(net.sent("a", M.ABORT)) == 5
+    assert len(net.applied("a")) - k > 250  # (a round per 0.1 s tick)
+    net.reconnect("b", "d")
+    net.run(32.0)  # (the last time out: 30 s at most)
+    assert net.applied("d")[-1][1] == ("a", "b", "c", "d")
+    net.check_safety()
+    net.check_nothing_lost()
+
+
+@pytest.mark.parametrize("first", ["b", "c"])
+def test_a_replugged_peer_that_reaches_one_of_two_members_is_left_out_not_the_member(first):
+    """Three peers, c replugged: its link to a is back, its link to b not yet. a's views name
+    both; b refuses naming c, c refuses naming b, whichever first: as many missing as reached,
+    so c, not in the last round, is left out, and b, which has trained all along, does not
+    fall behind and load state."""
+    net = cluster("abc", run=0.5)
+    net.cut("a", "c").cut("b", "c")
+    net.run(3.0)  # c goes on alone
+    loads = len(net.resyncs["b"])
+    net.reconnect("a", "c")
+    if first == "c":  # c's refusal decides: on the bus b's comes first, so a is handed c's directly
+        a = net.m["a"]
+        a._missing_at["b"] = net.now  # (named missing a moment ago: this refusal is the second)
+        a.lead.phase, a.lead.view, a.lead.waiting = COLLECTING, ("a", "b", "c"), {"a", "b", "c"}
+        nack = {"t": M.NACK, "r": a.lead.r, "b": list(a.lead.b), "reason": "no link", "missing": ["b"]}
+        net.handle("a", a.on_message("c", nack, net.now))
+    net.run(2.0)
+    assert "b" not in net.m["a"]._left_out and net.m["a"]._is_left_out("c", net.now)
+    assert net.applied("b")[-1][1] == ("a", "b") and len(net.resyncs["b"]) == loads
+    net.reconnect("b", "c")
+    net.run(LEAVE_OUT + 2.0)
+    assert net.applied("b")[-1][1] == ("a", "b", "c") and len(net.resyncs["b"]) == loads
+    net.check_safety()
+
+
+def test_member_that_reaches_fewer_peers_than_it_misses_is_the_one_left_out():
+    net = cluster("abcd", run=0.5)
+    net.cut("b", "c")
+    net.cut("b", "d")
+    net.run(0.5)
+    assert net.applied("a")[-1][1] == ("a", "c", "d")
+    assert [x.text for x in net.of("a", Log) if "leaving" in x.text] == \
+        ["leaving b out of the rounds for 2 s: b is not connected to c, d"]
+
+
+def test_refusal_without_missing_from_an_older_peer_drops_it_and_backs_off():
+    net = cluster("abc", run=0.3)
+    net.hold_a_round("")  # a proposed and waits for READY
+    L = net.m["a"].lead
+    net.handle("a", net.m["a"].on_message("b", {"t": M.NACK, "r": L.r, "b": list(L.b), "reason": "x"}, net.now))
+    assert net.sent("a", M.ABORT)[-1]["drop"] == ["b"] and net.m["a"]._left_out == {}
+    assert net.m["a"]._refused_until == net.now + REFUSAL_BACKOFF
+
+
+# -- taking the lead: a leader goes, rivals for a moment ----------------------------------------
+def test_leader_goodbye_next_takes_over_at_the_next_tick():
+    net = cluster("abc", run=0.3)
+    n = len(net.applied("b"))
+    net.handle("a", net.m["a"].leave(net.now))
+    net.crashed.add("a")
+    net.settle()
+    net.tick()
+    assert net.m["b"].is_leader
+    net.run(0.5)
+    assert net.applied("b")[n:] and net.applied("b")[-1][1] == ("b", "c")
+
+
+def test_coordinator_dies_next_smallest_takes_over_numbering_continues():
+    net = cluster("abc", run=0.3)
+    before = {p: dict(net.outcome[p]) for p in "bc"}
+    last = max(net.m["b"].round, net.m["c"].round)
+    net.crash("a")
+    net.run(15.0)
+    assert net.m["b"].is_leader
+    assert net.m["b"].promised[0] > 1  # a fresh epoch
+    new = [x for x in net.applied("b") if x[0] > last]
+    assert new and all(v == ("b", "c") for _, v, _ in new)
+    for p in "bc":  # no round number reused with another outcome
+        for r, o in before[p].items():
+            assert net.outcome[p][r] == o
+    assert len({x[0] for x in net.applied("b")}) == len(net.applied("b"))
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+@pytest.mark.parametrize("got_commit", ["", "b", "bc"])
+def test_coordinator_dies_while_members_are_in_doubt(got_commit):
+    """a commits round r and dies having told only some members: the survivors agree."""
+    net = Net("abc", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    for p in "abc":
+        net.finish_ring(p)
+    for p in "bc":
+        if p not in got_commit:
+            net.hold("a", p)
+    net.settle()
+    assert net.m["a"].round == 0 and net.m["a"].version == 1
+    net.crash("a")
+    net.auto = True
+    for p in "bc":
+        net.handle(p, net.m[p].on_peer_lost("a", net.now))
+    net.run(3.0)
+    assert net.m["b"].is_leader
+    expect = ("commit", ("a", "b", "c"), 33) if got_commit else "abort"  # a survivor knew: commit
+    assert net.outcome["b"][0] == net.outcome["c"][0] == expect
+    assert net.m["b"].history.digest == net.m["c"].history.digest
+    assert [x for x in net.applied("c") if x[0] > 0 and x[1] == ("b", "c")]  # and training goes on
+    net.check_safety()
+
+
+def test_two_coordinators_for_a_moment_smaller_id_wins():
+    """b does not know a yet and leads; both propose round r: exactly one round r commits."""
+    net = Net("abc")
+    net.found()
+    net.cut("a", "b")  # b (and a) believe the other is gone; c sees both
+    net.tick()
+    assert net.m["a"].is_leader
+    net.reconnect("a", "b")
+    net.run(3.0)
+    assert net.m["a"].is_leader and not net.m["b"].is_leader and not net.m["c"].is_leader
+    net.check_safety()
+    net.check_same_outcomes()
+    for p in "abc":
+        assert len({x[0] for x in net.applied(p)}) == len(net.applied(p))
+
+
+def test_two_coordinators_both_propose_round_r_exactly_one_commits():
+    """a and b each believe they are the smallest synced peer; both take over at epoch 1 and
+    both propose round 0 to c. c follows the better ballot (1, a): a's round 0 is the only one."""
+    net = Net("abc", auto=False)
+    net.found()
+    net.m["a"].table.unsynced("b")
+    net.m["b"].table.unsynced("a")
+    net.hold("a", "b").hold("b", "a").hold("a", "c")
+    net.tick()
+    assert net.m["a"].is_leader and net.m["b"].is_leader
+    net.settle()  # c answers b's QUERY first; b proposes round 0 with view [b, c]
+    assert [(m["r"], m["view"]) for m in net.sent("b", M.PROPOSE)] == [(0, ["b", "c"])]
+    net.release("a", "c").settle()  # a's ballot beats b's: c follows a; a proposes round 0 too
+    assert [(m["r"], m["view"]) for m in net.sent("a", M.PROPOSE)] == [(0, ["a", "c"])]
+    assert net.m["c"].promised == (1, "a")
+    net.release("a", "b").release("b", "a")
+    net.auto = True
+    net.run(6.0)
+    assert not net.m["b"].is_leader and net.m["a"].is_leader
+    firsts = {p: [x for x in net.applied(p) if x[0] == 0] for p in "abc"}
+    assert firsts["a"] == firsts["c"] == [(0, ("a", "c"), 22)] and firsts["b"] == []
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+@pytest.mark.parametrize("how", ["lost", "goodbye", "silent"])
+def test_rival_that_stepped_us_down_is_lost_we_take_over_at_once(how):
+    """b leads for a moment, c follows a (a better ballot): b backs off from a, which it does not
+    see as synced. a is then lost: b takes over at the next tick, not when the back-off ends."""
+    net = Net("abc", auto=False, peer_timeout=2.0)  # (query_timeout 5 s: the back-off outlasts a silence)
+    net.found()
+    net.m["a"].table.unsynced("b")
+    net.m["b"].table.unsynced("a")
+    net.hold("a", "b").hold("b", "a")
+    net.tick()
+    net.settle()
+    assert net.m["a"].is_leader and not net.m["b"].is_leader and net.m["c"].promised == (1, "a")
+    assert net.m["b"]._no_lead_until > net.now + 4  # backing off from a
+    if how == "goodbye":
+        net.release("a", "b")
+        net.handle("a", net.m["a"].leave(net.now))
+        net.settle()
+        net.crashed.add("a")
+    else:
+        net.crash("a")
+        if how == "lost":
+            for p in "bc":
+                net.handle(p, net.m[p].on_peer_lost("a", net.now))
+    net.auto = True
+    t0 = net.now
+    while not net.m["b"].is_leader and net.now < t0 + 10:
+        net.tick()
+    assert net.now - t0 < (2.5 if how == "silent" else 0.15)
+    net.run(1.0)
+    assert net.applied("c")[-1][1] == ("b", "c")
+    net.check_safety()
+
+
+def test_min_peers_no_proposal_and_one_clear_log():
+    net = Net("ab", min_peers=3)
+    net.found()
+    net.run(2.0)
+    assert not net.sent("a", M.PROPOSE)
+    logs = [x.text for x in net.of("a", Log) if "waiting for" in x.text]
+    assert logs == ["waiting for 1 more peer(s): 2 of 3 synced"]
+    net.add("c")
+    net.sync_from("c", "a")
+    net.run(1.0)
+    assert net.applied("c")
+
+
+# -- a READY sent again: a START or ABORT lost with a link is told again ------------------------
+def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
+    net = cluster("abc", run=0.5, min_peers=3)
+    net.auto = False
+    net.tick()  # the leader proposes the next round
+    r = net.m["a"].lead.r
+    net.hold("c", "a")  # c's READY is slow to come ...
+    net.drop("a", "c", M.ABORT).drop("a", "c", M.STATUS)  # ... and what the leader tells c then is lost
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    assert net.m["c"].pending.phase == M.READIED
+    net.auto = True
+    net.run(41.0)  # the leader gives up on c's READY (at 8 deadlines: c is live) and drops it; c never hears
+    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["c"]]
+    assert net.m["c"].pending is not None and net.m["c"].pending.r == r  # c still waits for a START
+    net.release("c", "a")
+    net.run(12.0)
+    assert net.sent("a", M.ABORT)[-1]["reason"] == "that attempt is over"  # answered
+    after = [x for x in net.applied("c") if x[0] > r]
+    assert after and all(v == ("a", "b", "c") for _, v, _ in after)  # and back in the rounds
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_a_member_whose_start_was_lost_gets_it_again_and_the_round_commits():
+    net = cluster("abc", run=0.5)
+    net.auto = False
+    net.tick()
+    r = net.m["a"].lead.r
+    net.drop("a", "c", M.START)  # lost with a link that came back at once
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    assert net.m["c"].pending.phase == M.READIED and net.m["a"].lead.phase == RUNNING
+    net.auto = True
+    net.now += 6.0  # c's wait for START passes its deadline first (the leader's has not yet)
+    net.handle("c", net.m["c"].on_tick(net.now))
+    net.settle()
+    assert net.m["a"].counters["start_again"] == 1 and not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
+    net.check_safety()
+    net.check_same_outcomes()

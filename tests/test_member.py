@@ -1,0 +1,82 @@
+"""The member role of the round machine (``p2ptrain.cluster.member``): what a member takes up,
+refuses, or rejects as a protocol error, and what it does with a contribution, on the fake bus
+of ``roundnet``."""
+
+import pytest
+from roundnet import Net, cluster
+
+from p2ptrain.cluster import roundmsg as M
+from p2ptrain.cluster.roundmsg import Contribute, PutBack
+from p2ptrain.errors import RemoteProtocolError
+
+
+# -- validation ---------------------------------------------------------------------------------
+def test_old_round_is_ignored_and_counted():
+    net = cluster("ab", run=0.5)
+    old = dict(net.sent("a", M.PROPOSE)[0])
+    before = len(net.actions["b"])
+    assert net.m["b"].on_message("a", {**old, "b": list(net.m["b"].promised)}, net.now) == []
+    assert net.m["b"].counters["old_round"] == 1 and len(net.actions["b"]) == before
+
+
+def test_view_naming_unknown_peer_or_not_us_is_refused_with_nack():
+    net = Net("ab", auto=False)
+    net.found()
+    b = net.m["b"]
+    out = b.on_message("a", {"t": M.PROPOSE, "r": 5, "b": [3, "a"], "view": ["a", "b", "zz"]}, net.now)
+    assert [x.msg["t"] for x in out] == [M.NACK] and "not connected" in out[0].msg["reason"]
+    assert out[0].msg["missing"] == ["zz"]
+    out = b.on_message("a", {"t": M.PROPOSE, "r": 5, "b": [3, "a"], "view": ["a", "c"]}, net.now)
+    assert [x.msg["t"] for x in out] == [M.NACK] and b.pending is None
+
+
+def test_start_before_propose_is_a_protocol_error():
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()  # b has promised a's ballot
+    with pytest.raises(RemoteProtocolError):
+        net.m["b"].on_message("a", {"t": M.START, "r": 9, "b": [1, "a"], "view": ["a", "b"], "total": 3}, net.now)
+
+
+def test_commit_of_an_unfinished_ring_is_a_protocol_error():
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    net.contribute("a")
+    net.contribute("b")
+    net.settle()
+    with pytest.raises(RemoteProtocolError):
+        net.m["b"].on_message("a", {"t": M.COMMIT, "r": 0, "b": [1, "a"]}, net.now)
+
+
+def test_propose_from_a_peer_that_does_not_own_the_ballot():
+    net = Net("ab", auto=False)
+    net.found()
+    with pytest.raises(RemoteProtocolError):
+        net.m["b"].on_message("a", {"t": M.PROPOSE, "r": 0, "b": [1, "c"], "view": ["a", "b"]}, net.now)
+
+
+# -- contributions and views --------------------------------------------------------------------
+def test_late_contribution_is_put_back():
+    net = cluster("abc", run=0.3)
+    net.hold_a_round("ab")
+    net.run(41.0)  # aborted while c was computing (for 8 deadlines: c is live)
+    net.contribute("c")
+    assert net.of("c", PutBack)[-1].r == net.of("c", Contribute)[-1].r
+
+
+def test_a_member_counts_the_peers_its_leader_proposes_even_before_it_hears_they_are_synced():
+    """A trainer that waits for --min-peers members before its first step must not wait for
+    ever because its own table still holds unsynced a peer that an earlier abort dropped (it
+    hears that peer's STATUS only when a round commits; seen with 4 peers on 2 cores: the
+    leader proposed round after round and timed out on the member that would not step)."""
+    net = Net("abcd", auto=False, min_peers=4)
+    net.found()
+    net.m["b"].table.unsynced("d")  # an abort's drop list, before d showed the leader its STATUS again
+    assert net.m["b"].members() == 3 and net.m["b"].pending is None
+    for _ in range(3):  # the leader, which knows d is synced, proposes a round to all four
+        net.tick()
+    assert len(net.m["b"].pending.view) == 4 and len(net.m["b"].table.live_synced()) == 3
+    assert net.m["b"].members() == 4

@@ -1,0 +1,95 @@
+"""The round protocol's messages (``p2ptrain.cluster.roundmsg``): the fields on the wire, and
+``parse``, which accepts a message or raises ``RemoteProtocolError`` and nothing else (fuzzed)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from roundnet import Net
+
+from p2ptrain.cluster import roundmsg as M
+from p2ptrain.cluster.rounds import RoundMachine
+from p2ptrain.errors import RemoteProtocolError
+
+
+def test_message_types_and_fields_on_the_wire():
+    net = Net("ab", auto=True)
+    net.found()
+    net.tick()
+    p = net.sent("a", M.PROPOSE)[0]
+    assert set(p) == {"t", "r", "b", "view", "end"} and p["b"] == [1, "a"] and p["view"] == ["a", "b"]
+    assert p["end"] is None  # (no --max-rounds or --duration: no limits)
+    assert set(net.sent("b", M.READY)[0]) == {"t", "r", "b", "samples", "version", "digest"}
+    assert set(net.sent("a", M.START)[0]) == {"t", "r", "b", "view", "total"}
+    assert set(net.sent("b", M.DONE)[0]) == {"t", "r", "b", "ok", "checksum"}
+    assert set(net.sent("a", M.COMMIT)[0]) == {"t", "r", "b"}
+
+
+def test_parse_normalises_and_drops_unknown_fields():
+    m = M.parse({"t": M.PROPOSE, "r": 3, "b": [2, "a"], "view": ["a", "b"], "extra": 1})
+    assert m == {"t": M.PROPOSE, "r": 3, "b": (2, "a"), "view": ("a", "b"), "end": None}  # (an older peer: no limits)
+
+
+def test_nack_of_an_older_peer_without_missing_parses():
+    m = M.parse({"t": M.NACK, "r": 3, "b": [2, "a"], "reason": "x"})
+    assert m == {"t": M.NACK, "r": 3, "b": (2, "a"), "reason": "x", "missing": None}
+
+
+VALID = {
+    M.QUERY: {"t": M.QUERY, "b": [1, "a"]},
+    M.PROPOSE: {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "b"], "end": [30, 12.5]},
+    M.READY: {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 3, "version": 0, "digest": b"d"},
+    M.START: {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 3},
+    M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None},
+    M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"]},
+    M.ABORT: {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x", "drop": ["c"]},
+    M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x", "missing": ["c"]},
+    M.GOODBYE: {"t": M.GOODBYE, "end": 30},
+    M.END: {"t": M.END, "b": [1, "a"], "version": 30, "digest": b"d", "why": "x"},
+    M.STATUS: {"t": M.STATUS, "synced": True, "version": 0, "digest": b"", "round": -1, "members": 1, "min_id": "",
+               "window": [[0, b""]], "log": [[0, [1, "a"], True]], "promised": None, "b": None, "re": False,
+               "pending": {"r": 0, "b": [1, "a"], "phase": "ring", "ok": False, "view": ["a"], "total": 0}},
+}
+VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4) | st.binary(max_size=4),
+                      lambda x: st.lists(x, max_size=3) | st.dictionaries(st.text(max_size=3), x, max_size=3),
+                      max_leaves=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(VALID)), st.data())
+def test_parse_accepts_or_raises_remote_protocol_error_only(t, data):
+    """h11's fuzzer rule: a valid message with one field replaced parses, or raises the remote-fault error."""
+    msg = dict(VALID[t])
+    assert M.parse(msg)["t"] == t
+    key = data.draw(st.sampled_from(sorted(msg)))
+    msg[key] = data.draw(VALUES)
+    if key != "pending" and t == M.STATUS and data.draw(st.booleans()):
+        msg["pending"] = {**msg["pending"], data.draw(st.sampled_from(sorted(msg["pending"]))): data.draw(VALUES)}
+    try:
+        M.parse(msg)
+    except RemoteProtocolError:
+        pass
+
+
+@pytest.mark.parametrize("msg", [
+    None, [], {"t": "nope"}, {"t": M.PROPOSE},
+    {"t": M.PROPOSE, "r": -1, "b": [1, "a"], "view": ["a"]},
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["b", "a"]},  # not sorted
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "a"]},
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": []},
+    {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["p%03d" % i for i in range(M.MAX_VIEW + 1)]},
+    {"t": M.PROPOSE, "r": 1, "b": [1, ""], "view": ["a"]},
+    {"t": M.PROPOSE, "r": True, "b": [1, "a"], "view": ["a"]},
+    {"t": M.STATUS, "synced": True, "version": 0, "digest": b"", "round": -1, "members": 1, "min_id": "",
+     "window": [[0, b""]] * 9, "log": [], "pending": None, "promised": None, "b": None, "re": False},
+    {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 1.5, "version": 0, "digest": b""},
+    {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": 1, "checksum": None},
+    {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x" * 1000, "drop": []},
+    {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": [1]},
+    {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": "c"},
+    {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": ["p%03d" % i for i in range(M.MAX_VIEW + 1)]},
+    {"t": M.STATUS, "synced": True},
+])
+def test_malformed_messages_raise_remote_protocol_error(msg):
+    m = RoundMachine("b")
+    with pytest.raises(RemoteProtocolError):
+        m.on_message("a", msg, 0.0)
