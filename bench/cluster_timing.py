@@ -236,7 +236,7 @@ class BigStateTrainer:
         self.cluster = None  # set before the cluster starts
         self._next, self._wake_pending = 0.0, False
 
-    def take(self):
+    def take(self, members=1, alone=False):
         now = time.monotonic()
         if now < self._next:
             if not self._wake_pending:

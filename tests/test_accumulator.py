@@ -68,3 +68,64 @@ def test_a_reused_buffer_goes_out_as_zeros_when_nothing_was_added_and_merges_bac
     back = acc.swap(1)
     acc.to_host(back)
     assert torch.equal(torch.from_numpy(back.array), torch.from_numpy(values)) and back.samples == 2
+
+
+def sum_of(params, batches):
+    """What a fresh accumulator sends for (seed, batch_size[, skip]) batches added the ordinary way."""
+    fresh = Accumulator(params, torch.device("cpu"))
+    for seed, size, *skip in batches:
+        grads(params, seed, *skip)
+        fresh.add(size, 0)
+    out = fresh.swap(2)
+    fresh.to_host(out)
+    return torch.from_numpy(out.array)
+
+
+def test_a_kept_batch_goes_to_a_round_alone_untouched_and_to_a_ring_written():
+    params = [torch.zeros(3, 4, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    acc = Accumulator(params, torch.device("cpu"))
+    grads(params, 1)
+    made = [p.grad for p in params]
+    acc.add(3, 0, keep=True)
+    assert all(p.grad is None for p in params)  # (the next backward makes fresh ones)
+    alone = acc.swap(1)
+    acc.to_host(alone, alone=True)
+    assert alone.grads is not None and all(g is m for g, m in zip(alone.grads, made))
+    assert alone.samples == 3 and alone.array.size == 0  # (a token: the cluster hands it back)
+    acc.release(alone)
+
+    grads(params, 1)
+    acc.add(3, 0, keep=True)
+    ring = acc.swap(2)
+    acc.to_host(ring)  # a round of two: written as any batch is, into a reused buffer
+    assert ring.grads is None and torch.equal(torch.from_numpy(ring.array), sum_of(params, [(1, 3)]))
+
+    grads(params, 2)
+    acc.add(3, 0, keep=True)
+    grads(params, 3, skip={1})
+    acc.add(2, 0, keep=True)  # (only a first batch is kept: this one joins it in the buffer)
+    both = acc.swap(2)
+    acc.to_host(both)
+    assert torch.equal(torch.from_numpy(both.array), sum_of(params, [(2, 3), (3, 2, {1})])) and both.samples == 5
+
+
+def test_a_kept_batch_comes_back_kept_after_an_abort_and_is_voided_by_a_state_load():
+    params = [torch.zeros(6, requires_grad=True)]
+    acc = Accumulator(params, torch.device("cpu"))
+    grads(params, 4)
+    acc.add(2, 7, keep=True)
+    out = acc.swap(1)
+    acc.to_host(out, alone=True)
+    acc.merge(out)  # (its round aborted)
+    again = acc.swap(2)
+    assert again.grads is not None and (again.samples, again.batches, again.oldest) == (2, 1, 7)
+    acc.to_host(again)
+    assert torch.equal(torch.from_numpy(again.array), sum_of(params, [(4, 2)]))
+    acc.release(again)
+
+    grads(params, 5)
+    acc.add(2, 0, keep=True)
+    assert acc.void() == 2
+    empty = acc.swap(1)
+    acc.to_host(empty, alone=True)
+    assert empty.grads is None and empty.samples == 0 and not empty.array.any()

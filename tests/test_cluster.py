@@ -26,7 +26,7 @@ class FakeTrainer:
         self.applied = []
         self.put_backs = 0
 
-    def take(self):
+    def take(self, members=1, alone=False):
         self.given += self.rank + 1
         self.samples_given += 1
         return np.full(LENGTH, self.rank + 1, np.float32), 1
@@ -112,7 +112,7 @@ class QueuedTrainer:
         self.applied = []
         self.put_backs = 0
 
-    def take(self):
+    def take(self, members=1, alone=False):
         return (self.queue.pop(0), 1) if self.queue else None
 
     def apply(self, summed, total):
@@ -177,7 +177,7 @@ class IdleEveryOther(QueuedTrainer):
         super().__init__(seed, rounds)
         self.idle_next, self.idle = False, 0
 
-    def take(self):
+    def take(self, members=1, alone=False):
         if not self.queue:
             return None
         self.idle_next = not self.idle_next

@@ -69,8 +69,9 @@ REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secr
 class Contributions(Protocol):
     """What the cluster asks of the trainer (all called on the event loop's thread)."""
 
-    def take(self) -> tuple[np.ndarray, int] | None: ...  # swap the accumulator out: (float32 sum, samples);
-    #                                                   None: nothing yet (then call contribution_available)
+    def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | None: ...  # swap the accumulator out:
+    #                           (float32 sum, samples) for a round of ``members``; None: nothing yet (then call
+    #                           contribution_available). ``alone``: its sum will be that very object, unread
     def apply(self, summed: np.ndarray, total_samples: int) -> None: ...  # committed: summed / total, in
     #                                                   round order; total 0 (nothing to apply) still counts
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
@@ -301,7 +302,9 @@ class Cluster:
                     await self._send(peer, action.msg)
             elif isinstance(action, msg.Contribute):
                 rnd = self._rounds.setdefault(action.r, Round(action.r))
-                taken = self.trainer.take()
+                pending = self.machine.pending
+                view = pending.view if pending is not None else (self.peer_id,)
+                taken = self.trainer.take(len(view), alone=pending is not None and self.rings.sums_to_own(view))
                 if taken is None:  # the round waits for this peer (its next batch, or a moment)
                     rnd.waiting = True
                     continue

@@ -74,6 +74,11 @@ class Rings:
         self._spare: np.ndarray | None = None  # (the buffer the next ring writes its residual into)
         self._free: collections.deque[np.ndarray] = collections.deque()  # (recycle: any thread)
 
+    def sums_to_own(self, view: tuple[str, ...]) -> bool:
+        """A round over ``view`` hands our contribution itself back as its sum, unread: we are
+        its only member and owe no residual (the trainer may keep its batch as it is)."""
+        return view == (self.peer_id,) and self.residual is None
+
     def start(self, rnd: Round, view: tuple[str, ...], trace=NO_TRACE) -> None:
         """The round's ring over ``view`` (in its order), on our contribution (``rnd.taken``)."""
         rnd.ring = self._tasks.spawn(self._ring(rnd, view, rnd.taken[0], trace))

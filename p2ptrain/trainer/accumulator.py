@@ -3,9 +3,11 @@
 ``step`` adds each batch's gradients times its sample count (``Accumulator.add``); a round
 takes the sum (``swap``: a fresh buffer takes the next batches at once) and moves it to host
 memory for the ring (``to_host``: no copy on CPU, pinned on CUDA); an aborted round gives it
-back (``merge``); a state load voids it (``void``). ``RoundMetrics`` is what a peer reports
-per applied update; ``CommittedUpdate`` and ``Outgoing`` are the records ``peer.AsyncPeer`` keeps while a
-round holds its contribution or an update waits for the caller's thread.
+back (``merge``); a state load voids it (``void``). A batch alone is *kept* as backward
+left it until a round needs a vector: a peer alone applies it as it is (``add``).
+``RoundMetrics`` is what a peer reports per applied update; ``CommittedUpdate`` and
+``Outgoing`` are the records ``peer.AsyncPeer`` keeps while a round holds its contribution or
+an update waits for the caller's thread.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Outgoing:  # this peer's contribution, held by the cluster until applied o
     members: int
     array: np.ndarray | None = None
     staging: HostStaging | None = None
+    grads: list[torch.Tensor | None] | None = None  # a kept batch's gradients, never written (``Accumulator``)
 
 
 def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
@@ -79,7 +82,13 @@ class Accumulator:
 
     A buffer coming back for reuse is not cleared then (a pass over the whole vector, on the
     cluster's thread between a ring's end and the update reaching ``step``): it is *dirty*,
-    and the first ``add`` into it writes ``batch_size * grad`` instead of adding it."""
+    and the first ``add`` into it writes ``batch_size * grad`` instead of adding it.
+
+    A batch added with ``keep`` into an empty accumulator is *kept*: its gradient tensors are
+    moved out of ``p.grad`` as they are, and written into the buffer only when ``to_host``
+    needs a vector. A round whose sum is that contribution itself (a peer alone) then applies
+    them with no pass over them at all (``Outgoing.grads``): before, a step of a peer alone
+    wrote, divided and, on a GPU, copied its whole gradient to the host and back."""
 
     def __init__(self, params: list[torch.Tensor], device: torch.device):
         self.params, self.device = params, device
@@ -91,48 +100,58 @@ class Accumulator:
         self._views = param_views(self._flat, self.params)
         self.samples = self.batches = 0
         self.oldest: int | None = None
+        self._kept: list[torch.Tensor | None] | None = None  # the one batch held, not written yet
 
     def _fresh(self) -> torch.Tensor:
         return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
-    def add(self, batch_size: int, version: int) -> None:
-        """Add the parameters' gradients times ``batch_size``, and clear them."""
-        with torch.no_grad():
-            if self._dirty:
-                self._write(batch_size)
-            else:
-                self._add(batch_size)
+    def add(self, batch_size: int, version: int, keep: bool = False) -> None:
+        """Add the parameters' gradients times ``batch_size``, and clear them. ``keep``: if
+        nothing is held yet, keep them as they are instead (see the class docstring)."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        if keep and not self.samples and not any(g is not None and g.is_sparse for g in grads):
+            self._kept = grads
+        else:
+            self._write_kept()
+            self._sum(self._views, grads, batch_size, write=self._dirty)
+            self._dirty = False
         self.samples += batch_size
         self.batches += 1
         self.oldest = version if self.oldest is None else min(self.oldest, version)
 
-    def _write(self, batch_size: int) -> None:
-        """The first batch into a reused buffer: ``batch_size * grad`` written, zeros where none."""
-        for p, view in zip(self.params, self._views):
-            g = p.grad
-            if g is None:
-                view.zero_()
-                continue
-            g = g.to_dense() if g.is_sparse else g
-            torch.mul(g if g.dtype == torch.float32 else g.float(), float(batch_size), out=view)
-            p.grad = None
-        self._dirty = False
+    def _write_kept(self) -> None:
+        """A kept batch goes into the buffer, which held nothing (another batch joins it)."""
+        if self._kept is not None:
+            self._sum(self._views, self._kept, self.samples, write=True)
+            self._kept, self._dirty = None, False
 
-    def _add(self, batch_size: int) -> None:
-        f32_views, f32_grads = [], []
-        for p, view in zip(self.params, self._views):
-            g = p.grad
-            if g is None:
-                continue
-            g = g.to_dense() if g.is_sparse else g
-            if g.dtype == torch.float32:
-                f32_views.append(view)
-                f32_grads.append(g)
-            else:
-                view.add_(g.float(), alpha=float(batch_size))
-            p.grad = None
-        if f32_views:
-            torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
+    @staticmethod
+    def _sum(views: list[torch.Tensor], grads: list, batch_size: int, write: bool) -> None:
+        """``views += batch_size * grads``; with ``write``, ``views = batch_size * grads``
+        (zeros where a parameter has none): the first batch into a dirty buffer."""
+        with torch.no_grad():
+            if write:
+                for view, g in zip(views, grads):
+                    if g is None:
+                        view.zero_()
+                        continue
+                    g = g.to_dense() if g.is_sparse else g
+                    torch.mul(g if g.dtype == torch.float32 else g.float(), float(batch_size), out=view)
+                return
+            f32_views, f32_grads = [], []
+            for view, g in zip(views, grads):
+                if g is None:
+                    continue
+                g = g.to_dense() if g.is_sparse else g
+                if g.dtype == torch.float32:
+                    f32_views.append(view)
+                    f32_grads.append(g)
+                else:
+                    view.add_(g.float(), alpha=float(batch_size))
+            if f32_views:
+                torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
 
     def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
         """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode)."""
@@ -149,9 +168,11 @@ class Accumulator:
 
     def swap(self, members: int) -> Outgoing:
         """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
-        if self._dirty:  # (nothing was added: it goes out as zeros)
+        if self._dirty and self._kept is None:  # (nothing was added: it goes out as zeros)
             self._flat.zero_()
-        out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members)
+        out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members,
+                       grads=self._kept)
+        self._kept = None
         self._dirty = bool(self._spare)  # (a reused buffer holds an old sum)
         self._flat = self._fresh()
         self._views = param_views(self._flat, self.params)
@@ -159,7 +180,17 @@ class Accumulator:
         self.oldest = None
         return out
 
-    def to_host(self, out: Outgoing) -> None:
+    def to_host(self, out: Outgoing, alone: bool = False) -> None:
+        """``out.array``: the contribution as a host vector (no copy on CPU, pinned on CUDA).
+        ``alone`` (the round's sum is this contribution itself): a kept batch stays as it is,
+        and ``out.array`` is an empty token that the cluster hands back as the sum."""
+        if out.grads is not None:
+            if alone:
+                self._spare.append(out.buffer)  # (dirty: the next add writes over it)
+                out.buffer, out.array = None, np.empty(0, np.float32)
+                return
+            self._sum(param_views(out.buffer, self.params), out.grads, out.samples, write=True)
+            out.grads = None
         if self.device.type == "cpu":
             out.array = out.buffer.numpy()
             return
@@ -177,18 +208,33 @@ class Accumulator:
 
     def merge(self, out: Outgoing) -> None:
         """Take a contribution back (its round aborted): the next round carries it."""
+        if out.grads is not None:  # (a kept batch, never written: kept again, or added)
+            if not self.samples:
+                self._kept = out.grads
+            else:
+                self._write_kept()
+                self._sum(self._views, out.grads, out.samples, write=self._dirty)
+                self._dirty = False
+            self._count(out)
+            self.release(out)
+            return
+        self._write_kept()
         back = out.buffer if out.buffer is not None else torch.from_numpy(out.array).to(self.device)
         self._flat.copy_(back) if self._dirty else self._flat.add_(back)
         self._dirty = False
+        self._count(out)
+        self.release(out)
+
+    def _count(self, out: Outgoing) -> None:
         self.samples += out.samples
         self.batches += out.batches
         if out.oldest is not None:
             self.oldest = out.oldest if self.oldest is None else min(self.oldest, out.oldest)
-        self.release(out)
 
     def void(self) -> int:
         """Drop what is held; returns the samples dropped."""
         dropped = self.samples
+        self._kept = None
         self._flat.zero_()
         self._dirty = False
         self.samples = self.batches = 0

@@ -30,6 +30,15 @@ def optimizer_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
         p.grad = None
 
 
+def apply_gradients(grads: list[torch.Tensor | None], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                    scheduler: Any, clip_grad_norm: float | None) -> None:
+    """``params`` step by one batch's own gradients (a peer alone: they are the mean), zeros
+    where a parameter has none, as ``apply_update`` gives it."""
+    for p, g in zip(params, grads):
+        p.grad = g if g is not None else torch.zeros_like(p)
+    optimizer_step(params, optimizer, scheduler, clip_grad_norm)
+
+
 def apply_update(update: CommittedUpdate, params: list[torch.Tensor], device: torch.device,
                  optimizer: torch.optim.Optimizer, scheduler: Any, clip_grad_norm: float | None) -> None:
     """``params`` step by ``update.summed / update.total`` (the ring's sum, handed over by the

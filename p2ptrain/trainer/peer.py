@@ -415,8 +415,9 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                     for p in self.params:
                         p.grad = None
                     self.dropped += batch_size
-                elif self._local is None:
-                    self._acc.add(batch_size, self.version)
+                elif self._local is None:  # (kept as it is until a round needs a vector: ``Accumulator``;
+                    #                           not while a next batch computes beside it, but alone)
+                    self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
                 self._batch = batch_size
                 self._computing = False
                 notify, self._want_step = self._want_step, False

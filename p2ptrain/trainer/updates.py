@@ -22,7 +22,7 @@ from p2ptrain.cluster.fingerprint import param_checksum
 from p2ptrain.cluster.snapshot import tensors_checksum
 from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
-from p2ptrain.trainer.apply import apply_update, device_mean
+from p2ptrain.trainer.apply import apply_gradients, apply_update, device_mean
 from p2ptrain.trainer.contributions import _point
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
@@ -107,6 +107,9 @@ class UpdatesSide:
     def _apply_update(self, update: CommittedUpdate) -> None:
         if self._local is not None:
             return self._local.apply(device_mean(update, self.device))
+        if update.held is not None and update.held.grads is not None:  # alone: our batch as backward left it
+            return apply_gradients(update.held.grads, self.params, self.optimizer, self.scheduler,
+                                   self.clip_grad_norm)
         apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
 
     def _publish(self, m: RoundMetrics) -> None:
