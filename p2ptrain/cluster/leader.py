@@ -243,9 +243,12 @@ class LeaderRole:
         """When a collecting round first says it stalls, as a fraction of its deadline: at
         ``stall_warn``, or where rounds usually wait longer (local steps: the slowest member's H
         inner steps; a slow device's batch) at USUAL_SLACK times the usual wait, at most the
-        deadline (where a member says its round stalls). A usual wait is the round's work."""
+        deadline (where a member says its round stalls). A usual wait is the round's work. Before
+        any wait is measured (the first round: a first batch, kernels compiled, H inner steps),
+        at the deadline: half of it warned at every start of a local-steps run."""
         timer = self.timers["ready"]
-        return max(self.config.stall_warn, min(1.0, USUAL_SLACK * timer.usual() / timer.deadline()))
+        usual = timer.usual()
+        return 1.0 if not usual else max(self.config.stall_warn, min(1.0, USUAL_SLACK * usual / timer.deadline()))
 
     @staticmethod
     def _start_msg(lead: _Lead) -> dict:
