@@ -63,7 +63,7 @@ class RoundConfig:
     peer_timeout: float = 10.0  # silent (no beacon, no message) this long: dead
     query_timeout: float = 5.0  # a takeover waits this long for STATUS; idle peers re-announce at twice it
     floor: float = RoundTimer.FLOOR_S  # the shortest deadline of a phase (see RoundTimer)
-    stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline
+    stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline (the first round's: 1)
     # A member still computing its batch is waited for up to this many ready deadlines (the
     # stalls warn at 1, 2, 4): dropping a live member from a round would make it load the
     # state again. A dead one is caught by its silence (peer_timeout) or its link, not this.
