@@ -16,6 +16,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine, Iterator
 
+# A task still running this long after ``close`` cancelled it is cancelled again. Before Python
+# 3.12, ``asyncio.wait_for`` whose awaited result arrives together with the cancellation returns
+# that result and drops the cancellation: the task goes on, and one that then waits with no
+# timeout (a ring's sender for a chunk its dead receiver will never deliver) was waited for
+# forever (a CI run hung in test_group this way).
+RECANCEL_S = 1.0
+
 
 class TaskSet:
     """The tasks of one owner. See the module docstring."""
@@ -50,13 +57,20 @@ class TaskSet:
 
     async def close(self, timeout: float | None = None) -> None:
         """Cancel every task and wait for them (at most ``timeout`` seconds; None: until they
-        end). Their exceptions are retrieved and dropped: the owner is closing. A cancellation
-        of the caller itself still propagates."""
+        end), cancelling again every ``RECANCEL_S`` those that go on. Their exceptions are
+        retrieved and dropped: the owner is closing. A cancellation of the caller itself still
+        propagates."""
         self.cancel()
-        tasks = list(self._tasks)
-        if not tasks:
-            return
-        done, _ = await asyncio.wait(tasks, timeout=timeout)
-        for task in done:
-            if not task.cancelled():
-                task.exception()  # (retrieved: asyncio would log it as never retrieved)
+        pending = set(self._tasks)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while pending:
+            wait = RECANCEL_S if deadline is None else min(RECANCEL_S, deadline - loop.time())
+            if wait <= 0:
+                return
+            done, pending = await asyncio.wait(pending, timeout=wait)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # (retrieved: asyncio would log it as never retrieved)
+            for task in pending:
+                task.cancel()

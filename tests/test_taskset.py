@@ -92,3 +92,21 @@ async def test_cancel_stops_every_task_without_waiting_and_nothing_spawned_after
     late = tasks.spawn(work())
     await tasks.close()
     assert running.cancelled() and late.cancelled() and ran == [] and pending_tasks() == []
+
+
+async def test_close_cancels_again_a_task_whose_cancellation_was_swallowed():
+    """Before Python 3.12, ``wait_for`` returns a result that arrives with the cancellation and
+    drops the cancellation; a task that then waits with no timeout was waited for forever."""
+    result = asyncio.get_running_loop().create_future()
+    never = asyncio.Event()
+
+    async def ring_sender():
+        await asyncio.wait_for(result, 10)
+        await never.wait()
+
+    tasks = TaskSet()
+    task = tasks.spawn(ring_sender())
+    await asyncio.sleep(0.01)
+    result.set_result(None)  # (in the same step of the loop as close's cancel)
+    await asyncio.wait_for(tasks.close(), 5)
+    assert task.done() and len(tasks) == 0
