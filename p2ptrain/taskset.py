@@ -65,12 +65,12 @@ class TaskSet:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while pending:
-            wait = RECANCEL_S if deadline is None else min(RECANCEL_S, deadline - loop.time())
-            if wait <= 0:
-                return
+            wait = RECANCEL_S if deadline is None else max(0.0, min(RECANCEL_S, deadline - loop.time()))
             done, pending = await asyncio.wait(pending, timeout=wait)
             for task in done:
                 if not task.cancelled():
                     task.exception()  # (retrieved: asyncio would log it as never retrieved)
+            if deadline is not None and loop.time() >= deadline:
+                return
             for task in pending:
                 task.cancel()
