@@ -6,8 +6,10 @@ Imported by path like every bench module (``bench/`` on ``sys.path``); stdlib on
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import statistics
+import sys
 import time
 from typing import Iterable, Sequence
 
@@ -51,6 +53,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def exit_now(code: int) -> None:
+    """End a baseline worker whose results are written: flush and leave without the
+    interpreter's teardown, where torch's gloo and store threads can still abort the process
+    ("terminate called without an active exception", exit -6; seen in a CI run after the
+    group was destroyed and every figure reported)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
