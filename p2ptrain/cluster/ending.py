@@ -70,15 +70,15 @@ class EndRole:
                          "digest": self.history.digest, "why": why}, self._peers())
         self._finish_run(now, why)
 
-    def _on_end(self, s, m, now) -> None:
-        if m["b"][1] != s:
+    def _on_end(self, sender, message, now) -> None:
+        if message["b"][1] != sender:
             raise RemoteProtocolError("END from a peer that does not own its ballot")
         if self.ended is not None:
             return
-        if beats(self.promised, m["b"]):  # a leader we no longer obey: its run is not ours
+        if beats(self.promised, message["b"]):  # a leader we no longer obey: its run is not ours
             self.counters["stale"] += 1
             return
-        self._finish_run(now, m["why"], (m["version"], m["digest"]))
+        self._finish_run(now, message["why"], (message["version"], message["digest"]))
 
     def _heard_end(self, s: str, version: int, now: float) -> None:
         """A peer says the cluster's run ended at ``version``: unless we are ahead of it (a new

@@ -223,16 +223,16 @@ class LeaderRole:
         lead.waiting.discard(s)
         return lead
 
-    def _on_ready(self, s, m, now) -> None:
-        if self._answer_late_ready(s, m):
+    def _on_ready(self, sender, message, now) -> None:
+        if self._answer_late_ready(sender, message):
             return
-        lead = self._lead_msg(s, m)
+        lead = self._lead_msg(sender, message)
         if lead is None:
             return
-        if (m["version"], m["digest"]) != (self.history.version, self.history.digest):
-            self.table.unsynced(s)
-            return self._abort(now, f"{s} holds another state", drop=[s])
-        lead.got[s] = m["samples"]
+        if (message["version"], message["digest"]) != (self.history.version, self.history.digest):
+            self.table.unsynced(sender)
+            return self._abort(now, f"{sender} holds another state", drop=[sender])
+        lead.got[sender] = message["samples"]
         if not lead.waiting:
             self.timers["ready"].record(now - lead.since)
             lead.phase, lead.since, lead.mark = self._move(_LEADER, lead.phase, START), now, self.config.stall_warn
@@ -275,13 +275,13 @@ class LeaderRole:
             self._send(s, {"t": ABORT, "r": r, "b": list(b), "drop": [], "reason": "that attempt is over"})
         return True
 
-    def _on_done(self, s, m, now) -> None:
-        lead = self._lead_msg(s, m)
+    def _on_done(self, sender, message, now) -> None:
+        lead = self._lead_msg(sender, message)
         if lead is None:
             return
-        self.table.report(s, m["r"], m["checksum"])
-        if not m["ok"]:
-            lead.failed.add(s)
+        self.table.report(sender, message["r"], message["checksum"])
+        if not message["ok"]:
+            lead.failed.add(sender)
         if lead.waiting:
             return
         if lead.failed:
@@ -314,26 +314,26 @@ class LeaderRole:
         self._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
         lead.phase, lead.r = self._move(_LEADER, lead.phase, ABORT), lead.r + 1
 
-    def _on_nack(self, s, m, now) -> None:
+    def _on_nack(self, sender, message, now) -> None:
         lead = self.lead
-        self.max_epoch = max(self.max_epoch, m["b"][0])
-        if lead is not None and beats(m["b"], lead.b):
-            self._step_down(now, f"{s} follows {m['b'][1]} (epoch {m['b'][0]})", rival=m["b"][1])
-        elif lead is not None and m["r"] == lead.r and lead.phase == COLLECTING and s in lead.view:
-            missing = sorted(set(m["missing"] or ()) & set(lead.view) - {self.id, s})
+        self.max_epoch = max(self.max_epoch, message["b"][0])
+        if lead is not None and beats(message["b"], lead.b):
+            self._step_down(now, f"{sender} follows {message['b'][1]} (epoch {message['b'][0]})", rival=message["b"][1])
+        elif lead is not None and message["r"] == lead.r and lead.phase == COLLECTING and sender in lead.view:
+            missing = sorted(set(message["missing"] or ()) & set(lead.view) - {self.id, sender})
             again = [q for q in missing  # (a peer left out before, and not in a round since, counts too)
                      if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
             self._missing_at.update((q, now) for q in missing)
             if again:  # no link to them, again: leave them out a while (or it, if they are more)
                 fewer = 2 * len(missing) - (len(lead.view) - 1)  # < 0: it misses fewer than it reaches
-                newcomers = s in self._last_view and not set(missing) & set(self._last_view)
-                out = missing if fewer < 0 or (fewer == 0 and newcomers) else [s]  # (a tie: the newcomers)
-                self._leave_out(out, now, f"{s} is not connected to {', '.join(missing)}")
-                return self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[])
+                newcomers = sender in self._last_view and not set(missing) & set(self._last_view)
+                out = missing if fewer < 0 or (fewer == 0 and newcomers) else [sender]  # (a tie: the newcomers)
+                self._leave_out(out, now, f"{sender} is not connected to {', '.join(missing)}")
+                return self._abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[])
             # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
             # forming refuses for a moment; waiting for its idle re-announce took 10 s), and
             # the next proposal waits REFUSAL_BACKOFF so that a refusal cannot loop at once.
-            self._abort(now, f"{s} refused the proposal: {m['reason']}", drop=[s])
+            self._abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[sender])
             self._refused_until = now + REFUSAL_BACKOFF
 
     def _leave_out(self, peers, now: float, why: str) -> None:

@@ -67,33 +67,34 @@ class LineageRole:
                 "out": self._out_for(to) if to is not None and self.lead is not None else None,
                 "end": self.ended}
 
-    def _on_status(self, s, m, now) -> None:
-        self._hello.discard(s)
-        if m["end"] is not None:  # its run is over (``ending``): ours too, unless we are ahead
-            return self._heard_end(s, m["end"], now)
-        if m["out"] is not None:  # its views leave us out a while: loading its state before then is
-            self._out_until = now + m["out"]  # wasted; 0: back in, load now if behind
-        lead, pd = self.lead, m["pending"]
-        if lead is not None and m["b"] == lead.b and lead.phase == QUERYING and s in lead.waiting:  # our QUERY's answer
-            lead.waiting.discard(s)
-            lead.got[s] = m
+    def _on_status(self, sender, message, now) -> None:
+        self._hello.discard(sender)
+        if message["end"] is not None:  # its run is over (``ending``): ours too, unless we are ahead
+            return self._heard_end(sender, message["end"], now)
+        if message["out"] is not None:  # its views leave us out a while: loading its state before then is
+            self._out_until = now + message["out"]  # wasted; 0: back in, load now if behind
+        lead, pd = self.lead, message["pending"]
+        # (our QUERY's answer)
+        if lead is not None and message["b"] == lead.b and lead.phase == QUERYING and sender in lead.waiting:
+            lead.waiting.discard(sender)
+            lead.got[sender] = message
             return
-        if lead is not None and m["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != lead.b \
-                and self._ours_to_resolve(m):
-            if lead.b != m["b"] and (m["promised"] or (0, None))[1] != self.id:
-                return self._send(s, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
-            self._resolve({s: m})  # in doubt and it obeys us: decide its attempt
-            self._tell.add(s)
-            if lead.phase in (COLLECTING, RUNNING) and s in lead.view:
-                self._abort(now, f"{s} was in doubt about an earlier round", drop=[])
+        if lead is not None and message["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != lead.b \
+                and self._ours_to_resolve(message):
+            if lead.b != message["b"] and (message["promised"] or (0, None))[1] != self.id:
+                return self._send(sender, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
+            self._resolve({sender: message})  # in doubt and it obeys us: decide its attempt
+            self._tell.add(sender)
+            if lead.phase in (COLLECTING, RUNNING) and sender in lead.view:
+                self._abort(now, f"{sender} was in doubt about an earlier round", drop=[])
             return
-        if not m["synced"]:
-            self.table.unsynced(s)
-            return self._gone(s, now, "is not synced")
+        if not message["synced"]:
+            self.table.unsynced(sender)
+            return self._gone(sender, now, "is not synced")
         if self.synced and self.pending is not None and self.pending.started:
-            self._deferred[s] = m  # our own version is about to change: compare after the round
+            self._deferred[sender] = message  # our own version is about to change: compare after the round
         elif self.synced:
-            self._compare(s, m, now)
+            self._compare(sender, message, now)
 
     def _ours_to_resolve(self, m) -> bool:
         """Whether the attempt a STATUS reports in doubt is ours to decide as leader: its peer

@@ -72,34 +72,34 @@ class MemberRole:
         if self.lead and self.lead.b != b:
             self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
 
-    def _on_query(self, s, m, now) -> None:
-        if m["b"][1] != s:
+    def _on_query(self, sender, message, now) -> None:
+        if message["b"][1] != sender:
             raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
-        if self.synced and beats(self.promised, m["b"]):
-            return self._nack(s, -1, "superseded")
+        if self.synced and beats(self.promised, message["b"]):
+            return self._nack(sender, -1, "superseded")
         if self.synced:
-            self._promise(m["b"], now)
-        self._send(s, self._status(m["b"], re=True))
+            self._promise(message["b"], now)
+        self._send(sender, self._status(message["b"], re=True))
 
-    def _on_propose(self, s, m, now) -> None:
-        r, b, view, pending = m["r"], m["b"], m["view"], self.pending
-        if b[1] != s or (pending is not None and (pending.r, pending.b) == (r, b)):
+    def _on_propose(self, sender, message, now) -> None:
+        r, b, view, pending = message["r"], message["b"], message["view"], self.pending
+        if b[1] != sender or (pending is not None and (pending.r, pending.b) == (r, b)):
             raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
         if not self.synced or r <= self.round:
             self.counters["old_round" if self.synced else "unsynced"] += 1
         elif beats(self.promised, b):
-            self._nack(s, r, "superseded")
-        elif self.id not in view or s not in view:
-            self._nack(s, r, "the view does not hold us and the leader")
+            self._nack(sender, r, "superseded")
+        elif self.id not in view or sender not in view:
+            self._nack(sender, r, "the view does not hold us and the leader")
         elif any(q != self.id and not self.table.is_live(q) for q in view):
             missing = [q for q in view if q != self.id and not self.table.is_live(q)]
-            self._nack(s, r, "the view names a peer we are not connected to", missing)
+            self._nack(sender, r, "the view names a peer we are not connected to", missing)
         elif pending is not None and pending.started:  # in doubt: this leader must resolve that attempt first
             self._promise(b, now)
-            self._send(s, self._status(b, re=True))
+            self._send(sender, self._status(b, re=True))
         else:
             self._promise(b, now, keep=r)
-            self._adopt_limits(m, now)
+            self._adopt_limits(message, now)
             self._proposed = (r, b)
             if self.pending is not None and self.pending.r != r:
                 self._withdraw(self.pending)
@@ -108,7 +108,7 @@ class MemberRole:
                 pending.phase = self._move(_MEMBER, pending.phase, PROPOSE)
                 pending.b, pending.view, pending.since = b, view, now
                 if pending.phase == READIED:
-                    self._send(s, self._ready_msg(pending))
+                    self._send(sender, self._ready_msg(pending))
                 return
             self.pending = _Pending(r, b, view, self._move(_MEMBER, None, PROPOSE), now)
             if r not in self._asked:  # (one outstanding Contribute per round number)
@@ -144,18 +144,18 @@ class MemberRole:
         self.counters["stale"] += 1
         return None
 
-    def _on_start(self, s, m, now) -> None:
-        pending = self._attempt(s, m)
+    def _on_start(self, sender, message, now) -> None:
+        pending = self._attempt(sender, message)
         if pending is None:
             return
-        if pending.started and m["view"] == pending.view:  # sent again, for a READY we sent again
+        if pending.started and message["view"] == pending.view:  # sent again, for a READY we sent again
             self.counters["stale"] += 1
             return
-        if pending.phase != READIED or m["view"] != pending.view:
+        if pending.phase != READIED or message["view"] != pending.view:
             raise RemoteProtocolError("START before READY, or with another view")
         self.timers["ready"].record(now - pending.since)
         pending.phase = self._move(_MEMBER, pending.phase, START)
-        pending.total, pending.since, pending.mark = m["total"], now, 1.0
+        pending.total, pending.since, pending.mark = message["total"], now, 1.0
         self._emit(StartRing(pending.r, pending.view))
 
     def _ring_done(self, r, ok, now, checksum) -> None:
@@ -167,22 +167,22 @@ class MemberRole:
         if self.promised and self.promised[1] == pending.b[1]:  # else a newer leader resolves it
             self._send(pending.b[1], {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum})
 
-    def _on_decision(self, s, m, now) -> None:
-        if m["t"] == ABORT and s == (self.promised or (0, None))[1]:
-            for q in set(m["drop"]) - {s, self.id}:
+    def _on_decision(self, sender, message, now) -> None:
+        if message["t"] == ABORT and sender == (self.promised or (0, None))[1]:
+            for q in set(message["drop"]) - {sender, self.id}:
                 self.table.unsynced(q)
-        pending = self._attempt(s, m)
+        pending = self._attempt(sender, message)
         if pending is None:
             return
-        if m["t"] == COMMIT and not (pending.phase == RINGED and pending.ok):
+        if message["t"] == COMMIT and not (pending.phase == RINGED and pending.ok):
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
-        self._move(_MEMBER, pending.phase, m["t"])
+        self._move(_MEMBER, pending.phase, message["t"])
         if pending.started:
-            self._finish(pending, m["t"] == COMMIT, now)
+            self._finish(pending, message["t"] == COMMIT, now)
         else:
             self._withdraw(pending)
-        if m["t"] == ABORT and s != self.id:  # (a leader logged its own abort)
-            self._emit(Log("info", f"round {m['r']} aborted: {m['reason']}"))
+        if message["t"] == ABORT and sender != self.id:  # (a leader logged its own abort)
+            self._emit(Log("info", f"round {message['r']} aborted: {message['reason']}"))
 
     def _withdraw(self, pending: _Pending) -> None:
         """An unstarted attempt goes away (a started one is never withdrawn, only decided)."""

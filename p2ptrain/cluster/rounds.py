@@ -236,28 +236,28 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
             raise RuntimeError(f"no transition from {phase} on {event}")  # our bug
         return table[(phase, event)]
 
-    def _dispatch(self, s: str, m: dict, now: float) -> None:
-        self.table.message(s, now)
+    def _dispatch(self, sender: str, message: dict, now: float) -> None:
+        self.table.message(sender, now)
         if self.ended is not None:  # the run is over here: say so to whoever asks, take part in nothing
-            if m["t"] in (QUERY, STATUS) and not m.get("re"):
-                self._send(s, self._status(re=True))
-            elif m["t"] == GOODBYE:
-                self.table.said_goodbye(s, now)
+            if message["t"] in (QUERY, STATUS) and not message.get("re"):
+                self._send(sender, self._status(re=True))
+            elif message["t"] == GOODBYE:
+                self.table.said_goodbye(sender, now)
             return
-        if m["t"] in (QUERY, PROPOSE, START, COMMIT, ABORT):
-            self._seen_r, self._heard_lead = max(self._seen_r, m.get("r", -1)), now
+        if message["t"] in (QUERY, PROPOSE, START, COMMIT, ABORT):
+            self._seen_r, self._heard_lead = max(self._seen_r, message.get("r", -1)), now
         {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
          START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
-         NACK: self._on_nack, GOODBYE: self._on_goodbye, END: self._on_end}[m["t"]](s, m, now)
+         NACK: self._on_nack, GOODBYE: self._on_goodbye, END: self._on_end}[message["t"]](sender, message, now)
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
 
-    def _on_goodbye(self, s, m, now) -> None:
-        self.table.said_goodbye(s, now)
-        self._gone(s, now, "said goodbye", routine=True)
-        if m["end"] is not None:
-            self._heard_end(s, m["end"], now)
+    def _on_goodbye(self, sender, message, now) -> None:
+        self.table.said_goodbye(sender, now)
+        self._gone(sender, now, "said goodbye", routine=True)
+        if message["end"] is not None:
+            self._heard_end(sender, message["end"], now)
 
     def _gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
         """Peer s can no longer take part: re-form at once, without waiting for a deadline.
