@@ -111,15 +111,20 @@ class Accumulator:
         grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        if keep and not self.samples and not any(g is not None and g.is_sparse for g in grads):
-            self._kept = grads
-        else:
-            self._write_kept()
-            self._sum(self._views, grads, batch_size, write=self._dirty)
-            self._dirty = False
+        self._hold(grads, batch_size, keep and not any(g is not None and g.is_sparse for g in grads))
         self.samples += batch_size
         self.batches += 1
         self.oldest = version if self.oldest is None else min(self.oldest, version)
+
+    def _hold(self, grads: list, batch_size: int, keep: bool) -> None:
+        """One batch's gradients into what is held: kept as they are where ``keep`` and nothing
+        is held yet, else added (a kept batch is written first). The counts are the caller's."""
+        if keep and not self.samples:
+            self._kept = grads
+            return
+        self._write_kept()
+        self._sum(self._views, grads, batch_size, write=self._dirty)
+        self._dirty = False
 
     def _write_kept(self) -> None:
         """A kept batch goes into the buffer, which held nothing (another batch joins it)."""
@@ -209,12 +214,7 @@ class Accumulator:
     def merge(self, out: Outgoing) -> None:
         """Take a contribution back (its round aborted): the next round carries it."""
         if out.grads is not None:  # (a kept batch, never written: kept again, or added)
-            if not self.samples:
-                self._kept = out.grads
-            else:
-                self._write_kept()
-                self._sum(self._views, out.grads, out.samples, write=self._dirty)
-                self._dirty = False
+            self._hold(out.grads, out.samples, keep=True)
             self._count(out)
             self.release(out)
             return
