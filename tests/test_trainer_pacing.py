@@ -8,7 +8,7 @@ from p2ptrain.trainer.pacing import Pacing, must_wait, share
 
 
 def wait(**kw) -> bool:
-    args = dict(staleness=1, local_steps=False, finished=False, held=0, out=False, share=32, lockstep=False)
+    args = dict(staleness=1, local_steps=False, finished=False, accumulated=0, out=False, share=32, lockstep=False)
     return must_wait(**{**args, **kw})
 
 
@@ -21,26 +21,26 @@ def test_share_is_the_target_over_the_members_in_whole_batches():
 
 
 def test_staleness_0_waits_while_its_batch_is_held_or_out():
-    assert wait(staleness=0, held=16)
+    assert wait(staleness=0, accumulated=16)
     assert wait(staleness=0, out=True)
     assert not wait(staleness=0)
 
 
 def test_staleness_1_waits_only_with_its_share_held_or_in_lockstep():
-    assert not wait(held=16)
-    assert wait(held=32)
-    assert wait(held=16, lockstep=True)
+    assert not wait(accumulated=16)
+    assert wait(accumulated=32)
+    assert wait(accumulated=16, lockstep=True)
     assert wait(out=True, lockstep=True)
     assert not wait(lockstep=True)  # nothing of ours in a round: compute on
 
 
 def test_local_steps_wait_at_staleness_0_only():
-    assert wait(local_steps=True, staleness=0, held=8)
-    assert not wait(local_steps=True, staleness=1, held=8, lockstep=True)
+    assert wait(local_steps=True, staleness=0, accumulated=8)
+    assert not wait(local_steps=True, staleness=1, accumulated=8, lockstep=True)
 
 
 def test_a_finished_run_never_waits():
-    assert not wait(staleness=0, held=16, finished=True)
+    assert not wait(staleness=0, accumulated=16, finished=True)
 
 
 def timed(compute: float, ring: float, predicted: bool = False) -> Pacing:

@@ -48,12 +48,12 @@ class CommittedUpdate:  # a committed round, waiting for the caller's thread to 
     total: int
     point: SyncPoint
     metrics: RoundMetrics | None
-    held: Outgoing | None = None  # our contribution's memory, when the cluster handed it back as the result
+    ours: Outgoing | None = None  # our contribution's memory, when the cluster handed it back as the result
     compare: bool = False  # others are synced: report the parameter checksum after applying it
 
 
 @dataclass
-class Outgoing:  # this peer's contribution, held by the cluster until applied or put back
+class Outgoing:  # this peer's contribution, with the cluster until applied or put back
     buffer: torch.Tensor | None  # the device sum it came from, while that is the host array itself (CPU)
     samples: int
     batches: int
@@ -100,25 +100,25 @@ class Accumulator:
         self._views = param_views(self._flat, self.params)
         self.samples = self.batches = 0
         self.oldest: int | None = None
-        self._kept: list[torch.Tensor | None] | None = None  # the one batch held, not written yet
+        self._kept: list[torch.Tensor | None] | None = None  # the one batch taken in, not written yet
 
     def _fresh(self) -> torch.Tensor:
         return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
     def add(self, batch_size: int, version: int, keep: bool = False) -> None:
         """Add the parameters' gradients times ``batch_size``, and clear them. ``keep``: if
-        nothing is held yet, keep them as they are instead (see the class docstring)."""
+        nothing is in yet, keep them as they are instead (see the class docstring)."""
         grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        self._hold(grads, batch_size, keep and not any(g is not None and g.is_sparse for g in grads))
+        self._accumulate(grads, batch_size, keep and not any(g is not None and g.is_sparse for g in grads))
         self.samples += batch_size
         self.batches += 1
         self.oldest = version if self.oldest is None else min(self.oldest, version)
 
-    def _hold(self, grads: list, batch_size: int, keep: bool) -> None:
-        """One batch's gradients into what is held: kept as they are where ``keep`` and nothing
-        is held yet, else added (a kept batch is written first). The counts are the caller's."""
+    def _accumulate(self, grads: list, batch_size: int, keep: bool) -> None:
+        """One batch's gradients into the sum: kept as they are where ``keep`` and nothing is in
+        yet, else added (a kept batch is written first). The counts are the caller's."""
         if keep and not self.samples:
             self._kept = grads
             return
@@ -214,7 +214,7 @@ class Accumulator:
     def merge(self, out: Outgoing) -> None:
         """Take a contribution back (its round aborted): the next round carries it."""
         if out.grads is not None:  # (a kept batch, never written: kept again, or added)
-            self._hold(out.grads, out.samples, keep=True)
+            self._accumulate(out.grads, out.samples, keep=True)
             self._count(out)
             self.release(out)
             return
@@ -232,7 +232,7 @@ class Accumulator:
             self.oldest = out.oldest if self.oldest is None else min(self.oldest, out.oldest)
 
     def void(self) -> int:
-        """Drop what is held; returns the samples dropped."""
+        """Drop what was added; returns the samples dropped."""
         dropped = self.samples
         self._kept = None
         self._flat.zero_()

@@ -67,20 +67,20 @@ class ContributionsSide:
     def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | None:
         with self._lock:
             if self._restore is not None or self._out is not None:
-                return self._hold("a state load waits" if self._out is None else "our last one is still out")
+                return self._not_yet("a state load waits" if self._out is None else "our last one is still out")
             if self._local is not None:
                 if not self._acc.samples and not self._leaving:
                     if not self._computing:  # inside step(): it says when its pseudo-gradient is ready
-                        return self._hold("inner steps")
+                        return self._not_yet("inner steps")
                     late = time.perf_counter() - self._step_end
                     patience = max(PATIENCE_S, PATIENCE_STEPS * self._pacing.compute_mean)
                     if late < patience:  # its inner steps go on: wait for them
                         self._arm_linger(patience - late)
-                        return self._hold("inner steps")
+                        return self._not_yet("inner steps")
                     # (a peer not stepping: nothing this round; its progress goes in a later one)
             elif self.staleness == 0:
                 if not self._acc.samples:
-                    return self._hold("no batch yet")
+                    return self._not_yet("no batch yet")
             else:
                 late = time.perf_counter() - self._step_end
                 patience = max(PATIENCE_S, PATIENCE_STEPS * self._pacing.compute_mean)
@@ -93,14 +93,14 @@ class ContributionsSide:
                 if late < patience and ((self._computing and (too_late or lockstep))
                                         or (lockstep and not self._acc.samples and not self._leaving)):
                     self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it
-                    return self._hold("the batch in progress" if self._computing else "the next batch")
+                    return self._not_yet("the batch in progress" if self._computing else "the next batch")
                 if self._acc.oldest is not None and self._committed - self._acc.oldest > self.staleness:
                     dropped = self._acc.void()
                     self.dropped += dropped
                     log.info("dropped %d samples staler than %d updates", dropped, self.staleness)
                 if not self._acc.samples and not self._linger_due and (late < patience or not self._computing):
                     self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
-                    return self._hold("lingering for a batch")
+                    return self._not_yet("lingering for a batch")
             self._linger_due = False
             out = self._out = self._acc.swap(members)
         self._acc.to_host(out, alone)  # (that buffer is no longer step()'s)
@@ -151,7 +151,7 @@ class ContributionsSide:
             with self._lock:
                 self._wait_s += time.perf_counter() - began
 
-    def _hold(self, why: str) -> None:  # (under _lock) the round waits: step() must call contribution_available
+    def _not_yet(self, why: str) -> None:  # (under _lock) the round waits for us: step() must call contribution_available
         log.debug("no contribution yet: %s (%s, computing %s)", why, self._pacing, self._computing)
         self._want_step = True
 
@@ -175,9 +175,9 @@ class ContributionsSide:
         compare = len(self.cluster.machine.table.live_synced()) > 1
         with self._lock:
             out, self._out = self._out, None
-            held = out if out is not None and total_samples and (
+            ours = out if out is not None and total_samples and (
                 summed is out.array or np.may_share_memory(summed, out.array)) else None
-            if out is not None and held is None:
+            if out is not None and ours is None:
                 self._acc.release(out)
             took = self.cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
             if took is not None and total_samples:
@@ -202,7 +202,7 @@ class ContributionsSide:
                                  compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
                 self._compute_s = self._wait_s = 0.0
                 self._compute_n = 0
-                self._queue.append(CommittedUpdate(summed, total_samples, point, m, held, compare))
+                self._queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare))
         self._changed.set()
 
     def put_back(self, contribution: np.ndarray, samples: int) -> None:

@@ -74,16 +74,16 @@ def share(target_batch_size: int | None, members: int, batch: int) -> int:
     return max(1, target // members // batch) * batch
 
 
-def must_wait(*, staleness: int, local_steps: bool, finished: bool, held: int, out: bool, share: int,
+def must_wait(*, staleness: int, local_steps: bool, finished: bool, accumulated: int, out: bool, share: int,
               lockstep: bool) -> bool:
-    """Whether ``step`` waits: ``held`` samples accumulated and not taken yet, ``out``: our
+    """Whether ``step`` waits: ``accumulated``: samples added and not taken yet; ``out``: our
     contribution is in a round; ``share`` and ``lockstep`` as above."""
     if finished:  # no round will take it: the run is over
         return False
     if local_steps:  # at staleness 0 our pseudo-gradient is applied before step() returns
-        return staleness == 0 and bool(held or out)
+        return staleness == 0 and bool(accumulated or out)
     if staleness == 0:  # our batch is applied before step() returns
-        return bool(held or out)
-    if held >= share:  # our share of the target batch waits for a round
+        return bool(accumulated or out)
+    if accumulated >= share:  # our share of the target batch waits for a round
         return True
-    return lockstep and bool(held or out)
+    return lockstep and bool(accumulated or out)

@@ -458,7 +458,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
 
     def _must_wait(self) -> bool:  # (under _lock) the rule is ``pacing.must_wait``
         return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
-                         held=self._acc.samples, out=self._out is not None, share=self._share(),
+                         accumulated=self._acc.samples, out=self._out is not None, share=self._share(),
                          lockstep=self._pacing.lockstep())
 
     def _share(self) -> int:  # (no round runs with fewer than min_peers)

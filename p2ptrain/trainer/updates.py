@@ -51,14 +51,14 @@ class UpdatesSide:
                 if self._predictor is not None:
                     self._predictor.before_update()
                 self._apply_update(update)
-                if update.held is None:  # (the ring's result, ours now: its memory serves a later ring)
+                if update.ours is None:  # (the ring's result, ours now: its memory serves a later ring)
                     self.cluster.recycle(update.summed)
                 applied += 1
             with self._lock:
                 self._params_point = update.point
                 self.version += update.summed is not None
-                if update.held is not None:  # (a peer alone: the ring's result was our own buffer)
-                    self._acc.release(update.held)
+                if update.ours is not None:  # (a peer alone: the ring's result was our own buffer)
+                    self._acc.release(update.ours)
             metrics = update.metrics
             if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
                 # (the outer parameters in local-steps mode: the model holds this peer's local ones)
@@ -107,8 +107,8 @@ class UpdatesSide:
     def _apply_update(self, update: CommittedUpdate) -> None:
         if self._local is not None:
             return self._local.apply(device_mean(update, self.device))
-        if update.held is not None and update.held.grads is not None:  # alone: our batch as backward left it
-            return apply_gradients(update.held.grads, self.params, self.optimizer, self.scheduler,
+        if update.ours is not None and update.ours.grads is not None:  # alone: our batch as backward left it
+            return apply_gradients(update.ours.grads, self.params, self.optimizer, self.scheduler,
                                    self.clip_grad_norm)
         apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
 
