@@ -91,3 +91,34 @@ def test_validation_is_at_the_clusters_updates_whoever_counts(caplog):
     assert evaluated == [100, 200]
     said = [r.getMessage() for r in caplog.records if "validation loss" in r.getMessage()]
     assert said == ["round 200  update 100  validation loss 0.5000", "round 300  update 200  validation loss 0.5000"]
+
+
+def test_the_round_log_reads_safely_while_the_clusters_thread_appends():
+    """``join`` reads the rounds on its own thread while the cluster's appends: every record
+    comes once, in order, and a read never fails (iterating the old deque raised RuntimeError
+    when an append came meanwhile, and join retried in a loop)."""
+    import threading
+
+    from p2ptrain.cluster.records import RoundLog
+
+    log, n = RoundLog(keep=100_000), 50_000
+    writer = threading.Thread(target=lambda: [log.append(RoundRecord(r, 2, 64, 32, 0, 0, 0.1, 0.0))
+                                              for r in range(n)])
+    seen: list[int] = []
+    writer.start()
+    while writer.is_alive() or len(seen) < n:
+        seen += [record.index for record in log.since(len(seen))]
+    writer.join()
+    assert seen == list(range(n))
+    assert [r.round for r in log.since(n - 2)] == [n - 2, n - 1] and log.last().round == n - 1
+
+
+def test_the_round_log_keeps_the_last_records_and_reads_from_what_it_kept():
+    from p2ptrain.cluster.records import RoundLog
+
+    log = RoundLog(keep=3)
+    assert log.since(0) == [] and log.last() is None
+    for r in range(5):
+        log.append(RoundRecord(r, 2, 64, 32, 0, 0, 0.1, 0.0))
+    assert [r.index for r in log.since(0)] == [2, 3, 4]  # (what was dropped is gone)
+    assert [r.index for r in log.since(4)] == [4] and log.since(5) == [] and len(log) == 3 and log.total == 5

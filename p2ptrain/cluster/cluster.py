@@ -449,8 +449,7 @@ class Cluster:
         wire, raw = (stats.wire_bytes, stats.raw_bytes) if stats is not None else (0, 0)
         self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
         seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0
-        self.rounds.append(RoundRecord(r, len(view), total, rnd.samples, wire, raw, seconds, time.time(),
-                                       self.rounds.total))
+        self.rounds.append(RoundRecord(r, len(view), total, rnd.samples, wire, raw, seconds, time.time()))
         if began is not None:
             now = self.trace.now()
             self.trace.span(f"round {r}", "round", now - seconds, now, members=len(view), samples=total,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+import itertools
+import threading
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -17,16 +19,41 @@ class RoundRecord:
     raw_bytes: int  # the same uncompressed
     seconds: float  # ring start to apply
     time: float  # wall clock at apply (time.time())
-    index: int = 0  # 0, 1, 2 ... in the order applied here (readers on other threads resume from it)
+    index: int = 0  # 0, 1, 2 ... in the order applied here (``RoundLog.append`` sets it; readers resume from it)
 
 
-class RoundLog(collections.deque):
-    """The last rounds applied here (newest last), and ``total``: how many ever were."""
+class RoundLog:
+    """The last rounds applied here, newest last, and ``total``: how many ever were.
+
+    The cluster's thread appends; any other thread (``join``'s loop) reads with ``since`` and
+    ``last``, which copy under a lock: a reader never sees the log change under it."""
 
     def __init__(self, keep: int = 1000):
-        super().__init__(maxlen=keep)
+        self._records: collections.deque[RoundRecord] = collections.deque(maxlen=keep)
+        self._lock = threading.Lock()
         self.total = 0
 
     def append(self, record: RoundRecord) -> None:
-        super().append(record)
-        self.total += 1
+        """Keep ``record`` as the next one (its ``index`` set to its place)."""
+        with self._lock:
+            self._records.append(replace(record, index=self.total))
+            self.total += 1
+
+    def since(self, index: int) -> list[RoundRecord]:
+        """The records kept whose ``index`` is ``index`` or later, oldest first."""
+        with self._lock:
+            newest = list(itertools.islice(reversed(self._records), max(0, self.total - index)))
+        return newest[::-1]
+
+    def find(self, r: int, among: int = 8) -> RoundRecord | None:
+        """The record of round ``r`` among the newest ``among`` (None: not there)."""
+        with self._lock:
+            return next((rec for rec in itertools.islice(reversed(self._records), among) if rec.round == r), None)
+
+    def last(self) -> RoundRecord | None:
+        with self._lock:
+            return self._records[-1] if self._records else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)

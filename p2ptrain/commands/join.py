@@ -308,7 +308,8 @@ class _Join(JoinOutput):
         a = self.args
         if not a.checkpoint_dir or (not final and self.rounds % a.checkpoint_every):
             return
-        last = peer.cluster.rounds[-1].round if peer.cluster.rounds else -1
+        latest = peer.cluster.rounds.last()
+        last = latest.round if latest is not None else -1
         state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.model), "round": last,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
         path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
@@ -386,13 +387,7 @@ class _Join(JoinOutput):
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
-        while True:
-            try:
-                records = list(peer.cluster.rounds)
-                break
-            except RuntimeError:  # the cluster's thread appended meanwhile: read again
-                continue
-        fresh = [r for r in records if r.index >= self._records_seen]
+        fresh = peer.cluster.rounds.since(self._records_seen)
         if fresh:
             self._records_seen = fresh[-1].index + 1
         return fresh

@@ -16,15 +16,8 @@ LOG_EVERY_S = 10.0  # a progress line at INFO at most this often (every update a
 
 def cluster_record(cluster, r: int):
     """The cluster's record of round r (members, bytes), among its last few; None if gone."""
-    rounds = getattr(cluster, "rounds", None) or ()
-    for i in range(1, min(len(rounds), 8) + 1):
-        try:
-            record = rounds[-i]
-        except IndexError:
-            return None
-        if record.round == r:
-            return record
-    return None
+    rounds = getattr(cluster, "rounds", None)
+    return rounds.find(r) if rounds is not None else None
 
 
 class ProgressLog:
