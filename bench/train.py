@@ -110,14 +110,26 @@ def _worker(a) -> None:
             seconds = run(step)
     else:
         import p2ptrain
+        from p2ptrain.trace import NO_TRACE, Tracer
         with p2ptrain.Peer(model, optimizer, listen=addrs[a.rank], peers=[p for p in addrs if p != addrs[a.rank]],
                            discovery=False, min_peers=len(addrs), secret="bench", staleness=a.staleness,
                            compression=a.codec, reconcile_every=a.reconcile_every) as peer:
+            trace = NO_TRACE
+            if a.trace:
+                trace = peer.cluster.trace = Tracer(str(Path(a.trace) / f"rank{a.rank}.json"), f"rank {a.rank}")
+                began = []
+                optimizer.register_step_pre_hook(lambda *_: began.append(trace.now()))
+                optimizer.register_step_post_hook(lambda *_: trace.span("optimizer", "apply", began.pop(), trace.now()))
+
             def step(x, y):
-                F.cross_entropy(model(x), y).backward()
-                peer.step(batch_size=len(x))
+                with trace("batch", "compute"):
+                    F.cross_entropy(model(x), y).backward()
+                with trace("step", "compute"):
+                    peer.step(batch_size=len(x))
             seconds = run(step)
             extra.update(updates=peer.version, wire_bytes=peer.cluster.wire_bytes)
+        if a.trace:
+            trace.write()
     with torch.no_grad():
         loss = float(F.cross_entropy(model(xe), ye))
     print(MARK + json.dumps({"seconds": seconds, "loss": loss, **extra}), flush=True)
@@ -135,6 +147,10 @@ def run_mode(a, mode: str, n: int, codec: str = "none", lan=None, tree: str | No
            "--width", str(a.width), "--depth", str(a.depth), "--batch-size", str(a.batch_size),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--device", a.device, "--threads", str(a.threads),
            "--staleness", str(a.staleness), "--reconcile-every", str(a.reconcile_every)]
+    if a.trace and mode == "p2ptrain":
+        trace_dir = Path(a.trace) / f"n{n}-{codec}"
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        cmd += ["--trace", str(trace_dir.resolve())]
     env = dict(os.environ, PYTHONPATH=tree or str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS=str(a.threads))
     procs = []
     try:
@@ -185,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--trace", metavar="DIR", help="p2ptrain workers write Chrome traces here (DIR/nN-CODEC/rankR.json; "
+                                                  "the last run of each kept)")
     p.add_argument("--baseline-tree", help="also run p2ptrain from this source tree (before/after, same run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
