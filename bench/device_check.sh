@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU checks of one session, in one call (a lent machine's time is short: about 15 minutes,
+# start included). Runs the trainer's tests on CUDA, then the synchronous and asynchronous
+# benchmarks on the GPU beside DDP, each step under its own time limit, and ends with a
+# summary of every table (printed as each step ends, and kept in $OUT/summary.txt), within
+# BUDGET seconds (520). Full logs go to $OUT (or ./device-out).
+#
+# The GPU image has torch, numpy, msgpack, xxhash, uvloop and pytest but not zstandard or
+# pytest-asyncio: carry their wheels. Once per session, on the machine you work on:
+#   python -m pip download zstandard pytest-asyncio --only-binary :all: --python-version 3.12 \
+#       --platform manylinux_2_17_x86_64 -d .wheels && echo .wheels/ >> .git/info/exclude
+# then run `bash bench/device_check.sh` there with `.wheels` carried, with a limit of 560 s.
+# `bash bench/device_check.sh --cpu` runs the same steps, short, on this machine's CPU, to
+# check the script itself (no figures worth keeping).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+DEVICE=cuda QUICK=0
+if [ "${1:-}" = "--cpu" ]; then DEVICE=cpu QUICK=1; fi
+export PYTHONPATH=$PWD
+
+if ! $PY -c "import zstandard, pytest_asyncio" 2>/dev/null; then
+    $PY -m pip install -q --no-index --find-links .wheels zstandard pytest-asyncio >"$OUT/pip.log" 2>&1 \
+        || { echo "zstandard or pytest-asyncio missing, and no wheels in .wheels/ (see the top of $0)"; exit 2; }
+fi
+
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+BUDGET=${BUDGET:-520}  # seconds for all steps: under the call's limit, so the summary always comes back
+# step NAME SECONDS COMMAND...: run it under its limit (and what is left of the budget), keep its
+# log, and print its tables (also to the summary) as soon as it ends.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - SECONDS - 5))
+    if [ $left -lt 30 ]; then echo "== $name: skipped, $left s of the budget left" | tee -a "$SUMMARY"; return; fi
+    [ $limit -gt $left ] && limit=$left
+    local began=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    { echo "== $name: exit $rc after $((SECONDS - began)) s of $limit ($*)"
+      grep -E '^(\||model:|[0-9]+ (passed|failed)|=+ .*(passed|failed|skipped))' "$OUT/$name.log" | tail -n 40
+      if [ $rc -ne 0 ]; then tail -n 5 "$OUT/$name.log"; fi
+    } | tee -a "$SUMMARY"
+}
+can_netns() {  # network namespaces and tc (a gVisor sandbox may have neither)
+    ip netns add p2p-probe 2>/dev/null || return 1
+    ip netns del p2p-probe
+    command -v tc >/dev/null
+}
+
+{ echo "device $DEVICE, $(nproc) cores, $(date -u +%FT%TZ)"
+  nvidia-smi -L 2>/dev/null
+  $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee -a "$SUMMARY"
+
+if [ $QUICK = 1 ]; then
+    STEPS=10 REPS=1 SECS=1 ROUNDS=20 SIZE=1m
+else
+    STEPS=150 REPS=2 SECS=4 ROUNDS=200 SIZE=10m
+fi
+
+# 1. Correctness on the device: bit-identical replicas, DDP's mathematics, a peer alone = the plain loop.
+step tests 120 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_devices.py tests/test_device.py -rs
+# 2. Issue 16: a peer alone against the plain loop (goal >= 0.97 of its steps/s at 10 M parameters).
+step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size $SIZE --batch-size 64 \
+    --staleness 0,1 --reps $REPS --seconds $SECS
+# 3. Issue 16: two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
+#    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP).
+step train-loopback 200 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
+    --steps $STEPS --reps $REPS --modes ddp,p2ptrain,alone
+# 4. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback).
+step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
+    --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2
+# 5. Issues 16 and 17 across emulated 1 Gbit/s hosts, where the sandbox allows namespaces.
+if can_netns; then
+    step train-1gbit 150 $PY bench/train.py --device $DEVICE --netns 1gbit --n 2 --codecs int8 --batch-size 64 \
+        --steps 30 --reps 1 --modes ddp,p2ptrain,alone
+    step lan-1gbit 120 $PY bench/lan.py --local 2 --netns 1gbit --device $DEVICE --no-allreduce --model-size 1m \
+        --batch-size 64 --train-codecs int8 --staleness 0 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 \
+        --rounds $ROUNDS --scaling 2
+else
+    echo "== 1 Gbit/s steps skipped: no network namespaces or tc here" | tee -a "$SUMMARY"
+fi
+echo "== done after $SECONDS s; logs in $OUT"
