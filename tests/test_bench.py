@@ -49,3 +49,11 @@ def test_train_bench_traces_where_a_step_goes(tmp_path):
         events = json.loads((tmp_path / "n2-none" / f"rank{rank}.json").read_text())["traceEvents"]
         names = {e["name"].split(" ")[0] for e in events if e["ph"] == "X"}
         assert {"batch", "step", "round", "send", "receive", "optimizer"} <= names, names
+
+
+def test_local_steps_sim_runs_the_librarys_outer_step():
+    p = run("bench/local_steps_sim.py", "--model-size", "100k", "--sync-every", "4", "--delays", "0,5",
+            "--seeds", "1", "--target", "2.0", "--max-steps", "40")
+    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
+    rows = [l for l in p.stdout.splitlines() if l.startswith("| synchronous") or l.startswith("| H = 4")]
+    assert len(rows) == 3  # synchronous, then H = 4 at delays 0 and 5

@@ -1,0 +1,133 @@
+"""Local steps (DiLoCo) without a network: how many inner steps a worker needs to a loss, by
+``sync_every`` H and by how late the outer update lands, beside synchronous training.
+
+    python bench/local_steps_sim.py                                     # N = 4, H = 8 and 16, delays 0..16
+    python bench/local_steps_sim.py --n 4 --sync-every 8 --delays 2,6,10 --outer 0.8/0.6,0.7/0.9
+
+N workers train the ``synthetic`` task's student in one process, in lockstep, each with its own
+Adam (lr 1e-3) on its own batches, each holding a ``trainer.local_steps.LocalSteps`` (the
+library's outer step, not a copy of it). Every worker contributes once it has taken H inner steps
+and its last contribution is applied; the mean pseudo-gradient (samples are equal) lands ``delay``
+inner steps later, as it does when a round's ring and commit take that long while the peers step
+on. With ``delay`` >= H a worker takes ``delay`` steps per round. Synchronous training is one
+Adam on the N batches together (DDP's mathematics). The figure is worker 0's inner steps until
+its smoothed loss (an exponential average, beta 0.9 per step, bias-corrected, of the loss of its
+own batches: what ``lan.py``'s "to loss" reads) first falls below ``--target``; the mean over
+``--seeds``. A slower round in a real run shows here as a larger delay: read what it costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from p2ptrain.tasks.synthetic import make_task  # noqa: E402
+from p2ptrain.trainer.local_steps import LocalSteps  # noqa: E402
+
+LR = 1e-3
+
+
+def steps_to_target(losses: list[float], target: float) -> int | None:
+    smoothed, beta = 0.0, 0.9
+    for k, loss in enumerate(losses, 1):
+        smoothed = beta * smoothed + (1 - beta) * loss
+        if smoothed / (1 - beta ** k) < target:
+            return k
+    return None
+
+
+def synchronous(a, seed: int) -> int | None:
+    """Steps of one Adam on the N workers' batches together."""
+    task = make_task({"model_size": a.model_size})
+    opt = torch.optim.Adam(task.model.parameters(), lr=LR)
+    streams = [task.train_batches(1000 * seed + r, a.n, a.batch_size, 0) for r in range(a.n)]
+    losses: list[float] = []
+    for _ in range(a.max_steps):
+        batches = [next(s) for s in streams]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        each = F.cross_entropy(task.model(x), y, reduction="none")
+        each.mean().backward()
+        opt.step()
+        losses.append(float(each[: a.batch_size].mean()))  # (worker 0's own batch, as below)
+        if steps_to_target(losses, a.target):
+            return len(losses)
+    return None
+
+
+def local_steps(a, seed: int, every: int, delay: int, outer_lr: float, momentum: float) -> int | None:
+    """Worker 0's inner steps to the target with ``LocalSteps`` on every worker."""
+    tasks = [make_task({"model_size": a.model_size}) for _ in range(a.n)]  # (the same start on each)
+    params = [[p for p in t.model.parameters()] for t in tasks]
+    opts = [torch.optim.Adam(p, lr=LR) for p in params]
+    outer = [LocalSteps(p, every, outer_lr, momentum) for p in params]
+    streams = [tasks[0].train_batches(1000 * seed + r, a.n, a.batch_size, 0) for r in range(a.n)]
+    losses: list[float] = []
+    landing: tuple[int, torch.Tensor] | None = None  # (at step, the mean pseudo-gradient)
+    for k in range(1, a.max_steps + 1):
+        for r in range(a.n):
+            x, y = next(streams[r])
+            opts[r].zero_grad()
+            loss = F.cross_entropy(tasks[r].model(x), y)
+            loss.backward()
+            opts[r].step()
+            outer[r].stepped(len(x))
+            if r == 0:
+                losses.append(float(loss.detach()))
+        if steps_to_target(losses, a.target):
+            return k
+        if landing is not None and k >= landing[0]:
+            for o in outer:
+                o.apply(landing[1].clone())
+            landing = None
+        if landing is None and all(o.due() for o in outer):
+            deltas = [torch.cat([d.reshape(-1) for d in o.contribute()[0]]) for o in outer]
+            landing = (k + delay, torch.stack(deltas).mean(0))
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=4, help="workers (default 4)")
+    p.add_argument("--sync-every", default="8,16", help="H values, comma-separated")
+    p.add_argument("--delays", default="0,2,6,10,16", help="inner steps until the outer update lands")
+    p.add_argument("--outer", default="0.8/0.6", help="outer lr/momentum pairs, comma-separated")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--model-size", default="1m")
+    p.add_argument("--batch-size", type=int, default=16, help="per worker (default 16)")
+    p.add_argument("--target", type=float, default=1.0, help="smoothed loss (default 1.0, lan.py's)")
+    p.add_argument("--max-steps", type=int, default=300)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    seeds = [int(s) for s in a.seeds.split(",")]
+
+    def mean(xs):
+        return f"{sum(x or a.max_steps for x in xs) / len(xs):.0f}" + ("" if all(xs) else " (some never)")
+
+    sync = [synchronous(a, s) for s in seeds]
+    rows = [["synchronous", f"batch {a.n} x {a.batch_size}", "-", mean(sync), " ".join(map(str, sync))]]
+    print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    for pair in a.outer.split(","):
+        outer_lr, momentum = (float(v) for v in pair.split("/"))
+        for every in (int(h) for h in a.sync_every.split(",")):
+            for delay in (int(d) for d in a.delays.split(",")):
+                got = [local_steps(a, s, every, delay, outer_lr, momentum) for s in seeds]
+                rows.append([f"H = {every}", f"outer {outer_lr}/{momentum}", str(delay), mean(got),
+                             " ".join(map(str, got))])
+                print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"N = {a.n} workers, synthetic {a.model_size}, batch {a.batch_size} each, Adam {LR}; inner steps of "
+          f"worker 0 to a smoothed loss of {a.target} (seeds {a.seeds})")
+    widths = [max(len(r[i]) for r in rows + [["mode", "", "delay", "steps", "per seed"]]) for i in range(5)]
+    for r in [["mode", "", "delay", "steps", "per seed"], ["-" * w for w in widths]] + rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
