@@ -65,7 +65,7 @@ fi
 # 1. Correctness on the device: bit-identical replicas, DDP's mathematics, a peer alone = the plain loop.
 step tests 120 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_devices.py tests/test_device.py -rs
 # 2. Issue 16: a peer alone against the plain loop (goal >= 0.97 of its steps/s at 10 M parameters).
-step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size $SIZE --batch-size 64 \
+step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size $SIZE \
     --staleness 0,1 --reps $REPS --seconds $SECS
 # 3. Issue 16: two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
 #    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP).
