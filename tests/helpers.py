@@ -1,6 +1,7 @@
 """Small helpers the tests share: waiting for a condition, and running peer processes."""
 
 import asyncio
+import contextlib
 import subprocess
 
 
@@ -28,3 +29,24 @@ def pending_tasks() -> list:
     left behind (STYLE rule 5: every task is kept, cancelled and awaited by its owner)."""
     me = asyncio.current_task()
     return [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+
+
+@contextlib.asynccontextmanager
+async def async_peers_on_loopback(made: list, **options):
+    """One ``AsyncPeer`` per ``(model, optimizer)`` in ``made``, on loopback, entered, each told
+    the others' addresses (the ports are known only once entered); all closed on leaving."""
+    from p2ptrain.trainer.peer import AsyncPeer
+
+    peers = [AsyncPeer(*m, listen="127.0.0.1:0", min_peers=len(made), secret="s", discovery=False, **options)
+             for m in made]
+    entered = []
+    try:
+        for p in peers:
+            await p.__aenter__()
+            entered.append(p)
+        for p in peers:
+            p.discovery.static_addresses = [("127.0.0.1", q.cluster.port) for q in peers]
+        yield peers
+    finally:
+        for p in entered:
+            await p.__aexit__(None, None, None)

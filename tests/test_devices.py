@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from p2ptrain import AsyncPeer, Peer
+from helpers import async_peers_on_loopback
+
+from p2ptrain import Peer
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -59,14 +61,7 @@ async def train_together(n, device, rounds, **options):
     batches, or with ``max_rounds`` in ``options`` round and round them until the cluster's run
     ends (every member leaves after the same update). Returns the peers, closed, and the data."""
     data = [batches(r, rounds, device) for r in range(n)]
-    peers = [AsyncPeer(*make(device), listen="127.0.0.1:0", min_peers=n, secret="s", discovery=False, **options)
-             for _ in range(n)]
-    for p in peers:
-        await p.__aenter__()
-    try:
-        for p in peers:  # the ports are known only now: tell each the others' addresses
-            p.discovery.static_addresses = [("127.0.0.1", q.cluster.port) for q in peers]
-
+    async with async_peers_on_loopback([make(device) for _ in range(n)], **options) as peers:
         async def train(rank):
             peer, k = peers[rank], 0
             while not peer.finished if "max_rounds" in options else k < rounds:
@@ -76,9 +71,6 @@ async def train_together(n, device, rounds, **options):
                 k += 1
 
         await asyncio.wait_for(asyncio.gather(*[train(r) for r in range(n)]), 60)
-    finally:
-        for p in peers:
-            await p.__aexit__(None, None, None)
     return peers, data
 
 

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finish
+from helpers import async_peers_on_loopback, finish
 from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
 from p2ptrain.errors import ConfigError
@@ -32,14 +32,7 @@ def batches(rank, rounds):
 async def test_staleness_0_equals_one_process_on_the_union(n):
     rounds = 4
     data = [batches(r, rounds) for r in range(n)]
-    peers = [AsyncPeer(*model_and_optimizer(), listen="127.0.0.1:0", min_peers=n, secret="s", discovery=False)
-             for _ in range(n)]
-    for p in peers:
-        await p.__aenter__()
-    try:
-        for p in peers:  # the ports are known only now: tell each the others' addresses
-            p.discovery.static_addresses = [("127.0.0.1", q.cluster.port) for q in peers]
-
+    async with async_peers_on_loopback([model_and_optimizer() for _ in range(n)]) as peers:
         async def train(rank):
             peer = peers[rank]
             for x, y in data[rank]:
@@ -47,9 +40,6 @@ async def test_staleness_0_equals_one_process_on_the_union(n):
                 await peer.step(batch_size=len(x))
 
         await asyncio.gather(*[train(r) for r in range(n)])
-    finally:
-        for p in peers:
-            await p.__aexit__(None, None, None)
 
     reference, opt = model_and_optimizer()
     for k in range(rounds):
