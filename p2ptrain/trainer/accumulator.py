@@ -107,7 +107,7 @@ class Accumulator:
 
     def add(self, batch_size: int, version: int, keep: bool = False) -> None:
         """Add the parameters' gradients times ``batch_size``, and clear them. ``keep``: if
-        nothing is in yet, keep them as they are instead (see the class docstring)."""
+        nothing was added yet, keep them as they are instead (see the class docstring)."""
         grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
@@ -117,8 +117,8 @@ class Accumulator:
         self.oldest = version if self.oldest is None else min(self.oldest, version)
 
     def _accumulate(self, grads: list, batch_size: int, keep: bool) -> None:
-        """One batch's gradients into the sum: kept as they are where ``keep`` and nothing is in
-        yet, else added (a kept batch is written first). The counts are the caller's."""
+        """One batch's gradients into the sum: kept as they are where ``keep`` and nothing was
+        added yet, else added (a kept batch is written first). The counts are the caller's."""
         if keep and not self.samples:
             self._kept = grads
             return
