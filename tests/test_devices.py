@@ -103,3 +103,19 @@ async def test_replicas_stay_bit_identical(device, options):
     peers, _ = await train_together(2, device, 9, max_rounds=6, **options)
     assert [p.version for p in peers] == [6, 6]
     assert replicas_equal(peers)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_rings_sums_land_in_pinned_memory_on_cuda(device):
+    """On CUDA the ring writes its sums into pinned host arrays the peer hands it, so the averaged
+    gradient is copied back at the bus's full speed; elsewhere the ring's own arrays serve."""
+    from p2ptrain.trainer.accumulator import Accumulator
+
+    model, _ = make(device)
+    acc = Accumulator([p for p in model.parameters()], torch.device(device))
+    arrays = acc.result_buffers(2)
+    if device == "cpu":
+        assert arrays == []
+    else:
+        assert len(arrays) == 2 and all(a.dtype == "float32" and a.size == acc.numel for a in arrays)
+        assert all(torch.from_numpy(a).is_pinned() for a in arrays)

@@ -3,7 +3,8 @@
 ``step`` adds each batch's gradients times its sample count (``Accumulator.add``); a round
 takes the sum (``swap``: a fresh buffer takes the next batches at once) and moves it to host
 memory for the ring (``to_host``: no copy on CPU, pinned on CUDA); an aborted round gives it
-back (``merge``); a state load voids it (``void``). A batch alone is *kept* as backward
+back (``merge``); a state load voids it (``void``). On CUDA the ring also writes its sums into
+pinned arrays (``result_buffers``), so the averaged gradient returns at full speed. A batch alone is *kept* as backward
 left it until a round needs a vector: a peer alone applies it as it is (``add``).
 ``RoundMetrics`` is what a peer reports per applied update; ``CommittedUpdate`` and
 ``Outgoing`` are the records ``peer.AsyncPeer`` keeps while a round holds its contribution or
@@ -12,6 +13,7 @@ an update waits for the caller's thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,6 +22,8 @@ import torch
 
 from p2ptrain.device import HostStaging
 from p2ptrain.cluster.rounds import SyncPoint
+
+log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,21 @@ class Accumulator:
         out.array = out.staging.to_host([out.buffer])
         self._spare.append(out.buffer)  # (dirty: the next add writes over it)
         out.buffer = None
+
+    def result_buffers(self, count: int) -> list[np.ndarray]:
+        """Host arrays for the ring to write its sums into (``Cluster.recycle``): pinned on CUDA,
+        so that the averaged gradient goes back to the device at the bus's full speed (a copy from
+        pageable memory runs at a fraction of it, through the driver's own staging); none on
+        other devices, where the ring's own arrays serve. Fewer where pinned memory runs out."""
+        if self.device.type != "cuda":
+            return []
+        arrays = []
+        try:
+            for _ in range(count):
+                arrays.append(HostStaging(self.numel, self.device).array)
+        except RuntimeError as exc:  # (page-locked memory is a limited resource)
+            log.debug("pinned result buffers: %d of %d (%s)", len(arrays), count, exc)
+        return arrays
 
     def release(self, out: Outgoing) -> None:
         """The cluster is done with ``out``: its memory is reused."""

@@ -98,6 +98,7 @@ from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
+from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
@@ -285,6 +286,8 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                                start=self._params_point, fingerprint=model_fingerprint(self.model),
                                settings=self._settings)
         await self.cluster.__aenter__()
+        for array in self._acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)
+            self.cluster.recycle(array)
         # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
         self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,
                                    device=device_kind(self.device), static_peers=self._peers,
