@@ -129,3 +129,35 @@ def test_a_kept_batch_comes_back_kept_after_an_abort_and_is_voided_by_a_state_lo
     empty = acc.swap(1)
     acc.to_host(empty, alone=True)
     assert empty.grads is None and empty.samples == 0 and not empty.array.any()
+
+
+def test_the_views_of_a_buffer_are_made_once_and_dropped_beyond_the_last_few():
+    from p2ptrain.trainer.accumulator import ViewCache
+
+    params = [torch.zeros(3, 2), torch.zeros(4)]
+    cache = ViewCache(params, keep=2)
+    a, b, c = torch.arange(10.0), torch.zeros(10), torch.ones(10)
+    views = cache(a)
+    assert [v.shape for v in views] == [(3, 2), (4,)] and views[1].tolist() == [6.0, 7.0, 8.0, 9.0]
+    assert cache(a) is views  # (made once: a round reuses them)
+    cache(b), cache(c)  # (a is the oldest now: its views go, and with them the hold on a)
+    assert cache(a) is not views and torch.equal(cache(a)[0], views[0])
+
+
+def test_the_averaged_gradient_is_the_sum_over_the_samples_in_views_of_the_rings_array():
+    """On the CPU the ring's array itself is divided and viewed (no copy), and a reused array's
+    views are the same objects round after round."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from p2ptrain.trainer.apply import AveragedGradient
+
+    params = [torch.zeros(2, 3), torch.zeros(4)]
+    mean = AveragedGradient(params, torch.device("cpu"))
+    summed = np.arange(10, dtype=np.float32) * 3
+    flat, views = mean.of(SimpleNamespace(summed=summed, total=3))
+    assert np.shares_memory(flat.numpy(), summed) and summed.tolist() == list(range(10))
+    assert views[0].tolist() == [[0, 1, 2], [3, 4, 5]] and views[1].tolist() == [6, 7, 8, 9]
+    summed *= 2
+    again = mean.of(SimpleNamespace(summed=summed, total=2))[1]
+    assert all(x is y for x, y in zip(again, views)) and again[1].tolist() == [6, 7, 8, 9]

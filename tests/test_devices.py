@@ -2,7 +2,7 @@
 
 A model on CUDA takes other paths than one on the CPU: a peer alone applies the gradients
 backward left on the device, a ring copies the accumulator to pinned host memory and the
-averaged gradient back (``HostStaging``, ``apply.device_mean``), and sketches are read
+averaged gradient back (``HostStaging``, ``apply.AveragedGradient``), and sketches are read
 asynchronously. Each test runs on the CPU everywhere (so it is known to pass and to check
 something) and on CUDA where there is one; CI has none, so the CUDA cases say so and skip.
 ``bench/device_check.sh`` runs this file on a lent GPU machine."""

@@ -13,6 +13,7 @@ an update waits for the caller's thread.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -78,6 +79,29 @@ def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
     return views
 
 
+class ViewCache:
+    """``param_views`` of the last few flat buffers, by buffer: a view costs a few microseconds
+    of Python per parameter (milliseconds a round for a model of a few hundred tensors), and the
+    buffers a round goes through are a few, reused. ``keep`` buffers at most (the views hold
+    their buffer: an older one's are dropped, and made again if it comes back). One thread at a
+    time."""
+
+    def __init__(self, params, keep: int):
+        self.params, self.keep = params, keep
+        self._views: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # id -> (buffer, views)
+
+    def __call__(self, buffer, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The views of ``flat`` (default: ``buffer`` itself), remembered under ``buffer``."""
+        entry = self._views.get(id(buffer))
+        if entry is None or entry[0] is not buffer:
+            entry = (buffer, param_views(buffer if flat is None else flat, self.params))
+            self._views[id(buffer)] = entry
+            while len(self._views) > self.keep:
+                self._views.popitem(last=False)
+        self._views.move_to_end(id(buffer))
+        return entry[1]
+
+
 class Accumulator:
     """``sum(batch_size * grad)`` in a flat float32 buffer on the model's device, and what it
     holds: samples, batches, the oldest parameter version. ``swap`` hands the sum over and
@@ -101,7 +125,8 @@ class Accumulator:
         self._staging: list[HostStaging] = []
         self._flat = self._fresh()
         self._dirty = False  # _flat holds an old sum: the next add writes instead of adding
-        self._views = param_views(self._flat, self.params)
+        self._views_of = ViewCache(self.params, keep=4)  # (the sum, one out, spares: a few buffers)
+        self._views = self._views_of(self._flat)
         self.samples = self.batches = 0
         self.oldest: int | None = None
         self._kept: list[torch.Tensor | None] | None = None  # the one batch taken in, not written yet
@@ -184,7 +209,7 @@ class Accumulator:
         self._kept = None
         self._dirty = bool(self._spare)  # (a reused buffer holds an old sum)
         self._flat = self._fresh()
-        self._views = param_views(self._flat, self.params)
+        self._views = self._views_of(self._flat)
         self.samples = self.batches = 0
         self.oldest = None
         return out
@@ -198,7 +223,7 @@ class Accumulator:
                 self._spare.append(out.buffer)  # (dirty: the next add writes over it)
                 out.buffer, out.array = None, np.empty(0, np.float32)
                 return
-            self._sum(param_views(out.buffer, self.params), out.grads, out.samples, write=True)
+            self._sum(self._views_of(out.buffer), out.grads, out.samples, write=True)
             out.grads = None
         if self.device.type == "cpu":
             out.array = out.buffer.numpy()

@@ -81,7 +81,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import optimizer_step
+from p2ptrain.trainer.apply import AveragedGradient, optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import ContributionsSide
@@ -194,6 +194,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self._params_lock = threading.Lock()
         self._changed = asyncio.Event()  # (used on the cluster's loop only)
         self._acc = Accumulator(self.params, self.device)
+        self._mean = AveragedGradient(self.params, self.device)  # (used under _params_lock)
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
         self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
         self._leaving = False  # closing: a round asking for our contribution gets what we have

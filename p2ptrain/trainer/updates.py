@@ -9,7 +9,7 @@ step), the ring's buffer goes back to the cluster (``recycle``), the version mov
 every ``reconcile_every`` updates a parameter sketch goes to the leader (``cluster.drift``).
 ``state_dict``/``load_state_dict`` give and load the state as of the last applied update
 (checkpoints). The state used is the peer's: ``_queue``, ``_lock``, ``version``,
-``_params_point``, ``_acc``, ``_predictor``, ``_local``, ``cluster``, ``metrics``, ``history``.
+``_params_point``, ``_acc``, ``_mean``, ``_predictor``, ``_local``, ``cluster``, ``metrics``, ``history``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from p2ptrain.cluster.fingerprint import param_checksum
 from p2ptrain.cluster.snapshot import tensors_checksum
 from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
-from p2ptrain.trainer.apply import apply_gradients, apply_update, device_mean
+from p2ptrain.trainer.apply import apply_gradients, apply_update
 from p2ptrain.trainer.contributions import _point
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
@@ -106,11 +106,11 @@ class UpdatesSide:
 
     def _apply_update(self, update: CommittedUpdate) -> None:
         if self._local is not None:
-            return self._local.apply(device_mean(update, self.device))
+            return self._local.apply(self._mean.of(update)[0])
         if update.ours is not None and update.ours.grads is not None:  # alone: our batch as backward left it
             return apply_gradients(update.ours.grads, self.params, self.optimizer, self.scheduler,
                                    self.clip_grad_norm)
-        apply_update(update, self.params, self.device, self.optimizer, self.scheduler, self.clip_grad_norm)
+        apply_update(update, self._mean, self.optimizer, self.scheduler, self.clip_grad_norm)
 
     def _publish(self, m: RoundMetrics) -> None:
         m = self._progress.completed(m, self.cluster)
