@@ -3,12 +3,13 @@
 # start included). Runs the trainer's tests on CUDA, then the synchronous and asynchronous
 # benchmarks on the GPU beside DDP, each step under its own time limit, and ends with a
 # summary of every table (printed as each step ends, and kept in $OUT/summary.txt), within
-# BUDGET seconds (520). Full logs go to $OUT (or ./device-out).
+# BUDGET seconds (520). The logs and Chrome traces end in $OUT/logs.tar.gz ($OUT: the device
+# tool's, or ./device-out), since a lent machine gives back a few files only.
 #
 # The GPU image has torch, numpy, msgpack, xxhash, uvloop and pytest but not zstandard or
 # pytest-asyncio: carry their wheels. Once per session, on the machine you work on:
 #   python -m pip download zstandard pytest-asyncio --only-binary :all: --python-version 3.12 \
-#       --platform manylinux_2_17_x86_64 -d .wheels && echo .wheels/ >> .git/info/exclude
+#       --platform manylinux_2_17_x86_64 -d .wheels          # (.wheels/ is in .gitignore)
 # then run `bash bench/device_check.sh` there with `.wheels` carried, with a limit of 560 s.
 # `bash bench/device_check.sh --cpu` runs the same steps, short, on this machine's CPU, to
 # check the script itself (no figures worth keeping).
@@ -67,10 +68,14 @@ step tests 120 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_devices.py t
 # 2. Issue 16: a peer alone against the plain loop (goal >= 0.97 of its steps/s at 10 M parameters).
 step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size $SIZE \
     --staleness 0,1 --reps $REPS --seconds $SECS
+#    And at 100 K parameters: what a step costs a peer alone when the step is short (0.4 ms on a CPU).
+step overhead-small 40 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size 100k \
+    --batch-size 8 --staleness 0 --reps $REPS --seconds $SECS
 # 3. Issue 16: two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
-#    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP).
+#    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP); Chrome traces
+#    of the last p2ptrain run of each codec in $OUT/trace.
 step train-loopback 200 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
-    --steps $STEPS --reps $REPS --modes ddp,p2ptrain,alone
+    --steps $STEPS --reps $REPS --modes ddp,p2ptrain,alone --trace "$OUT/trace"
 # 4. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback).
 step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
     --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2
@@ -84,4 +89,8 @@ if can_netns; then
 else
     echo "== 1 Gbit/s steps skipped: no network namespaces or tc here" | tee -a "$SUMMARY"
 fi
-echo "== done after $SECONDS s; logs in $OUT"
+# What comes back from a lent machine is a few files: the summary, and the rest in one archive.
+ARCHIVE=$(mktemp -u /tmp/device-logs.XXXXXX).tar.gz
+tar czf "$ARCHIVE" -C "$OUT" --exclude summary.txt . \
+    && find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv "$ARCHIVE" "$OUT/logs.tar.gz"
+echo "== done after $SECONDS s; $OUT/summary.txt, and logs and traces in $OUT/logs.tar.gz"
