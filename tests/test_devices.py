@@ -19,9 +19,9 @@ from p2ptrain import Peer
 
 pytestmark = pytest.mark.timeout(90)
 
+NO_CUDA = "needs a CUDA device (run bench/device_check.sh on a GPU machine)"
 DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="needs a CUDA device (run bench/device_check.sh on a GPU machine)"))]
+           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
 
 
 def make(device, opt="adam", width=32):

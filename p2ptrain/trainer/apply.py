@@ -1,6 +1,7 @@
 """Applying one committed update to the model, on the caller's thread: the averaged gradient
-(``AveragedGradient``) set into ``p.grad``, clipped, then the user's optimizer and scheduler step once (in
-local-steps mode they step on each batch's own gradient instead: ``optimizer_step``)."""
+(``AveragedGradient``) set into ``p.grad``, clipped, then the user's optimizer and scheduler
+step once (in local-steps mode they step on each batch's own gradient instead:
+``optimizer_step``)."""
 
 from __future__ import annotations
 
