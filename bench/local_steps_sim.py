@@ -61,17 +61,26 @@ def synchronous(a, seed: int) -> int | None:
     return None
 
 
-def local_steps(a, seed: int, every: int, delay: int, outer_lr: float, momentum: float) -> int | None:
-    """Worker 0's inner steps to the target with ``LocalSteps`` on every worker."""
+def local_steps(a, seed: int, every: int, delay: int, outer_lr: float, momentum: float,
+                periods: list[int] | None = None, by: str = "samples") -> int | None:
+    """Ticks until worker 0's smoothed loss reaches the target, with ``LocalSteps`` on every
+    worker. Worker r takes an inner step every ``periods[r]`` ticks (default: every tick; worker 0
+    must be a fastest one). ``by`` says when a round forms: ``samples`` (as p2ptrain does) once
+    every worker has taken ``every`` inner steps since its last contribution, so a faster one
+    brings more; ``time`` every ``every`` ticks, each worker bringing what it has (nothing, if it
+    took no step). Pseudo-gradients are averaged weighted by samples, as the ring does."""
+    periods = periods or [1] * a.n
     tasks = [make_task({"model_size": a.model_size}) for _ in range(a.n)]  # (the same start on each)
     params = [[p for p in t.model.parameters()] for t in tasks]
     opts = [torch.optim.Adam(p, lr=LR) for p in params]
     outer = [LocalSteps(p, every, outer_lr, momentum) for p in params]
     streams = [tasks[0].train_batches(1000 * seed + r, a.n, a.batch_size, 0) for r in range(a.n)]
     losses: list[float] = []
-    landing: tuple[int, torch.Tensor] | None = None  # (at step, the mean pseudo-gradient)
-    for k in range(1, a.max_steps + 1):
+    landing: tuple[int, torch.Tensor] | None = None  # (at tick, the mean pseudo-gradient)
+    for k in range(1, a.max_steps * max(periods) + 1):
         for r in range(a.n):
+            if k % periods[r]:
+                continue
             x, y = next(streams[r])
             opts[r].zero_grad()
             loss = F.cross_entropy(tasks[r].model(x), y)
@@ -86,9 +95,16 @@ def local_steps(a, seed: int, every: int, delay: int, outer_lr: float, momentum:
             for o in outer:
                 o.apply(landing[1].clone())
             landing = None
-        if landing is None and all(o.due() for o in outer):
-            deltas = [torch.cat([d.reshape(-1) for d in o.contribute()[0]]) for o in outer]
-            landing = (k + delay, torch.stack(deltas).mean(0))
+        due = all(o.due() for o in outer) if by == "samples" else k % every == 0
+        if landing is None and due:
+            sums, total = None, 0
+            for o in outer:
+                if not o.samples:  # (a slow worker with no step since its last contribution)
+                    continue
+                delta, samples = o.contribute()
+                flat = torch.cat([d.reshape(-1) for d in delta]) * samples
+                sums, total = (flat if sums is None else sums + flat), total + samples
+            landing = (k + delay, sums / total)
     return None
 
 
@@ -102,7 +118,10 @@ def main(argv=None) -> int:
     p.add_argument("--model-size", default="1m")
     p.add_argument("--batch-size", type=int, default=16, help="per worker (default 16)")
     p.add_argument("--target", type=float, default=1.0, help="smoothed loss (default 1.0, lan.py's)")
-    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--max-steps", type=int, default=300, help="worker 0's steps before giving up")
+    p.add_argument("--periods", help="ticks per inner step, per worker, e.g. 1,1,1,4 (a last worker 4x "
+                                     "slower; worker 0 must be a fastest); default every worker every tick")
+    p.add_argument("--rounds-by", default="samples", help="samples (p2ptrain's rule), time, or both: samples,time")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -110,21 +129,28 @@ def main(argv=None) -> int:
     def mean(xs):
         return f"{sum(x or a.max_steps for x in xs) / len(xs):.0f}" + ("" if all(xs) else " (some never)")
 
-    sync = [synchronous(a, s) for s in seeds]
+    periods = [int(x) for x in a.periods.split(",")] if a.periods else [1] * a.n
+    if len(periods) != a.n or min(periods) < 1 or periods[0] != min(periods):
+        p.error(f"--periods needs {a.n} whole numbers >= 1, the first a smallest")
+    slowest = max(periods)
+    sync = [synchronous(a, s) for s in seeds]  # (each of its steps waits for the slowest worker)
+    sync = [None if x is None else x * slowest for x in sync]
     rows = [["synchronous", f"batch {a.n} x {a.batch_size}", "-", mean(sync), " ".join(map(str, sync))]]
     print(f"  {rows[-1]}", file=sys.stderr, flush=True)
     for pair in a.outer.split(","):
         outer_lr, momentum = (float(v) for v in pair.split("/"))
-        for every in (int(h) for h in a.sync_every.split(",")):
-            for delay in (int(d) for d in a.delays.split(",")):
-                got = [local_steps(a, s, every, delay, outer_lr, momentum) for s in seeds]
-                rows.append([f"H = {every}", f"outer {outer_lr}/{momentum}", str(delay), mean(got),
-                             " ".join(map(str, got))])
-                print(f"  {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"N = {a.n} workers, synthetic {a.model_size}, batch {a.batch_size} each, Adam {LR}; inner steps of "
-          f"worker 0 to a smoothed loss of {a.target} (seeds {a.seeds})")
-    widths = [max(len(r[i]) for r in rows + [["mode", "", "delay", "steps", "per seed"]]) for i in range(5)]
-    for r in [["mode", "", "delay", "steps", "per seed"], ["-" * w for w in widths]] + rows:
+        for by in a.rounds_by.split(","):
+            for every in (int(h) for h in a.sync_every.split(",")):
+                for delay in (int(d) for d in a.delays.split(",")):
+                    got = [local_steps(a, s, every, delay, outer_lr, momentum, periods, by) for s in seeds]
+                    rows.append([f"H = {every}" + (f", rounds by {by}" if a.rounds_by != "samples" else ""),
+                                 f"outer {outer_lr}/{momentum}", str(delay), mean(got), " ".join(map(str, got))])
+                    print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    speeds = "" if slowest == 1 else f", ticks per step {a.periods} (H: worker steps, or ticks when by time)"
+    print(f"N = {a.n} workers, synthetic {a.model_size}, batch {a.batch_size} each, Adam {LR}{speeds}; ticks "
+          f"(worker 0's inner steps) until its smoothed loss is below {a.target} (seeds {a.seeds})")
+    widths = [max(len(r[i]) for r in rows + [["mode", "", "delay", "ticks", "per seed"]]) for i in range(5)]
+    for r in [["mode", "", "delay", "ticks", "per seed"], ["-" * w for w in widths]] + rows:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
     return 0
 
