@@ -57,3 +57,9 @@ def test_local_steps_sim_runs_the_librarys_outer_step():
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     rows = [l for l in p.stdout.splitlines() if l.startswith("| synchronous") or l.startswith("| H = 4")]
     assert len(rows) == 3  # synchronous, then H = 4 at delays 0 and 5
+    p = run("bench/local_steps_sim.py", "--model-size", "100k", "--n", "2", "--periods", "1,3", "--rounds-by",
+            "samples,time", "--sync-every", "4", "--delays", "1", "--seeds", "1", "--target", "2.0",
+            "--max-steps", "40")
+    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
+    assert "rounds by samples" in p.stdout and "rounds by time" in p.stdout
+    assert run("bench/local_steps_sim.py", "--n", "2", "--periods", "3,1").returncode == 2  # (worker 0 the fastest)
