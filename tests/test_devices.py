@@ -41,9 +41,9 @@ def batches(rank, rounds, device, size=None):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_peer_alone_trains_bit_for_bit_as_the_plain_loop(device):
-    """Alone at staleness 0 the batch's gradients are applied where backward left them: the
-    parameters equal the plain loop's on the same device after every step (batch 3: a scaling
-    by the batch size and back would round)."""
+    """Alone at staleness 0 the batch's gradients are the mean: applied where backward left
+    them, not scaled by the batch size and divided again (3 is not a power of two: that rounds),
+    not copied. The parameters equal the plain loop's on the same device after every step."""
     plain, ours = make(device), make(device)
     with Peer(*ours, listen="127.0.0.1:0", discovery=False) as peer:
         assert peer.device.type == device
@@ -53,6 +53,7 @@ def test_a_peer_alone_trains_bit_for_bit_as_the_plain_loop(device):
             plain[1].step()
             F.cross_entropy(peer.model(x), y).backward()
             assert peer.step(batch_size=3) == 1
+            assert all(p.grad is None for p in peer.model.parameters())
             assert all(torch.equal(a, b) for a, b in zip(plain[0].parameters(), peer.model.parameters()))
 
 

@@ -70,22 +70,6 @@ def test_sync_peer_trains_alone_and_reports_each_update():
         peer.step(batch_size=8)
 
 
-def test_a_peer_alone_at_staleness_0_trains_bit_for_bit_as_the_plain_loop():
-    """Its batch's gradients are the mean: applied as backward left them, not scaled by the batch
-    size and divided again (3 is not a power of two: that rounds), not copied."""
-    plain, peer_model = make(opt="adam"), make(opt="adam")
-    with alone(peer_model) as peer:
-        for k in range(6):
-            x, y = batch(k, n=3)
-            plain[1].zero_grad(set_to_none=True)
-            F.cross_entropy(plain[0](x), y).backward()
-            plain[1].step()
-            F.cross_entropy(peer.model(x), y).backward()
-            assert peer.step(batch_size=3) == 1
-            assert all(p.grad is None for p in peer.model.parameters())
-            assert all(torch.equal(a, b) for a, b in zip(plain[0].parameters(), peer.model.parameters()))
-
-
 def test_errors_reach_the_caller_with_their_own_type():
     peer = alone(make(), min_peers=2, step_timeout=0.5)
     with pytest.raises(ClosedError, match="not open yet"):
