@@ -33,13 +33,19 @@ from p2ptrain.trainer.local_steps import LocalSteps  # noqa: E402
 LR = 1e-3
 
 
-def steps_to_target(losses: list[float], target: float) -> int | None:
-    smoothed, beta = 0.0, 0.9
-    for k, loss in enumerate(losses, 1):
-        smoothed = beta * smoothed + (1 - beta) * loss
-        if smoothed / (1 - beta ** k) < target:
-            return k
-    return None
+class SmoothedLoss:
+    """Worker 0's loss as ``lan.py`` reads it: an exponential average, beta 0.9 per step,
+    bias-corrected."""
+
+    BETA = 0.9
+
+    def __init__(self):
+        self.average, self.steps = 0.0, 0
+
+    def add(self, loss: float) -> float:
+        """Take one step's loss in; the smoothed loss now."""
+        self.average, self.steps = self.BETA * self.average + (1 - self.BETA) * loss, self.steps + 1
+        return self.average / (1 - self.BETA ** self.steps)
 
 
 def synchronous(a, seed: int) -> int | None:
@@ -47,17 +53,16 @@ def synchronous(a, seed: int) -> int | None:
     task = make_task({"model_size": a.model_size})
     opt = torch.optim.Adam(task.model.parameters(), lr=LR)
     streams = [task.train_batches(1000 * seed + r, a.n, a.batch_size, 0) for r in range(a.n)]
-    losses: list[float] = []
-    for _ in range(a.max_steps):
+    smoothed = SmoothedLoss()
+    for step in range(1, a.max_steps + 1):
         batches = [next(s) for s in streams]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         opt.zero_grad()
         each = F.cross_entropy(task.model(x), y, reduction="none")
         each.mean().backward()
         opt.step()
-        losses.append(float(each[: a.batch_size].mean()))  # (worker 0's own batch, as below)
-        if steps_to_target(losses, a.target):
-            return len(losses)
+        if smoothed.add(float(each[: a.batch_size].mean())) < a.target:  # (worker 0's own batch, as below)
+            return step
     return None
 
 
@@ -75,9 +80,10 @@ def local_steps(a, seed: int, every: int, delay: int, outer_lr: float, momentum:
     opts = [torch.optim.Adam(p, lr=LR) for p in params]
     outer = [LocalSteps(p, every, outer_lr, momentum) for p in params]
     streams = [tasks[0].train_batches(1000 * seed + r, a.n, a.batch_size, 0) for r in range(a.n)]
-    losses: list[float] = []
+    smoothed = SmoothedLoss()
     landing: tuple[int, torch.Tensor] | None = None  # (at tick, the mean pseudo-gradient)
     for k in range(1, a.max_steps * max(periods) + 1):
+        reached = False
         for r in range(a.n):
             if k % periods[r]:
                 continue
@@ -88,8 +94,8 @@ def local_steps(a, seed: int, every: int, delay: int, outer_lr: float, momentum:
             opts[r].step()
             outer[r].stepped(len(x))
             if r == 0:
-                losses.append(float(loss.detach()))
-        if steps_to_target(losses, a.target):
+                reached = smoothed.add(float(loss.detach())) < a.target
+        if reached:
             return k
         if landing is not None and k >= landing[0]:
             for o in outer:
