@@ -4,8 +4,9 @@
 takes the sum (``swap``: a fresh buffer takes the next batches at once) and moves it to host
 memory for the ring (``to_host``: no copy on CPU, pinned on CUDA); an aborted round gives it
 back (``merge``); a state load voids it (``void``). On CUDA the ring also writes its sums into
-pinned arrays (``result_buffers``), so the averaged gradient returns at full speed. A batch alone is *kept* as backward
-left it until a round needs a vector: a peer alone applies it as it is (``add``).
+pinned arrays (``result_buffers``), so the averaged gradient returns at full speed. A batch
+alone is *kept* as backward left it until a round needs a vector: a peer alone applies it as it
+is (``add``).
 ``RoundMetrics`` is what a peer reports per applied update; ``CommittedUpdate`` and
 ``Outgoing`` are the records ``peer.AsyncPeer`` keeps while a round holds its contribution or
 an update waits for the caller's thread.
