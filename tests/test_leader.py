@@ -3,7 +3,7 @@ connectivity and who is left out, taking the lead when a leader goes, rivals and
 min_peers, and answering a READY sent again, on the fake bus of ``roundnet``."""
 
 import pytest
-from roundnet import Net, cluster
+from roundnet import GENESIS, Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.leader import COLLECTING, RUNNING
@@ -308,3 +308,85 @@ def test_a_member_whose_start_was_lost_gets_it_again_and_the_round_commits():
     assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
     net.check_safety()
     net.check_same_outcomes()
+
+
+# -- a peer alone: batches applied at once, their rounds committed after (solo) ---------------------
+def alone_collecting(ids="a", **cfg):
+    """A net whose peer ``a`` leads, collecting its own batch of a round (none handed over)."""
+    net = Net(ids, auto=False, **cfg)
+    net.found()
+    for _ in range(5):
+        net.tick()
+    assert net.m["a"].lead.phase == COLLECTING and net.m["a"].pending.samples is None
+    return net
+
+
+def test_a_peer_alone_commits_its_solo_rounds_as_rounds_of_one_member_and_goes_back_to_rounds():
+    solo, rounds = alone_collecting(), alone_collecting()
+    a = solo.m["a"]
+    r = a.solo_round()
+    a.begin_solo(solo.now)
+    assert r == rounds.m["a"].lead.r and a.solo and a.pending is None
+    assert a.solo_round() is None  # (already)
+    with pytest.raises(RuntimeError, match="no solo now"):
+        a.begin_solo(solo.now)
+    solo.tick()  # a tick proposes nothing while solo, and moves no round number
+    assert a.solo and a.lead.r == r and not solo.of("a", M.Stall)
+    solo.handle("a", a.commit_solo([(r, 5), (r + 1, 7)], solo.now))
+    for n in (5, 7):  # the same batches through ordinary rounds of one member
+        rounds.contribute("a", n)
+        rounds.settle()
+        rounds.finish_ring("a")
+        rounds.settle()
+    b = rounds.m["a"]
+    assert rounds.applied("a") == [(r, ("a",), 5), (r + 1, ("a",), 7)]
+    assert (a.history.version, a.history.digest, a.round) == (b.history.version, b.history.digest, b.round)
+    assert a.sync_point() == b.sync_point() and a.history.recent() == b.history.recent()
+    asked = len(solo.of("a", M.Contribute))
+    solo.handle("a", a.end_solo(solo.now))
+    assert not a.solo and a.lead.phase == COLLECTING and a.pending.r == r + 2
+    assert [c.r for c in solo.of("a", M.Contribute)[asked:]] == [r + 2]
+    solo.auto = True  # rounds go on, on the same chain
+    solo.run(0.5)
+    assert solo.applied("a")[0][0] == r + 2 and a.version > 2
+
+
+def test_solo_rounds_out_of_order_are_refused():
+    net = alone_collecting()
+    a = net.m["a"]
+    r = a.solo_round()
+    a.begin_solo(net.now)
+    with pytest.raises(RuntimeError, match="out of order"):
+        a.commit_solo([(r + 1, 5)], net.now)
+    with pytest.raises(RuntimeError, match="out of order"):
+        a.commit_solo([(r, 0)], net.now)
+
+
+def test_no_solo_with_another_live_peer_with_min_peers_or_with_a_batch_handed_over():
+    net = cluster("ab", run=0.5)
+    net.hold_a_round([])
+    assert net.m["a"].solo_round() is None  # b is live (and in the view)
+    waiting = Net("a", auto=False, min_peers=2)
+    waiting.found()
+    waiting.run(0.5)
+    assert waiting.m["a"].solo_round() is None  # (it waits for a second peer)
+    handed = alone_collecting()
+    handed.contribute("a", 4)
+    assert handed.m["a"].solo_round() is None
+
+
+def test_a_joiner_after_solo_rounds_loads_them_and_trains_on_the_same_chain():
+    net = alone_collecting()
+    a = net.m["a"]
+    r = a.solo_round()
+    a.begin_solo(net.now)
+    net.handle("a", a.commit_solo([(r + i, 3) for i in range(4)], net.now))
+    net.handle("a", a.end_solo(net.now))
+    net.auto = True
+    net.add("b")  # a fresh peer: behind, it loads a's state
+    net.handle("b", net.m["b"].on_synced(GENESIS, net.now))
+    net.run(2.0)
+    assert net.resyncs["b"] and net.m["b"].synced and net.m["b"].version == net.m["a"].version > 4
+    assert net.m["b"].history.digest == net.m["a"].history.digest
+    assert any(view == ("a", "b") for _, view, _ in net.applied("b"))
+    net.check_safety()

@@ -35,11 +35,21 @@ it hears our STATUS, catches up (we hold the boundary) and is in the next view. 
 that names nobody (an older peer) drops the refuser and delays the next proposal by
 REFUSAL_BACKOFF, so that it cannot loop at once.
 
+A peer alone (``solo``). A leader whose view is itself alone, with nobody else known, asks its
+host at every round for a batch and commits it with no ring: the host (``Cluster``) may take
+that cost off every step by letting its trainer apply each batch at once and hearing of them
+after. ``_begin_solo`` withdraws the attempt collecting our batch (it has none yet), and the
+rounds of the batches applied meanwhile are committed in order by ``_commit_solo``, each as a
+round of one member would be: the same chain, round numbers and log. ``_end_solo`` goes back to
+proposing rounds. While solo the host hands the machine ticks only (a tick changes no round
+number then); any other event, a peer linked or a message, ends solo first (``Cluster``).
+
 Transitions (``_LEADER``; ``_move`` refuses any other):
     none -takeover-> querying -all STATUS or timeout-> between
     between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
     collecting|running -failure, timeout, peer lost, superseded-> between (ABORT)
     querying|between -superseded, loading state, a smaller peer served-> none
+    collecting (our own batch, alone) -solo-> solo -solo_end-> between
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, beats,
                                parse)
 
-QUERYING, BETWEEN, COLLECTING, RUNNING = "querying", "between", "collecting", "running"  # leader (None: not)
+QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
 REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
 LEAVE_OUT, LEAVE_OUT_MAX = 2.0, 30.0  # a peer a member cannot reach stays out of views this long, doubling
 MISSING_AGAIN = 5.0  # a peer named missing twice within this many seconds is left out (once: a link re-forming)
@@ -67,6 +77,7 @@ _LEADER = {
     (RUNNING, COMMIT): BETWEEN,
     (COLLECTING, ABORT): BETWEEN, (RUNNING, ABORT): BETWEEN,
     (QUERYING, "step_down"): None, (BETWEEN, "step_down"): None,  # (collecting/running abort first)
+    (COLLECTING, "solo"): SOLO, (SOLO, "solo_end"): BETWEEN,
 }
 
 
@@ -355,6 +366,42 @@ class LeaderRole:
         if peer not in self._left_out:
             return None
         return round(max(0.0, self._left_out[peer][0] - self._now), 3)
+
+    # -- a peer alone (see the module docstring) -------------------------------------------------
+    def _may_go_solo(self) -> bool:
+        """We lead a view of ourselves alone, know no other live peer, and collect our own batch
+        of a round that has none yet."""
+        lead, pending = self.lead, self.pending
+        return (self.synced and self.ended is None and lead is not None and lead.phase == COLLECTING
+                and lead.view == (self.id,) and self.config.min_peers <= 1 and not self._admit
+                and not self._hello and not self._load_later
+                and all(p == self.id or not self.table.is_live(p) for p in self.table.ids())
+                and pending is not None and (pending.r, pending.b) == (lead.r, lead.b)
+                and pending.samples is None)
+
+    def _begin_solo(self) -> None:
+        lead = self.lead
+        self._asked.discard(lead.r)  # (its Contribute goes unanswered: the host drops it)
+        self._withdraw(self.pending)  # (no batch in it: nothing put back)
+        lead.phase, lead.waiting = self._move(_LEADER, lead.phase, "solo"), set()
+
+    def _commit_solo(self, commits) -> None:
+        """(round, samples) of batches applied alone, in order, from ``lead.r`` on."""
+        lead = self.lead
+        for r, total in commits:
+            if lead is None or lead.phase != SOLO or r != lead.r or type(total) is not int or total < 1:
+                raise RuntimeError(f"solo commit of round {r} ({total} samples) out of order")  # our bug
+            self.history.append(r, lead.view, total)
+            self._log.append((r, lead.b, True))
+            self.round, self._seen_r, lead.r = r, max(self._seen_r, r), r + 1
+        if commits:
+            self._last_view = lead.view
+            self.table.synced(self.id, self.history.version, self.history.digest, self.round)
+            self._set_self()
+
+    def _end_solo(self, now: float) -> None:
+        lead = self.lead
+        lead.phase, lead.since = self._move(_LEADER, lead.phase, "solo_end"), now  # (the next step: PROPOSE)
 
     def _step_down(self, now: float, why: str, rival: str = "") -> None:
         if self.lead.phase in (COLLECTING, RUNNING):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from p2ptrain.cluster.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
 from p2ptrain.cluster.ending import EndRole
-from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, LeaderRole
+from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, SOLO, LeaderRole
 from p2ptrain.cluster.lineage import LineageRole
 from p2ptrain.cluster.member import MemberRole, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
@@ -148,6 +148,40 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         self._set_self()
         self._hello, self._hello_until = set(self._peers()), now + self.config.query_timeout
         return self._run(now, self._tell.update, self._hello)
+
+    # -- a peer alone (``leader``: solo) --------------------------------------------------------
+    @property
+    def solo(self) -> bool:
+        """Solo: the host's trainer applies batches at once and the host commits their rounds."""
+        return self.lead is not None and self.lead.phase == SOLO
+
+    def solo_round(self) -> int | None:
+        """The round a first batch applied alone would be committed as (the next ones follow
+        it), if we may go solo now (``leader``); else None."""
+        return None if self.solo or not self._may_go_solo() else self.lead.r
+
+    def begin_solo(self, now: float) -> None:
+        """Go solo (at ``solo_round``): the round collecting our batch is withdrawn."""
+        if self.solo_round() is None:
+            raise RuntimeError("not alone, or not between our own batches: no solo now")  # our bug
+        self._run(now, self._begin_solo)  # (it sends or emits nothing)
+
+    def solo_may_go_on(self, now: float) -> bool:
+        """Not once the run is over (its last version, or its deadline): ``end_solo`` ends it."""
+        return not self._run_over(now)
+
+    @property
+    def last_version(self) -> int:
+        """The version at which the cluster's run ends (0: none set)."""
+        return self._limits()[0]
+
+    def commit_solo(self, commits, now: float) -> list:
+        """The rounds of batches applied alone: [(round, samples)], in order."""
+        return self._run(now, self._commit_solo, list(commits))
+
+    def end_solo(self, now: float) -> list:
+        """Back to rounds (the host's trainer no longer applies batches alone)."""
+        return self._run(now, self._end_solo, now) if self.solo else []
 
     def leave(self, now: float) -> list:
         """Say goodbye; the machine is done (an outstanding contribution is put back)."""

@@ -221,6 +221,44 @@ class ContributionsSide:
             self._finished = True
         self._changed.set()
 
+    # -- alone: batches applied in step() at once (``cluster.SoloTrainer``) ----------------------
+    def solo_begin(self, r: int, version: int, last_version: int) -> bool:
+        """From now on ``step`` applies each batch at once (their rounds numbered from ``r``), if
+        nothing is in flight here (committed updates queued are applied first) and an update is
+        one batch: gradient mode, no prediction, and at staleness >= 1 no ``target_batch_size``
+        (a peer alone's share is then one batch)."""
+        with self._lock:
+            if (self._local is not None or self._predictor is not None or self._leaving or self._closed
+                    or self._finished or self._out is not None or self._acc.samples
+                    or self._restore is not None or self._reconcile is not None or self._solo_applied
+                    or version != self._committed or (last_version and version >= last_version)
+                    or (self.staleness and self.target_batch_size is not None)):
+                return False
+            self._solo_next, self._solo_last, self._solo_flush = r, last_version, False
+            self._want_step = self._linger_due = False  # (no round waits for our batch now)
+            if self._linger is not None:
+                self._linger.cancel()
+                self._linger = None
+            return True
+
+    def solo_take(self) -> list[tuple[int, int, float]]:
+        with self._lock:
+            applied, self._solo_applied = self._solo_applied, []
+        return applied
+
+    def solo_end(self) -> list[tuple[int, int, float]]:
+        with self._params_lock:  # (waits for a batch being applied alone: it is listed after)
+            with self._lock:
+                self._solo_next = None
+        return self.solo_take()
+
+    def solo_committed(self, point: SyncPoint, rounds: int) -> None:
+        with self._lock:
+            self._params_point = point
+            self._rounds_seen += rounds
+            self._idle_rounds = 0
+        self._changed.set()
+
     def snapshot(self, parameters_only: bool = False) -> dict | None:
         """The state as of the last applied update, copied (the caller's thread may go on
         training); None while updates are queued or being applied (ask again soon). With
@@ -229,7 +267,7 @@ class ContributionsSide:
             return None
         try:
             with self._lock:
-                if self._queue or self._restore is not None:
+                if self._queue or self._restore is not None or self._solo_applied:
                     return None
                 version, p = self.version, self.cluster.machine.sync_point()
             if parameters_only:
@@ -252,6 +290,7 @@ class ContributionsSide:
             self.dropped += dropped
             self._queue.clear()
             self._restore, self._reconcile = state, None
+            self._solo_next = None  # (the cluster ended solo before; a caller of ours may not have)
         if dropped:
             log.info("loading the cluster's state: %d samples accumulated here are void", dropped)
         self._changed.set()

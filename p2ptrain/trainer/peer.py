@@ -81,7 +81,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import AveragedGradient, optimizer_step
+from p2ptrain.trainer.apply import AveragedGradient, apply_gradients, optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import ContributionsSide
@@ -203,7 +203,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self.version = 0  # updates applied to the parameters here
         self._committed = 0  # updates committed by the cluster (applied here, or queued)
         self._computing_on = 0  # the version the batch in progress is computed on
-        self._applied_waiting = 0  # updates applied while step() waited (it reports them)
+        self._applied_waiting = 0  # updates applied inside step() before it returns (it reports them)
         self._batch = 1  # the last batch size step() was given (the share counts whole batches)
         self._computing = True  # False while the caller is inside step() (no batch in progress)
         self._want_step = False  # a round waits for this peer's next batch: step() must say so
@@ -230,6 +230,12 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self._step_end = time.perf_counter()
         self._checksum = b""
         self._progress = ProgressLog()
+        # Alone (``solo``): each batch is applied in step() at once, and its round committed after.
+        self._solo_next: int | None = None  # the round of the next batch applied alone (None: not alone)
+        self._solo_last = 0  # the cluster's last version (0: none): no batch alone goes past it
+        self._solo_applied: list[tuple[int, int, float]] = []  # (round, samples, time.time()) applied alone,
+        #                                                         not committed yet
+        self._solo_flush = False  # solo ended here at the last version: step waits for the commit
 
     @property
     def members(self) -> int:
@@ -415,17 +421,21 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self._compute_s += began - self._step_end
                 self._compute_n += 1
                 self._pacing.computed(began - self._step_end)
+                alone = self._solo_next is not None and not void
                 if void:  # computed on parameters just replaced
                     for p in self.params:
                         p.grad = None
                     self.dropped += batch_size
-                elif self._local is None:  # (kept as it is until a round needs a vector: ``Accumulator``;
-                    #                           not while a next batch computes beside it, but alone)
+                elif self._local is None and not alone:  # (kept as it is until a round needs a vector:
+                    #                  ``Accumulator``; not while a next batch computes beside it, but alone)
                     self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
                 self._batch = batch_size
                 self._computing = False
                 notify, self._want_step = self._want_step, False
-            if self._local is not None:
+            if alone:
+                self._apply_queue()  # (committed before we went solo)
+                notify = self._apply_alone(batch_size)
+            elif self._local is not None:
                 notify = self._inner_step(batch_size, void) or notify
             else:
                 self._apply_queue()
@@ -433,6 +443,30 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             self._notify()
         with self._lock:
             return self._must_wait()
+
+    def _apply_alone(self, batch_size: int) -> bool:
+        """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
+        the plain loop would; the cluster commits its round later (``contributions.solo_*``).
+        True: that was the run's last version, the cluster must hear of it now."""
+        grads = [p.grad for p in self.params]  # (dense, as a round's mean would be)
+        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], self.params,
+                        self.optimizer, self.scheduler, self.clip_grad_norm)
+        with self._lock:
+            r, self._solo_next = self._solo_next, self._solo_next + 1
+            self.version += 1
+            self._committed += 1
+            self._applied_waiting += 1
+            self._solo_applied.append((r, batch_size, time.time()))
+            last = bool(self._solo_last) and self.version >= self._solo_last
+            if last:  # (no batch goes alone past the run's end: the cluster ends solo, commits, finishes)
+                self._solo_next, self._solo_flush = None, True
+            m = RoundMetrics(round=r, version=self.version, members=1, samples=batch_size, local_samples=batch_size,
+                             staleness=0, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
+                             raw_bytes=0, round_time=0.0, compute_time=self._compute_s / max(self._compute_n, 1),
+                             wait_time=0.0)
+            self._compute_s, self._compute_n = 0.0, 0
+        self._publish(m)
+        return last
 
     def _end_step(self) -> int:
         with self._params_lock:
@@ -461,6 +495,8 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             return True
 
     def _must_wait(self) -> bool:  # (under _lock) the rule is ``pacing.must_wait``
+        if self._solo_flush and not self._finished:  # (the run's last version, applied alone: until it ends)
+            return True
         return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
                          accumulated=self._acc.samples, out=self._out is not None, share=self._share(),
                          lockstep=self._pacing.lockstep())

@@ -14,18 +14,22 @@ every ``reconcile_every`` updates a parameter sketch goes to the leader (``clust
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from dataclasses import replace
 
 from p2ptrain.cluster.drift import sketch_checksum, start_sketch
 from p2ptrain.cluster.fingerprint import param_checksum
 from p2ptrain.cluster.snapshot import tensors_checksum
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, GroupError
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
 from p2ptrain.trainer.apply import apply_gradients, apply_update
 from p2ptrain.trainer.contributions import _point
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
+
+SOLO_COMMIT_S = 10.0  # how long a checkpoint waits for the cluster to commit what a peer alone applied
 
 
 class UpdatesSide:
@@ -123,12 +127,27 @@ class UpdatesSide:
         """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
         version, and the cluster's point at the last applied update. Save it as you save
         anything (``torch.save``). Call it between steps."""
+        self._commit_solo()
         with self._params_lock, self._lock:
             p = self._params_point
             return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                     "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
                     **self._outer_state()}
+
+    def _commit_solo(self) -> None:
+        """Alone, the rounds of the batches applied at once are committed now (a checkpoint's
+        point must be its version's)."""
+        with self._lock:
+            listed = bool(self._solo_applied)
+        if not listed or self._closed or threading.current_thread() is self._thread.thread:
+            return  # (closed: committed on leaving; on the cluster's thread, in step: none listed)
+        self.cluster.check()
+        try:
+            self._thread.call(asyncio.wait_for(self.cluster.commit_solo(), SOLO_COMMIT_S))
+        except asyncio.TimeoutError:
+            raise GroupError(f"the cluster did not commit this peer's last updates within {SOLO_COMMIT_S:.0f} s: "
+                             "take the checkpoint again") from None
 
     def _outer_state(self) -> dict:
         """Local-steps mode: the outer momentum, for a checkpoint or a joiner ({} otherwise)."""

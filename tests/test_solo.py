@@ -1,0 +1,101 @@
+"""A peer alone applies each batch inside ``step`` and the cluster commits its rounds after
+(``cluster``: SoloTrainer; ``leader``: solo): the same chain and records as rounds of one member,
+checkpoints at their own version, the run's last round exactly, and a joiner that ends it."""
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import until
+
+from p2ptrain.cluster.fingerprint import param_checksum
+from p2ptrain.cluster.membership import History
+from p2ptrain.trainer.peer import AsyncPeer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def made(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+async def train(peer, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    applied = []
+    for _ in range(steps):
+        x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+        F.cross_entropy(peer.model(x), y).backward()
+        applied.append(await peer.step(batch_size=len(x)))
+    return applied
+
+
+def alone(**options):
+    return AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s", **options)
+
+
+async def test_a_peer_alone_applies_each_batch_in_step_and_its_rounds_are_those_of_one_member():
+    async with alone() as peer:
+        await until(lambda: peer.cluster.machine.solo)
+        start = peer.cluster.machine.sync_point()
+        assert await train(peer, 12) == [1] * 12 and peer.version == 12  # (applied before step returned)
+        assert peer.metrics.version == 12 and peer.metrics.samples == 5
+        await until(lambda: peer.cluster.machine.version == 12)  # committed within a tick
+        records = peer.cluster.rounds.since(0)
+        assert [r.samples for r in records] == [5] * 12 and [r.members for r in records] == [1] * 12
+        digest = start.digest  # the chain: as rounds of this peer alone would make it
+        for r in records:
+            digest = History.next_digest(digest, r.round, (peer.peer_id,), r.samples)
+        assert peer.cluster.machine.history.digest == digest
+        assert [r.round for r in records] == list(range(start.round + 1, start.round + 13))
+        state = peer.state_dict()
+        assert state["version"] == state["sync"][0] == 12 and state["sync"][1] == digest
+
+
+async def test_a_checkpoint_taken_alone_is_at_its_own_version():
+    async with alone() as peer:
+        await until(lambda: peer.cluster.machine.solo)
+        await train(peer, 3)
+        state = peer.state_dict()  # (the rounds of those batches are committed first)
+        point = peer.cluster.machine.sync_point()
+        assert state["version"] == 3 and state["sync"] == [point.version, point.digest, point.round, point.epoch]
+
+
+async def test_a_peer_alone_ends_at_the_runs_last_round_exactly():
+    async with alone(max_rounds=7) as peer:
+        steps = 0
+        while not peer.finished:
+            await train(peer, 1)
+            steps += 1
+        assert steps == 7 and peer.version == 7 and peer.cluster.finished.version == 7
+        assert peer.cluster.machine.ended == 7
+
+
+async def test_a_joiner_ends_solo_and_both_train_on_as_identical_replicas():
+    async with alone() as a:
+        await until(lambda: a.cluster.machine.solo)
+        await train(a, 6, seed=1)
+        b = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s",
+                      peers=[f"127.0.0.1:{a.cluster.port}"])
+        target = None
+
+        async def a_trains():  # (on: a leader waits for its own batch before it serves a joiner)
+            while target is None or a.version < target:
+                await train(a, 1, seed=2)
+                await asyncio.sleep(0.005)
+
+        async def b_trains():  # once it holds a's state
+            nonlocal target
+            await until(lambda: b.cluster.members == 2 and b.cluster.loads)
+            assert not a.cluster.machine.solo and not b.cluster.machine.solo
+            target = max(a.version, b.version) + 4
+            while b.version < target:
+                await train(b, 1, seed=3)
+
+        async with b:
+            await asyncio.wait_for(asyncio.gather(a_trains(), b_trains()), 30)
+            assert a.version == b.version == target > 6
+            assert param_checksum(a.model) == param_checksum(b.model)
+            assert a.cluster.rounds.last().members == 2
