@@ -19,6 +19,11 @@ into ``p.grad``, clipped (``clip_grad_norm``), the optimizer steps (its own step
 it), then ``scheduler`` steps: once per applied update. Parameters change only inside
 ``step``, never under a forward or a backward.
 
+Alone (no other live peer known, gradient mode), a round would carry each batch to the
+cluster's thread and back for nothing: ``step`` applies the batch at once, as the plain loop
+would, and the cluster commits its round afterwards (``cluster``: ``SoloTrainer``), leaving
+that mode before anything else happens (a peer linked, a state asked for).
+
 This module is the caller's side (lifetime, ``step``); applying committed updates and
 checkpoints are ``updates.UpdatesSide``'s; what the cluster calls on its thread (``cluster.Contributions``: ``take``, ``apply``,
 ``put_back``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
@@ -433,7 +438,8 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self._computing = False
                 notify, self._want_step = self._want_step, False
             if alone:
-                self._apply_queue()  # (committed before we went solo)
+                if self._queue:  # (committed before we went solo)
+                    self._apply_queue()
                 notify = self._apply_alone(batch_size)
             elif self._local is not None:
                 notify = self._inner_step(batch_size, void) or notify
@@ -441,6 +447,8 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self._apply_queue()
         if notify:
             self._notify()
+        if alone and not notify:  # (applied: nothing to wait for)
+            return False
         with self._lock:
             return self._must_wait()
 
@@ -465,7 +473,9 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                              raw_bytes=0, round_time=0.0, compute_time=self._compute_s / max(self._compute_n, 1),
                              wait_time=0.0)
             self._compute_s, self._compute_n = 0.0, 0
-        self._publish(m)
+        self.metrics = m  # (as ``_publish``, with no cluster record to complete it: no ring ran)
+        self.history.append(m)
+        self._progress.applied(m, self.staleness_max, self.dropped)
         return last
 
     def _end_step(self) -> int:

@@ -38,6 +38,9 @@ class UpdatesSide:
 
     def _apply_queue(self) -> int:
         """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
+        if not (self._queue or self._reconcile is not None or self._sketching is not None
+                or self._predictor is not None or self._finished):
+            return 0  # (nothing to do: most steps of a peer alone)
         applied = 0
         while True:
             self._load_reconcile()
