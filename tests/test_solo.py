@@ -99,3 +99,14 @@ async def test_a_joiner_ends_solo_and_both_train_on_as_identical_replicas():
             assert a.version == b.version == target > 6
             assert param_checksum(a.model) == param_checksum(b.model)
             assert a.cluster.rounds.last().members == 2
+
+
+async def test_a_peer_alone_ends_once_its_duration_is_over():
+    async with alone(duration=0.5) as peer:
+        began = asyncio.get_running_loop().time()
+        while not peer.finished:
+            await train(peer, 1)
+            await asyncio.sleep(0.002)
+        took = asyncio.get_running_loop().time() - began
+        assert 0.4 < took < 3.0 and peer.version == peer.cluster.finished.version > 10
+        assert peer.cluster.machine.version == peer.version  # (every batch applied alone is in the chain)
