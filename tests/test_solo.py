@@ -110,3 +110,47 @@ async def test_a_peer_alone_ends_once_its_duration_is_over():
         took = asyncio.get_running_loop().time() - began
         assert 0.4 < took < 3.0 and peer.version == peer.cluster.finished.version > 10
         assert peer.cluster.machine.version == peer.version  # (every batch applied alone is in the chain)
+
+
+async def test_a_peer_left_alone_goes_solo_and_a_newcomer_ends_it_again():
+    a = alone()
+    async with a:
+        b = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s",
+                      peers=[f"127.0.0.1:{a.cluster.port}"])
+        async with b:
+            await until(lambda: a.cluster.members == 2 and b.cluster.members == 2)
+
+            async def both(peer, seed):
+                while peer.version < 5:
+                    await train(peer, 1, seed)
+            await asyncio.wait_for(asyncio.gather(both(a, 1), both(b, 2)), 30)
+            assert a.cluster.rounds.last().members == 2 and not a.cluster.machine.solo
+        for _ in range(200):  # b said goodbye: a trains on alone, soon without rounds
+            await train(a, 1, seed=3)
+            if a.cluster.machine.solo:
+                break
+            await asyncio.sleep(0.01)
+        assert a.cluster.machine.solo
+        before = a.version
+        assert await train(a, 4, seed=4) == [1] * 4 and a.version == before + 4
+        c = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s",
+                      peers=[f"127.0.0.1:{a.cluster.port}"])
+        target = None
+
+        async def a_trains():
+            while target is None or a.version < target:
+                await train(a, 1, seed=5)
+                await asyncio.sleep(0.005)
+
+        async def c_trains():
+            nonlocal target
+            await until(lambda: c.cluster.members == 2 and c.cluster.loads)
+            target = max(a.version, c.version) + 3
+            while c.version < target:
+                await train(c, 1, seed=6)
+
+        async with c:
+            await asyncio.wait_for(asyncio.gather(a_trains(), c_trains()), 30)
+            assert a.version == c.version == target
+            assert param_checksum(a.model) == param_checksum(c.model)
+            assert a.cluster.machine.history.digest == c.cluster.machine.history.digest
