@@ -154,3 +154,20 @@ async def test_a_peer_left_alone_goes_solo_and_a_newcomer_ends_it_again():
             assert a.version == c.version == target
             assert param_checksum(a.model) == param_checksum(c.model)
             assert a.cluster.machine.history.digest == c.cluster.machine.history.digest
+
+
+def test_the_lane_numbers_batches_from_its_round_and_stops_at_the_last_version():
+    from p2ptrain.trainer.solo import SoloLane
+    lane = SoloLane()
+    assert not lane.on
+    with pytest.raises(RuntimeError):
+        lane.applied(4, 1, 0.0)
+    lane.begin(7, last_version=3)
+    assert lane.applied(4, 1, 1.0) == (7, False) and lane.applied(5, 2, 2.0) == (8, False)
+    assert lane.take() == [(7, 4, 1.0), (8, 5, 2.0)] and lane.take() == []
+    assert lane.applied(6, 3, 3.0) == (9, True) and not lane.on and lane.flush
+    assert lane.take() == [(9, 6, 3.0)]
+    lane.begin(20, last_version=0)  # (no last version: on for good)
+    assert lane.applied(1, 10_000, 4.0) == (20, False) and lane.on and not lane.flush
+    lane.stop()
+    assert not lane.on and lane.take() == [(20, 1, 4.0)]

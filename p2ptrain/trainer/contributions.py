@@ -1,4 +1,4 @@
-"""The cluster's side of ``AsyncPeer``: the ``Contributions`` it asks of the trainer (``cluster``).
+"""The cluster's side of ``AsyncPeer``: the ``Contributions`` it asks of the trainer (``cluster.trainer_api``).
 
 ``ContributionsSide`` is a mixin of ``p2ptrain.trainer.peer.AsyncPeer``, as ``leader.LeaderRole`` is
 of ``RoundMachine``: it has no state of its own. It uses the peer's locks (``_lock``,
@@ -61,7 +61,7 @@ def _point(sync) -> SyncPoint | None:
 
 
 class ContributionsSide:
-    """What the cluster calls on ``AsyncPeer`` (``cluster.Contributions``), on its loop thread.
+    """What the cluster calls on ``AsyncPeer`` (``cluster.trainer_api.Contributions``), on its loop thread.
     A mixin: the state is the peer's (see the module docstring)."""
 
     def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | None:
@@ -221,7 +221,7 @@ class ContributionsSide:
             self._finished = True
         self._changed.set()
 
-    # -- alone: batches applied in step() at once (``cluster.SoloTrainer``) ----------------------
+    # -- alone: batches applied in step() at once (``cluster.trainer_api.SoloTrainer``) ----------------------
     def solo_begin(self, r: int, version: int, last_version: int) -> bool:
         """From now on ``step`` applies each batch at once (their rounds numbered from ``r``), if
         nothing is in flight here (committed updates queued are applied first) and an update is
@@ -230,11 +230,11 @@ class ContributionsSide:
         with self._lock:
             if (self._local is not None or self._predictor is not None or self._leaving or self._closed
                     or self._finished or self._out is not None or self._acc.samples
-                    or self._restore is not None or self._reconcile is not None or self._solo_applied
+                    or self._restore is not None or self._reconcile is not None or self._solo.listed
                     or version != self._committed or (last_version and version >= last_version)
                     or (self.staleness and self.target_batch_size is not None)):
                 return False
-            self._solo_next, self._solo_last, self._solo_flush = r, last_version, False
+            self._solo.begin(r, last_version)
             self._want_step = self._linger_due = False  # (no round waits for our batch now)
             if self._linger is not None:
                 self._linger.cancel()
@@ -243,13 +243,12 @@ class ContributionsSide:
 
     def solo_take(self) -> list[tuple[int, int, float]]:
         with self._lock:
-            applied, self._solo_applied = self._solo_applied, []
-        return applied
+            return self._solo.take()
 
     def solo_end(self) -> list[tuple[int, int, float]]:
         with self._params_lock:  # (waits for a batch being applied alone: it is listed after)
             with self._lock:
-                self._solo_next = None
+                self._solo.stop()
         return self.solo_take()
 
     def solo_committed(self, point: SyncPoint, rounds: int) -> None:
@@ -267,7 +266,7 @@ class ContributionsSide:
             return None
         try:
             with self._lock:
-                if self._queue or self._restore is not None or self._solo_applied:
+                if self._queue or self._restore is not None or self._solo.listed:
                     return None
                 version, p = self.version, self.cluster.machine.sync_point()
             if parameters_only:
@@ -290,7 +289,7 @@ class ContributionsSide:
             self.dropped += dropped
             self._queue.clear()
             self._restore, self._reconcile = state, None
-            self._solo_next = None  # (the cluster ended solo before; a caller of ours may not have)
+            self._solo.stop()  # (the cluster ended solo before; a caller of ours may not have)
         if dropped:
             log.info("loading the cluster's state: %d samples accumulated here are void", dropped)
         self._changed.set()

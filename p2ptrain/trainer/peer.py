@@ -21,11 +21,11 @@ it), then ``scheduler`` steps: once per applied update. Parameters change only i
 
 Alone (no other live peer known, gradient mode), a round would carry each batch to the
 cluster's thread and back for nothing: ``step`` applies the batch at once, as the plain loop
-would, and the cluster commits its round afterwards (``cluster``: ``SoloTrainer``), leaving
+would, and the cluster commits its round afterwards (``solo``, ``cluster.trainer_api``), leaving
 that mode before anything else happens (a peer linked, a state asked for).
 
 This module is the caller's side (lifetime, ``step``); applying committed updates and
-checkpoints are ``updates.UpdatesSide``'s; what the cluster calls on its thread (``cluster.Contributions``: ``take``, ``apply``,
+checkpoints are ``updates.UpdatesSide``'s; what the cluster calls on its thread (``cluster.trainer_api.Contributions``: ``take``, ``apply``,
 ``put_back``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
 ``contributions.ContributionsSide``. Past ``take``: ``cluster`` (rounds), ``collective`` (the
 ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
@@ -86,7 +86,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import AveragedGradient, apply_gradients, optimizer_step
+from p2ptrain.trainer.apply import AveragedGradient, optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import ContributionsSide
@@ -103,6 +103,7 @@ from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.progress import ProgressLog
+from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
@@ -235,12 +236,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self._step_end = time.perf_counter()
         self._checksum = b""
         self._progress = ProgressLog()
-        # Alone (``solo``): each batch is applied in step() at once, and its round committed after.
-        self._solo_next: int | None = None  # the round of the next batch applied alone (None: not alone)
-        self._solo_last = 0  # the cluster's last version (0: none): no batch alone goes past it
-        self._solo_applied: list[tuple[int, int, float]] = []  # (round, samples, time.time()) applied alone,
-        #                                                         not committed yet
-        self._solo_flush = False  # solo ended here at the last version: step waits for the commit
+        self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
 
     @property
     def members(self) -> int:
@@ -426,7 +422,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self._compute_s += began - self._step_end
                 self._compute_n += 1
                 self._pacing.computed(began - self._step_end)
-                alone = self._solo_next is not None and not void
+                alone = self._solo.on and not void
                 if void:  # computed on parameters just replaced
                     for p in self.params:
                         p.grad = None
@@ -451,32 +447,6 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             return False
         with self._lock:
             return self._must_wait()
-
-    def _apply_alone(self, batch_size: int) -> bool:
-        """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
-        the plain loop would; the cluster commits its round later (``contributions.solo_*``).
-        True: that was the run's last version, the cluster must hear of it now."""
-        grads = [p.grad for p in self.params]  # (dense, as a round's mean would be)
-        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], self.params,
-                        self.optimizer, self.scheduler, self.clip_grad_norm)
-        with self._lock:
-            r, self._solo_next = self._solo_next, self._solo_next + 1
-            self.version += 1
-            self._committed += 1
-            self._applied_waiting += 1
-            self._solo_applied.append((r, batch_size, time.time()))
-            last = bool(self._solo_last) and self.version >= self._solo_last
-            if last:  # (no batch goes alone past the run's end: the cluster ends solo, commits, finishes)
-                self._solo_next, self._solo_flush = None, True
-            m = RoundMetrics(round=r, version=self.version, members=1, samples=batch_size, local_samples=batch_size,
-                             staleness=0, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
-                             raw_bytes=0, round_time=0.0, compute_time=self._compute_s / max(self._compute_n, 1),
-                             wait_time=0.0)
-            self._compute_s, self._compute_n = 0.0, 0
-        self.metrics = m  # (as ``_publish``, with no cluster record to complete it: no ring ran)
-        self.history.append(m)
-        self._progress.applied(m, self.staleness_max, self.dropped)
-        return last
 
     def _end_step(self) -> int:
         with self._params_lock:
@@ -505,7 +475,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             return True
 
     def _must_wait(self) -> bool:  # (under _lock) the rule is ``pacing.must_wait``
-        if self._solo_flush and not self._finished:  # (the run's last version, applied alone: until it ends)
+        if self._solo.flush and not self._finished:  # (the run's last version, applied alone: until it ends)
             return True
         return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
                          accumulated=self._acc.samples, out=self._out is not None, share=self._share(),

@@ -7,9 +7,11 @@ them), in round order, at a safe point (inside ``step``, or while ``step`` waits
 set to views of the ring's sum divided by the samples, clipped, the optimizer and scheduler
 step), the ring's buffer goes back to the cluster (``recycle``), the version moves on, and
 every ``reconcile_every`` updates a parameter sketch goes to the leader (``cluster.drift``).
-``state_dict``/``load_state_dict`` give and load the state as of the last applied update
-(checkpoints). The state used is the peer's: ``_queue``, ``_lock``, ``version``,
-``_params_point``, ``_acc``, ``_mean``, ``_predictor``, ``_local``, ``cluster``, ``metrics``, ``history``.
+A peer alone applies its batch at once instead (``_apply_alone``; the cluster commits its round
+after: ``solo``). ``state_dict``/``load_state_dict`` give and load the state as of the last
+applied update (checkpoints). The state used is the peer's: ``_queue``, ``_lock``, ``version``,
+``_params_point``, ``_acc``, ``_mean``, ``_predictor``, ``_local``, ``_solo``, ``cluster``,
+``metrics``, ``history``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from p2ptrain.cluster.drift import sketch_checksum, start_sketch
@@ -111,6 +114,28 @@ class UpdatesSide:
         state = self._true_state_dict()
         return tensors_checksum((name, state[name]) for name, _ in self.model.named_parameters())
 
+    def _apply_alone(self, batch_size: int) -> bool:
+        """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
+        the plain loop would; the cluster commits its round later (``contributions.solo_*``).
+        True: that was the run's last version, the cluster must hear of it now."""
+        grads = [p.grad for p in self.params]  # (dense, as a round's mean would be)
+        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], self.params,
+                        self.optimizer, self.scheduler, self.clip_grad_norm)
+        with self._lock:
+            self.version += 1
+            self._committed += 1
+            self._applied_waiting += 1
+            r, last = self._solo.applied(batch_size, self.version, time.time())
+            m = RoundMetrics(round=r, version=self.version, members=1, samples=batch_size, local_samples=batch_size,
+                             staleness=0, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
+                             raw_bytes=0, round_time=0.0, compute_time=self._compute_s / max(self._compute_n, 1),
+                             wait_time=0.0)
+            self._compute_s, self._compute_n = 0.0, 0
+        self.metrics = m  # (as ``_publish``, with no cluster record to complete it: no ring ran)
+        self.history.append(m)
+        self._progress.applied(m, self.staleness_max, self.dropped)
+        return last
+
     def _apply_update(self, update: CommittedUpdate) -> None:
         if self._local is not None:
             return self._local.apply(self._mean.of(update)[0])
@@ -142,7 +167,7 @@ class UpdatesSide:
         """Alone, the rounds of the batches applied at once are committed now (a checkpoint's
         point must be its version's)."""
         with self._lock:
-            listed = bool(self._solo_applied)
+            listed = bool(self._solo.listed)
         if not listed or self._closed or threading.current_thread() is self._thread.thread:
             return  # (closed: committed on leaving; on the cluster's thread, in step: none listed)
         self.cluster.check()
