@@ -3,7 +3,7 @@
 Sans-I/O: ``membership`` (peer table, views, liveness, chains), ``roundmsg`` (round
 messages), ``rounds`` with ``member``, ``leader`` and ``lineage`` (the round state machine),
 ``snapshot`` (the state format), ``fingerprint`` (model identity, parameter checksums).
-I/O: ``cluster`` (hosts the machine on a mesh) with ``rings`` (``Round``, what one round
+I/O: ``cluster`` (hosts the machine on a mesh; what it asks of its trainer: ``trainer_api``) with ``rings`` (``Round``, what one round
 holds; each round's ring, its sum and error feedback's residual), ``records`` (rounds applied)
 and ``reconcile`` (parameter checksums compared with the leader's), ``statesync`` (sends and
 loads state snapshots).

@@ -2,7 +2,8 @@
 
 ``peer`` (``AsyncPeer``: accumulate, contribute, apply, within the staleness bound) with
 ``options`` (its keywords checked), ``accumulator``, ``contributions``, ``apply`` (one update
-to the model), ``progress`` (metrics and log lines) and ``prediction``; ``sync_peer`` (``Peer``: the same for
+to the model), ``updates`` (applying them), ``solo`` (a peer alone), ``progress`` (metrics and
+log lines) and ``prediction``; ``sync_peer`` (``Peer``: the same for
 ordinary loops, its event loop on a ``loopthread``); ``distributed_optimizer`` (Horovod's
 shape); ``checkpoint`` (saving and resuming).
 
