@@ -171,3 +171,31 @@ def test_the_lane_numbers_batches_from_its_round_and_stops_at_the_last_version()
     assert lane.applied(1, 10_000, 4.0) == (20, False) and lane.on and not lane.flush
     lane.stop()
     assert not lane.on and lane.take() == [(20, 1, 4.0)]
+
+
+async def test_error_feedback_owed_from_rounds_with_others_goes_in_a_round_before_solo():
+    a = alone(compression="int8")
+    async with a:
+        b = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s", compression="int8",
+                      peers=[f"127.0.0.1:{a.cluster.port}"])
+        async with b:
+            await until(lambda: a.cluster.members == 2 and b.cluster.members == 2)
+
+            async def both(peer, seed):
+                while peer.version < 4:
+                    await train(peer, 1, seed)
+            await asyncio.wait_for(asyncio.gather(both(a, 1), both(b, 2)), 30)
+            assert a.cluster.rings.residual is not None  # (int8 dropped something: owed)
+        began = []
+        real_begin = a.cluster.machine.begin_solo
+
+        def begin_solo(now):
+            began.append(a.cluster.rings.residual)
+            real_begin(now)
+        a.cluster.machine.begin_solo = begin_solo
+        for _ in range(200):
+            await train(a, 1, seed=3)
+            if a.cluster.machine.solo:
+                break
+            await asyncio.sleep(0.01)
+        assert a.cluster.machine.solo and began and all(owed is None for owed in began)

@@ -354,8 +354,8 @@ class Cluster:
     def _go_solo(self, now: float) -> None:
         machine, trainer = self.machine, self._solo_trainer
         if (trainer is None or self.failure is not None or self.mesh.peers or self._foreign
-                or (self._fetcher is not None and not self._fetcher.done())):
-            return
+                or self.rings.residual is not None or (self._fetcher is not None and not self._fetcher.done())):
+            return  # (error feedback owed from rounds with others: the next round alone carries it)
         r = machine.solo_round()
         if r is None or not trainer.solo_begin(r, machine.version, machine.last_version):
             return
