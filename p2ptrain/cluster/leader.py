@@ -394,8 +394,10 @@ class LeaderRole:
             self.history.append(r, lead.view, total)
             self._log.append((r, lead.b, True))
             self.round, self._seen_r, lead.r = r, max(self._seen_r, r), r + 1
-        if commits:
+        if commits:  # (as ``member._finish`` after a committed round)
             self._last_view = lead.view
+            self._elsewhere.difference_update(lead.view)
+            self.table.mark_served(lead.view)  # (a joiner with a smaller id does not take the lead at once)
             self.table.synced(self.id, self.history.version, self.history.digest, self.round)
             self._set_self()
 
