@@ -343,6 +343,7 @@ def test_a_peer_alone_commits_its_solo_rounds_as_rounds_of_one_member_and_goes_b
     assert (a.history.version, a.history.digest, a.round) == (b.history.version, b.history.digest, b.round)
     assert a.sync_point() == b.sync_point() and a.history.recent() == b.history.recent()
     assert a.table.get("a").served == b.table.get("a").served is True
+    assert list(a._log) == list(b._log)  # (what a STATUS tells a new leader of our attempts)
     asked = len(solo.of("a", M.Contribute))
     solo.handle("a", a.end_solo(solo.now))
     assert not a.solo and a.lead.phase == COLLECTING and a.pending.r == r + 2
