@@ -36,6 +36,28 @@ def alone(**options):
     return AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s", **options)
 
 
+async def with_a_partner_then_alone(a, updates, **options):
+    """A second peer joins ``a``; both train to ``updates``; it leaves. Returns once ``a``,
+    training on alone, has gone solo."""
+    b = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s",
+                  peers=[f"127.0.0.1:{a.cluster.port}"], **options)
+    async with b:
+        await until(lambda: a.cluster.members == 2 and b.cluster.members == 2)
+
+        async def both(peer, seed):
+            while peer.version < updates:
+                await train(peer, 1, seed)
+        await asyncio.wait_for(asyncio.gather(both(a, 1), both(b, 2)), 30)
+        assert a.cluster.rounds.last().members == 2 and not a.cluster.machine.solo
+        owed = a.cluster.rings.residual
+    for _ in range(200):  # b said goodbye: a trains on alone, soon without rounds
+        await train(a, 1, seed=3)
+        if a.cluster.machine.solo:
+            return owed
+        await asyncio.sleep(0.01)
+    raise AssertionError("not solo after 200 steps alone")
+
+
 async def test_a_peer_alone_applies_each_batch_in_step_and_its_rounds_are_those_of_one_member():
     async with alone() as peer:
         await until(lambda: peer.cluster.machine.solo)
@@ -115,22 +137,7 @@ async def test_a_peer_alone_ends_once_its_duration_is_over():
 async def test_a_peer_left_alone_goes_solo_and_a_newcomer_ends_it_again():
     a = alone()
     async with a:
-        b = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s",
-                      peers=[f"127.0.0.1:{a.cluster.port}"])
-        async with b:
-            await until(lambda: a.cluster.members == 2 and b.cluster.members == 2)
-
-            async def both(peer, seed):
-                while peer.version < 5:
-                    await train(peer, 1, seed)
-            await asyncio.wait_for(asyncio.gather(both(a, 1), both(b, 2)), 30)
-            assert a.cluster.rounds.last().members == 2 and not a.cluster.machine.solo
-        for _ in range(200):  # b said goodbye: a trains on alone, soon without rounds
-            await train(a, 1, seed=3)
-            if a.cluster.machine.solo:
-                break
-            await asyncio.sleep(0.01)
-        assert a.cluster.machine.solo
+        await with_a_partner_then_alone(a, 5)
         before = a.version
         assert await train(a, 4, seed=4) == [1] * 4 and a.version == before + 4
         c = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s",
@@ -176,16 +183,6 @@ def test_the_lane_numbers_batches_from_its_round_and_stops_at_the_last_version()
 async def test_error_feedback_owed_from_rounds_with_others_goes_in_a_round_before_solo():
     a = alone(compression="int8")
     async with a:
-        b = AsyncPeer(*made(), listen="127.0.0.1:0", discovery=False, secret="s", compression="int8",
-                      peers=[f"127.0.0.1:{a.cluster.port}"])
-        async with b:
-            await until(lambda: a.cluster.members == 2 and b.cluster.members == 2)
-
-            async def both(peer, seed):
-                while peer.version < 4:
-                    await train(peer, 1, seed)
-            await asyncio.wait_for(asyncio.gather(both(a, 1), both(b, 2)), 30)
-            assert a.cluster.rings.residual is not None  # (int8 dropped something: owed)
         began = []
         real_begin = a.cluster.machine.begin_solo
 
@@ -193,9 +190,6 @@ async def test_error_feedback_owed_from_rounds_with_others_goes_in_a_round_befor
             began.append(a.cluster.rings.residual)
             real_begin(now)
         a.cluster.machine.begin_solo = begin_solo
-        for _ in range(200):
-            await train(a, 1, seed=3)
-            if a.cluster.machine.solo:
-                break
-            await asyncio.sleep(0.01)
-        assert a.cluster.machine.solo and began and all(owed is None for owed in began)
+        owed = await with_a_partner_then_alone(a, 4, compression="int8")
+        assert owed is not None  # (int8 dropped something in the rounds with b: owed)
+        assert began and all(owed is None for owed in began)  # (carried by a round first)
