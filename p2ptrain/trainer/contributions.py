@@ -195,15 +195,22 @@ class ContributionsSide:
                 stale = self._committed - out.oldest if out is not None and out.oldest is not None else 0
                 self.staleness_max = max(self.staleness_max, stale)
                 self._committed += 1
-                m = RoundMetrics(round=point.round, version=self._committed, members=out.members if out else 0,
-                                 samples=total_samples, local_samples=out.samples if out else 0, staleness=stale,
-                                 staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0, raw_bytes=0,
-                                 round_time=now - out.taken_at if out else 0.0,
-                                 compute_time=self._compute_s / max(self._compute_n, 1), wait_time=self._wait_s)
-                self._compute_s = self._wait_s = 0.0
-                self._compute_n = 0
+                m = self._metrics(point.round, self._committed, out.members if out else 0, total_samples,
+                                  out.samples if out else 0, stale, now - out.taken_at if out else 0.0)
                 self._queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare))
         self._changed.set()
+
+    def _metrics(self, r: int, version: int, members: int, samples: int, local_samples: int, staleness: int,
+                 round_time: float) -> RoundMetrics:
+        """(under _lock) An update's metrics, with the compute and wait seconds since the last
+        update (read and reset here)."""
+        m = RoundMetrics(round=r, version=version, members=members, samples=samples, local_samples=local_samples,
+                         staleness=staleness, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
+                         raw_bytes=0, round_time=round_time, compute_time=self._compute_s / max(self._compute_n, 1),
+                         wait_time=self._wait_s)
+        self._compute_s = self._wait_s = 0.0
+        self._compute_n = 0
+        return m
 
     def put_back(self, contribution: np.ndarray, samples: int) -> None:
         with self._lock:

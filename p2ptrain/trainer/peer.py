@@ -434,8 +434,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self._computing = False
                 notify, self._want_step = self._want_step, False
             if alone:
-                if self._queue:  # (committed before we went solo)
-                    self._apply_queue()
+                self._apply_queue()  # (what was committed before we went solo)
                 notify = self._apply_alone(batch_size)
             elif self._local is not None:
                 notify = self._inner_step(batch_size, void) or notify

@@ -126,11 +126,7 @@ class UpdatesSide:
             self._committed += 1
             self._applied_waiting += 1
             r, last = self._solo.applied(batch_size, self.version, time.time())
-            m = RoundMetrics(round=r, version=self.version, members=1, samples=batch_size, local_samples=batch_size,
-                             staleness=0, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
-                             raw_bytes=0, round_time=0.0, compute_time=self._compute_s / max(self._compute_n, 1),
-                             wait_time=0.0)
-            self._compute_s, self._compute_n = 0.0, 0
+            m = self._metrics(r, self.version, 1, batch_size, batch_size, 0, 0.0)
         self.metrics = m  # (as ``_publish``, with no cluster record to complete it: no ring ran)
         self.history.append(m)
         self._progress.applied(m, self.staleness_max, self.dropped)
