@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import statistics
 import sys
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -53,6 +55,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def finally_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` in a benchmark's parent, so that its ``finally`` blocks
+    kill the workers it started (some in sessions of their own) when a test or a user stops it;
+    by default SIGTERM ends the process at once and leaves them running. Leaves a handler
+    someone else installed in place."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
 
 
 def exit_now(code: int) -> None:

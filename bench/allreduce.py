@@ -196,6 +196,7 @@ def main(argv=None) -> int:
     if a.worker:
         _run_worker(a)
         return 0
+    _common.finally_on_sigterm()  # (stopped, it still kills its workers)
     if a.quick:
         a.n, a.sizes, a.reps = "2", "1", 2
     ns = [int(x) for x in a.n.split(",")]

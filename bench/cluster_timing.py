@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import netns
-from _common import table
+from _common import finally_on_sigterm, table
 
 PORT = 7000
 SECRET = "bench"
@@ -497,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
         return _worker(argv[1:])
+    finally_on_sigterm()  # (stopped, it still kills its workers)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="discovery,failure,snapshot", help="any of discovery,failure,snapshot")

@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if a._worker:
         _worker(a)
         return 0
+    _common.finally_on_sigterm()  # (stopped, it still kills its workers)
     try:
         if a.rates:
             rates = [None if r.lower() == "none" else r for r in a.rates.split(",")]

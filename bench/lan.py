@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # p2ptrain, when not installed
 
+import _common
 import netns
 
 NETNS_PORT = 29700
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     _fill_defaults(p, a)
+    _common.finally_on_sigterm()  # (stopped, it still kills its peers)
     if a.local is not None:
         if a.peers or a.host:
             p.error("give --local N or --peers/--host, not both")

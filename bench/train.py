@@ -215,6 +215,7 @@ def main(argv=None) -> int:
         if a.mode == "ddp":  # (its figures are out: gloo's threads can hang the interpreter's exit)
             _common.exit_now(0)
         return 0
+    _common.finally_on_sigterm()  # (stopped, it still kills its workers)
     if a.quick:
         a.width, a.depth, a.steps, a.warmup = 64, 3, 5, 2
     rows = []

@@ -2,6 +2,9 @@
 
 import asyncio
 import contextlib
+import dataclasses
+import os
+import signal
 import subprocess
 
 
@@ -22,6 +25,43 @@ def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[tuple[st
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    pid: int  # (its process group's id too)
+
+
+def run_group(argv: list[str], timeout: float, **popen) -> Finished:
+    """Run a command (a benchmark that starts workers) in a process group of its own, output
+    captured as text. Past ``timeout``: SIGTERM to the group (a benchmark's parent then kills
+    the workers it started in sessions of their own), SIGKILL to what is left 10 s later, and
+    ``TimeoutExpired``: so that a hung run leaves nothing behind to eat the CI's time."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         **popen)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(p.pid, signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        _signal_group(p.pid, signal.SIGKILL)  # the workers left in its group
+        raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    finally:
+        if p.poll() is None:  # (pytest-timeout or ^C in the middle)
+            _signal_group(p.pid, signal.SIGKILL)
+            p.wait()
+    return Finished(p.returncode, out, err, p.pid)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
 
 
 def pending_tasks() -> list:

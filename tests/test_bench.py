@@ -3,8 +3,10 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+from helpers import run_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.timeout(240)]
@@ -12,7 +14,7 @@ pytestmark = [pytest.mark.timeout(240)]
 
 def run(*args):
     env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
+    return run_group([sys.executable, *args], timeout=220, cwd=REPO, env=env)
 
 
 def test_allreduce_bench_quick_compares_with_gloo():
@@ -63,3 +65,33 @@ def test_local_steps_sim_runs_the_librarys_outer_step():
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     assert "rounds by samples" in p.stdout and "rounds by time" in p.stdout
     assert run("bench/local_steps_sim.py", "--n", "2", "--periods", "3,1").returncode == 2  # (worker 0 the fastest)
+
+
+def test_a_benchmark_stopped_on_its_timeout_leaves_no_worker_behind():
+    # A parent as the benchmarks are: a worker in its own session (out of the parent's group,
+    # as lan.py's and gloo_allreduce.py's are), killed in ``finally``; one left in its group.
+    code = ("import os, subprocess, sys, time; sys.path.insert(0, 'bench'); import _common; "
+            "_common.finally_on_sigterm(); "
+            "own = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+            "grouped = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(own.pid, grouped.pid, flush=True)\n"
+            "try:\n    time.sleep(60)\nfinally:\n    own.kill(); own.wait()")
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        run_group([sys.executable, "-c", code], timeout=3, cwd=REPO)
+    pids = [int(p) for p in stopped.value.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10  # (the one in the group is reaped by init, a moment later)
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids)
+
+
+def _alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive

@@ -3,12 +3,11 @@ finds the coordinator the way the logs say it is."""
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_group
 from netns_util import requires_netns
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,16 +21,10 @@ pytestmark = pytest.mark.timeout(150)
 @requires_netns
 def test_tiny_run_reports_discovery_and_a_snapshot_download_within_the_link(tmp_path):
     out_json = tmp_path / "timing.json"
-    p = subprocess.Popen([sys.executable, "bench/cluster_timing.py", "--parts", "discovery,snapshot", "--hosts", "2",
-                          "--reps", "1", "--snapshot-mb", "12", "--json", str(out_json)], cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)), text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    p = run_group([sys.executable, "bench/cluster_timing.py", "--parts", "discovery,snapshot", "--hosts", "2",
+                   "--reps", "1", "--snapshot-mb", "12", "--json", str(out_json)], 120, cwd=REPO,
+                  env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out, err = p.stdout, p.stderr
     assert p.returncode == 0, out[-2000:] + err[-2000:]
     doc = json.loads(out_json.read_text())
     (disc,) = doc["discovery"]

@@ -2,12 +2,12 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_group
 from netns_util import requires_netns
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,15 +20,8 @@ pytestmark = [pytest.mark.timeout(200)]
 
 def lan(*args, timeout=180):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "bench/lan.py", *args], cwd=REPO, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    return p.returncode, out, err, p.pid
+    p = run_group([sys.executable, "bench/lan.py", *args], timeout, cwd=REPO, env=env)
+    return p.returncode, p.stdout, p.stderr, p.pid
 
 
 def check_quick_report(doc: dict, out: str, scaling=(1, 2)) -> None:
