@@ -183,17 +183,22 @@ async def snapshot_of(peer):
     raise AssertionError("no snapshot within 2 s")
 
 
+async def hand_over(a, b, steps):
+    """``a`` trains ``steps`` batches; its snapshot, as it travels, is restored into ``b``."""
+    for k in range(steps):
+        x, y = batch(k)
+        F.cross_entropy(a.model(x), y).backward()
+        await a.step(batch_size=len(x))
+    state = await snapshot_of(a)
+    state = snapshot.unpack(b"".join(snapshot.pack(state)))  # as it travels: bytes, never pickle
+    await on_cluster_thread(b, b.restore, state)
+
+
 async def test_a_snapshot_restored_into_another_peer_gives_the_same_parameters_and_next_update():
     a = AsyncPeer(*make(seed=0, opt="adam"), listen="127.0.0.1:0", discovery=False)
     b = AsyncPeer(*make(seed=1, opt="adam"), listen="127.0.0.1:0", discovery=False)  # two clusters of one
     async with a, b:
-        for k in range(3):
-            x, y = batch(k)
-            F.cross_entropy(a.model(x), y).backward()
-            await a.step(batch_size=len(x))
-        state = await snapshot_of(a)
-        state = snapshot.unpack(b"".join(snapshot.pack(state)))  # as it travels: bytes, never pickle
-        await on_cluster_thread(b, b.restore, state)
+        await hand_over(a, b, steps=3)
         x, y = batch(10)
         F.cross_entropy(b.model(x), y).backward()  # computed on b's old parameters: void
         assert await b.step(batch_size=len(x)) == 0
@@ -317,13 +322,7 @@ async def test_a_joiner_takes_the_clusters_scheduler_with_its_state():
         peers.append(AsyncPeer(model, optimizer, scheduler=scheduler, listen="127.0.0.1:0", discovery=False))
     a, b = peers
     async with a, b:
-        for k in range(5):
-            x, y = batch(k)
-            F.cross_entropy(a.model(x), y).backward()
-            await a.step(batch_size=len(x))
-        state = await snapshot_of(a)
-        state = snapshot.unpack(b"".join(snapshot.pack(state)))  # as it travels: bytes, never pickle
-        await on_cluster_thread(b, b.restore, state)
+        await hand_over(a, b, steps=5)
         x, y = batch(10)
         F.cross_entropy(b.model(x), y).backward()
         await b.step(batch_size=len(x))  # (loads the state)
