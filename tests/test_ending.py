@@ -96,7 +96,7 @@ def test_a_peer_that_arrives_after_the_end_does_not_train_alone():
 def test_a_goodbye_that_says_the_run_ended_stops_a_peer_left_alone():
     net = cluster("ab", run=1.0)
     version = net.m["a"].history.version
-    net.m["b"].ended = version  # (b finished the run; a did not hear END)
+    net.m["b"].ending.ended = version  # (b finished the run; a did not hear END)
     net.handle("b", net.m["b"].leave(net.now))
     net.settle()
     assert finished(net, "a") == [(version, net.m["a"].round)]
@@ -109,7 +109,7 @@ def test_no_limits_no_end():
     net = cluster("ab", run=3.0)
     assert not finished(net, "a") and net.m["a"].ended is None
     assert net.sent("a", M.PROPOSE)[-1]["end"] is None
-    assert math.isinf(net.m["a"]._limits()[1])
+    assert math.isinf(net.m["a"].ending.limits()[1])
 
 
 def test_idle_rounds_are_not_versions_the_end_counts_updates():

@@ -99,7 +99,7 @@ def test_a_left_out_peer_that_is_behind_waits_for_its_time_out_instead_of_loadin
     net = cluster("abcd", run=0.5)
     net.cut("b", "d")
     net.run(1.0)  # (refused twice: d is left out)
-    until = net.m["a"]._left_out["d"][0]
+    until = net.m["a"].leader._left_out["d"][0]
     net.reconnect("b", "d")
     net.manual_sync.add("d")  # this test loads d's state itself, late
     net.run(0.3)
@@ -201,7 +201,7 @@ def test_a_leader_does_not_take_over_a_round_of_another_side_that_has_a_live_lea
     assert net.m["c"].is_leader and net.m["c"].lead.b > net.m["a"].lead.b  # (a higher epoch)
     net.hold("a", "c").hold("b", "c")
     net.reconnect("a", "c").reconnect("b", "c")
-    status = net.m["b"]._status()
+    status = net.m["b"].lineage.status()
     status["pending"] = {"r": net.m["b"].round + 1, "b": list(net.m["a"].lead.b), "phase": M.RING, "ok": False,
                          "view": ["a", "b"], "total": 21}
     status["promised"] = list(net.m["a"].lead.b)
@@ -223,7 +223,7 @@ def test_a_side_counts_the_members_of_its_last_round_though_one_was_just_dropped
     net.settle()
     assert net.m["a"].version > net.m["c"].version
     net.m["c"].table.unsynced("b")  # (as after a round that dropped b, before b's next STATUS)
-    assert len(net.m["c"]._side()) == 2
+    assert len(net.m["c"].lineage._side()) == 2
     loads = {p: len(net.resyncs[p]) for p in "abc"}
     net.reconnect("a", "c")
     net.settle()

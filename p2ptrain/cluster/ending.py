@@ -1,10 +1,12 @@
 """The end of a run, one for the whole cluster. Pure code, no I/O.
 
-``EndRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its plumbing (``_broadcast``,
-``_emit``, ``_withdraw``, ``_step_down``, ``config``, ``history``) is the machine's. The leader
-calls ``_run_over`` and ``_end_run`` at a boundary and ``_limits_msg`` for each PROPOSE; a member
-``_adopt_limits`` for a PROPOSE it takes up; the machine dispatches END to ``_on_end``, and a
-STATUS or GOODBYE that carries ``end`` to ``_heard_end``.
+``Ending`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine`` (``machine.ending``). It
+owns ``ended`` and the limits heard from the leader; it reads the machine's ``config`` and
+``history`` and sends through the machine (``_broadcast``, ``_emit``). The leader part calls
+``run_over`` and ``end_run`` at a boundary and ``limits_msg`` for each PROPOSE; the member part
+``adopt_limits`` for a PROPOSE it takes up; the machine dispatches END to ``on_end``, and a
+STATUS or GOODBYE that carries ``end`` to ``heard_end``. Finishing steps the leader part down
+and withdraws the member part's unstarted attempt.
 
 Why. ``--max-rounds`` and ``--duration`` counted per peer: peers started a moment apart
 stopped at different rounds, with different parameters, and the last one trained on alone.
@@ -31,70 +33,75 @@ from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.roundmsg import END, Finish, Log, beats
 
 
-class EndRole:
-    """The end of the run (a mixin: no state or plumbing of its own but what ``_init_end`` sets)."""
+class Ending:
+    """The end of the run: the limits we heard, and whether the run ended here (``ended``)."""
 
-    def _init_end(self) -> None:
+    def __init__(self, machine) -> None:
+        self.machine = machine  # the RoundMachine that holds us
         self.ended: int | None = None  # the version at which the cluster's run ended here
         self._heard_limits = (0, math.inf)  # the leader's (version or 0, deadline on our clock), from its PROPOSE
 
-    def _limits(self) -> tuple[int, float]:
+    def limits(self) -> tuple[int, float]:
         """The earlier of our own limits and the leader's we heard: (version or 0, deadline)."""
-        versions = [v for v in (self.config.max_version, self._heard_limits[0]) if v > 0]
-        return (min(versions) if versions else 0, min(self.config.deadline, self._heard_limits[1]))
+        config = self.machine.config
+        versions = [v for v in (config.max_version, self._heard_limits[0]) if v > 0]
+        return (min(versions) if versions else 0, min(config.deadline, self._heard_limits[1]))
 
-    def _limits_msg(self, now: float) -> list | None:
+    def limits_msg(self, now: float) -> list | None:
         """A PROPOSE's ``end``: [version or 0, seconds left or None]; None without limits."""
-        version, deadline = self._limits()
+        version, deadline = self.limits()
         if not version and deadline == math.inf:
             return None
         return [version, None if deadline == math.inf else round(max(0.0, deadline - now), 3)]
 
-    def _adopt_limits(self, m: dict, now: float) -> None:
+    def adopt_limits(self, m: dict, now: float) -> None:
         """The leader we obey proposed with its limits: they are the cluster's now."""
         version, left = m["end"] if m["end"] is not None else (0, None)
         self._heard_limits = (version, math.inf if left is None else now + left)
 
-    def _run_over(self, now: float) -> str:
+    def run_over(self, now: float) -> str:
         """Why the run is over at this boundary ("" if it is not)."""
-        version, deadline = self._limits()
-        if version and self.history.version >= version:
+        version, deadline = self.limits()
+        if version and self.machine.history.version >= version:
             return f"the cluster reached its last round (version {version}: --max-rounds)"
         if now >= deadline:
             return "the leader's --duration is over"
         return ""
 
-    def _end_run(self, now: float, why: str) -> None:
+    def end_run(self, now: float, why: str) -> None:
         """As leader, at a boundary: every peer we know hears END, and we finish."""
-        self._broadcast({"t": END, "b": list(self.lead.b), "version": self.history.version,
-                         "digest": self.history.digest, "why": why}, self._peers())
+        machine = self.machine
+        machine._broadcast({"t": END, "b": list(machine.leader.lead.b), "version": machine.history.version,
+                            "digest": machine.history.digest, "why": why}, machine._peers())
         self._finish_run(now, why)
 
-    def _on_end(self, sender, message, now) -> None:
+    def on_end(self, sender, message, now) -> None:
         if message["b"][1] != sender:
             raise RemoteProtocolError("END from a peer that does not own its ballot")
         if self.ended is not None:
             return
-        if beats(self.promised, message["b"]):  # a leader we no longer obey: its run is not ours
-            self.counters["stale"] += 1
+        if beats(self.machine.member.promised, message["b"]):  # a leader we no longer obey: its run is not ours
+            self.machine.counters["stale"] += 1
             return
         self._finish_run(now, message["why"], (message["version"], message["digest"]))
 
-    def _heard_end(self, s: str, version: int, now: float) -> None:
+    def heard_end(self, s: str, version: int, now: float) -> None:
         """A peer says the cluster's run ended at ``version``: unless we are ahead of it (a new
         run), so has ours."""
-        if self.ended is None and version >= self.history.version:
+        if self.ended is None and version >= self.machine.history.version:
             self._finish_run(now, f"{s} says the cluster's run ended at version {version}", (version, None))
 
     def _finish_run(self, now: float, why: str, theirs: tuple | None = None) -> None:
-        if self.lead is not None:
-            self._step_down(now, "the run is over")
-        pending = self.pending
+        machine = self.machine
+        history = machine.history
+        if machine.leader.lead is not None:
+            machine.leader.step_down(now, "the run is over")
+        pending = machine.member.pending
         if pending is not None and not pending.started:
-            self._withdraw(pending)
-        if theirs is not None and (theirs[0] != self.history.version
-                                   or theirs[1] not in (None, self.history.digest)):
-            self._emit(Log("warning", f"the cluster's run ended at version {theirs[0]} while this peer holds "
-                                      f"version {self.history.version} (it was not in the last rounds); it stops too"))
-        self.ended = self.history.version
-        self._emit(Finish(self.history.version, self.round, why))
+            machine.member.withdraw(pending)
+        if theirs is not None and (theirs[0] != history.version
+                                   or theirs[1] not in (None, history.digest)):
+            machine._emit(Log("warning", f"the cluster's run ended at version {theirs[0]} while this peer holds "
+                                         f"version {history.version} (it was not in the last rounds); it stops too"))
+        self.ended = history.version
+        machine._emit(Finish(history.version, machine.round, why))

@@ -44,7 +44,7 @@ round of one member would be: the same chain, round numbers and log. ``_end_solo
 proposing rounds. While solo the host hands the machine ticks only (a tick changes no round
 number then); any other event, a peer linked or a message, ends solo first (``Cluster``).
 
-Transitions (``_LEADER``; ``_move`` refuses any other):
+Transitions (``_LEADER``; ``roundmsg.move`` refuses any other):
     none -takeover-> querying -all STATUS or timeout-> between
     between -PROPOSE-> collecting -all READY-> running -all DONE ok-> between (COMMIT)
     collecting|running -failure, timeout, peer lost, superseded-> between (ABORT)
@@ -54,13 +54,14 @@ Transitions (``_LEADER``; ``_move`` refuses any other):
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED, History
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, beats,
-                               parse)
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, Stall,
+                                       beats, move, parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
 REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
@@ -68,7 +69,7 @@ LEAVE_OUT, LEAVE_OUT_MAX = 2.0, 30.0  # a peer a member cannot reach stays out o
 MISSING_AGAIN = 5.0  # a peer named missing twice within this many seconds is left out (once: a link re-forming)
 USUAL_SLACK = 1.5  # a round first says it stalls once it waits this many times the usual wait (if past half its deadline)
 
-# (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
+# (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
 _LEADER = {
     (None, "takeover"): QUERYING,  # -> QUERY to every candidate
     (QUERYING, "recovered"): BETWEEN,  # -> COMMIT/ABORT of attempts left in doubt
@@ -94,12 +95,13 @@ class _Lead:  # the attempts this peer sequences as leader
     mark: float = 0.5
 
 
-class LeaderRole:
-    """The leader's half of ``RoundMachine`` (a mixin: it has no state or plumbing of its own
-    but what ``_init_leader`` sets)."""
+class Leader:
+    """What only the peer that sequences rounds does: the attempts it leads (``lead``), the
+    decisions it took, and the holds, back-offs and refusals around them."""
 
-    def _init_leader(self) -> None:
-        self.lead: _Lead | None = None
+    def __init__(self, machine) -> None:
+        self.machine = machine  # the RoundMachine that holds us
+        self.lead: _Lead | None = None  # the attempts we sequence (None: we do not lead)
         self._decided: OrderedDict = OrderedDict()  # attempt -> committed, as decided by us as leader
         self._admit: dict = {}  # joiners catching up: peer -> hold the boundary until
         self._held: dict = {}  # the version a joiner had when we last held for it
@@ -109,62 +111,150 @@ class LeaderRole:
         self._missing_at: dict = {}  # peer a member last said it could not reach -> when
         self._said_waiting = False
 
-    def _drive(self, now: float, tick: bool) -> None:
+    # -- what the machine and the other parts tell us ------------------------------------------
+    def back_off(self, rival: str, now: float) -> None:
+        """Do not take the lead for ``query_timeout`` while ``rival``, which leads, is not seen synced."""
+        self._rival, self._no_lead_until = rival, now + self.machine.config.query_timeout
+
+    def peer_gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
+        """Peer s can no longer take part: the round we lead with it aborts at once; a rival we
+        backed off from that is lost (link, goodbye, silence), not just behind, is forgotten."""
         lead = self.lead
-        if not self.synced or self.ended is not None:
+        if lead is not None and lead.phase == QUERYING:
+            lead.waiting.discard(s)
+        elif lead is not None and lead.phase in (COLLECTING, RUNNING) and s in lead.view:
+            self.abort(now, f"{s} {why}", drop=[s], routine=routine)
+        if s == self._rival and not self.machine.table.is_live(s):
+            self._rival, self._no_lead_until = "", float("-inf")  # the leader we backed off from is gone
+
+    def take_status(self, sender: str, message: dict) -> bool:
+        """A STATUS that answers our QUERY is kept for the recovery (True); else False."""
+        lead = self.lead
+        if lead is not None and message["b"] == lead.b and lead.phase == QUERYING and sender in lead.waiting:
+            lead.waiting.discard(sender)
+            lead.got[sender] = message
+            return True
+        return False
+
+    def hold_for(self, peer: str, now: float, sending: bool) -> None:
+        """``RoundMachine.hold_for``: while our state is on its way to ``peer`` (``sending``),
+        hold the boundary; once sent, ``join_hold`` at most more."""
+        if sending:
+            if self.lead is not None and not self.is_left_out(peer, now):
+                self._admit[peer], self._held[peer] = math.inf, self.machine.history.version
+        elif self._admit.get(peer) == math.inf:
+            self._admit[peer] = now + self.machine.config.join_hold
+
+    def hold_for_behind(self, peer: str, now: float) -> bool:
+        """A synced peer left out of a round we just committed is behind now: as leader (unless
+        our views leave it out), hold the next boundary while it catches up. True if we hold."""
+        if self.lead is None or self.is_left_out(peer, now):
+            return False
+        self._admit[peer] = now + self.machine.config.join_hold
+        return True
+
+    def hold_for_joiner(self, peer: str, version: int, now: float) -> None:
+        """A STATUS shows ``peer`` behind, at ``version``: as leader, hold the boundary while it
+        loads (once per version it reports)."""
+        if self.lead and self._held.get(peer, -1) < version and not self.is_left_out(peer, now):
+            self._held[peer], self._admit[peer] = version, now + self.machine.config.join_hold
+
+    def caught_up(self, peer: str) -> None:
+        """``peer`` showed our state: no more holding for it."""
+        self._admit.pop(peer, None)
+        self._held.pop(peer, None)
+
+    def leave(self, now: float) -> None:
+        """We say goodbye: the round we lead aborts, and we lead no more."""
+        if self.lead and self.lead.phase in (COLLECTING, RUNNING):
+            self.abort(now, "the leader is leaving", drop=[self.machine.id], routine=True)
+        self.lead = None
+
+    def check_stall(self, now: float) -> None:
+        """On a tick: a phase we lead that waits past its mark says so (Stall); past its
+        deadline the silent are left out of a takeover, a collecting round waits for a slow
+        batch up to ``ready_patience``, and any other round aborts."""
+        machine, lead = self.machine, self.lead
+        if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
+            waited = now - lead.since
+            if waited >= lead.mark * machine._deadline(lead.phase, lead.view):
+                what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[lead.phase]
+                machine._emit(Stall(tuple(sorted(lead.waiting)), what, waited, lead.r))
+                if lead.mark < 1.0:
+                    lead.mark = 1.0
+                elif lead.phase == QUERYING:  # the silent are left out until they show a STATUS
+                    machine._tell.update(lead.waiting)
+                    for q in lead.waiting:
+                        machine.table.unsynced(q)
+                    lead.waiting.clear()
+                elif lead.phase == COLLECTING and lead.mark * 2 <= machine.config.ready_patience:
+                    lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
+                else:
+                    self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
+                                    f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
+
+    # -- leading -------------------------------------------------------------------------------
+    def drive(self, now: float, tick: bool) -> None:
+        machine = self.machine
+        lead = self.lead
+        if not machine.synced or machine.ending.ended is not None:
             return
         if lead is None:
             if tick and self._should_lead(now):
                 self._takeover(now)
         elif lead.phase == QUERYING and not lead.waiting:
             self._recover()
-        elif lead.phase == BETWEEN and self.table.coordinator() != self.id:
-            self._step_down(now, f"handing the lead over to {self.table.coordinator()}")
+        elif lead.phase == BETWEEN and machine.table.coordinator() != machine.id:
+            self.step_down(now, f"handing the lead over to {machine.table.coordinator()}")
         elif lead.phase == BETWEEN:
             self._propose(now)
 
     def _should_lead(self, now: float) -> bool:
-        if self.table.coordinator() != self.id or (self._hello and now < self._hello_until):
+        machine = self.machine
+        if machine.table.coordinator() != machine.id or (machine.lineage.hello and now < machine.lineage.hello_until):
             return False  # (not before we heard who else is synced)
-        if now < self._out_until or self._load_later:
+        if now < machine.lineage.out_until or machine.lineage.load_later:
             return False  # a leader leaves us out, or we are behind and load soon: do not fork
-        if now < self._no_lead_until and self.table.state(self._rival) != SYNCED:
+        if now < self._no_lead_until and machine.table.state(self._rival) != SYNCED:
             return False  # a rival we cannot see leads: do not flip-flop with it every round
-        owner, pending = (self.promised or (0, None))[1], self.pending
-        owner_alive = owner != self.id and self.table.state(owner) == SYNCED
+        owner, pending = (machine.member.promised or (0, None))[1], machine.member.pending
+        owner_alive = owner != machine.id and machine.table.state(owner) == SYNCED
         if pending is not None and pending.started:  # in doubt: only once its leader is gone
             return not owner_alive
-        return not (owner_alive and owner < self.id)  # a smaller live leader keeps the lead
+        return not (owner_alive and owner < machine.id)  # a smaller live leader keeps the lead
 
     def _takeover(self, now: float) -> None:
-        b = (self.max_epoch + 1, self.id)
-        self._promise(b, now)
-        cands = set(self.table.live_synced()) - {self.id}
-        r = max(self.round, self._seen_r, self.pending.r if self.pending else -1) + 1
-        self.lead = _Lead(b, self._move(_LEADER, None, "takeover"), r, now, waiting=cands)
-        self._broadcast({"t": QUERY, "b": list(b)}, sorted(cands))
-        self._emit(Log("info", f"coordinating from epoch {b[0]}: asking {len(cands)} peer(s) for their state"))
+        machine = self.machine
+        b = (machine.max_epoch + 1, machine.id)
+        machine.member.promise(b, now)
+        cands = set(machine.table.live_synced()) - {machine.id}
+        r = max(machine.round, machine._seen_r, machine.member.pending.r if machine.member.pending else -1) + 1
+        self.lead = _Lead(b, move(_LEADER, None, "takeover"), r, now, waiting=cands)
+        machine._broadcast({"t": QUERY, "b": list(b)}, sorted(cands))
+        machine._emit(Log("info", f"coordinating from epoch {b[0]}: asking {len(cands)} peer(s) for their state"))
 
     def _recover(self) -> None:
+        machine = self.machine
         lead = self.lead
         got = {p: st for p, st in lead.got.items() if st["synced"]}
-        got[self.id] = parse(self._status(lead.b))
+        got[machine.id] = parse(machine.lineage.status(lead.b))
         for st in got.values():
             lead.r = max(lead.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
-        after = self._resolve(got)
+        after = self.resolve(got)
         for p in set(lead.got) | set(after):
-            if after.get(p) != after[self.id]:  # not synced, or another state: it hears ours
-                self.table.unsynced(p)
-                self._tell.add(p)
-        lead.phase, lead.got = self._move(_LEADER, lead.phase, "recovered"), {}
+            if after.get(p) != after[machine.id]:  # not synced, or another state: it hears ours
+                machine.table.unsynced(p)
+                machine._tell.add(p)
+        lead.phase, lead.got = move(_LEADER, lead.phase, "recovered"), {}
 
-    def _resolve(self, got: dict) -> dict:
+    def resolve(self, got: dict) -> dict:
         """Decide the attempts that members report pending: commit where anyone committed it,
         abort otherwise; our decision, once taken, is final. A member that did not finish
         the ring of a committed attempt is told ABORT (it is behind, and will load state).
         Returns each member's (version, digest) after the decision."""
+        machine = self.machine
         learned, after = {}, {}
-        for r, b, c in [e for st in got.values() for e in st["log"]] + list(self._log):
+        for r, b, c in [e for st in got.values() for e in st["log"]] + list(machine._log):
             learned[(r, b)] = learned.get((r, b), False) or c
         for peer, st in got.items():
             version, digest, pd = st["version"], st["digest"], st["pending"]
@@ -175,9 +265,9 @@ class LeaderRole:
                     self._decide(key, outcome)
                 if outcome and pd["phase"] == RINGED and pd["ok"]:
                     version, digest = History.after(version, digest, pd["r"], pd["view"], pd["total"])
-                    self._send(peer, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
+                    machine._send(peer, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
                 else:
-                    self._send(peer, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
+                    machine._send(peer, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
                                    "reason": "its leader was lost"})
             after[peer] = (version, digest)
         return after
@@ -188,67 +278,69 @@ class LeaderRole:
             self._decided.popitem(last=False)
 
     def _propose(self, now: float) -> None:
+        machine = self.machine
         lead = self.lead
-        over = self._run_over(now)
+        over = machine.ending.run_over(now)
         if over:  # (``ending``) once no joiner is catching up: they end with the same parameters
-            self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
+            self._admit = {p: t for p, t in self._admit.items() if t > now and machine.table.is_live(p)}
             if not self._admit:
-                self._end_run(now, over)
+                machine.ending.end_run(now, over)
             return
-        ok, why = self.table.can_train(self.config.min_peers)
+        ok, why = machine.table.can_train(machine.config.min_peers)
         if not ok:
             if not self._said_waiting:
                 self._said_waiting = True
-                self._emit(Log("info", why))
+                machine._emit(Log("info", why))
             return
         self._said_waiting = False
         if now < self._refused_until:
             return
         for q, (until, secs) in list(self._left_out.items()):
-            if q not in self.table:
+            if q not in machine.table:
                 del self._left_out[q]
             elif float("-inf") < until <= now:  # its time out is over: it hears our state,
                 self._left_out[q] = (float("-inf"), secs)  # loads it if behind, and is in the next view
-                self._tell.add(q)
-        self._admit = {p: t for p, t in self._admit.items() if t > now and self.table.is_live(p)}
+                machine._tell.add(q)
+        self._admit = {p: t for p, t in self._admit.items() if t > now and machine.table.is_live(p)}
         if self._admit:
             return  # at the boundary, for a joiner catching up
-        view = tuple(p for p in self.table.live_synced() if p == self.id or not self._is_left_out(p, now))
-        if len(view) < self.config.min_peers:
+        view = tuple(p for p in machine.table.live_synced() if p == machine.id or not self.is_left_out(p, now))
+        if len(view) < machine.config.min_peers:
             return  # (peers left out for a while: wait for them)
-        lead.phase, lead.view = self._move(_LEADER, lead.phase, PROPOSE), view
+        lead.phase, lead.view = move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
         lead.waiting, lead.got, lead.failed = set(lead.view), {}, set()
-        self._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
-                         "end": self._limits_msg(now)}, lead.view)
+        machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
+                         "end": machine.ending.limits_msg(now)}, lead.view)
 
     def _lead_msg(self, s, m) -> _Lead | None:
         """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
         lead = self.lead
         waits_for = COLLECTING if m["t"] == READY else RUNNING
         if lead is None or lead.phase != waits_for or (m["r"], m["b"]) != (lead.r, lead.b):
-            self.counters["stale"] += 1
+            self.machine.counters["stale"] += 1
             return None
         if s not in lead.waiting:
             raise RemoteProtocolError(f"{m['t'].upper()} from a peer not waited for in this round")
         lead.waiting.discard(s)
         return lead
 
-    def _on_ready(self, sender, message, now) -> None:
+    def on_ready(self, sender, message, now) -> None:
+        machine = self.machine
         if self._answer_late_ready(sender, message):
             return
         lead = self._lead_msg(sender, message)
         if lead is None:
             return
-        if (message["version"], message["digest"]) != (self.history.version, self.history.digest):
-            self.table.unsynced(sender)
-            return self._abort(now, f"{sender} holds another state", drop=[sender])
+        if (message["version"], message["digest"]) != (machine.history.version, machine.history.digest):
+            machine.table.unsynced(sender)
+            return self.abort(now, f"{sender} holds another state", drop=[sender])
         lead.got[sender] = message["samples"]
         if not lead.waiting:
-            self.timers["ready"].record(now - lead.since)
-            lead.phase, lead.since, lead.mark = self._move(_LEADER, lead.phase, START), now, self.config.stall_warn
+            machine.timers["ready"].record(now - lead.since)
+            lead.phase, lead.since, lead.mark = move(_LEADER, lead.phase, START), now, machine.config.stall_warn
             lead.waiting = set(lead.view)
-            self._broadcast(self._start_msg(lead), lead.view)
+            machine._broadcast(self._start_msg(lead), lead.view)
 
     def _ready_stall_mark(self) -> float:
         """When a collecting round first says it stalls, as a fraction of its deadline: at
@@ -257,9 +349,10 @@ class LeaderRole:
         deadline (where a member says its round stalls). A usual wait is the round's work. Before
         any wait is measured (the first round: a first batch, kernels compiled, H inner steps),
         at the deadline: half of it warned at every start of a local-steps run."""
-        timer = self.timers["ready"]
+        machine = self.machine
+        timer = machine.timers["ready"]
         usual = timer.usual()
-        return 1.0 if not usual else max(self.config.stall_warn, min(1.0, USUAL_SLACK * usual / timer.deadline()))
+        return 1.0 if not usual else max(machine.config.stall_warn, min(1.0, USUAL_SLACK * usual / timer.deadline()))
 
     @staticmethod
     def _start_msg(lead: _Lead) -> dict:
@@ -271,80 +364,84 @@ class LeaderRole:
         while we wait for it. A member that never started a ring is in no round that
         committed (the ring needs every member of its view), so an attempt that is not
         running is an ABORT for it."""
+        machine = self.machine
         lead, r, b = self.lead, m["r"], tuple(m["b"])
-        if b[1] != self.id:
+        if b[1] != machine.id:
             return False
         if lead is not None and (r, b) == (lead.r, lead.b):
             if lead.phase == COLLECTING:
                 return s in lead.got  # (counted already: that READY is here)
             if lead.phase == RUNNING and s in lead.waiting and s in lead.view:  # (already started: it ignores this)
-                self.counters["start_again"] += 1
-                self._send(s, self._start_msg(lead))
+                machine.counters["start_again"] += 1
+                machine._send(s, self._start_msg(lead))
             return True
         if self._decided.get((r, b)) is not True:
-            self.counters["abort_again"] += 1
-            self._send(s, {"t": ABORT, "r": r, "b": list(b), "drop": [], "reason": "that attempt is over"})
+            machine.counters["abort_again"] += 1
+            machine._send(s, {"t": ABORT, "r": r, "b": list(b), "drop": [], "reason": "that attempt is over"})
         return True
 
-    def _on_done(self, sender, message, now) -> None:
+    def on_done(self, sender, message, now) -> None:
+        machine = self.machine
         lead = self._lead_msg(sender, message)
         if lead is None:
             return
-        self.table.report(sender, message["r"], message["checksum"])
+        machine.table.report(sender, message["r"], message["checksum"])
         if not message["ok"]:
             lead.failed.add(sender)
         if lead.waiting:
             return
         if lead.failed:
-            return self._abort(now, f"the ring failed at {', '.join(sorted(lead.failed))}", drop=[])
-        self._record_ring(now - lead.since, lead.view)
-        sums = {self.table.get(p).checksum for p in lead.view if self.table.get(p)} - {None}
+            return self.abort(now, f"the ring failed at {', '.join(sorted(lead.failed))}", drop=[])
+        machine._record_ring(now - lead.since, lead.view)
+        sums = {machine.table.get(p).checksum for p in lead.view if machine.table.get(p)} - {None}
         if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
-            self._emit(Log("info", f"round {lead.r}: parameter checksums differ ({len(sums)} kinds)"))
+            machine._emit(Log("info", f"round {lead.r}: parameter checksums differ ({len(sums)} kinds)"))
         self._decide((lead.r, lead.b), True)
         for p in lead.view:  # in a round that worked: a later refusal starts from LEAVE_OUT again
             self._left_out.pop(p, None)
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
-        out = [p for p in self._left_out if self._is_left_out(p, now) and self.table.is_live(p)]
-        self._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b)}, sorted(set(lead.view) | set(out)))
-        lead.phase, lead.r = self._move(_LEADER, lead.phase, COMMIT), lead.r + 1
+        out = [p for p in self._left_out if self.is_left_out(p, now) and machine.table.is_live(p)]
+        machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b)}, sorted(set(lead.view) | set(out)))
+        lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
 
-    def _abort(self, now: float, reason: str, drop, tell=True, routine=False) -> None:
+    def abort(self, now: float, reason: str, drop, tell=True, routine=False) -> None:
         """Abort the round we lead, for ``reason`` (one line); ``routine`` (a goodbye, not a
         fault) logs it at info."""
+        machine = self.machine
         lead, drop = self.lead, sorted(set(drop))
         if lead.phase == RUNNING:
             self._decide((lead.r, lead.b), False)
-        for q in set(drop) - {self.id}:
-            self.table.unsynced(q)
+        for q in set(drop) - {machine.id}:
+            machine.table.unsynced(q)
             if tell:  # it may be alive: our STATUS lets it show its own and come back
-                self._tell.add(q)
-        self._broadcast({"t": ABORT, "r": lead.r, "b": list(lead.b), "reason": reason[:MAX_REASON], "drop": drop},
+                machine._tell.add(q)
+        machine._broadcast({"t": ABORT, "r": lead.r, "b": list(lead.b), "reason": reason[:MAX_REASON], "drop": drop},
                         sorted(set(lead.view) | set(drop)))
-        self._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
-        lead.phase, lead.r = self._move(_LEADER, lead.phase, ABORT), lead.r + 1
+        machine._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
+        lead.phase, lead.r = move(_LEADER, lead.phase, ABORT), lead.r + 1
 
-    def _on_nack(self, sender, message, now) -> None:
+    def on_nack(self, sender, message, now) -> None:
+        machine = self.machine
         lead = self.lead
-        self.max_epoch = max(self.max_epoch, message["b"][0])
+        machine.max_epoch = max(machine.max_epoch, message["b"][0])
         if lead is not None and beats(message["b"], lead.b):
-            self._step_down(now, f"{sender} follows {message['b'][1]} (epoch {message['b'][0]})", rival=message["b"][1])
+            self.step_down(now, f"{sender} follows {message['b'][1]} (epoch {message['b'][0]})", rival=message["b"][1])
         elif lead is not None and message["r"] == lead.r and lead.phase == COLLECTING and sender in lead.view:
-            missing = sorted(set(message["missing"] or ()) & set(lead.view) - {self.id, sender})
+            missing = sorted(set(message["missing"] or ()) & set(lead.view) - {machine.id, sender})
             again = [q for q in missing  # (a peer left out before, and not in a round since, counts too)
                      if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
             self._missing_at.update((q, now) for q in missing)
             if again:  # no link to them, again: leave them out a while (or it, if they are more)
                 fewer = 2 * len(missing) - (len(lead.view) - 1)  # < 0: it misses fewer than it reaches
-                newcomers = sender in self._last_view and not set(missing) & set(self._last_view)
+                newcomers = sender in machine._last_view and not set(missing) & set(machine._last_view)
                 out = missing if fewer < 0 or (fewer == 0 and newcomers) else [sender]  # (a tie: the newcomers)
                 self._leave_out(out, now, f"{sender} is not connected to {', '.join(missing)}")
-                return self._abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[])
+                return self.abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[])
             # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
             # forming refuses for a moment; waiting for its idle re-announce took 10 s), and
             # the next proposal waits REFUSAL_BACKOFF so that a refusal cannot loop at once.
-            self._abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[sender])
+            self.abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[sender])
             self._refused_until = now + REFUSAL_BACKOFF
 
     def _leave_out(self, peers, now: float, why: str) -> None:
@@ -354,62 +451,64 @@ class LeaderRole:
         for q in peers:
             secs = min(2 * self._left_out.get(q, (0.0, LEAVE_OUT / 2))[1], LEAVE_OUT_MAX)
             self._left_out[q] = (now + secs, secs)
-            self._emit(Log("info", f"leaving {q} out of the rounds for {secs:g} s: {why}"))
+            self.machine._emit(Log("info", f"leaving {q} out of the rounds for {secs:g} s: {why}"))
 
-    def _is_left_out(self, peer: str, now: float) -> bool:
+    def is_left_out(self, peer: str, now: float) -> bool:
         return self._left_out.get(peer, (float("-inf"),))[0] > now
 
-    def _out_for(self, peer: str) -> float | None:
+    def out_for(self, peer: str) -> float | None:
         """Seconds our views still leave ``peer`` out, for its STATUS: a peer left out and
         behind waits for us rather than load our state again after every round it misses; 0
         once its time is over (it loads now if behind); None for a peer never left out."""
         if peer not in self._left_out:
             return None
-        return round(max(0.0, self._left_out[peer][0] - self._now), 3)
+        return round(max(0.0, self._left_out[peer][0] - self.machine._now), 3)
 
     # -- a peer alone (see the module docstring) -------------------------------------------------
-    def _may_go_solo(self) -> bool:
+    def may_go_solo(self) -> bool:
         """We lead a view of ourselves alone, know no other live peer, and collect our own batch
         of a round that has none yet."""
-        lead, pending = self.lead, self.pending
-        return (self.synced and self.ended is None and lead is not None and lead.phase == COLLECTING
-                and lead.view == (self.id,) and self.config.min_peers <= 1 and not self._admit
-                and not self._hello and not self._load_later
-                and all(p == self.id or not self.table.is_live(p) for p in self.table.ids())
+        machine = self.machine
+        lead, pending = self.lead, machine.member.pending
+        return (machine.synced and machine.ending.ended is None and lead is not None and lead.phase == COLLECTING
+                and lead.view == (machine.id,) and machine.config.min_peers <= 1 and not self._admit
+                and not machine.lineage.hello and not machine.lineage.load_later
+                and all(p == machine.id or not machine.table.is_live(p) for p in machine.table.ids())
                 and pending is not None and (pending.r, pending.b) == (lead.r, lead.b)
                 and pending.samples is None)
 
-    def _begin_solo(self) -> None:
+    def begin_solo(self) -> None:
         lead = self.lead
-        self._asked.discard(lead.r)  # (its Contribute goes unanswered: the host drops it)
-        self._withdraw(self.pending)  # (no batch in it: nothing put back)
-        lead.phase, lead.waiting = self._move(_LEADER, lead.phase, "solo"), set()
+        self.machine.member.go_solo(lead.r)  # (its Contribute goes unanswered; no batch in it: nothing put back)
+        lead.phase, lead.waiting = move(_LEADER, lead.phase, "solo"), set()
 
-    def _commit_solo(self, commits) -> None:
+    def commit_solo(self, commits) -> None:
         """(round, samples) of batches applied alone, in order, from ``lead.r`` on."""
+        machine = self.machine
         lead = self.lead
         for r, total in commits:
             if lead is None or lead.phase != SOLO or r != lead.r or type(total) is not int or total < 1:
                 raise RuntimeError(f"solo commit of round {r} ({total} samples) out of order")  # our bug
-            self.history.append(r, lead.view, total)
-            self._log.append((r, lead.b, True))
-            self.round, self._seen_r, lead.r = r, max(self._seen_r, r), r + 1
+            machine.history.append(r, lead.view, total)
+            machine._log.append((r, lead.b, True))
+            machine.round, machine._seen_r, lead.r = r, max(machine._seen_r, r), r + 1
         if commits:  # (as ``member._finish`` after a committed round)
-            self._last_view = lead.view
-            self._elsewhere.difference_update(lead.view)
-            self.table.mark_served(lead.view)  # (a joiner with a smaller id does not take the lead at once)
-            self.table.synced(self.id, self.history.version, self.history.digest, self.round)
-            self._set_self()
+            machine._last_view = lead.view
+            machine.lineage.shared_round(lead.view)
+            machine.table.mark_served(lead.view)  # (a joiner with a smaller id does not take the lead at once)
+            machine.table.synced(machine.id, machine.history.version, machine.history.digest, machine.round)
+            machine._set_self()
 
-    def _end_solo(self, now: float) -> None:
+    def end_solo(self, now: float) -> None:
         lead = self.lead
-        lead.phase, lead.since = self._move(_LEADER, lead.phase, "solo_end"), now  # (the next step: PROPOSE)
+        lead.phase, lead.since = move(_LEADER, lead.phase, "solo_end"), now  # (the next step: PROPOSE)
 
-    def _step_down(self, now: float, why: str, rival: str = "") -> None:
+    def step_down(self, now: float, why: str, rival: str = "") -> None:
+        machine = self.machine
         if self.lead.phase in (COLLECTING, RUNNING):
-            self._abort(now, why, drop=[])
-        self._move(_LEADER, self.lead.phase, "step_down")
+            self.abort(now, why, drop=[])
+        move(_LEADER, self.lead.phase, "step_down")
         self.lead = None
         if rival:
-            self._rival, self._no_lead_until = rival, now + self.config.query_timeout
-        self._emit(Log("info", f"no longer coordinating: {why}"))
+            self.back_off(rival, now)
+        machine._emit(Log("info", f"no longer coordinating: {why}"))

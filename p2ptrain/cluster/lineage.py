@@ -32,7 +32,7 @@ does not take the lead before then; the leader's STATUS at its end (``out`` 0) b
 
 from __future__ import annotations
 
-from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING
+from p2ptrain.cluster.leader import COLLECTING, RUNNING
 from p2ptrain.cluster.membership import History, Lineage, heal_decision, relation
 from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
 
@@ -40,60 +40,81 @@ from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
 LEADER_WAIT = 1.0  # seconds a peer that is behind waits for a link to the leader to load from it
 
 
-class LineageRole:
-    """The lineage half of ``RoundMachine`` (a mixin: it has no state or plumbing of its own
-    but what ``_init_lineage`` sets)."""
+class LineageKeeper:
+    """Whether peers hold our state, and loading another's when we are behind or on the
+    losing side of a split."""
 
-    def _init_lineage(self) -> None:
-        self._out_until = float("-inf")  # a leader leaves us out of its views until then
-        self._load_later: tuple = ()  # (reason, donor, leader): a load put off, until _load_at (or left out)
+    def __init__(self, machine) -> None:
+        self.machine = machine  # the RoundMachine that holds us
+        self.out_until = float("-inf")  # a leader leaves us out of its views until then
+        self.load_later: tuple = ()  # (reason, donor, leader): a load put off, until _load_at (or left out)
         self._load_at = float("-inf")
-        self._side_leader = ""  # the leader of the side whose state we load
+        self.side_leader = ""  # the leader of the side whose state we load
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
+        self.hello: set = set()  # after on_synced: peers whose STATUS we still await (we do not lead before)
+        self.hello_until = 0.0
+        self._deferred: dict = {}  # STATUS that arrived while our own version was in flight
 
-    def _status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
+    def on_synced(self, peers, now: float) -> None:
+        """We loaded state: our side is the one we loaded (see ``_side``), and we await the
+        STATUS of ``peers`` for ``query_timeout``."""
+        self._elsewhere = set()
+        self.hello, self.hello_until = set(peers), now + self.machine.config.query_timeout
+
+    def shared_round(self, view) -> None:
+        """The peers of ``view`` committed a round with us: they hold our state again."""
+        self._elsewhere.difference_update(view)
+
+    def compare_deferred(self, now: float) -> None:
+        """The STATUS put off while a round of ours was in flight, once none is."""
+        machine = self.machine
+        if self._deferred and machine.synced and not (machine.member.pending and machine.member.pending.started):
+            deferred, self._deferred = self._deferred, {}
+            for s in sorted(deferred):
+                self._compare(s, deferred[s], now)
+
+    def status(self, b=None, re=False, their: int | None = None, to: str | None = None) -> dict:
         """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
         to a peer our views leave out, for how many seconds more (``out``)."""
-        pending, ids = self.pending, self._side()
-        at = self.history.at(their) if their is not None and their < self.history.version else None
-        return {"t": STATUS, "synced": self.synced, "version": self.history.version, "digest": self.history.digest,
-                "round": self.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
-                "window": [list(e) for e in self.history.recent()], "b": list(b) if b else None,
-                "promised": list(self.promised) if self.promised else None,
+        machine = self.machine
+        pending, ids = machine.member.pending, self._side()
+        at = machine.history.at(their) if their is not None and their < machine.history.version else None
+        return {"t": STATUS, "synced": machine.synced, "version": machine.history.version, "digest": machine.history.digest,
+                "round": machine.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
+                "window": [list(e) for e in machine.history.recent()], "b": list(b) if b else None,
+                "promised": list(machine.member.promised) if machine.member.promised else None,
                 "at": [their, at] if at is not None else None,
-                "log": [[r, list(bb), c] for r, bb, c in self._log],
+                "log": [[r, list(bb), c] for r, bb, c in machine._log],
                 "pending": pending and {"r": pending.r, "b": list(pending.b), "phase": pending.phase, "ok": pending.ok,
                                   "view": list(pending.view), "total": pending.total},
-                "out": self._out_for(to) if to is not None and self.lead is not None else None,
-                "end": self.ended}
+                "out": machine.leader.out_for(to) if to is not None and machine.leader.lead is not None else None,
+                "end": machine.ending.ended}
 
-    def _on_status(self, sender, message, now) -> None:
-        self._hello.discard(sender)
+    def on_status(self, sender, message, now) -> None:
+        machine = self.machine
+        self.hello.discard(sender)
         if message["end"] is not None:  # its run is over (``ending``): ours too, unless we are ahead
-            return self._heard_end(sender, message["end"], now)
+            return machine.ending.heard_end(sender, message["end"], now)
         if message["out"] is not None:  # its views leave us out a while: loading its state before then is
-            self._out_until = now + message["out"]  # wasted; 0: back in, load now if behind
-        lead, pd = self.lead, message["pending"]
-        # (our QUERY's answer)
-        if lead is not None and message["b"] == lead.b and lead.phase == QUERYING and sender in lead.waiting:
-            lead.waiting.discard(sender)
-            lead.got[sender] = message
+            self.out_until = now + message["out"]  # wasted; 0: back in, load now if behind
+        lead, pd = machine.leader.lead, message["pending"]
+        if machine.leader.take_status(sender, message):  # (our QUERY's answer)
             return
         if lead is not None and message["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != lead.b \
                 and self._ours_to_resolve(message):
-            if lead.b != message["b"] and (message["promised"] or (0, None))[1] != self.id:
-                return self._send(sender, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
-            self._resolve({sender: message})  # in doubt and it obeys us: decide its attempt
-            self._tell.add(sender)
+            if lead.b != message["b"] and (message["promised"] or (0, None))[1] != machine.id:
+                return machine._send(sender, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
+            machine.leader.resolve({sender: message})  # in doubt and it obeys us: decide its attempt
+            machine._tell.add(sender)
             if lead.phase in (COLLECTING, RUNNING) and sender in lead.view:
-                self._abort(now, f"{sender} was in doubt about an earlier round", drop=[])
+                machine.leader.abort(now, f"{sender} was in doubt about an earlier round", drop=[])
             return
         if not message["synced"]:
-            self.table.unsynced(sender)
-            return self._gone(sender, now, "is not synced")
-        if self.synced and self.pending is not None and self.pending.started:
+            machine.table.unsynced(sender)
+            return machine._gone(sender, now, "is not synced")
+        if machine.synced and machine.member.pending is not None and machine.member.pending.started:
             self._deferred[sender] = message  # our own version is about to change: compare after the round
-        elif self.synced:
+        elif machine.synced:
             self._compare(sender, message, now)
 
     def _ours_to_resolve(self, m) -> bool:
@@ -101,90 +122,93 @@ class LineageRole:
         is on our chain and the leader it obeys is not connected to us (lost). A peer of
         another side (a replugged cable), or one whose leader lives, is in that leader's
         round: asking it to obey us would abort a round its own leader may commit."""
+        machine = self.machine
         owner = (m["promised"] or (0, None))[1]
-        if owner is not None and owner != self.id and self.table.is_live(owner):
+        if owner is not None and owner != machine.id and machine.table.is_live(owner):
             return False
-        return relation(self.history, m["version"], m["digest"], m["window"], m["at"]) in ("same", "behind")
+        return relation(machine.history, m["version"], m["digest"], m["window"], m["at"]) in ("same", "behind")
 
     def _compare(self, s, m, now) -> None:
         """Their chain against ours. On one chain the peer behind loads state (it lacks
         updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
+        machine = self.machine
         their_version, their_digest, pd = m["version"], m["digest"], m["pending"]
-        if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in self._log:
+        if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in machine._log:
             their_version, their_digest = History.after(  # about to commit it
                 their_version, their_digest, pd["r"], pd["view"], pd["total"])
-        rel = relation(self.history, their_version, their_digest, m["window"], m.get("at"), can_ask=not m["re"])
+        rel = relation(machine.history, their_version, their_digest, m["window"], m.get("at"), can_ask=not m["re"])
         if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
-            return self._send(s, self._status())
-        if rel == "behind" and m["round"] < self.round and s in self._last_view:
-            self.counters["stale_status"] += 1  # sent before a round we both took part in
+            return machine._send(s, self.status())
+        if rel == "behind" and m["round"] < machine.round and s in machine._last_view:
+            machine.counters["stale_status"] += 1  # sent before a round we both took part in
             return
         if rel == "same":
             self._elsewhere.discard(s)
-            self.table.synced(s, their_version, their_digest, m["round"], now)
-            self._admit.pop(s, None)
-            self._held.pop(s, None)
+            machine.table.synced(s, their_version, their_digest, m["round"], now)
+            machine.leader.caught_up(s)
         else:
-            if (rel == "behind" and self.lead and self._held.get(s, -1) < their_version
-                    and not self._is_left_out(s, now)):
-                self._held[s], self._admit[s] = their_version, now + self.config.join_hold
-            self.table.unsynced(s)
+            if rel == "behind":  # (as leader, it holds the boundary while that peer loads)
+                machine.leader.hold_for_joiner(s, their_version, now)
+            machine.table.unsynced(s)
             self._elsewhere.add(s)
-            self._gone(s, now, f"holds another state ({rel})")
+            machine._gone(s, now, f"holds another state ({rel})")
             theirs = Lineage(m["members"], their_digest, their_version, m["min_id"] or s)
             if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
                 why = "behind" if rel == "ahead" else "split"
                 leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
-                donor = leader if leader != self.id and self.table.is_live(leader) else s
+                donor = leader if leader != machine.id and machine.table.is_live(leader) else s
                 reason = f"{why}: {s} has version {their_version}, its side {m['members']} peer(s)"
-                if rel == "ahead" and now < self._out_until:  # stale again before we are in a view:
-                    self.counters["behind_left_out"] += 1  # load once our time left out is over
-                    self._load_later = (reason, donor, leader)
-                elif rel == "ahead" and donor != leader != self.id:  # no link to its leader yet: wait for
-                    if not self._load_later:  # one a moment (only a leader holds its rounds while we
+                if rel == "ahead" and now < self.out_until:  # stale again before we are in a view:
+                    machine.counters["behind_left_out"] += 1  # load once our time left out is over
+                    self.load_later = (reason, donor, leader)
+                elif rel == "ahead" and donor != leader != machine.id:  # no link to its leader yet: wait for
+                    if not self.load_later:  # one a moment (only a leader holds its rounds while we
                         self._load_at = now + LEADER_WAIT  # load; from another, we would end behind)
-                    self._load_later = (reason, donor, leader)
+                    self.load_later = (reason, donor, leader)
                 else:
                     return self._resync(reason, donor, now, leader)
         if not m["re"]:
-            self._send(s, self._status(re=True, their=their_version, to=s))
+            machine._send(s, self.status(re=True, their=their_version, to=s))
 
     def _lineage(self) -> Lineage:
+        machine = self.machine
         ids = self._side()
-        return Lineage(len(ids), self.history.digest, self.history.version, ids[0] if ids else self.id)
+        return Lineage(len(ids), machine.history.digest, machine.history.version, ids[0] if ids else machine.id)
 
     def _side(self) -> list:
         """The peers of our side, sorted: the live synced ones, and the live members of the
         last round we committed that showed no other state since. A count of synced peers
         alone, taken just after a round dropped a member, made a pair count one and lose a
         heal to a peer that had gone on alone."""
-        since = {q for q in self._last_view if q not in self._elsewhere and self.table.is_live(q)}
-        return sorted(set(self.table.live_synced()) | since)
+        machine = self.machine
+        since = {q for q in machine._last_view if q not in self._elsewhere and machine.table.is_live(q)}
+        return sorted(set(machine.table.live_synced()) | since)
 
     def _resync(self, reason: str, donor: str, now: float, leader: str = "") -> None:
         """Load state from ``donor``, of the side that ``leader`` leads (``on_synced`` backs
         off from leading while that leader is not seen synced: the side has one)."""
-        self._load_later, self._load_at, self._side_leader = (), float("-inf"), leader
-        if self.lead:
-            self._step_down(now, "loading state")
-        if self.pending and not self.pending.started:
-            self._withdraw(self.pending)
-        self.pending, self.synced = None, False  # an in-doubt contribution is void: Resync says so
-        self._set_self()
-        self._emit(Resync(reason, donor))
-        self._emit(Log("warning", f"loading state again: {reason}"))
-        self._broadcast(self._status(), self._peers())
+        machine = self.machine
+        self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
+        if machine.leader.lead:
+            machine.leader.step_down(now, "loading state")
+        machine.member.forget()  # (an in-doubt contribution is void: Resync says so)
+        machine.synced = False
+        machine._set_self()
+        machine._emit(Resync(reason, donor))
+        machine._emit(Log("warning", f"loading state again: {reason}"))
+        machine._broadcast(self.status(), machine._peers())
 
-    def _tick_lineage(self, now: float) -> None:
+    def tick(self, now: float) -> None:
         """On a tick: a load put off, once the leader no longer leaves us out and the wait for
         a link to it is over (from it as soon as it is linked)."""
-        if not (self._load_later and now >= self._out_until and self.synced):
+        machine = self.machine
+        if not (self.load_later and now >= self.out_until and machine.synced):
             return
-        reason, donor, leader = self._load_later
-        if leader != self.id and self.table.is_live(leader):
+        reason, donor, leader = self.load_later
+        if leader != machine.id and machine.table.is_live(leader):
             donor = leader
         elif now < self._load_at:
             return
-        if self.table.is_live(donor):
+        if machine.table.is_live(donor):
             self._resync(reason, donor, now, leader)
-        self._load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
+        self.load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)

@@ -1,13 +1,16 @@
-"""The member role of the round machine: taking part in a leader's rounds. Pure code, no I/O.
+"""The member part of the round machine: taking part in a leader's rounds. Pure code, no I/O.
 
-``MemberRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its state and plumbing
-(``_send``, ``_emit``, ``_move``, ``pending``, ``promised``, ``table``, ``history``) are the
-machine's. ``rounds`` holds the machine (its inputs, the plumbing, deadlines); ``leader`` is
-what only the peer that sequences rounds does; this module is what every peer does as a member
-of a round, the leader too. The machine dispatches QUERY, PROPOSE, START, COMMIT and ABORT here
-and calls ``_contributed`` and ``_ring_done`` for its host's answers.
+``Member`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine`` (``machine.member``). It
+owns the attempt this peer takes part in (``pending``), the ballot it obeys (``promised``) and
+which rounds' Contribute the host still owes. It reads the machine's core (``table``,
+``history``, ``round``, ``counters``, ``timers``, the attempt log ``_log``) and sends through it
+(``_send``, ``_emit``). ``rounds`` holds the machine (its inputs, the plumbing, deadlines);
+``leader`` is what only the peer that sequences rounds does; this module is what every peer does
+as a member of a round, the leader too. The machine dispatches QUERY, PROPOSE, START, COMMIT and
+ABORT here and calls ``contributed`` and ``ring_done`` for its host's answers, and
+``check_stall`` on a tick.
 
-Transitions (``_MEMBER``; ``_move`` refuses any other):
+Transitions (``_MEMBER``; ``roundmsg.move`` refuses any other):
     idle -PROPOSE-> proposed -contribution-> ready -START-> ring -ring_done-> done
     done -COMMIT-> idle (Apply);  any -ABORT-> idle (PutBack);
     proposed|ready -PROPOSE of a better ballot, same round-> same phase (READY again)
@@ -20,9 +23,9 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, PROPOSE, PROPOSED, READIED, READY, RING, RINGED,
-                                       START, Apply, Contribute, Log, PutBack, StartRing, beats)
+                                       START, Apply, Contribute, Log, PutBack, Stall, StartRing, beats, move)
 
-# (phase, event) -> next phase: the only transitions there are (``_move`` refuses others).
+# (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
 _MEMBER = {
     (None, PROPOSE): PROPOSED,  # -> Contribute(r)
     (PROPOSED, "contribution"): READIED,  # -> READY
@@ -52,161 +55,216 @@ class _Pending:  # the attempt this peer takes part in as a member
         return self.phase in (RING, RINGED)
 
 
-class MemberRole:
+class Member:
     """What a peer does as a member of the rounds whose view names it."""
 
-    def _nack(self, to: str, r: int, reason: str, missing=()) -> None:
-        if to != self.id:
-            self._send(to, {"t": NACK, "r": r, "b": list(self.promised or (0, self.id)), "reason": reason,
-                            "missing": list(missing)})
+    def __init__(self, machine) -> None:
+        self.machine = machine  # the RoundMachine that holds us
+        self.pending: _Pending | None = None  # the attempt we take part in
+        self.promised: tuple | None = None  # the best ballot seen: the leader we obey
+        self._asked: set = set()  # rounds whose Contribute the host has not answered yet
+        self._proposed: tuple = ()  # the last attempt proposed to us that we took up
 
-    def _promise(self, b: tuple, now: float, keep: int = -1) -> None:
+    def reset(self) -> None:
+        """We loaded state (``on_synced``): no attempt, no leader obeyed, nothing asked."""
+        self.pending, self.promised, self._asked = None, None, set()
+
+    def _nack(self, to: str, r: int, reason: str, missing=()) -> None:
+        machine = self.machine
+        if to != machine.id:
+            machine._send(to, {"t": NACK, "r": r, "b": list(self.promised or (0, machine.id)), "reason": reason,
+                               "missing": list(missing)})
+
+    def promise(self, b: tuple, now: float, keep: int = -1) -> None:
         """Obey ballot b from now on. An unstarted attempt of another ballot can never start
         here any more: it is withdrawn (unless it is round ``keep``, proposed again under b)."""
-        pending = self.pending
+        machine, pending = self.machine, self.pending
         if pending is not None and not pending.started and pending.b != b and pending.r != keep:
-            self._withdraw(pending)
-        self.promised, self.max_epoch = b, max(self.max_epoch, b[0])
+            self.withdraw(pending)
+        self.promised, machine.max_epoch = b, max(machine.max_epoch, b[0])
         if pending is not None and not pending.started and pending.b[1] != b[1]:  # its leader would wait for our READY:
             self._nack(pending.b[1], pending.r, "superseded")  # it steps down now, not at its deadline
-        if self.lead and self.lead.b != b:
-            self._step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
+        if machine.leader.lead and machine.leader.lead.b != b:
+            machine.leader.step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
 
-    def _on_query(self, sender, message, now) -> None:
+    def on_query(self, sender, message, now) -> None:
+        machine = self.machine
         if message["b"][1] != sender:
             raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
-        if self.synced and beats(self.promised, message["b"]):
+        if machine.synced and beats(self.promised, message["b"]):
             return self._nack(sender, -1, "superseded")
-        if self.synced:
-            self._promise(message["b"], now)
-        self._send(sender, self._status(message["b"], re=True))
+        if machine.synced:
+            self.promise(message["b"], now)
+        machine._send(sender, machine.lineage.status(message["b"], re=True))
 
-    def _on_propose(self, sender, message, now) -> None:
+    def on_propose(self, sender, message, now) -> None:
+        machine = self.machine
         r, b, view, pending = message["r"], message["b"], message["view"], self.pending
         if b[1] != sender or (pending is not None and (pending.r, pending.b) == (r, b)):
             raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
-        if not self.synced or r <= self.round:
-            self.counters["old_round" if self.synced else "unsynced"] += 1
+        if not machine.synced or r <= machine.round:
+            machine.counters["old_round" if machine.synced else "unsynced"] += 1
         elif beats(self.promised, b):
             self._nack(sender, r, "superseded")
-        elif self.id not in view or sender not in view:
+        elif machine.id not in view or sender not in view:
             self._nack(sender, r, "the view does not hold us and the leader")
-        elif any(q != self.id and not self.table.is_live(q) for q in view):
-            missing = [q for q in view if q != self.id and not self.table.is_live(q)]
+        elif any(q != machine.id and not machine.table.is_live(q) for q in view):
+            missing = [q for q in view if q != machine.id and not machine.table.is_live(q)]
             self._nack(sender, r, "the view names a peer we are not connected to", missing)
         elif pending is not None and pending.started:  # in doubt: this leader must resolve that attempt first
-            self._promise(b, now)
-            self._send(sender, self._status(b, re=True))
+            self.promise(b, now)
+            machine._send(sender, machine.lineage.status(b, re=True))
         else:
-            self._promise(b, now, keep=r)
-            self._adopt_limits(message, now)
+            self.promise(b, now, keep=r)
+            machine.ending.adopt_limits(message, now)
             self._proposed = (r, b)
             if self.pending is not None and self.pending.r != r:
-                self._withdraw(self.pending)
+                self.withdraw(self.pending)
             pending = self.pending
             if pending is not None:  # the same round under a better ballot: keep our contribution
-                pending.phase = self._move(_MEMBER, pending.phase, PROPOSE)
+                pending.phase = move(_MEMBER, pending.phase, PROPOSE)
                 pending.b, pending.view, pending.since = b, view, now
                 if pending.phase == READIED:
-                    self._send(sender, self._ready_msg(pending))
+                    machine._send(sender, self._ready_msg(pending))
                 return
-            self.pending = _Pending(r, b, view, self._move(_MEMBER, None, PROPOSE), now)
+            self.pending = _Pending(r, b, view, move(_MEMBER, None, PROPOSE), now)
             if r not in self._asked:  # (one outstanding Contribute per round number)
                 self._asked.add(r)
-                self._emit(Contribute(r))
+                machine._emit(Contribute(r))
 
-    def _contributed(self, r, samples, now) -> None:
+    def contributed(self, r, samples, now) -> None:
+        """The host's answer to Contribute(r)."""
+        machine = self.machine
         self._asked.discard(r)
         pending = self.pending
         if pending is None or pending.r != r or pending.phase != PROPOSED:
-            self.counters["late_contribution"] += 1
-            return self._emit(PutBack(r))
-        pending.phase = self._move(_MEMBER, pending.phase, "contribution")
+            machine.counters["late_contribution"] += 1
+            return machine._emit(PutBack(r))
+        pending.phase = move(_MEMBER, pending.phase, "contribution")
         pending.samples, pending.since = samples, now
-        self._send(pending.b[1], self._ready_msg(pending))
+        machine._send(pending.b[1], self._ready_msg(pending))
 
     def _ready_msg(self, pending: _Pending) -> dict:
+        history = self.machine.history
         return {"t": READY, "r": pending.r, "b": list(pending.b), "samples": pending.samples,
-                "version": self.history.version, "digest": self.history.digest}
+                "version": history.version, "digest": history.digest}
 
     def _attempt(self, s, m) -> _Pending | None:
         """The attempt a leader's START/COMMIT/ABORT is about, or None if stale (counted)."""
+        machine = self.machine
         pending, r, b = self.pending, m["r"], m["b"]
         if s != (self.promised or (0, None))[1]:  # a leader we no longer obey: it must step down
-            self.counters["superseded"] += 1
+            machine.counters["superseded"] += 1
             if beats(self.promised, b):
                 self._nack(s, r, "superseded")
             return None
         if pending is not None and (pending.r, pending.b) == (r, b):
             return pending
-        if m["t"] == START and r > self.round and (r, b) != self._proposed:  # (not one we withdrew)
+        if m["t"] == START and r > machine.round and (r, b) != self._proposed:  # (not one we withdrew)
             raise RemoteProtocolError("START for a round that was not proposed to us")
-        self.counters["stale"] += 1
+        machine.counters["stale"] += 1
         return None
 
-    def _on_start(self, sender, message, now) -> None:
+    def on_start(self, sender, message, now) -> None:
+        machine = self.machine
         pending = self._attempt(sender, message)
         if pending is None:
             return
         if pending.started and message["view"] == pending.view:  # sent again, for a READY we sent again
-            self.counters["stale"] += 1
+            machine.counters["stale"] += 1
             return
         if pending.phase != READIED or message["view"] != pending.view:
             raise RemoteProtocolError("START before READY, or with another view")
-        self.timers["ready"].record(now - pending.since)
-        pending.phase = self._move(_MEMBER, pending.phase, START)
+        machine.timers["ready"].record(now - pending.since)
+        pending.phase = move(_MEMBER, pending.phase, START)
         pending.total, pending.since, pending.mark = message["total"], now, 1.0
-        self._emit(StartRing(pending.r, pending.view))
+        machine._emit(StartRing(pending.r, pending.view))
 
-    def _ring_done(self, r, ok, now, checksum) -> None:
+    def ring_done(self, r, ok, now, checksum) -> None:
+        """The host's answer to StartRing(r)."""
+        machine = self.machine
         pending = self.pending
         if pending is None or pending.r != r or pending.phase != RING:
-            self.counters["late_ring"] += 1
+            machine.counters["late_ring"] += 1
             return
-        pending.phase, pending.ok = self._move(_MEMBER, pending.phase, "ring_done"), ok
+        pending.phase, pending.ok = move(_MEMBER, pending.phase, "ring_done"), ok
         if self.promised and self.promised[1] == pending.b[1]:  # else a newer leader resolves it
-            self._send(pending.b[1], {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum})
+            machine._send(pending.b[1], {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum})
 
-    def _on_decision(self, sender, message, now) -> None:
+    def on_decision(self, sender, message, now) -> None:
+        machine = self.machine
         if message["t"] == ABORT and sender == (self.promised or (0, None))[1]:
-            for q in set(message["drop"]) - {sender, self.id}:
-                self.table.unsynced(q)
+            for q in set(message["drop"]) - {sender, machine.id}:
+                machine.table.unsynced(q)
         pending = self._attempt(sender, message)
         if pending is None:
             return
         if message["t"] == COMMIT and not (pending.phase == RINGED and pending.ok):
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
-        self._move(_MEMBER, pending.phase, message["t"])
+        move(_MEMBER, pending.phase, message["t"])
         if pending.started:
             self._finish(pending, message["t"] == COMMIT, now)
         else:
-            self._withdraw(pending)
-        if message["t"] == ABORT and sender != self.id:  # (a leader logged its own abort)
-            self._emit(Log("info", f"round {message['r']} aborted: {message['reason']}"))
+            self.withdraw(pending)
+        if message["t"] == ABORT and sender != machine.id:  # (a leader logged its own abort)
+            machine._emit(Log("info", f"round {message['r']} aborted: {message['reason']}"))
 
-    def _withdraw(self, pending: _Pending) -> None:
+    def withdraw(self, pending: _Pending) -> None:
         """An unstarted attempt goes away (a started one is never withdrawn, only decided)."""
-        self._move(_MEMBER, pending.phase, "withdraw")
+        move(_MEMBER, pending.phase, "withdraw")
         if pending.samples is not None:
-            self._emit(PutBack(pending.r))
+            self.machine._emit(PutBack(pending.r))
+        self.pending = None
+
+    def forget(self) -> None:
+        """We load state: an unstarted attempt is withdrawn, an in-doubt one is void (the
+        host's Resync says so)."""
+        if self.pending and not self.pending.started:
+            self.withdraw(self.pending)
+        self.pending = None
+
+    def go_solo(self, r: int) -> None:
+        """Our own batch of round r is applied alone: its Contribute goes unanswered (the host
+        drops it) and the attempt collecting it is withdrawn (no batch in it: nothing put back)."""
+        self._asked.discard(r)
+        self.withdraw(self.pending)
+
+    def leave(self) -> None:
+        """We say goodbye: a contribution handed over is put back."""
+        if self.pending and self.pending.samples is not None:
+            self.machine._emit(PutBack(self.pending.r))
         self.pending = None
 
     def _finish(self, pending: _Pending, committed: bool, now: float) -> None:
-        self.pending, self.round = None, max(self.round, pending.r)
-        self._log.append((pending.r, pending.b, committed))
-        self._record_ring(now - pending.since, pending.view)
-        self.table.mark_served(pending.view)
+        machine = self.machine
+        table = machine.table
+        self.pending, machine.round = None, max(machine.round, pending.r)
+        machine._log.append((pending.r, pending.b, committed))
+        machine._record_ring(now - pending.since, pending.view)
+        table.mark_served(pending.view)
         if not committed:
-            self._emit(PutBack(pending.r))
+            machine._emit(PutBack(pending.r))
         else:
-            self.history.append(pending.r, pending.view, pending.total)  # (idle, total 0: the chain stays as it was)
-            self._last_view = pending.view
-            self._elsewhere.difference_update(pending.view)
-            for q in self.table.live_synced() if pending.total else ():  # synced, not in the view: behind us now
-                if q not in pending.view and self.table.unsynced(q) and self.lead and not self._is_left_out(q, now):
-                    self._tell.add(q)  # tell it, and hold the next boundary while it catches up
-                    self._admit[q] = now + self.config.join_hold
+            machine.history.append(pending.r, pending.view, pending.total)  # (idle, total 0: the chain stays)
+            machine._last_view = pending.view
+            machine.lineage.shared_round(pending.view)
+            for q in table.live_synced() if pending.total else ():  # synced, not in the view: behind us now
+                if q not in pending.view and table.unsynced(q) and machine.leader.hold_for_behind(q, now):
+                    machine._tell.add(q)  # tell it (the leader holds the next boundary while it catches up)
             for q in pending.view:
-                self.table.synced(q, self.history.version, self.history.digest, pending.r)
-            self._emit(Apply(pending.r, pending.total, pending.view))
-        self._set_self()
+                table.synced(q, machine.history.version, machine.history.digest, pending.r)
+            machine._emit(Apply(pending.r, pending.total, pending.view))
+        machine._set_self()
+
+    def check_stall(self, now: float) -> None:
+        """On a tick: our READY or DONE waits longer than its deadline for the leader's answer
+        (a Stall at 1, 2, 4... deadlines); a READY is sent again, in case a link lost it."""
+        machine, pending = self.machine, self.pending
+        if pending is not None and pending.phase in (READIED, RINGED) and pending.b[1] != machine.id:
+            waited = now - pending.since
+            if waited >= pending.mark * machine._deadline(pending.phase, pending.view):
+                what = "start" if pending.phase == READIED else "decision"
+                machine._emit(Stall((pending.b[1],), what, waited, pending.r))
+                pending.mark *= 2
+                if pending.phase == READIED:  # our READY, or its START or ABORT, may have been lost with a link:
+                    machine._send(pending.b[1], self._ready_msg(pending))  # its leader answers again (``on_ready``)

@@ -41,6 +41,14 @@ def beats(a: tuple | None, b: tuple | None) -> bool:
     return b is None or (a is not None and (a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])))
 
 
+def move(table: dict, phase, event):
+    """The next phase from ``table`` ((phase, event) -> next phase: a part's transitions, the
+    only ones there are); a pair not listed is our bug."""
+    if (phase, event) not in table:
+        raise RuntimeError(f"no transition from {phase} on {event}")  # our bug
+    return table[(phase, event)]
+
+
 # Security limits on what a peer may send (the frame layer bounds the header to 16 KiB too).
 MAX_VIEW = 256
 MAX_REASON = 200

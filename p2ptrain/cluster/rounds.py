@@ -18,12 +18,24 @@ a round number they have seen.
 
 Ballots. Every message of a leader carries its ballot b = (epoch, its id). A member obeys
 the best ballot it has seen (higher epoch; on a tie the smaller id) and answers a worse one,
-or a view naming a peer it has no link to, with NACK. The machine is one object with three
-roles, each a mixin in its own module: the member's side (``p2ptrain.cluster.member``,
-its transitions ``_MEMBER``), the leader's side (``p2ptrain.cluster.leader``: taking the
-lead, fencing, attempts left in doubt, refusals under partial connectivity; ``_LEADER``),
-and lineage (``p2ptrain.cluster.lineage``: STATUS, comparing chains, loading state). This
-module is the machine itself: its inputs, the plumbing between them, and deadlines.
+or a view naming a peer it has no link to, with NACK.
+
+Who owns what. The machine is one object holding four parts, each a plain class in its own
+module that owns its own state (set in its ``__init__``; no other object assigns it):
+``member`` (``p2ptrain.cluster.member.Member``: the attempt this peer takes part in, ``pending``,
+and the ballot it obeys, ``promised``; transitions ``_MEMBER``), ``leader``
+(``p2ptrain.cluster.leader.Leader``: the attempts it sequences, ``lead``; taking the lead,
+fencing, attempts left in doubt, holds for joiners, refusals under partial connectivity, solo;
+transitions ``_LEADER``), ``lineage`` (``p2ptrain.cluster.lineage.LineageKeeper``: STATUS,
+comparing chains, loading state) and ``ending`` (``p2ptrain.cluster.ending.Ending``: the run's
+limits, ``ended``). The machine owns the core they share and advance: ``table``, ``history``,
+``round``, ``synced``, ``max_epoch``, ``config``, ``counters``, the deadlines' timers, the log
+of attempts (``_log``), the last committed view, and the plumbing (``_send``, ``_broadcast``,
+``_emit``; ``_tell``: peers owed our STATUS). Each part holds the machine (``self.machine``)
+and reaches the other parts through it; a part's methods without an underscore are what the
+machine and the other parts call. This module is the machine itself: its inputs, which part
+handles each message (``_dispatch``), the plumbing, and deadlines; ``pending``, ``promised``,
+``lead`` and ``ended`` are read-only views of the parts' state for the host.
 Call order: hand each event to one method; carry out the returned actions in order. A
 malformed or impossible message raises ``RemoteProtocolError`` (drop that link); a stale
 one is counted in ``counters``.
@@ -36,14 +48,13 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from p2ptrain.cluster.leader import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
-from p2ptrain.cluster.ending import EndRole
-from p2ptrain.cluster.leader import COLLECTING, QUERYING, RUNNING, SOLO, LeaderRole
-from p2ptrain.cluster.lineage import LineageRole
-from p2ptrain.cluster.member import MemberRole, _Pending
+from p2ptrain.cluster.ending import Ending
+from p2ptrain.cluster.leader import COLLECTING, QUERYING, SOLO, Leader, _Lead
+from p2ptrain.cluster.lineage import LineageKeeper
+from p2ptrain.cluster.member import Member, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, END, GOODBYE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
-                                       RINGED, START, STATUS, Broadcast, PutBack, Send, Stall, parse)
-
+                                       START, STATUS, Broadcast, Send, parse)
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ class RoundConfig:
     deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
 
 
-class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
+class RoundMachine:
     """One peer's rounds. It starts not synced: call ``on_synced`` with a founder's SyncPoint or
     a snapshot's ``sync_point()``. The host feeds beacons to ``table.heard`` itself and calls
     ``on_tick`` about every 100 ms; every other event comes through the ``on_*`` methods."""
@@ -82,28 +93,46 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         self.id, self.config = peer_id, config or RoundConfig()
         self.table = table or PeerTable(peer_id)
         self.history, self.synced, self.round = History(), False, -1
-        self.promised: tuple | None = None  # the best ballot seen: the leader we obey
-        self.max_epoch = 0
-        self.pending: _Pending | None = None
-        self._init_leader()  # lead (the attempts we sequence), and the leader's bookkeeping
-        self._init_lineage()  # a leader leaving us out of its views, and a load put off until then
-        self._init_end()  # the run's limits, and whether it ended (``ended``)
+        self.max_epoch = 0  # the highest epoch of any ballot seen (a takeover takes the next)
         self.counters: Counter = Counter()
         self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
         self._timed_view: frozenset = frozenset()  # the view whose rings timers["ring"] has measured
+        self._nbytes = 0  # the ring buffer's size, for the deadline
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
         self._seen_r = -1  # the highest round number seen in any proposal
-        self._proposed: tuple = ()  # the last attempt proposed to us that we took up
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
-        self._hello, self._hello_until = set(), 0.0  # after on_synced: STATUS still awaited
-        self._deferred: dict = {}  # STATUS that arrived while our own version was in flight
         self._tell: set = set()  # peers to send our STATUS once this event is handled
-        self._nbytes, self._left = 0, False
-        self._asked: set = set()  # rounds whose Contribute the host has not answered yet
+        self._left = False  # we said goodbye: every later event is ignored
         self._now = 0.0  # the time of the event being handled
-        self._out: list = []
+        self._out: list = []  # the actions of the event being handled
         self._loop: deque = deque()  # messages to ourselves
+        # The parts: each owns its own state (see the module docstring).
+        self.member = Member(self)  # the attempt we take part in, the ballot we obey
+        self.leader = Leader(self)  # the attempts we sequence, and the leader's bookkeeping
+        self.lineage = LineageKeeper(self)  # whether peers hold our state; a load put off
+        self.ending = Ending(self)  # the run's limits, and whether it ended
+
+    # -- the parts' state the host reads (read-only here: each part owns its own) ---------------
+    @property
+    def pending(self) -> _Pending | None:
+        """The attempt we take part in as a member (``member``)."""
+        return self.member.pending
+
+    @property
+    def promised(self) -> tuple | None:
+        """The best ballot seen: the leader we obey (``member``)."""
+        return self.member.promised
+
+    @property
+    def lead(self) -> _Lead | None:
+        """The attempts we sequence as leader; None if we do not lead (``leader``)."""
+        return self.leader.lead
+
+    @property
+    def ended(self) -> int | None:
+        """The version at which the cluster's run ended here; None while it goes on (``ending``)."""
+        return self.ending.ended
 
     # -- inputs ------------------------------------------------------------------------------
     def on_message(self, sender: str, msg: dict, now: float) -> list:
@@ -126,10 +155,10 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         if type(samples) is not int or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         self._nbytes = nbytes or self._nbytes  # the ring buffer's size, for the deadline
-        return self._run(now, self._contributed, r, samples, now)
+        return self._run(now, self.member.contributed, r, samples, now)
 
     def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None) -> list:
-        return self._run(now, self._ring_done, r, bool(ok), now, checksum)
+        return self._run(now, self.member.ring_done, r, bool(ok), now, checksum)
 
     def on_synced(self, point: SyncPoint, now: float, donor: str | None = None) -> list:
         """Our state is now the one ``point`` describes (a snapshot from ``donor``, or a
@@ -138,60 +167,60 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         we lead that side before we see its leader (a replugged peer with a small id, linked
         to one member first, took the members away from their leader, which then loaded state)."""
         self.history, self.round = History(point.version, point.digest, point.window), point.round
-        self.synced, self.pending, self.promised, self._asked = True, None, None, set()
+        self.synced = True
+        self.member.reset()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
-        self._last_view, self._elsewhere = (), set()  # (our side is the one we loaded: see _side)
+        self._last_view = ()  # (our side is the one we loaded: see ``lineage``)
         if donor is not None and donor != self.id and self.table.is_live(donor):
             self.table.synced(donor, point.version, point.digest, point.round, now)
-        if donor is not None and self._side_leader not in ("", self.id):  # that side has a leader:
-            self._rival, self._no_lead_until = self._side_leader, now + self.config.query_timeout  # not us
+        side_leader = self.lineage.side_leader
+        if donor is not None and side_leader not in ("", self.id):  # that side has a leader: not us
+            self.leader.back_off(side_leader, now)
         self._set_self()
-        self._hello, self._hello_until = set(self._peers()), now + self.config.query_timeout
-        return self._run(now, self._tell.update, self._hello)
+        self.lineage.on_synced(self._peers(), now)
+        return self._run(now, self._tell.update, self.lineage.hello)
 
     # -- a peer alone (``leader``: solo) --------------------------------------------------------
     @property
     def solo(self) -> bool:
         """Solo: the host's trainer applies batches at once and the host commits their rounds."""
-        return self.lead is not None and self.lead.phase == SOLO
+        return self.leader.lead is not None and self.leader.lead.phase == SOLO
 
     def solo_round(self) -> int | None:
         """The round a first batch applied alone would be committed as (the next ones follow
         it), if we may go solo now (``leader``); else None."""
-        return None if self.solo or not self._may_go_solo() else self.lead.r
+        return None if self.solo or not self.leader.may_go_solo() else self.leader.lead.r
 
     def begin_solo(self, now: float) -> None:
         """Go solo (at ``solo_round``): the round collecting our batch is withdrawn."""
         if self.solo_round() is None:
             raise RuntimeError("not alone, or not between our own batches: no solo now")  # our bug
-        self._run(now, self._begin_solo)  # (it sends or emits nothing)
+        self._run(now, self.leader.begin_solo)  # (it sends or emits nothing)
 
     def solo_may_go_on(self, now: float) -> bool:
         """Not once the run is over (its last version, or its deadline): ``end_solo`` ends it."""
-        return not self._run_over(now)
+        return not self.ending.run_over(now)
 
     @property
     def last_version(self) -> int:
         """The version at which the cluster's run ends (0: none set)."""
-        return self._limits()[0]
+        return self.ending.limits()[0]
 
     def commit_solo(self, commits, now: float) -> list:
         """The rounds of batches applied alone: [(round, samples)], in order."""
-        return self._run(now, self._commit_solo, list(commits))
+        return self._run(now, self.leader.commit_solo, list(commits))
 
     def end_solo(self, now: float) -> list:
         """Back to rounds (the host's trainer no longer applies batches alone)."""
-        return self._run(now, self._end_solo, now) if self.solo else []
+        return self._run(now, self.leader.end_solo, now) if self.solo else []
 
     def leave(self, now: float) -> list:
         """Say goodbye; the machine is done (an outstanding contribution is put back)."""
         def go():
-            if self.lead and self.lead.phase in (COLLECTING, RUNNING):
-                self._abort(now, "the leader is leaving", drop=[self.id], routine=True)
-            if self.pending and self.pending.samples is not None:
-                self._emit(PutBack(self.pending.r))
-            self._broadcast({"t": GOODBYE, "end": self.ended}, self._peers())
-            self.pending, self.lead, self.synced, self._left = None, None, False, True
+            self.leader.leave(now)
+            self.member.leave()
+            self._broadcast({"t": GOODBYE, "end": self.ending.ended}, self._peers())
+            self.synced, self._left = False, True
         return self._run(now, go)
 
     def hold_for(self, peer: str, now: float, sending: bool = False) -> list:
@@ -200,13 +229,7 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         until the peer reports that state, so that it is not behind once it has loaded. (A
         hold of ``join_hold`` from the start left a joiner whose download took longer, a big
         model over Wi-Fi, behind after every load: it loaded again, and never caught up.)"""
-        def go():
-            if sending:
-                if self.lead is not None and not self._is_left_out(peer, now):
-                    self._admit[peer], self._held[peer] = math.inf, self.history.version
-            elif self._admit.get(peer) == math.inf:
-                self._admit[peer] = now + self.config.join_hold
-        return self._run(now, go)
+        return self._run(now, self.leader.hold_for, peer, now, sending)
 
     def sync_point(self) -> SyncPoint:
         return SyncPoint(self.history.version, self.history.digest, self.round, self.max_epoch)
@@ -217,17 +240,17 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
 
     @property
     def is_leader(self) -> bool:
-        return self.lead is not None
+        return self.leader.lead is not None
 
     def members(self) -> int:
         """Peers that train together, us included: the live synced ones in our table, or the
         view our leader proposed to us if that is more. A peer dropped from a round (a refusal,
         a timeout) is marked unsynced here until it shows its STATUS to us, which it may not do
         before the next round commits; the leader, which heard it, proposes it again."""
-        pending = self.pending
+        pending = self.member.pending
         return max(len(self.table.live_synced()), len(pending.view) if pending is not None else 0)
 
-    # -- plumbing ----------------------------------------------------------------------------
+    # -- plumbing (the parts send, emit and read the peer table through these) -------------------
     def _run(self, now, fn, *args, tick=False) -> list:
         self._out, self._now = [], now
         if self._left:
@@ -236,16 +259,15 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         for _ in range(1000):  # our own messages, deferred STATUS, the leader's next step: until quiet
             while self._loop:
                 self._dispatch(self.id, parse(self._loop.popleft()), now)
-            if self._deferred and self.synced and not (self.pending and self.pending.started):
-                deferred, self._deferred = self._deferred, {}
-                for s in sorted(deferred):
-                    self._compare(s, deferred[s], now)
-            before = self.lead and (self.lead.phase, self.lead.r)
-            self._drive(now, tick)
+            self.lineage.compare_deferred(now)
+            lead = self.leader.lead
+            before = lead and (lead.phase, lead.r)
+            self.leader.drive(now, tick)
             for p in sorted(self._tell - {self.id}):
-                self._send(p, self._status(to=p))
+                self._send(p, self.lineage.status(to=p))
             self._tell.clear()
-            if not self._loop and before == (self.lead and (self.lead.phase, self.lead.r)):
+            lead = self.leader.lead
+            if not self._loop and before == (lead and (lead.phase, lead.r)):
                 return self._out
         raise RuntimeError("round machine did not settle")  # our bug
 
@@ -265,24 +287,20 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
     def _peers(self) -> list:
         return [p for p in self.table.ids(SYNCING, SYNCED) if p != self.id]
 
-    def _move(self, table: dict, phase, event):
-        if (phase, event) not in table:
-            raise RuntimeError(f"no transition from {phase} on {event}")  # our bug
-        return table[(phase, event)]
-
     def _dispatch(self, sender: str, message: dict, now: float) -> None:
         self.table.message(sender, now)
-        if self.ended is not None:  # the run is over here: say so to whoever asks, take part in nothing
+        if self.ending.ended is not None:  # the run is over here: say so to whoever asks, take part in nothing
             if message["t"] in (QUERY, STATUS) and not message.get("re"):
-                self._send(sender, self._status(re=True))
+                self._send(sender, self.lineage.status(re=True))
             elif message["t"] == GOODBYE:
                 self.table.said_goodbye(sender, now)
             return
         if message["t"] in (QUERY, PROPOSE, START, COMMIT, ABORT):
             self._seen_r, self._heard_lead = max(self._seen_r, message.get("r", -1)), now
-        {QUERY: self._on_query, STATUS: self._on_status, PROPOSE: self._on_propose, READY: self._on_ready,
-         START: self._on_start, DONE: self._on_done, COMMIT: self._on_decision, ABORT: self._on_decision,
-         NACK: self._on_nack, GOODBYE: self._on_goodbye, END: self._on_end}[message["t"]](sender, message, now)
+        member, leader = self.member, self.leader
+        {QUERY: member.on_query, STATUS: self.lineage.on_status, PROPOSE: member.on_propose, READY: leader.on_ready,
+         START: member.on_start, DONE: leader.on_done, COMMIT: member.on_decision, ABORT: member.on_decision,
+         NACK: leader.on_nack, GOODBYE: self._on_goodbye, END: self.ending.on_end}[message["t"]](sender, message, now)
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
@@ -291,20 +309,15 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         self.table.said_goodbye(sender, now)
         self._gone(sender, now, "said goodbye", routine=True)
         if message["end"] is not None:
-            self._heard_end(sender, message["end"], now)
+            self.ending.heard_end(sender, message["end"], now)
 
     def _gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
         """Peer s can no longer take part: re-form at once, without waiting for a deadline.
         ``routine``: it said goodbye (a round it aborts is logged at info, not as a warning)."""
-        lead, pending = self.lead, self.pending
-        if lead is not None and lead.phase == QUERYING:
-            lead.waiting.discard(s)
-        elif lead is not None and lead.phase in (COLLECTING, RUNNING) and s in lead.view:
-            self._abort(now, f"{s} {why}", drop=[s], routine=routine)
+        pending = self.member.pending
+        self.leader.peer_gone(s, now, why, routine)
         if pending is not None and not pending.started and pending.b[1] == s:
-            self._withdraw(pending)
-        if s == self._rival and not self.table.is_live(s):  # lost (link, goodbye, silence), not just behind
-            self._rival, self._no_lead_until = "", float("-inf")  # the leader we backed off from is gone
+            self.member.withdraw(pending)
 
     # -- time --------------------------------------------------------------------------------
     def _link_bytes(self, n: int) -> int:
@@ -328,38 +341,15 @@ class RoundMachine(MemberRole, LeaderRole, LineageRole, EndRole):
         return timer.deadline(self._link_bytes(len(view)))
 
     def _tick(self, now: float) -> None:
-        if self.ended is not None:
+        if self.ending.ended is not None:
             return
-        self._tick_lineage(now)
+        self.lineage.tick(now)
         for peer in self.table.expire(now, self.config.peer_timeout):
             self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
-        lead, pending = self.lead, self.pending
-        if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
-            waited = now - lead.since
-            if waited >= lead.mark * self._deadline(lead.phase, lead.view):
-                what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[lead.phase]
-                self._emit(Stall(tuple(sorted(lead.waiting)), what, waited, lead.r))
-                if lead.mark < 1.0:
-                    lead.mark = 1.0
-                elif lead.phase == QUERYING:  # the silent are left out until they show a STATUS
-                    self._tell.update(lead.waiting)
-                    for q in lead.waiting:
-                        self.table.unsynced(q)
-                    lead.waiting.clear()
-                elif lead.phase == COLLECTING and lead.mark * 2 <= self.config.ready_patience:
-                    lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
-                else:
-                    self._abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
-                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
+        pending = self.member.pending
+        self.leader.check_stall(now)
         quiet = min(2 * self.config.query_timeout, self.config.peer_timeout / 2)  # well before we seem dead
         if self.synced and (pending is None or pending.started) and now - self._heard_lead > quiet:
             self._heard_lead = now  # no leader speaks to us: we may be left out, or in doubt, unheard
-            self._broadcast(self._status(), self._peers())
-        if pending is not None and pending.phase in (READIED, RINGED) and pending.b[1] != self.id:
-            waited = now - pending.since
-            if waited >= pending.mark * self._deadline(pending.phase, pending.view):
-                what = "start" if pending.phase == READIED else "decision"
-                self._emit(Stall((pending.b[1],), what, waited, pending.r))
-                pending.mark *= 2
-                if pending.phase == READIED:  # our READY, or its START or ABORT, may have been lost with a link:
-                    self._send(pending.b[1], self._ready_msg(pending))  # its leader answers again (``_on_ready``)
+            self._broadcast(self.lineage.status(), self._peers())
+        self.member.check_stall(now)
