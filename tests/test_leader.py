@@ -45,7 +45,7 @@ def test_left_out_peer_is_back_in_the_view_once_its_time_out_is_over():
     net.run(2.5)
     assert proposals(net)[-1] == ("a", "b", "c", "d")
     assert net.applied("d")[-1][1] == ("a", "b", "c", "d")
-    assert "d" not in net.m["a"].leader._left_out  # it took part again: a later refusal starts from 2 s
+    assert "d" not in net.m["a"].leader.refusals._left_out  # it took part again: a later refusal starts from 2 s
     net.check_safety()
     net.check_nothing_lost()
 
@@ -85,12 +85,12 @@ def test_a_replugged_peer_that_reaches_one_of_two_members_is_left_out_not_the_me
     net.reconnect("a", "c")
     if first == "c":  # c's refusal decides: on the bus b's comes first, so a is handed c's directly
         a = net.m["a"]
-        a.leader._missing_at["b"] = net.now  # (named missing a moment ago: this refusal is the second)
+        a.leader.refusals._missing_at["b"] = net.now  # (named missing a moment ago: this refusal is the second)
         a.lead.phase, a.lead.view, a.lead.waiting = COLLECTING, ("a", "b", "c"), {"a", "b", "c"}
         nack = {"t": M.NACK, "r": a.lead.r, "b": list(a.lead.b), "reason": "no link", "missing": ["b"]}
         net.handle("a", a.on_message("c", nack, net.now))
     net.run(2.0)
-    assert "b" not in net.m["a"].leader._left_out and net.m["a"].leader.is_left_out("c", net.now)
+    assert "b" not in net.m["a"].leader.refusals._left_out and net.m["a"].leader.refusals.is_left_out("c", net.now)
     assert net.applied("b")[-1][1] == ("a", "b") and len(net.resyncs["b"]) == loads
     net.reconnect("b", "c")
     net.run(LEAVE_OUT + 2.0)
@@ -113,8 +113,8 @@ def test_refusal_without_missing_from_an_older_peer_drops_it_and_backs_off():
     net.hold_a_round("")  # a proposed and waits for READY
     L = net.m["a"].lead
     net.handle("a", net.m["a"].on_message("b", {"t": M.NACK, "r": L.r, "b": list(L.b), "reason": "x"}, net.now))
-    assert net.sent("a", M.ABORT)[-1]["drop"] == ["b"] and net.m["a"].leader._left_out == {}
-    assert net.m["a"].leader._refused_until == net.now + REFUSAL_BACKOFF
+    assert net.sent("a", M.ABORT)[-1]["drop"] == ["b"] and net.m["a"].leader.refusals._left_out == {}
+    assert net.m["a"].leader.refusals._refused_until == net.now + REFUSAL_BACKOFF
 
 
 # -- taking the lead: a leader goes, rivals for a moment ----------------------------------------

@@ -99,7 +99,7 @@ def test_a_left_out_peer_that_is_behind_waits_for_its_time_out_instead_of_loadin
     net = cluster("abcd", run=0.5)
     net.cut("b", "d")
     net.run(1.0)  # (refused twice: d is left out)
-    until = net.m["a"].leader._left_out["d"][0]
+    until = net.m["a"].leader.refusals._left_out["d"][0]
     net.reconnect("b", "d")
     net.manual_sync.add("d")  # this test loads d's state itself, late
     net.run(0.3)

@@ -1,10 +1,14 @@
-"""The leader role of the round machine: taking the lead, proposing, deciding. Pure code, no I/O.
+"""The leader part of the round machine: taking the lead, proposing, deciding. Pure code, no I/O.
 
-``LeaderRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its state and plumbing (``_send``,
-``_broadcast``, ``_emit``, ``_move``, ``table``, ``history``) are the machine's. ``rounds`` tells
-the round itself, ``member`` the member side; this module is what only the peer that sequences rounds
-does. The machine calls ``_drive`` after every event, and ``_on_ready``, ``_on_done``,
-``_on_nack`` for the messages a leader receives.
+``Leader`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine`` (``machine.leader``). It
+owns the attempts this peer sequences (``lead``), the decisions it took, the holds for joiners
+catching up, the back-off from a rival, and, as a part of its own, the refusals under partial
+connectivity (``refusals``: ``p2ptrain.cluster.refusals``). It reads and advances the machine's
+core (``table``, ``history``, ``round``, the attempt log) and sends through it (``_send``,
+``_broadcast``, ``_emit``). ``rounds`` tells the round itself, ``member`` the member side; this
+module is what only the peer that sequences rounds does. The machine calls ``drive`` after every
+event, ``check_stall`` on a tick, and ``on_ready``, ``on_done``, ``on_nack`` for the messages a
+leader receives; the other parts call ``step_down``, ``abort``, ``resolve`` and the holds.
 
 Ballots. A leader holds b = (epoch, its id). A member obeys the best ballot it has seen
 (higher epoch; on a tie the smaller id) and answers a worse one with NACK, so two peers that
@@ -19,28 +23,15 @@ who else is synced. A leader superseded by a rival it does not see as synced bac
 ``query_timeout`` instead of flip-flopping with it every round; the back-off ends as soon as
 that rival is lost (link lost, goodbye, silent), so that a rival that dies costs a tick.
 
-Refusals. A member refuses (NACK) a view naming a peer it has no link to, and names them
-(``missing``). The first time, the link is most likely re-forming (a replugged cable, a
-mesh still forming): the refuser is dropped, hears our STATUS, and the next proposal waits
-REFUSAL_BACKOFF. A peer named missing again within MISSING_AGAIN seconds is left out of our
-views for LEAVE_OUT seconds, doubling while refusals repeat (LEAVE_OUT_MAX at most), so the
-rest keep training under partial connectivity; if the refuser misses more of the view than it
-reaches, the refuser is left out instead. On a tie the side that was not in our last round is
-left out, else the refuser: at three peers, a peer replugged and linked to one member so far is
-left out, whichever of the two refuses, not the member it has no link to yet, which would fall
-behind and load state. (Leaving a peer out at the first refusal made it
-chase the leader's version, loading state again and again while it was out.) A left-out peer still hears every COMMIT (a leader that speaks
-to it keeps it from asking around and loading state again and again); when its time is over
-it hears our STATUS, catches up (we hold the boundary) and is in the next view. A refusal
-that names nobody (an older peer) drops the refuser and delays the next proposal by
-REFUSAL_BACKOFF, so that it cannot loop at once.
+Refusals. A member that refuses a view (NACK) naming peers it has no link to is dropped, or
+those peers are left out of our views a while (``refusals``, whose docstring tells the rules).
 
 A peer alone (``solo``). A leader whose view is itself alone, with nobody else known, asks its
 host at every round for a batch and commits it with no ring: the host (``Cluster``) may take
 that cost off every step by letting its trainer apply each batch at once and hearing of them
-after. ``_begin_solo`` withdraws the attempt collecting our batch (it has none yet), and the
-rounds of the batches applied meanwhile are committed in order by ``_commit_solo``, each as a
-round of one member would be: the same chain, round numbers and log. ``_end_solo`` goes back to
+after. ``begin_solo`` withdraws the attempt collecting our batch (it has none yet), and the
+rounds of the batches applied meanwhile are committed in order by ``commit_solo``, each as a
+round of one member would be: the same chain, round numbers and log. ``end_solo`` goes back to
 proposing rounds. While solo the host hands the machine ticks only (a tick changes no round
 number then); any other event, a peer linked or a message, ends solo first (``Cluster``).
 
@@ -60,13 +51,11 @@ from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED, History
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log, Stall,
-                                       beats, move, parse)
+from p2ptrain.cluster.refusals import Refusals
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log,
+                                       Stall, beats, move, parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
-REFUSAL_BACKOFF = 0.25  # seconds a leader waits before proposing again after a member refused
-LEAVE_OUT, LEAVE_OUT_MAX = 2.0, 30.0  # a peer a member cannot reach stays out of views this long, doubling
-MISSING_AGAIN = 5.0  # a peer named missing twice within this many seconds is left out (once: a link re-forming)
 USUAL_SLACK = 1.5  # a round first says it stalls once it waits this many times the usual wait (if past half its deadline)
 
 # (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
@@ -106,9 +95,7 @@ class Leader:
         self._admit: dict = {}  # joiners catching up: peer -> hold the boundary until
         self._held: dict = {}  # the version a joiner had when we last held for it
         self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
-        self._refused_until = float("-inf")  # no proposal before this (a member just refused one)
-        self._left_out: dict = {}  # peer a member could not reach -> (out of our views until, for how long)
-        self._missing_at: dict = {}  # peer a member last said it could not reach -> when
+        self.refusals = Refusals(machine)  # peers our views leave out: a member could not reach them
         self._said_waiting = False
 
     # -- what the machine and the other parts tell us ------------------------------------------
@@ -140,7 +127,7 @@ class Leader:
         """``RoundMachine.hold_for``: while our state is on its way to ``peer`` (``sending``),
         hold the boundary; once sent, ``join_hold`` at most more."""
         if sending:
-            if self.lead is not None and not self.is_left_out(peer, now):
+            if self.lead is not None and not self.refusals.is_left_out(peer, now):
                 self._admit[peer], self._held[peer] = math.inf, self.machine.history.version
         elif self._admit.get(peer) == math.inf:
             self._admit[peer] = now + self.machine.config.join_hold
@@ -148,7 +135,7 @@ class Leader:
     def hold_for_behind(self, peer: str, now: float) -> bool:
         """A synced peer left out of a round we just committed is behind now: as leader (unless
         our views leave it out), hold the next boundary while it catches up. True if we hold."""
-        if self.lead is None or self.is_left_out(peer, now):
+        if self.lead is None or self.refusals.is_left_out(peer, now):
             return False
         self._admit[peer] = now + self.machine.config.join_hold
         return True
@@ -156,7 +143,7 @@ class Leader:
     def hold_for_joiner(self, peer: str, version: int, now: float) -> None:
         """A STATUS shows ``peer`` behind, at ``version``: as leader, hold the boundary while it
         loads (once per version it reports)."""
-        if self.lead and self._held.get(peer, -1) < version and not self.is_left_out(peer, now):
+        if self.lead and self._held.get(peer, -1) < version and not self.refusals.is_left_out(peer, now):
             self._held[peer], self._admit[peer] = version, now + self.machine.config.join_hold
 
     def caught_up(self, peer: str) -> None:
@@ -268,7 +255,7 @@ class Leader:
                     machine._send(peer, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
                 else:
                     machine._send(peer, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
-                                   "reason": "its leader was lost"})
+                                         "reason": "its leader was lost"})
             after[peer] = (version, digest)
         return after
 
@@ -293,25 +280,19 @@ class Leader:
                 machine._emit(Log("info", why))
             return
         self._said_waiting = False
-        if now < self._refused_until:
+        if not self.refusals.may_propose(now):
             return
-        for q, (until, secs) in list(self._left_out.items()):
-            if q not in machine.table:
-                del self._left_out[q]
-            elif float("-inf") < until <= now:  # its time out is over: it hears our state,
-                self._left_out[q] = (float("-inf"), secs)  # loads it if behind, and is in the next view
-                machine._tell.add(q)
         self._admit = {p: t for p, t in self._admit.items() if t > now and machine.table.is_live(p)}
         if self._admit:
             return  # at the boundary, for a joiner catching up
-        view = tuple(p for p in machine.table.live_synced() if p == machine.id or not self.is_left_out(p, now))
+        view = tuple(p for p in machine.table.live_synced() if p == machine.id or not self.refusals.is_left_out(p, now))
         if len(view) < machine.config.min_peers:
             return  # (peers left out for a while: wait for them)
         lead.phase, lead.view = move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
         lead.waiting, lead.got, lead.failed = set(lead.view), {}, set()
         machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
-                         "end": machine.ending.limits_msg(now)}, lead.view)
+                            "end": machine.ending.limits_msg(now)}, lead.view)
 
     def _lead_msg(self, s, m) -> _Lead | None:
         """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
@@ -397,11 +378,9 @@ class Leader:
         if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
             machine._emit(Log("info", f"round {lead.r}: parameter checksums differ ({len(sums)} kinds)"))
         self._decide((lead.r, lead.b), True)
-        for p in lead.view:  # in a round that worked: a later refusal starts from LEAVE_OUT again
-            self._left_out.pop(p, None)
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
-        out = [p for p in self._left_out if self.is_left_out(p, now) and machine.table.is_live(p)]
+        out = self.refusals.committed(lead.view, now)
         machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b)}, sorted(set(lead.view) | set(out)))
         lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
 
@@ -417,7 +396,7 @@ class Leader:
             if tell:  # it may be alive: our STATUS lets it show its own and come back
                 machine._tell.add(q)
         machine._broadcast({"t": ABORT, "r": lead.r, "b": list(lead.b), "reason": reason[:MAX_REASON], "drop": drop},
-                        sorted(set(lead.view) | set(drop)))
+                           sorted(set(lead.view) | set(drop)))
         machine._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
         lead.phase, lead.r = move(_LEADER, lead.phase, ABORT), lead.r + 1
 
@@ -428,41 +407,8 @@ class Leader:
         if lead is not None and beats(message["b"], lead.b):
             self.step_down(now, f"{sender} follows {message['b'][1]} (epoch {message['b'][0]})", rival=message["b"][1])
         elif lead is not None and message["r"] == lead.r and lead.phase == COLLECTING and sender in lead.view:
-            missing = sorted(set(message["missing"] or ()) & set(lead.view) - {machine.id, sender})
-            again = [q for q in missing  # (a peer left out before, and not in a round since, counts too)
-                     if q in self._left_out or now - self._missing_at.get(q, float("-inf")) < MISSING_AGAIN]
-            self._missing_at.update((q, now) for q in missing)
-            if again:  # no link to them, again: leave them out a while (or it, if they are more)
-                fewer = 2 * len(missing) - (len(lead.view) - 1)  # < 0: it misses fewer than it reaches
-                newcomers = sender in machine._last_view and not set(missing) & set(machine._last_view)
-                out = missing if fewer < 0 or (fewer == 0 and newcomers) else [sender]  # (a tie: the newcomers)
-                self._leave_out(out, now, f"{sender} is not connected to {', '.join(missing)}")
-                return self.abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[])
-            # Told our STATUS, it comes back as soon as it shows it is synced (a mesh still
-            # forming refuses for a moment; waiting for its idle re-announce took 10 s), and
-            # the next proposal waits REFUSAL_BACKOFF so that a refusal cannot loop at once.
-            self.abort(now, f"{sender} refused the proposal: {message['reason']}", drop=[sender])
-            self._refused_until = now + REFUSAL_BACKOFF
-
-    def _leave_out(self, peers, now: float, why: str) -> None:
-        """Partial connectivity: views leave ``peers`` out for LEAVE_OUT seconds, doubling while
-        refusals repeat (up to LEAVE_OUT_MAX), so that the others train meanwhile. A round
-        that commits with a peer in it clears its record."""
-        for q in peers:
-            secs = min(2 * self._left_out.get(q, (0.0, LEAVE_OUT / 2))[1], LEAVE_OUT_MAX)
-            self._left_out[q] = (now + secs, secs)
-            self.machine._emit(Log("info", f"leaving {q} out of the rounds for {secs:g} s: {why}"))
-
-    def is_left_out(self, peer: str, now: float) -> bool:
-        return self._left_out.get(peer, (float("-inf"),))[0] > now
-
-    def out_for(self, peer: str) -> float | None:
-        """Seconds our views still leave ``peer`` out, for its STATUS: a peer left out and
-        behind waits for us rather than load our state again after every round it misses; 0
-        once its time is over (it loads now if behind); None for a peer never left out."""
-        if peer not in self._left_out:
-            return None
-        return round(max(0.0, self._left_out[peer][0] - self.machine._now), 3)
+            drop = self.refusals.refused(sender, message["missing"], lead.view, now)  # (it or nobody)
+            self.abort(now, f"{sender} refused the proposal: {message['reason']}", drop=drop)
 
     # -- a peer alone (see the module docstring) -------------------------------------------------
     def may_go_solo(self) -> bool:

@@ -1,13 +1,17 @@
-"""The lineage half of the round machine: comparing chains in STATUS, loading state. Pure code, no I/O.
+"""The lineage part of the round machine: comparing chains in STATUS, loading state. Pure code, no I/O.
 
-``LineageRole`` is a mixin of ``p2ptrain.cluster.rounds.RoundMachine``: its state and plumbing (``_send``,
-``_broadcast``, ``_emit``, ``_gone``, ``table``, ``history``) are the machine's, and where this
-peer leads it calls the leader's (``_resolve``, ``_abort``, ``_step_down``, ``_out_for``).
-``rounds`` tells the round itself and the member side, ``leader`` what the peer that sequences
-rounds does; this module is how peers find out whether they hold the same state, and which of
-them loads another's. The machine calls ``_on_status`` for a STATUS, ``_compare`` for one put off
-(``_deferred``) while a round of its own was in flight, ``_status`` for every STATUS it sends,
-and ``_tick_lineage`` on a tick.
+``LineageKeeper`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine``
+(``machine.lineage``). It owns what peers' STATUS told us: a load put off (``load_later``), how
+long a leader leaves us out (``out_until``), the leader of the side we load (``side_leader``),
+the peers that showed another state, the STATUS still awaited after loading (``hello``) and
+those put off while a round of ours was in flight. It reads the machine's core (``table``,
+``history``, ``round``, the attempt log), sends through it (``_send``, ``_broadcast``,
+``_emit``, ``_gone``), and where this peer leads calls the leader part (``resolve``, ``abort``,
+``step_down``, the holds). ``rounds`` tells the round itself, ``member`` the member side,
+``leader`` what the peer that sequences rounds does; this module is how peers find out whether
+they hold the same state, and which of them loads another's. The machine calls ``on_status``
+for a STATUS, ``compare_deferred`` once no round of ours is in flight, ``status`` for every
+STATUS it sends, and ``tick`` on a tick.
 
 Lineage. Committed rounds form a hash chain (``membership.History``). READY carries (version,
 digest): a member whose chain differs from the leader's is dropped. Peers compare chains in
@@ -77,17 +81,18 @@ class LineageKeeper:
         """Our STATUS; in reply to a peer at version ``their``, with our digest there (``at``);
         to a peer our views leave out, for how many seconds more (``out``)."""
         machine = self.machine
-        pending, ids = machine.member.pending, self._side()
-        at = machine.history.at(their) if their is not None and their < machine.history.version else None
-        return {"t": STATUS, "synced": machine.synced, "version": machine.history.version, "digest": machine.history.digest,
+        history, pending, ids = machine.history, machine.member.pending, self._side()
+        at = history.at(their) if their is not None and their < history.version else None
+        return {"t": STATUS, "synced": machine.synced, "version": history.version, "digest": history.digest,
                 "round": machine.round, "members": len(ids), "min_id": ids[0] if ids else "", "re": re,
-                "window": [list(e) for e in machine.history.recent()], "b": list(b) if b else None,
+                "window": [list(e) for e in history.recent()], "b": list(b) if b else None,
                 "promised": list(machine.member.promised) if machine.member.promised else None,
                 "at": [their, at] if at is not None else None,
                 "log": [[r, list(bb), c] for r, bb, c in machine._log],
                 "pending": pending and {"r": pending.r, "b": list(pending.b), "phase": pending.phase, "ok": pending.ok,
                                   "view": list(pending.view), "total": pending.total},
-                "out": machine.leader.out_for(to) if to is not None and machine.leader.lead is not None else None,
+                "out": (machine.leader.refusals.out_for(to) if to is not None and machine.leader.lead is not None
+                        else None),
                 "end": machine.ending.ended}
 
     def on_status(self, sender, message, now) -> None:

@@ -1,8 +1,8 @@
 """The cluster's side of ``AsyncPeer``: the ``Contributions`` it asks of the trainer (``cluster.trainer_api``).
 
-``ContributionsSide`` is a mixin of ``p2ptrain.trainer.peer.AsyncPeer``, as ``leader.LeaderRole`` is
-of ``RoundMachine``: it has no state of its own. It uses the peer's locks (``_lock``,
-``_params_lock``), its wake-up event ``_changed``, ``cluster`` and ``_loop``, the accumulator
+``ContributionsSide`` is a mixin of ``p2ptrain.trainer.peer.AsyncPeer``: it has no state of its
+own. It uses the peer's locks (``_lock``, ``_params_lock``), its wake-up event ``_changed``,
+``cluster`` and ``_loop``, the accumulator
 ``_acc`` with ``_out`` (our contribution, in a round) and ``_queue`` (committed updates), the
 versions (``version``, ``_committed``, ``_computing_on``, ``_params_point``), the batch in
 progress (``_computing``, ``_want_step``, ``_step_end``, ``_compute_mean``), the linger timer
