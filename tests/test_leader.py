@@ -8,7 +8,7 @@ from roundnet import GENESIS, Net, cluster
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.leader import COLLECTING, RUNNING
 from p2ptrain.cluster.roundmsg import Log
-from p2ptrain.cluster.rounds import LEAVE_OUT, REFUSAL_BACKOFF
+from p2ptrain.cluster.refusals import LEAVE_OUT, REFUSAL_BACKOFF
 
 
 # -- partial connectivity: a member has no link to a peer the leader sees -----------------------

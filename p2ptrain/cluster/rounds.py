@@ -47,7 +47,6 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from p2ptrain.cluster.refusals import LEAVE_OUT, LEAVE_OUT_MAX, REFUSAL_BACKOFF  # noqa: F401 - importable from here too
 from p2ptrain.cluster.ending import Ending
 from p2ptrain.cluster.leader import COLLECTING, QUERYING, SOLO, Leader, _Lead
 from p2ptrain.cluster.lineage import LineageKeeper
