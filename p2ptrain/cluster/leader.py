@@ -435,12 +435,9 @@ class Leader:
         for r, total in commits:
             if lead is None or lead.phase != SOLO or r != lead.r or type(total) is not int or total < 1:
                 raise RuntimeError(f"solo commit of round {r} ({total} samples) out of order")  # our bug
-            machine.history.append(r, lead.view, total)
-            machine._log.append((r, lead.b, True))
-            machine.round, machine._seen_r, lead.r = r, max(machine._seen_r, r), r + 1
+            machine._attempt_ended(r, lead.b, lead.view, total, committed=True)
+            machine._seen_r, lead.r = max(machine._seen_r, r), r + 1
         if commits:  # (as ``member._finish`` after a committed round)
-            machine._last_view = lead.view
-            machine.lineage.shared_round(lead.view)
             machine.table.mark_served(lead.view)  # (a joiner with a smaller id does not take the lead at once)
             machine.table.synced(machine.id, machine.history.version, machine.history.digest, machine.round)
             machine._set_self()

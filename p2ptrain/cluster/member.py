@@ -238,16 +238,13 @@ class Member:
     def _finish(self, pending: _Pending, committed: bool, now: float) -> None:
         machine = self.machine
         table = machine.table
-        self.pending, machine.round = None, max(machine.round, pending.r)
-        machine._log.append((pending.r, pending.b, committed))
+        self.pending = None
         machine._record_ring(now - pending.since, pending.view)
         table.mark_served(pending.view)
+        machine._attempt_ended(pending.r, pending.b, pending.view, pending.total, committed)
         if not committed:
             machine._emit(PutBack(pending.r))
         else:
-            machine.history.append(pending.r, pending.view, pending.total)  # (idle, total 0: the chain stays)
-            machine._last_view = pending.view
-            machine.lineage.shared_round(pending.view)
             for q in table.live_synced() if pending.total else ():  # synced, not in the view: behind us now
                 if q not in pending.view and table.unsynced(q) and machine.leader.hold_for_behind(q, now):
                     machine._tell.add(q)  # tell it (the leader holds the next boundary while it catches up)

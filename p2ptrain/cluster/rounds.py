@@ -304,6 +304,17 @@ class RoundMachine:
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
 
+    def _attempt_ended(self, r: int, b: tuple, view, total: int, committed: bool) -> None:
+        """Attempt r (ballot b) ended here, and is logged. Committed (a member's COMMIT, or a
+        round of a peer alone: ``leader.commit_solo``), the chain grows by it (an idle round,
+        total 0, leaves it as it was) and the peers of its view hold our state."""
+        self.round = max(self.round, r)
+        self._log.append((r, b, committed))
+        if committed:
+            self.history.append(r, view, total)
+            self._last_view = view
+            self.lineage.shared_round(view)
+
     def _on_goodbye(self, sender, message, now) -> None:
         self.table.said_goodbye(sender, now)
         self._gone(sender, now, "said goodbye", routine=True)
