@@ -10,6 +10,7 @@ import pytest
 from p2ptrain.cluster.records import RoundRecord
 from p2ptrain.commands.counters import Rate, RunCounters
 from p2ptrain.commands.join import _Join
+from p2ptrain.commands.join_output import JoinOutput
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -46,7 +47,8 @@ class Status:
 
 def joined():
     job = _Join(argparse.Namespace(), None)
-    job.status, job.last_loss = Status(), 1.5
+    job.output = JoinOutput(status=Status())
+    job.output.batch_loss(1.5)
     return job
 
 
@@ -61,11 +63,11 @@ def test_the_status_line_shows_the_clusters_round_and_update_and_windowed_rates(
     for k in range(10):
         job.count.stepped(32, 111.5 + k)
         job.count.applied(record(250 + k), 111.5 + k)
-    job._report(fake_peer(version=551), 121.0)
-    text = job.status.text
+    job.output.report(fake_peer(version=551), job.count, 121.0)
+    text = job.output.status.text
     assert text.startswith("round 259  update 551  members 2"), text
     assert "samples/s 32 own, 64 cluster" in text and "wire 0.00 MB/s" in text, text
-    assert job.rounds == 10 and job.samples == 640
+    assert job.count.rounds == 10 and job.count.samples == 640
 
 
 def test_validation_is_at_the_clusters_updates_whoever_counts(caplog):

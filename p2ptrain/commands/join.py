@@ -22,7 +22,7 @@ import time
 
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
-from p2ptrain.commands.join_output import JoinOutput, StatusLine
+from p2ptrain.commands.join_output import JoinOutput
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import ConfigError
 from p2ptrain.taskset import TaskSet
@@ -190,34 +190,20 @@ def burn(seconds: float) -> None:
         a @ a
 
 
-class _Join(JoinOutput):
+class _Join:
     """The command's state: task, device, peer, counters. ``run`` returns the exit code. What
-    it shows (status line, metrics records, summary) is ``join_output``'s."""
+    it shows (status line, metrics records, summary) is its ``output``'s (``join_output``)."""
 
     def __init__(self, args, secret: bytes | None):
         self.args, self.secret = args, secret
         self.count = RunCounters(time.monotonic())  # this run's (restarted when training starts)
         self._evaluated = 0  # the cluster's update at the last validation
-        self.last_loss = float("nan")
-        self._losses: list[float] = []  # this peer's batch losses since the last round record
         self.stopping = False
         self._threads = 0
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
-        self.status = None
+        self.output: JoinOutput | None = None  # (made when the run starts: its status line is the terminal's then)
         self.trace = NO_TRACE
-
-    @property
-    def rounds(self) -> int:  # applied in this run
-        return self.count.rounds
-
-    @property
-    def samples(self) -> int:  # every member's, in the rounds applied in this run
-        return self.count.samples
-
-    @property
-    def own_samples(self) -> int:
-        return self.count.own_samples
 
     async def run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
@@ -254,7 +240,7 @@ class _Join(JoinOutput):
                          **kwargs)
         self._resume(peer, task)
         metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
-        self.status = StatusLine()
+        self.output = JoinOutput(a.sync_every)
         self._install_signals()
         try:
             async with peer:
@@ -272,14 +258,14 @@ class _Join(JoinOutput):
                 finally:
                     await self._training.close()
         finally:
-            self.status.clear()
+            self.output.status.clear()
             if metrics:
                 metrics.close()
         self._checkpoint(peer, task, final=True)
         if self.trace.enabled:
             self.trace.write()
             log.info("trace written to %s (open it in chrome://tracing or ui.perfetto.dev)", a.trace)
-        self._summary(peer, task, model, device, metrics_path=a.metrics)
+        self.output.summary(peer, self.count, task, model, device, metrics_path=a.metrics)
         return 0
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -306,7 +292,7 @@ class _Join(JoinOutput):
         from p2ptrain.tasks import model_fingerprint
 
         a = self.args
-        if not a.checkpoint_dir or (not final and self.rounds % a.checkpoint_every):
+        if not a.checkpoint_dir or (not final and self.count.rounds % a.checkpoint_every):
             return
         latest = peer.cluster.rounds.last()
         last = latest.round if latest is not None else -1
@@ -347,8 +333,7 @@ class _Join(JoinOutput):
                 n = task.batch_size_of(batch)
                 loss = task.loss(peer.model, batch, device)
                 loss.backward()
-                self.last_loss = float(loss.detach())
-                self._losses.append(self.last_loss)
+                self.output.batch_loss(float(loss.detach()))
                 if a.step_delay and a.step_busy:  # a slower device, for benchmarks: one that computes
                     burn(a.step_delay)               # (a core busy) or one that sleeps (a core free)
                 elif a.step_delay:
@@ -360,7 +345,7 @@ class _Join(JoinOutput):
             now = time.monotonic()
             if now - last_log >= 0.5:
                 last_log = now
-                self._report(peer, now)
+                self.output.report(peer, self.count, now)
         self._take_records(peer, task, device, metrics)  # (the last round's, if it came after the look above)
 
     def _take_records(self, peer, task, device, metrics) -> None:
@@ -374,7 +359,7 @@ class _Join(JoinOutput):
         for record in self._new_records(peer):
             self.count.applied(record, time.monotonic())
             if metrics:
-                self._write_metrics(metrics, peer, record)
+                self.output.write_metrics(metrics, peer, record)
             if record.samples:  # (an idle round is no update: nothing new to save)
                 self._checkpoint(peer, task)
         # At the cluster's updates N, 2N, ... (every peer at the same ones; a joiner or a resumed

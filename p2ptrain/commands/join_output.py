@@ -1,9 +1,10 @@
 """What ``join`` shows: the status line, the metrics file's records, the summary at exit.
 
-``JoinOutput`` is a mixin of ``join._Join``: the counts it reports (``count``, ``rounds``,
-``samples``, ``own_samples``, ``last_loss``), ``args`` and ``status`` are the command's. Apart
-from ``join`` because it is one job: saying what the run did, in the words the README documents
-(the cluster's round and update, this run's counts, the parameter checksum), not running it.
+``JoinOutput`` is held by ``join._Join`` (``output``): it owns the status line and the losses it
+reports (the last batch's, and the batches' since the last record); the counts it reports are the
+command's ``counters.RunCounters``, handed in. Apart from ``join`` because it is one job: saying
+what the run did, in the words the README documents (the cluster's round and update, this run's
+counts, the parameter checksum), not running it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,22 @@ log = logging.getLogger("p2ptrain.join")  # (join's lines, under join's name)
 
 
 class JoinOutput:
-    """The status line, metrics records and summary of ``join`` (a mixin of ``_Join``)."""
+    """The status line, metrics records and summary of one ``join`` run. ``sync_every``: the
+    run's local-steps setting (its checksum is then of the outer parameters)."""
 
-    def _write_metrics(self, out, peer, record) -> None:
+    def __init__(self, sync_every: int | None = None, status: StatusLine | None = None):
+        self.sync_every = sync_every
+        self.status = status if status is not None else StatusLine()
+        self.last_loss = float("nan")
+        self._losses: list[float] = []  # this peer's batch losses since the last round record
+
+    def batch_loss(self, loss: float) -> None:
+        """A batch's loss (what the status line, the records and the summary report)."""
+        self.last_loss = loss
+        self._losses.append(loss)
+
+    def write_metrics(self, out, peer, record) -> None:
+        """One round's record in the metrics file (``--metrics``)."""
         out.write(json.dumps({
             "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
             "own_samples": record.own_samples,
@@ -39,13 +53,14 @@ class JoinOutput:
         (the model holds this peer's local parameters between rounds), as of the last update."""
         from p2ptrain.tasks import param_checksum
 
-        if self.args.sync_every is None:
+        if self.sync_every is None:
             return param_checksum(peer.model)
         return peer.metrics.param_checksum if peer.metrics is not None else ""
 
-    def _report(self, peer, now: float) -> None:
-        """The status line: the cluster's round and update, and rates over the last few seconds."""
-        c, count = peer.cluster, self.count
+    def report(self, peer, count, now: float) -> None:
+        """The status line: the cluster's round and update, and rates over the last few seconds
+        (``count``: the run's ``RunCounters``)."""
+        c = peer.cluster
         ratio = c.raw_bytes / c.wire_bytes if c.wire_bytes else 1.0
         text = (f"round {'-' if count.round is None else count.round}  update {peer.version}  members "
                 f"{peer.members}  loss {self.last_loss:.3f}  samples/s {count.own.per_second(now):.0f} own, "
@@ -53,17 +68,18 @@ class JoinOutput:
                 f"ratio {ratio:.1f}x  staleness {getattr(peer, 'staleness_max', 0)}")
         self.status.show(text)
 
-    def _summary(self, peer, task, model, device, metrics_path) -> None:
+    def summary(self, peer, count, task, model, device, metrics_path) -> None:
+        """The summary at exit, and its record in the metrics file."""
         from p2ptrain.tasks import param_checksum
 
         c = peer.cluster
         val = task.evaluate(model, device) if task.evaluate else None
         checksum = param_checksum(model)
         end = c.finished  # (None: this peer left before the cluster's run was over)
-        lines = [f"updates {self.rounds} in this run (the cluster's update {peer.version})",
+        lines = [f"updates {count.rounds} in this run (the cluster's update {peer.version})",
                  f"the cluster's run ended at round {end.r} (version {end.version})" if end else
                  "left before the cluster's run was over",
-                 f"samples {self.samples} (this peer {self.own_samples})",
+                 f"samples {count.samples} (this peer {count.own_samples})",
                  f"final train loss {self.last_loss:.4f}",
                  f"validation loss {val:.4f}" if val is not None else "",
                  f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
@@ -71,9 +87,9 @@ class JoinOutput:
         print("\n".join(["", "summary", *[f"  {x}" for x in lines if x]]))
         if metrics_path:
             with open(metrics_path, "a", encoding="utf-8") as out:
-                out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": self.rounds,
+                out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": count.rounds,
                                       "version": peer.version,
-                                      "samples": self.samples, "own_samples": self.own_samples,
+                                      "samples": count.samples, "own_samples": count.own_samples,
                                       "dropped": getattr(peer, "dropped", 0),
                                       "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                                       "raw_bytes": c.raw_bytes, "param_checksum": checksum,
