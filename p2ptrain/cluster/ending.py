@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.cluster.roundmsg import END, Finish, Log, beats
+from p2ptrain.cluster.roundmsg import END, End, Finish, Log, Propose, beats
 
 
 class Ending:
@@ -54,9 +54,9 @@ class Ending:
             return None
         return [version, None if deadline == math.inf else round(max(0.0, deadline - now), 3)]
 
-    def adopt_limits(self, m: dict, now: float) -> None:
+    def adopt_limits(self, m: Propose, now: float) -> None:
         """The leader we obey proposed with its limits: they are the cluster's now."""
-        version, left = m["end"] if m["end"] is not None else (0, None)
+        version, left = m.end if m.end is not None else (0, None)
         self._heard_limits = (version, math.inf if left is None else now + left)
 
     def run_over(self, now: float) -> str:
@@ -75,15 +75,15 @@ class Ending:
                             "digest": machine.history.digest, "why": why}, machine._peers())
         self._finish_run(now, why)
 
-    def on_end(self, sender, message, now) -> None:
-        if message["b"][1] != sender:
+    def on_end(self, sender: str, message: End, now: float) -> None:
+        if message.b[1] != sender:
             raise RemoteProtocolError("END from a peer that does not own its ballot")
         if self.ended is not None:
             return
-        if beats(self.machine.member.promised, message["b"]):  # a leader we no longer obey: its run is not ours
+        if beats(self.machine.member.promised, message.b):  # a leader we no longer obey: its run is not ours
             self.machine.counters["stale"] += 1
             return
-        self._finish_run(now, message["why"], (message["version"], message["digest"]))
+        self._finish_run(now, message.why, (message.version, message.digest))
 
     def heard_end(self, s: str, version: int, now: float) -> None:
         """A peer says the cluster's run ended at ``version``: unless we are ahead of it (a new

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.refusals import Refusals
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, READY, RING, RINGED, START, Log,
-                                       Stall, beats, move, parse)
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, Done, Log, Nack,
+                                       Ready, Stall, Status, beats, move, parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
 USUAL_SLACK = 1.5  # a round first says it stalls once it waits this many times the usual wait (if past half its deadline)
@@ -114,10 +114,10 @@ class Leader:
         if s == self._rival and not self.machine.table.is_live(s):
             self._rival, self._no_lead_until = "", float("-inf")  # the leader we backed off from is gone
 
-    def take_status(self, sender: str, message: dict) -> bool:
+    def take_status(self, sender: str, message: Status) -> bool:
         """A STATUS that answers our QUERY is kept for the recovery (True); else False."""
         lead = self.lead
-        if lead is not None and message["b"] == lead.b and lead.phase == QUERYING and sender in lead.waiting:
+        if lead is not None and message.b == lead.b and lead.phase == QUERYING and sender in lead.waiting:
             lead.waiting.discard(sender)
             lead.got[sender] = message
             return True
@@ -223,10 +223,10 @@ class Leader:
     def _recover(self) -> None:
         machine = self.machine
         lead = self.lead
-        got = {p: st for p, st in lead.got.items() if st["synced"]}
+        got = {p: st for p, st in lead.got.items() if st.synced}
         got[machine.id] = parse(machine.lineage.status(lead.b))
         for st in got.values():
-            lead.r = max(lead.r, st["round"] + 1, (st["pending"] or {"r": -1})["r"] + 1)
+            lead.r = max(lead.r, st.round + 1, (st.pending.r if st.pending is not None else -1) + 1)
         after = self.resolve(got)
         for p in set(lead.got) | set(after):
             if after.get(p) != after[machine.id]:  # not synced, or another state: it hears ours
@@ -234,27 +234,27 @@ class Leader:
                 machine._tell.add(p)
         lead.phase, lead.got = move(_LEADER, lead.phase, "recovered"), {}
 
-    def resolve(self, got: dict) -> dict:
+    def resolve(self, got: dict[str, Status]) -> dict:
         """Decide the attempts that members report pending: commit where anyone committed it,
         abort otherwise; our decision, once taken, is final. A member that did not finish
         the ring of a committed attempt is told ABORT (it is behind, and will load state).
         Returns each member's (version, digest) after the decision."""
         machine = self.machine
         learned, after = {}, {}
-        for r, b, c in [e for st in got.values() for e in st["log"]] + list(machine._log):
+        for r, b, c in [e for st in got.values() for e in st.log] + list(machine._log):
             learned[(r, b)] = learned.get((r, b), False) or c
         for peer, st in got.items():
-            version, digest, pd = st["version"], st["digest"], st["pending"]
+            version, digest, pd = st.version, st.digest, st.pending
             if pd is not None:
-                key = (pd["r"], pd["b"])
+                key = (pd.r, pd.b)
                 outcome = self._decided.get(key, learned.get(key, False))
-                if pd["phase"] in (RING, RINGED):
+                if pd.phase in (RING, RINGED):
                     self._decide(key, outcome)
-                if outcome and pd["phase"] == RINGED and pd["ok"]:
-                    version, digest = History.after(version, digest, pd["r"], pd["view"], pd["total"])
-                    machine._send(peer, {"t": COMMIT, "r": pd["r"], "b": list(pd["b"])})
+                if outcome and pd.phase == RINGED and pd.ok:
+                    version, digest = History.after(version, digest, pd.r, pd.view, pd.total)
+                    machine._send(peer, {"t": COMMIT, "r": pd.r, "b": list(pd.b)})
                 else:
-                    machine._send(peer, {"t": ABORT, "r": pd["r"], "b": list(pd["b"]), "drop": [],
+                    machine._send(peer, {"t": ABORT, "r": pd.r, "b": list(pd.b), "drop": [],
                                          "reason": "its leader was lost"})
             after[peer] = (version, digest)
         return after
@@ -294,29 +294,29 @@ class Leader:
         machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
                             "end": machine.ending.limits_msg(now)}, lead.view)
 
-    def _lead_msg(self, s, m) -> _Lead | None:
+    def _lead_msg(self, s: str, m: Ready | Done) -> _Lead | None:
         """Our attempt, if this READY/DONE is about it and in the phase that waits for it."""
         lead = self.lead
-        waits_for = COLLECTING if m["t"] == READY else RUNNING
-        if lead is None or lead.phase != waits_for or (m["r"], m["b"]) != (lead.r, lead.b):
+        waits_for = COLLECTING if type(m) is Ready else RUNNING
+        if lead is None or lead.phase != waits_for or (m.r, m.b) != (lead.r, lead.b):
             self.machine.counters["stale"] += 1
             return None
         if s not in lead.waiting:
-            raise RemoteProtocolError(f"{m['t'].upper()} from a peer not waited for in this round")
+            raise RemoteProtocolError(f"{m.t.upper()} from a peer not waited for in this round")
         lead.waiting.discard(s)
         return lead
 
-    def on_ready(self, sender, message, now) -> None:
+    def on_ready(self, sender: str, message: Ready, now: float) -> None:
         machine = self.machine
         if self._answer_late_ready(sender, message):
             return
         lead = self._lead_msg(sender, message)
         if lead is None:
             return
-        if (message["version"], message["digest"]) != (machine.history.version, machine.history.digest):
+        if (message.version, message.digest) != (machine.history.version, machine.history.digest):
             machine.table.unsynced(sender)
             return self.abort(now, f"{sender} holds another state", drop=[sender])
-        lead.got[sender] = message["samples"]
+        lead.got[sender] = message.samples
         if not lead.waiting:
             machine.timers["ready"].record(now - lead.since)
             lead.phase, lead.since, lead.mark = move(_LEADER, lead.phase, START), now, machine.config.stall_warn
@@ -339,14 +339,14 @@ class Leader:
     def _start_msg(lead: _Lead) -> dict:
         return {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values())}
 
-    def _answer_late_ready(self, s, m) -> bool:
+    def _answer_late_ready(self, s: str, m: Ready) -> bool:
         """A READY (sent again) for an attempt of ours that collects no more. Its member waits
         for a START or an ABORT that a broken link lost: tell it again, or it waits for ever
         while we wait for it. A member that never started a ring is in no round that
         committed (the ring needs every member of its view), so an attempt that is not
         running is an ABORT for it."""
         machine = self.machine
-        lead, r, b = self.lead, m["r"], tuple(m["b"])
+        lead, r, b = self.lead, m.r, m.b
         if b[1] != machine.id:
             return False
         if lead is not None and (r, b) == (lead.r, lead.b):
@@ -361,13 +361,13 @@ class Leader:
             machine._send(s, {"t": ABORT, "r": r, "b": list(b), "drop": [], "reason": "that attempt is over"})
         return True
 
-    def on_done(self, sender, message, now) -> None:
+    def on_done(self, sender: str, message: Done, now: float) -> None:
         machine = self.machine
         lead = self._lead_msg(sender, message)
         if lead is None:
             return
-        machine.table.report(sender, message["r"], message["checksum"])
-        if not message["ok"]:
+        machine.table.report(sender, message.r, message.checksum)
+        if not message.ok:
             lead.failed.add(sender)
         if lead.waiting:
             return
@@ -400,15 +400,15 @@ class Leader:
         machine._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
         lead.phase, lead.r = move(_LEADER, lead.phase, ABORT), lead.r + 1
 
-    def on_nack(self, sender, message, now) -> None:
+    def on_nack(self, sender: str, message: Nack, now: float) -> None:
         machine = self.machine
-        lead = self.lead
-        machine.max_epoch = max(machine.max_epoch, message["b"][0])
-        if lead is not None and beats(message["b"], lead.b):
-            self.step_down(now, f"{sender} follows {message['b'][1]} (epoch {message['b'][0]})", rival=message["b"][1])
-        elif lead is not None and message["r"] == lead.r and lead.phase == COLLECTING and sender in lead.view:
-            drop = self.refusals.refused(sender, message["missing"], lead.view, now)  # (it or nobody)
-            self.abort(now, f"{sender} refused the proposal: {message['reason']}", drop=drop)
+        lead, b = self.lead, message.b
+        machine.max_epoch = max(machine.max_epoch, b[0])
+        if lead is not None and beats(b, lead.b):
+            self.step_down(now, f"{sender} follows {b[1]} (epoch {b[0]})", rival=b[1])
+        elif lead is not None and message.r == lead.r and lead.phase == COLLECTING and sender in lead.view:
+            drop = self.refusals.refused(sender, message.missing, lead.view, now)  # (it or nobody)
+            self.abort(now, f"{sender} refused the proposal: {message.reason}", drop=drop)
 
     # -- a peer alone (see the module docstring) -------------------------------------------------
     def may_go_solo(self) -> bool:

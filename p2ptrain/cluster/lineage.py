@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from p2ptrain.cluster.leader import COLLECTING, RUNNING
 from p2ptrain.cluster.membership import History, Lineage, heal_decision, relation
-from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync
+from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync, Status
 
 
 LEADER_WAIT = 1.0  # seconds a peer that is behind waits for a link to the leader to load from it
@@ -57,7 +57,7 @@ class LineageKeeper:
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
         self.hello: set = set()  # after on_synced: peers whose STATUS we still await (we do not lead before)
         self.hello_until = 0.0
-        self._deferred: dict = {}  # STATUS that arrived while our own version was in flight
+        self._deferred: dict[str, Status] = {}  # STATUS that arrived while our own version was in flight
 
     def on_synced(self, peers, now: float) -> None:
         """We loaded state: our side is the one we loaded (see ``_side``), and we await the
@@ -95,26 +95,26 @@ class LineageKeeper:
                         else None),
                 "end": machine.ending.ended}
 
-    def on_status(self, sender, message, now) -> None:
+    def on_status(self, sender: str, message: Status, now: float) -> None:
         machine = self.machine
         self.hello.discard(sender)
-        if message["end"] is not None:  # its run is over (``ending``): ours too, unless we are ahead
-            return machine.ending.heard_end(sender, message["end"], now)
-        if message["out"] is not None:  # its views leave us out a while: loading its state before then is
-            self.out_until = now + message["out"]  # wasted; 0: back in, load now if behind
-        lead, pd = machine.leader.lead, message["pending"]
+        if message.end is not None:  # its run is over (``ending``): ours too, unless we are ahead
+            return machine.ending.heard_end(sender, message.end, now)
+        if message.out is not None:  # its views leave us out a while: loading its state before then is
+            self.out_until = now + message.out  # wasted; 0: back in, load now if behind
+        lead, pd = machine.leader.lead, message.pending
         if machine.leader.take_status(sender, message):  # (our QUERY's answer)
             return
-        if lead is not None and message["synced"] and pd and pd["phase"] in (RING, RINGED) and pd["b"] != lead.b \
+        if lead is not None and message.synced and pd and pd.phase in (RING, RINGED) and pd.b != lead.b \
                 and self._ours_to_resolve(message):
-            if lead.b != message["b"] and (message["promised"] or (0, None))[1] != machine.id:
+            if lead.b != message.b and (message.promised or (0, None))[1] != machine.id:
                 return machine._send(sender, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
             machine.leader.resolve({sender: message})  # in doubt and it obeys us: decide its attempt
             machine._tell.add(sender)
             if lead.phase in (COLLECTING, RUNNING) and sender in lead.view:
                 machine.leader.abort(now, f"{sender} was in doubt about an earlier round", drop=[])
             return
-        if not message["synced"]:
+        if not message.synced:
             machine.table.unsynced(sender)
             return machine._gone(sender, now, "is not synced")
         if machine.synced and machine.member.pending is not None and machine.member.pending.started:
@@ -122,34 +122,34 @@ class LineageKeeper:
         elif machine.synced:
             self._compare(sender, message, now)
 
-    def _ours_to_resolve(self, m) -> bool:
+    def _ours_to_resolve(self, m: Status) -> bool:
         """Whether the attempt a STATUS reports in doubt is ours to decide as leader: its peer
         is on our chain and the leader it obeys is not connected to us (lost). A peer of
         another side (a replugged cable), or one whose leader lives, is in that leader's
         round: asking it to obey us would abort a round its own leader may commit."""
         machine = self.machine
-        owner = (m["promised"] or (0, None))[1]
+        owner = (m.promised or (0, None))[1]
         if owner is not None and owner != machine.id and machine.table.is_live(owner):
             return False
-        return relation(machine.history, m["version"], m["digest"], m["window"], m["at"]) in ("same", "behind")
+        return relation(machine.history, m.version, m.digest, m.window, m.at) in ("same", "behind")
 
-    def _compare(self, s, m, now) -> None:
+    def _compare(self, s: str, m: Status, now: float) -> None:
         """Their chain against ours. On one chain the peer behind loads state (it lacks
         updates that exist); across a split, ``heal_decision``. They hear our STATUS."""
         machine = self.machine
-        their_version, their_digest, pd = m["version"], m["digest"], m["pending"]
-        if pd and pd["phase"] in (RING, RINGED) and (pd["r"], pd["b"], True) in machine._log:
+        their_version, their_digest, pd = m.version, m.digest, m.pending
+        if pd and pd.phase in (RING, RINGED) and (pd.r, pd.b, True) in machine._log:
             their_version, their_digest = History.after(  # about to commit it
-                their_version, their_digest, pd["r"], pd["view"], pd["total"])
-        rel = relation(machine.history, their_version, their_digest, m["window"], m.get("at"), can_ask=not m["re"])
+                their_version, their_digest, pd.r, pd.view, pd.total)
+        rel = relation(machine.history, their_version, their_digest, m.window, m.at, can_ask=not m.re)
         if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
             return machine._send(s, self.status())
-        if rel == "behind" and m["round"] < machine.round and s in machine._last_view:
+        if rel == "behind" and m.round < machine.round and s in machine._last_view:
             machine.counters["stale_status"] += 1  # sent before a round we both took part in
             return
         if rel == "same":
             self._elsewhere.discard(s)
-            machine.table.synced(s, their_version, their_digest, m["round"], now)
+            machine.table.synced(s, their_version, their_digest, m.round, now)
             machine.leader.caught_up(s)
         else:
             if rel == "behind":  # (as leader, it holds the boundary while that peer loads)
@@ -157,12 +157,12 @@ class LineageKeeper:
             machine.table.unsynced(s)
             self._elsewhere.add(s)
             machine._gone(s, now, f"holds another state ({rel})")
-            theirs = Lineage(m["members"], their_digest, their_version, m["min_id"] or s)
+            theirs = Lineage(m.members, their_digest, their_version, m.min_id or s)
             if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
                 why = "behind" if rel == "ahead" else "split"
-                leader = (m["promised"] or (0, s))[1]  # load from the leader: it holds while we load
+                leader = (m.promised or (0, s))[1]  # load from the leader: it holds while we load
                 donor = leader if leader != machine.id and machine.table.is_live(leader) else s
-                reason = f"{why}: {s} has version {their_version}, its side {m['members']} peer(s)"
+                reason = f"{why}: {s} has version {their_version}, its side {m.members} peer(s)"
                 if rel == "ahead" and now < self.out_until:  # stale again before we are in a view:
                     machine.counters["behind_left_out"] += 1  # load once our time left out is over
                     self.load_later = (reason, donor, leader)
@@ -172,7 +172,7 @@ class LineageKeeper:
                     self.load_later = (reason, donor, leader)
                 else:
                     return self._resync(reason, donor, now, leader)
-        if not m["re"]:
+        if not m.re:
             machine._send(s, self.status(re=True, their=their_version, to=s))
 
     def _lineage(self) -> Lineage:

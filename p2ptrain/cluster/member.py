@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, PROPOSE, PROPOSED, READIED, READY, RING, RINGED,
-                                       START, Apply, Contribute, Log, PutBack, Stall, StartRing, beats, move)
+                                       START, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query, Stall,
+                                       Start, StartRing, beats, move)
 
 # (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
 _MEMBER = {
@@ -87,19 +88,19 @@ class Member:
         if machine.leader.lead and machine.leader.lead.b != b:
             machine.leader.step_down(now, f"superseded by {b[1]} (epoch {b[0]})", rival=b[1])
 
-    def on_query(self, sender, message, now) -> None:
+    def on_query(self, sender: str, message: Query, now: float) -> None:
         machine = self.machine
-        if message["b"][1] != sender:
+        if message.b[1] != sender:
             raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
-        if machine.synced and beats(self.promised, message["b"]):
+        if machine.synced and beats(self.promised, message.b):
             return self._nack(sender, -1, "superseded")
         if machine.synced:
-            self.promise(message["b"], now)
-        machine._send(sender, machine.lineage.status(message["b"], re=True))
+            self.promise(message.b, now)
+        machine._send(sender, machine.lineage.status(message.b, re=True))
 
-    def on_propose(self, sender, message, now) -> None:
+    def on_propose(self, sender: str, message: Propose, now: float) -> None:
         machine = self.machine
-        r, b, view, pending = message["r"], message["b"], message["view"], self.pending
+        r, b, view, pending = message.r, message.b, message.view, self.pending
         if b[1] != sender or (pending is not None and (pending.r, pending.b) == (r, b)):
             raise RemoteProtocolError("PROPOSE repeated, or from a peer that does not own its ballot")
         if not machine.synced or r <= machine.round:
@@ -149,10 +150,10 @@ class Member:
         return {"t": READY, "r": pending.r, "b": list(pending.b), "samples": pending.samples,
                 "version": history.version, "digest": history.digest}
 
-    def _attempt(self, s, m) -> _Pending | None:
+    def _attempt(self, s: str, m: Start | Commit | Abort) -> _Pending | None:
         """The attempt a leader's START/COMMIT/ABORT is about, or None if stale (counted)."""
         machine = self.machine
-        pending, r, b = self.pending, m["r"], m["b"]
+        pending, r, b = self.pending, m.r, m.b
         if s != (self.promised or (0, None))[1]:  # a leader we no longer obey: it must step down
             machine.counters["superseded"] += 1
             if beats(self.promised, b):
@@ -160,24 +161,24 @@ class Member:
             return None
         if pending is not None and (pending.r, pending.b) == (r, b):
             return pending
-        if m["t"] == START and r > machine.round and (r, b) != self._proposed:  # (not one we withdrew)
+        if type(m) is Start and r > machine.round and (r, b) != self._proposed:  # (not one we withdrew)
             raise RemoteProtocolError("START for a round that was not proposed to us")
         machine.counters["stale"] += 1
         return None
 
-    def on_start(self, sender, message, now) -> None:
+    def on_start(self, sender: str, message: Start, now: float) -> None:
         machine = self.machine
         pending = self._attempt(sender, message)
         if pending is None:
             return
-        if pending.started and message["view"] == pending.view:  # sent again, for a READY we sent again
+        if pending.started and message.view == pending.view:  # sent again, for a READY we sent again
             machine.counters["stale"] += 1
             return
-        if pending.phase != READIED or message["view"] != pending.view:
+        if pending.phase != READIED or message.view != pending.view:
             raise RemoteProtocolError("START before READY, or with another view")
         machine.timers["ready"].record(now - pending.since)
         pending.phase = move(_MEMBER, pending.phase, START)
-        pending.total, pending.since, pending.mark = message["total"], now, 1.0
+        pending.total, pending.since, pending.mark = message.total, now, 1.0
         machine._emit(StartRing(pending.r, pending.view))
 
     def ring_done(self, r, ok, now, checksum) -> None:
@@ -191,23 +192,23 @@ class Member:
         if self.promised and self.promised[1] == pending.b[1]:  # else a newer leader resolves it
             machine._send(pending.b[1], {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum})
 
-    def on_decision(self, sender, message, now) -> None:
+    def on_decision(self, sender: str, message: Commit | Abort, now: float) -> None:
         machine = self.machine
-        if message["t"] == ABORT and sender == (self.promised or (0, None))[1]:
-            for q in set(message["drop"]) - {sender, machine.id}:
+        if type(message) is Abort and sender == (self.promised or (0, None))[1]:
+            for q in set(message.drop) - {sender, machine.id}:
                 machine.table.unsynced(q)
         pending = self._attempt(sender, message)
         if pending is None:
             return
-        if message["t"] == COMMIT and not (pending.phase == RINGED and pending.ok):
+        if type(message) is Commit and not (pending.phase == RINGED and pending.ok):
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
-        move(_MEMBER, pending.phase, message["t"])
+        move(_MEMBER, pending.phase, message.t)
         if pending.started:
-            self._finish(pending, message["t"] == COMMIT, now)
+            self._finish(pending, type(message) is Commit, now)
         else:
             self.withdraw(pending)
-        if message["t"] == ABORT and sender != machine.id:  # (a leader logged its own abort)
-            machine._emit(Log("info", f"round {message['r']} aborted: {message['reason']}"))
+        if type(message) is Abort and sender != machine.id:  # (a leader logged its own abort)
+            machine._emit(Log("info", f"round {message.r} aborted: {message.reason}"))
 
     def withdraw(self, pending: _Pending) -> None:
         """An unstarted attempt goes away (a started one is never withdrawn, only decided)."""

@@ -1,36 +1,159 @@
 """The round protocol's vocabulary: its messages and the actions of the round machine.
 
-Pure code. ``parse`` checks a received message (a frame header whose "t" is its type)
-and raises ``RemoteProtocolError`` and nothing else. The actions are what
+Pure code. A round message goes out as a frame header, a dict whose "t" is its type (the
+machine builds those dicts where it sends them). ``parse`` checks a received one field by field
+and returns it as the frozen dataclass of its type (``Query``, ``Status``, ``Propose``,
+``Ready``, ``Start``, ``Done``, ``Commit``, ``Abort``, ``Nack``, ``Goodbye``, ``End``; a STATUS's
+pending attempt is an ``Attempt``); it raises ``RemoteProtocolError`` and nothing else. A
+field is named as its key on the wire (``r``: the round, ``b``: a leader's ballot (epoch, its
+id), as everywhere in the machine), so that what is sent and what is received read alike; a
+class's ``t`` is its type on the wire. The actions are what
 ``p2ptrain.cluster.rounds.RoundMachine`` asks its I/O layer to do, in order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import STATUS_WINDOW, valid_id
 
-# -- round messages (frame headers; "t" is the type) ---------------------------------------------
-QUERY = "query"  # new leader -> candidates  {b}: report your state, obey ballot b
-STATUS = "status"  # any -> any  {synced, version, digest, round, members, min_id, window, pending,
-#                                log, promised, b (the QUERY/PROPOSE answered, or None), re (a reply),
-#                                at ([v, our digest at v] in reply to a peer at version v, or None),
-#                                out (from a leader: seconds its views still leave the receiver out, or None),
-#                                end (the version at which the cluster's run ended here, or None)}
-PROPOSE = "propose"  # leader -> view  {r, b, view, end ([the version the run ends at or 0, seconds left of
-#                       the leader's clock or None], or None: no limit)}
-READY = "ready"  # member -> leader  {r, b, samples, version, digest}
-START = "start"  # leader -> view  {r, b, view, total}
-DONE = "done"  # member -> leader  {r, b, ok, checksum}
-COMMIT = "commit"  # leader -> view  {r, b}
-ABORT = "abort"  # leader -> view and the dropped  {r, b, reason, drop}
-NACK = "nack"  # member -> a leader it does not obey  {r, b (the ballot it obeys), reason, missing (the
-#                  view's peers it has no link to; absent from older peers)}
-GOODBYE = "goodbye"  # a leaving peer -> all  {end (the version at which the cluster's run ended here, or None)}
-END = "end"  # leader -> every peer it knows, at a boundary  {b, version, digest, why}: the cluster's run is
-#              over (its --max-rounds version, or its clock's --duration); members stop after that version
+# -- round messages: their types on the wire ("t"), and what parse returns for each ------------
+QUERY, STATUS, PROPOSE, READY, START = "query", "status", "propose", "ready", "start"
+DONE, COMMIT, ABORT, NACK, GOODBYE, END = "done", "commit", "abort", "nack", "goodbye", "end"
+
+# Every field a peer may leave out (an older one: a NACK's ``missing``, a PROPOSE's ``end``...)
+# defaults to None, as parse reads it; the others are required.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Query:
+    """New leader -> candidates: report your state (STATUS), obey ballot ``b``."""
+    t: ClassVar[str] = QUERY
+    b: tuple
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attempt:
+    """A STATUS's ``pending``: the attempt its sender takes part in as a member, in its ``phase``."""
+    r: int
+    b: tuple
+    phase: str
+    ok: bool
+    view: tuple
+    total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Status:
+    """Any -> any: the sender's state (``lineage`` compares chains in it), in reply (``re``) or not."""
+    t: ClassVar[str] = STATUS
+    synced: bool
+    version: int
+    digest: bytes
+    round: int  # the last attempt that ended there (-1: none)
+    members: int  # the peers of its side
+    min_id: str  # the smallest id of its side ("": none)
+    window: list  # [(version, digest)] of its last rounds
+    log: list  # [(r, b, committed)] of its last LOG_KEEP attempts
+    pending: Attempt | None = None  # the attempt it takes part in (None: idle)
+    promised: tuple | None = None  # the ballot it obeys
+    b: tuple | None = None  # the ballot of the QUERY/PROPOSE it answers
+    re: bool  # a reply: not answered again
+    at: tuple | None = None  # (v, its digest at v), in reply to a peer at version v
+    out: float | None = None  # from a leader: seconds its views still leave the receiver out
+    end: int | None = None  # the version at which the cluster's run ended there
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Propose:
+    """Leader -> view: round ``r`` under ballot ``b``, over ``view`` (sorted)."""
+    t: ClassVar[str] = PROPOSE
+    r: int
+    b: tuple
+    view: tuple
+    end: tuple | None = None  # (the version the run ends at or 0, seconds left of the leader's clock or None); None: no limit
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready:
+    """Member -> leader: our contribution to round ``r`` is ready, on our chain at (version, digest)."""
+    t: ClassVar[str] = READY
+    r: int
+    b: tuple
+    samples: int
+    version: int
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Start:
+    """Leader -> view: run round ``r``'s ring; ``total`` samples in it."""
+    t: ClassVar[str] = START
+    r: int
+    b: tuple
+    view: tuple
+    total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Done:
+    """Member -> leader: our ring of round ``r`` ended (``ok``), with our parameters' checksum."""
+    t: ClassVar[str] = DONE
+    r: int
+    b: tuple
+    ok: bool
+    checksum: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Commit:
+    """Leader -> view: apply round ``r``."""
+    t: ClassVar[str] = COMMIT
+    r: int
+    b: tuple
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Leader -> view and the dropped: round ``r`` will not be applied; ``drop``: peers it dropped."""
+    t: ClassVar[str] = ABORT
+    r: int
+    b: tuple
+    reason: str
+    drop: tuple
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Nack:
+    """Member -> a leader it does not obey: ``b`` is the ballot it obeys (``r`` -1: a QUERY's)."""
+    t: ClassVar[str] = NACK
+    r: int
+    b: tuple
+    reason: str
+    missing: tuple | None = None  # the view's peers it has no link to (None: an older peer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goodbye:
+    """A leaving peer -> all."""
+    t: ClassVar[str] = GOODBYE
+    end: int | None = None  # the version at which the cluster's run ended there
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class End:
+    """Leader -> every peer it knows, at a boundary: the cluster's run is over at ``version``
+    (its --max-rounds version, or its clock's --duration, ``why``); members stop after it."""
+    t: ClassVar[str] = END
+    b: tuple
+    version: int
+    digest: bytes
+    why: str
+
+
+Message = Query | Status | Propose | Ready | Start | Done | Commit | Abort | Nack | Goodbye | End
 
 # A member's phase in the attempt it takes part in (a STATUS reports it as "pending"; None: idle).
 PROPOSED, READIED, RING, RINGED = "proposed", "ready", "ring", "done"
@@ -111,40 +234,49 @@ def _run_seconds(v):
 
 def _pending(v):
     _need(isinstance(v, dict), "a bad pending attempt")
-    return {"r": _int(v.get("r")), "b": _ballot(v.get("b")), "phase": _of(str, 16)(v.get("phase")),
-            "ok": _of(bool)(v.get("ok")), "view": _ids(v.get("view")), "total": _int(v.get("total"))}
+    return Attempt(r=_int(v.get("r")), b=_ballot(v.get("b")), phase=_of(str, 16)(v.get("phase")),
+                   ok=_of(bool)(v.get("ok")), view=_ids(v.get("view")), total=_int(v.get("total")))
+
+
+def _message(cls, **checks):
+    """A type's class and its fields' checks, in the order parse runs them (the wire's)."""
+    if list(checks) != [f.name for f in fields(cls)]:
+        raise RuntimeError(f"{cls.__name__}: its fields are not the ones checked, in order")  # our bug
+    return cls, tuple(checks.items())
 
 
 _RB = {"r": _int, "b": _ballot}
-_SCHEMA = {
-    QUERY: {"b": _ballot},
-    STATUS: {"synced": _of(bool), "version": _int, "digest": _of(bytes, 64), "round": lambda v: _int(v, -1),
-             "members": _int, "min_id": lambda v: v if v == "" else _ids([v])[0],
-             "window": lambda v: _pairs(v, STATUS_WINDOW, 2, lambda a, d: (_int(a), _of(bytes, 64)(d))),
-             "log": lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
-             "pending": _opt(_pending), "promised": _opt(_ballot), "b": _opt(_ballot), "re": _of(bool),
-             "at": _opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0]),
-             "out": _opt(_seconds), "end": _opt(_int)},
-    PROPOSE: {**_RB, "view": lambda v: _ids(v, view=True), "end": _opt(_limits)},
-    READY: {**_RB, "samples": _int, "version": _int, "digest": _of(bytes, 64)},
-    START: {**_RB, "view": lambda v: _ids(v, view=True), "total": _int},
-    DONE: {**_RB, "ok": _of(bool), "checksum": _opt(_of(bytes, 64))},
-    COMMIT: _RB,
-    ABORT: {**_RB, "reason": _of(str, MAX_REASON), "drop": _ids},
-    NACK: {"r": lambda v: _int(v, -1), "b": _ballot, "reason": _of(str, MAX_REASON), "missing": _opt(_ids)},
-    GOODBYE: {"end": _opt(_int)},
-    END: {"b": _ballot, "version": _int, "digest": _of(bytes, 64), "why": _of(str, MAX_REASON)},
-}
+_SCHEMA = {m[0].t: m for m in (
+    _message(Query, b=_ballot),
+    _message(Status, synced=_of(bool), version=_int, digest=_of(bytes, 64), round=lambda v: _int(v, -1),
+             members=_int, min_id=lambda v: v if v == "" else _ids([v])[0],
+             window=lambda v: _pairs(v, STATUS_WINDOW, 2, lambda a, d: (_int(a), _of(bytes, 64)(d))),
+             log=lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
+             pending=_opt(_pending), promised=_opt(_ballot), b=_opt(_ballot), re=_of(bool),
+             at=_opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0]),
+             out=_opt(_seconds), end=_opt(_int)),
+    _message(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
+    _message(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
+    _message(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
+    _message(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64))),
+    _message(Commit, **_RB),
+    _message(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids),
+    _message(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
+    _message(Goodbye, end=_opt(_int)),
+    _message(End, b=_ballot, version=_int, digest=_of(bytes, 64), why=_of(str, MAX_REASON)),
+)}
 
 
-def parse(msg: object) -> dict:
-    """A round message, checked field by field: the fields of its type, normalised (ballots and
-    views as tuples); unknown fields are dropped, and an optional one that is absent (a NACK's
-    ``missing`` from an older peer) reads as None. Raises ``RemoteProtocolError`` on anything else."""
+def parse(msg: object) -> Message:
+    """A round message, checked field by field (in the order of its class's fields), as its
+    class: ballots and views as tuples; unknown fields are dropped, and an optional one that is
+    absent (a NACK's ``missing`` from an older peer) reads as None. Raises
+    ``RemoteProtocolError`` on anything else."""
     if not (isinstance(msg, dict) and isinstance(msg.get("t"), str) and msg["t"] in _SCHEMA):
         kind = str(msg.get("t"))[:20] if isinstance(msg, dict) else type(msg).__name__
         _need(False, f"unknown message type {kind!r}")
-    return {"t": msg["t"], **{name: check(msg.get(name)) for name, check in _SCHEMA[msg["t"]].items()}}
+    cls, checks = _SCHEMA[msg["t"]]
+    return cls(**{name: check(msg.get(name)) for name, check in checks})
 
 
 # -- actions: what the I/O layer must do, in order ------------------------------------------

@@ -2,7 +2,7 @@
 
 Theory of operation. One ``RoundMachine`` per peer. The *leader* (``PeerTable.coordinator``)
 sequences numbered rounds; every peer, the leader too, is a *member* of the rounds whose view
-names it. A round is a two-phase commit around the ring (messages: ``roundmsg.parse``):
+names it. A round is a two-phase commit around the ring (the messages: ``roundmsg``):
 
     leader                               member
     PROPOSE {r, b, view}        ------>  Contribute(r): the host swaps its accumulator, then
@@ -34,8 +34,14 @@ of attempts (``_log``), the last committed view, and the plumbing (``_send``, ``
 ``_emit``; ``_tell``: peers owed our STATUS). Each part holds the machine (``self.machine``)
 and reaches the other parts through it; a part's methods without an underscore are what the
 machine and the other parts call. This module is the machine itself: its inputs, which part
-handles each message (``_dispatch``), the plumbing, and deadlines; ``pending``, ``promised``,
-``lead`` and ``ended`` are read-only views of the parts' state for the host.
+handles each message (``_dispatch``, by its class), the plumbing, and deadlines; ``pending``,
+``promised``, ``lead`` and ``ended`` are read-only views of the parts' state for the host.
+
+Messages. A received message (a dict, as are those we send to ourselves) is checked by
+``roundmsg.parse`` into the frozen dataclass of its type (``Propose``, ``Ready``, ...), and the
+parts read its fields as attributes; the messages the machine sends are dicts, built where they
+are sent, carried by ``Send`` and ``Broadcast``.
+
 Call order: hand each event to one method; carry out the returned actions in order. A
 malformed or impossible message raises ``RemoteProtocolError`` (drop that link); a stale
 one is counted in ``counters``.
@@ -52,8 +58,8 @@ from p2ptrain.cluster.leader import COLLECTING, QUERYING, SOLO, Leader, _Lead
 from p2ptrain.cluster.lineage import LineageKeeper
 from p2ptrain.cluster.member import Member, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, END, GOODBYE, LOG_KEEP, NACK, PROPOSE, QUERY, READIED, READY,
-                                       START, STATUS, Broadcast, Send, parse)
+from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadcast, Commit, Done, End, Goodbye, Message,
+                                       Nack, Propose, Query, Ready, Send, Start, Status, parse)
 
 
 @dataclass(frozen=True)
@@ -286,20 +292,20 @@ class RoundMachine:
     def _peers(self) -> list:
         return [p for p in self.table.ids(SYNCING, SYNCED) if p != self.id]
 
-    def _dispatch(self, sender: str, message: dict, now: float) -> None:
+    def _dispatch(self, sender: str, message: Message, now: float) -> None:
         self.table.message(sender, now)
         if self.ending.ended is not None:  # the run is over here: say so to whoever asks, take part in nothing
-            if message["t"] in (QUERY, STATUS) and not message.get("re"):
+            if type(message) is Query or (type(message) is Status and not message.re):
                 self._send(sender, self.lineage.status(re=True))
-            elif message["t"] == GOODBYE:
+            elif type(message) is Goodbye:
                 self.table.said_goodbye(sender, now)
             return
-        if message["t"] in (QUERY, PROPOSE, START, COMMIT, ABORT):
-            self._seen_r, self._heard_lead = max(self._seen_r, message.get("r", -1)), now
+        if type(message) in (Query, Propose, Start, Commit, Abort):  # a leader speaks to us
+            self._seen_r, self._heard_lead = max(self._seen_r, -1 if type(message) is Query else message.r), now
         member, leader = self.member, self.leader
-        {QUERY: member.on_query, STATUS: self.lineage.on_status, PROPOSE: member.on_propose, READY: leader.on_ready,
-         START: member.on_start, DONE: leader.on_done, COMMIT: member.on_decision, ABORT: member.on_decision,
-         NACK: leader.on_nack, GOODBYE: self._on_goodbye, END: self.ending.on_end}[message["t"]](sender, message, now)
+        {Query: member.on_query, Status: self.lineage.on_status, Propose: member.on_propose, Ready: leader.on_ready,
+         Start: member.on_start, Done: leader.on_done, Commit: member.on_decision, Abort: member.on_decision,
+         Nack: leader.on_nack, Goodbye: self._on_goodbye, End: self.ending.on_end}[type(message)](sender, message, now)
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
@@ -315,11 +321,11 @@ class RoundMachine:
             self._last_view = view
             self.lineage.shared_round(view)
 
-    def _on_goodbye(self, sender, message, now) -> None:
+    def _on_goodbye(self, sender: str, message: Goodbye, now: float) -> None:
         self.table.said_goodbye(sender, now)
         self._gone(sender, now, "said goodbye", routine=True)
-        if message["end"] is not None:
-            self.ending.heard_end(sender, message["end"], now)
+        if message.end is not None:
+            self.ending.heard_end(sender, message.end, now)
 
     def _gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
         """Peer s can no longer take part: re-form at once, without waiting for a deadline.
