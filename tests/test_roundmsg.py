@@ -1,5 +1,8 @@
 """The round protocol's messages (``p2ptrain.cluster.roundmsg``): the fields on the wire, and
-``parse``, which accepts a message or raises ``RemoteProtocolError`` and nothing else (fuzzed)."""
+``parse``, which returns a message as the frozen class of its type (a field an older peer omits
+reads as its default) or raises ``RemoteProtocolError`` and nothing else (fuzzed)."""
+
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -49,6 +52,56 @@ VALID = {
                "window": [[0, b""]], "log": [[0, [1, "a"], True]], "promised": None, "b": None, "re": False,
                "pending": {"r": 0, "b": [1, "a"], "phase": "ring", "ok": False, "view": ["a"], "total": 0}},
 }
+CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: M.Ready, M.START: M.Start,
+           M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
+FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7}}  # every field of each type
+OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end"), M.PROPOSE: ("end",), M.DONE: ("checksum",),
+           M.NACK: ("missing",), M.GOODBYE: ("end",)}  # what an older peer may leave out
+
+
+@pytest.mark.parametrize("t", sorted(FULL))
+def test_each_type_parses_to_its_frozen_class_with_its_fields(t):
+    m = M.parse(FULL[t])
+    assert type(m) is CLASSES[t] and m.t == t
+    assert {f.name for f in dataclasses.fields(m)} == set(FULL[t]) - {"t"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(m, dataclasses.fields(m)[0].name, None)
+
+
+def test_parsed_fields_are_typed():
+    m = M.parse(FULL[M.STATUS])
+    assert m.pending == M.Attempt(r=0, b=(1, "a"), phase="ring", ok=False, view=("a",), total=0)
+    assert (m.synced, m.version, m.digest, m.round, m.members, m.min_id, m.re) == (True, 0, b"", -1, 1, "", False)
+    assert m.window == [(0, b"")] and m.log == [(0, (1, "a"), True)] and m.promised is None and m.b is None
+    assert (m.at, m.out, m.end) == ((3, b"d"), 2.0, 7) and type(m.out) is float
+    m = M.parse({**FULL[M.STATUS], "promised": [1, "a"], "b": [2, "b"], "min_id": "c"})
+    assert (m.promised, m.b, m.min_id) == ((1, "a"), (2, "b"), "c")
+    assert M.parse(FULL[M.PROPOSE]) == M.Propose(r=1, b=(1, "a"), view=("a", "b"), end=(30, 12.5))
+    assert M.parse(FULL[M.READY]) == M.Ready(r=1, b=(1, "a"), samples=3, version=0, digest=b"d")
+    assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3)
+    assert M.parse({**FULL[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c")
+    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"))
+    assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",))
+    assert M.parse(FULL[M.NACK]) == M.Nack(r=-1, b=(1, "a"), reason="x", missing=("c",))
+    assert M.parse(FULL[M.GOODBYE]) == M.Goodbye(end=30)
+    assert M.parse(FULL[M.END]) == M.End(b=(1, "a"), version=30, digest=b"d", why="x")
+    assert M.parse(FULL[M.QUERY]) == M.Query(b=(1, "a"))
+
+
+@pytest.mark.parametrize("t", sorted(FULL))
+def test_a_field_an_older_peer_omits_gets_its_default_and_the_others_are_required(t):
+    for name in set(FULL[t]) - {"t"}:
+        msg = {k: v for k, v in FULL[t].items() if k != name}
+        if name in OMITTED.get(t, ()):
+            m = M.parse(msg)
+            assert getattr(m, name) is None
+            others = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != name}
+            assert CLASSES[t](**others) == m  # the class's default is parse's
+        else:
+            with pytest.raises(RemoteProtocolError):
+                M.parse(msg)
+
+
 VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4) | st.binary(max_size=4),
                       lambda x: st.lists(x, max_size=3) | st.dictionaries(st.text(max_size=3), x, max_size=3),
                       max_leaves=6)
