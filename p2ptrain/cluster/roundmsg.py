@@ -3,12 +3,13 @@
 Pure code. A round message goes out as a frame header, a dict whose "t" is its type (the
 machine builds those dicts where it sends them). ``parse`` checks a received one field by field
 and returns it as the frozen dataclass of its type (``Query``, ``Status``, ``Propose``,
-``Ready``, ``Start``, ``Done``, ``Commit``, ``Abort``, ``Nack``, ``Goodbye``, ``End``; a STATUS's
-pending attempt is an ``Attempt``); it raises ``RemoteProtocolError`` and nothing else. A
-field is named as its key on the wire (``r``: the round, ``b``: a leader's ballot (epoch, its
-id), as everywhere in the machine), so that what is sent and what is received read alike; a
-class's ``t`` is its type on the wire. The actions are what
-``p2ptrain.cluster.rounds.RoundMachine`` asks its I/O layer to do, in order.
+``Ready``, ``Start``, ``Done``, ``Commit``, ``Abort``, ``Nack``, ``Goodbye``, ``End``; those
+about a round's attempt share ``RoundMessage``'s fields; a STATUS's pending attempt is an
+``Attempt``); it raises ``RemoteProtocolError`` and nothing else. A field is named as its key
+on the wire (``r``: the round, ``b``: a leader's ballot (epoch, its id), as everywhere in the
+machine), so that what is sent and what is received read alike; a class's ``t`` is its type on
+the wire. The actions are what ``p2ptrain.cluster.rounds.RoundMachine`` asks its I/O layer to
+do, in order.
 """
 
 from __future__ import annotations
@@ -23,18 +24,27 @@ from p2ptrain.cluster.membership import STATUS_WINDOW, valid_id
 QUERY, STATUS, PROPOSE, READY, START = "query", "status", "propose", "ready", "start"
 DONE, COMMIT, ABORT, NACK, GOODBYE, END = "done", "commit", "abort", "nack", "goodbye", "end"
 
-# Every field a peer may leave out (an older one: a NACK's ``missing``, a PROPOSE's ``end``...)
-# defaults to None, as parse reads it; the others are required.
+# Every message class: frozen, built by field name. A field a peer may leave out (an older one:
+# a NACK's ``missing``, a PROPOSE's ``end``...) defaults to None, as parse reads it; the others
+# are required.
+_message = dataclass(frozen=True, slots=True, kw_only=True)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_message
+class RoundMessage:
+    """A message about round ``r``'s attempt under the ballot ``b`` of the leader that sequences it."""
+    r: int
+    b: tuple
+
+
+@_message
 class Query:
     """New leader -> candidates: report your state (STATUS), obey ballot ``b``."""
     t: ClassVar[str] = QUERY
     b: tuple
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_message
 class Attempt:
     """A STATUS's ``pending``: the attempt its sender takes part in as a member, in its ``phase``."""
     r: int
@@ -45,7 +55,7 @@ class Attempt:
     total: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_message
 class Status:
     """Any -> any: the sender's state (``lineage`` compares chains in it), in reply (``re``) or not."""
     t: ClassVar[str] = STATUS
@@ -66,66 +76,54 @@ class Status:
     end: int | None = None  # the version at which the cluster's run ended there
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Propose:
+@_message
+class Propose(RoundMessage):
     """Leader -> view: round ``r`` under ballot ``b``, over ``view`` (sorted)."""
     t: ClassVar[str] = PROPOSE
-    r: int
-    b: tuple
     view: tuple
     end: tuple | None = None  # (the version the run ends at or 0, seconds left of the leader's clock or None); None: no limit
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ready:
+@_message
+class Ready(RoundMessage):
     """Member -> leader: our contribution to round ``r`` is ready, on our chain at (version, digest)."""
     t: ClassVar[str] = READY
-    r: int
-    b: tuple
     samples: int
     version: int
     digest: bytes
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Start:
+@_message
+class Start(RoundMessage):
     """Leader -> view: run round ``r``'s ring; ``total`` samples in it."""
     t: ClassVar[str] = START
-    r: int
-    b: tuple
     view: tuple
     total: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Done:
+@_message
+class Done(RoundMessage):
     """Member -> leader: our ring of round ``r`` ended (``ok``), with our parameters' checksum."""
     t: ClassVar[str] = DONE
-    r: int
-    b: tuple
     ok: bool
     checksum: bytes | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Commit:
+@_message
+class Commit(RoundMessage):
     """Leader -> view: apply round ``r``."""
     t: ClassVar[str] = COMMIT
-    r: int
-    b: tuple
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Abort:
+@_message
+class Abort(RoundMessage):
     """Leader -> view and the dropped: round ``r`` will not be applied; ``drop``: peers it dropped."""
     t: ClassVar[str] = ABORT
-    r: int
-    b: tuple
     reason: str
     drop: tuple
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_message
 class Nack:
     """Member -> a leader it does not obey: ``b`` is the ballot it obeys (``r`` -1: a QUERY's)."""
     t: ClassVar[str] = NACK
@@ -135,14 +133,14 @@ class Nack:
     missing: tuple | None = None  # the view's peers it has no link to (None: an older peer)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_message
 class Goodbye:
     """A leaving peer -> all."""
     t: ClassVar[str] = GOODBYE
     end: int | None = None  # the version at which the cluster's run ended there
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_message
 class End:
     """Leader -> every peer it knows, at a boundary: the cluster's run is over at ``version``
     (its --max-rounds version, or its clock's --duration, ``why``); members stop after it."""
@@ -238,7 +236,7 @@ def _pending(v):
                    ok=_of(bool)(v.get("ok")), view=_ids(v.get("view")), total=_int(v.get("total")))
 
 
-def _message(cls, **checks):
+def _checked(cls, **checks):
     """A type's class and its fields' checks, in the order parse runs them (the wire's)."""
     if list(checks) != [f.name for f in fields(cls)]:
         raise RuntimeError(f"{cls.__name__}: its fields are not the ones checked, in order")  # our bug
@@ -247,23 +245,23 @@ def _message(cls, **checks):
 
 _RB = {"r": _int, "b": _ballot}
 _SCHEMA = {m[0].t: m for m in (
-    _message(Query, b=_ballot),
-    _message(Status, synced=_of(bool), version=_int, digest=_of(bytes, 64), round=lambda v: _int(v, -1),
+    _checked(Query, b=_ballot),
+    _checked(Status, synced=_of(bool), version=_int, digest=_of(bytes, 64), round=lambda v: _int(v, -1),
              members=_int, min_id=lambda v: v if v == "" else _ids([v])[0],
              window=lambda v: _pairs(v, STATUS_WINDOW, 2, lambda a, d: (_int(a), _of(bytes, 64)(d))),
              log=lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
              pending=_opt(_pending), promised=_opt(_ballot), b=_opt(_ballot), re=_of(bool),
              at=_opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0]),
              out=_opt(_seconds), end=_opt(_int)),
-    _message(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
-    _message(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
-    _message(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
-    _message(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64))),
-    _message(Commit, **_RB),
-    _message(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids),
-    _message(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
-    _message(Goodbye, end=_opt(_int)),
-    _message(End, b=_ballot, version=_int, digest=_of(bytes, 64), why=_of(str, MAX_REASON)),
+    _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
+    _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
+    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
+    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64))),
+    _checked(Commit, **_RB),
+    _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids),
+    _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
+    _checked(Goodbye, end=_opt(_int)),
+    _checked(End, b=_ballot, version=_int, digest=_of(bytes, 64), why=_of(str, MAX_REASON)),
 )}
 
 
