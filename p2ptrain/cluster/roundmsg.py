@@ -81,7 +81,7 @@ class Propose(RoundMessage):
     """Leader -> view: round ``r`` under ballot ``b``, over ``view`` (sorted)."""
     t: ClassVar[str] = PROPOSE
     view: tuple
-    end: tuple | None = None  # (the version the run ends at or 0, seconds left of the leader's clock or None); None: no limit
+    end: tuple | None = None  # (the run's last version or 0, seconds left on the leader's clock or None); None: none
 
 
 @_message

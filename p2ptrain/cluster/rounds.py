@@ -58,8 +58,8 @@ from p2ptrain.cluster.leader import COLLECTING, QUERYING, SOLO, Leader, _Lead
 from p2ptrain.cluster.lineage import LineageKeeper
 from p2ptrain.cluster.member import Member, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
-from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadcast, Commit, Done, End, Goodbye, Message,
-                                       Nack, Propose, Query, Ready, Send, Start, Status, parse)
+from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadcast, Commit, Done, End, Goodbye,
+                                       Message, Nack, Propose, Query, Ready, Send, Start, Status, parse)
 
 
 @dataclass(frozen=True)
