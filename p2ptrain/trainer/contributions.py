@@ -98,7 +98,11 @@ class ContributionsSide:
                     dropped = self._acc.void()
                     self.dropped += dropped
                     log.info("dropped %d samples staler than %d updates", dropped, self.staleness)
-                if not self._acc.samples and not self._linger_due and (late < patience or not self._computing):
+                # (a member not waited for any more, still computing, gives nothing at once, so that
+                # the others' rounds go on; but once a round found nothing anywhere, it backs off too:
+                # every member paused, rounds went on at once, hundreds a second)
+                if not self._acc.samples and not self._linger_due and (late < patience or not self._computing
+                                                                       or self._idle_rounds):
                     self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
                     return self._not_yet("lingering for a batch")
             self._linger_due = False
