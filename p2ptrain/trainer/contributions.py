@@ -77,7 +77,10 @@ class ContributionsSide:
                     if late < patience:  # its inner steps go on: wait for them
                         self._arm_linger(patience - late)
                         return self._not_yet("inner steps")
-                    # (a peer not stepping: nothing this round; its progress goes in a later one)
+                    # (a peer not stepping: nothing this round; its progress goes in a later one. But
+                    # once a round found nothing anywhere, every member is paused: back off as idle)
+                    if self._idle_rounds and not self._linger_due:
+                        return self._linger_idle()
             elif self.staleness == 0:
                 if not self._acc.samples:
                     return self._not_yet("no batch yet")
@@ -103,8 +106,7 @@ class ContributionsSide:
                 # every member paused, rounds went on at once, hundreds a second)
                 if not self._acc.samples and not self._linger_due and (late < patience or not self._computing
                                                                        or self._idle_rounds):
-                    self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
-                    return self._not_yet("lingering for a batch")
+                    return self._linger_idle()
             self._linger_due = False
             out = self._out = self._acc.swap(members)
         self._acc.to_host(out, alone)  # (that buffer is no longer step()'s)
@@ -158,6 +160,10 @@ class ContributionsSide:
     def _not_yet(self, why: str) -> None:  # (under _lock) the round waits for us: step() must call contribution_available
         log.debug("no contribution yet: %s (%s, computing %s)", why, self._pacing, self._computing)
         self._want_step = True
+
+    def _linger_idle(self) -> None:  # (under _lock) nothing here yet: wait a while, longer after idle rounds
+        self._arm_linger(min(LINGER_MAX_S, LINGER_S * 2 ** min(self._idle_rounds, 16)))
+        return self._not_yet("lingering for a batch")
 
     def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then
         when = self._loop.time() + wait
