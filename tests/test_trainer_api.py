@@ -174,7 +174,7 @@ async def snapshot_of(peer):
     state = None
     async def taken():
         nonlocal state
-        state = await on_cluster_thread(peer, peer.snapshot)
+        state = await on_cluster_thread(peer, peer._contributor.snapshot)
         return state is not None
     for _ in range(100):
         if await taken():
@@ -191,7 +191,7 @@ async def hand_over(a, b, steps):
         await a.step(batch_size=len(x))
     state = await snapshot_of(a)
     state = snapshot.unpack(b"".join(snapshot.pack(state)))  # as it travels: bytes, never pickle
-    await on_cluster_thread(b, b.restore, state)
+    await on_cluster_thread(b, b._contributor.restore, state)
 
 
 async def test_a_snapshot_restored_into_another_peer_gives_the_same_parameters_and_next_update():
@@ -218,11 +218,12 @@ async def test_no_snapshot_while_an_update_waits_to_be_applied():
         F.cross_entropy(peer.model(x), y).backward()
         await peer.step(batch_size=len(x))  # returns at once; its round commits in the background
         await until(lambda: peer._queue)
-        assert await on_cluster_thread(peer, peer.snapshot) is None  # the parameters lag the cluster's point
+        # (the parameters lag the cluster's point)
+        assert await on_cluster_thread(peer, peer._contributor.snapshot) is None
         F.cross_entropy(peer.model(x), y).backward()
         await peer.step(batch_size=len(x))  # applies it
         await until(lambda: not peer._queue)
-        state = await on_cluster_thread(peer, peer.snapshot)
+        state = await on_cluster_thread(peer, peer._contributor.snapshot)
         assert state is not None and state["version"] == peer.version >= 1
 
 

@@ -147,12 +147,12 @@ def test_a_state_loaded_at_the_end_is_in_the_parameters_once_finished(leave):
     inner.min_peers = 1
     try:
         peer.start()
-        state = inner.snapshot()
+        state = inner._contributor.snapshot()
         state["model"] = {k: v + 1.0 for k, v in state["model"].items()}  # (the cluster's, not ours)
 
         async def load_then_end():  # (on the cluster's thread, as the cluster calls them)
-            inner.restore(state)
-            inner.finish()
+            inner._contributor.restore(state)
+            inner._contributor.finish()
 
         inner._thread.call(load_then_end())
         assert not peer.finished  # the cluster's state is not in the parameters yet

@@ -202,7 +202,7 @@ def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
 
 def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():
     """Two peers train at staleness 1; a third, started later from other parameters, downloads
-    a snapshot (``AsyncPeer.snapshot``/``restore``), joins the view, and all end bit-identical."""
+    a snapshot (``Contributor.snapshot``/``restore``), joins the view, and all end bit-identical."""
     peers = open_peers([make_adam, make_adam, make_other_start], start=2, staleness=1, compression="int8")
     late = peers[2]
     try:

@@ -24,11 +24,37 @@ cluster's thread and back for nothing: ``step`` applies the batch at once, as th
 would, and the cluster commits its round afterwards (``solo``, ``cluster.trainer_api``), leaving
 that mode before anything else happens (a peer linked, a state asked for).
 
-This module is the caller's side (lifetime, ``step``); applying committed updates and
-checkpoints are ``updates.UpdatesSide``'s; what the cluster calls on its thread (``cluster.trainer_api.Contributions``: ``take``, ``apply``,
-``put_back``, ``snapshot``, ``restore``, ``reconcile``) is the mixin
-``contributions.ContributionsSide``. Past ``take``: ``cluster`` (rounds), ``collective`` (the
-ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
+Who owns what. ``AsyncPeer`` is one object holding two parts, each a plain class in its own
+module that owns the state only it uses (set in its ``__init__``; nothing else assigns it):
+``_contributor`` (``contributions.Contributor``): the trainer the cluster is given
+(``cluster.trainer_api.Contributions``, ``SoloTrainer``: ``take``, ``apply``, ``put_back``,
+``snapshot``, ``restore``, ``reconcile``, ``finish``, ``solo_*``), the ``wait`` a blocked
+``step`` runs and the ``flush`` on leaving, all on the cluster's loop thread; it owns the
+wake-up event, the linger timer and the rounds counted for leaving. ``_updater``
+(``updates.Updater``): applying committed updates, loading the states the cluster hands over,
+checkpoints; it owns the mean's buffers, the sketch in flight, ``metrics``, ``history`` and
+``corrected``. This module is the caller's side (settings, lifetime, ``step``) and the core the
+two threads share, which the parts reach through their ``peer``:
+
+- ``_params_lock``, held while the parameters change (``Updater``; the user's optimizer in
+  local-steps mode) or a snapshot copies them, is always taken before ``_lock``; it also
+  guards ``_applied_waiting``.
+- ``_lock`` guards the accumulator ``_acc``, our contribution ``_out``, the queue of committed
+  updates ``_queue``, the versions (``version``, ``_committed``, ``_computing_on``,
+  ``_params_point``), the batch in progress (``_batch``, ``_computing``, ``_want_step``,
+  ``_step_end``, ``_pacing``), ``_leaving``, ``_finished``, the state loads waiting
+  (``_restore``, ``_reconcile``), ``_solo`` and the counters (``dropped``, ``staleness_max``,
+  ``_compute_s``, ``_compute_n``, ``_wait_s``; ``_metrics`` reads and resets them). Both threads
+  write them, under it (before entering, ``load_state_dict`` and ``_open`` need not); a read
+  without it is a peek where a stale answer is harmless (``wait`` and ``apply_queue`` look at
+  the queue before they lock; users read ``version``).
+- The settings, ``model``, ``optimizer``, ``scheduler``, ``params``, ``_predictor`` and ``_local``
+  are set here once (their contents change with the parameters, under ``_params_lock``).
+
+Threads: the caller's runs ``step`` (and ``Updater`` in it) and ``state_dict``; the cluster's runs
+``Contributor``, the lifetime coroutines (``_open``, ``_close``), and ``Updater`` while ``step``
+waits there or the peer leaves (the caller is blocked then). Past ``take``: ``cluster``
+(rounds), ``collective`` (the ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
 
 Staleness. A gradient computed on version v and applied to version V has staleness V - v.
 
@@ -54,16 +80,17 @@ on parameters every replica holds alike. At staleness 0 ``step`` waits for that 
 it steps on while the ring runs and while a round waits for slower peers' inner steps.
 
 Leaving: at staleness >= 1 (and in local-steps mode) a normal exit first waits (at most
-``FLUSH_S``) until this peer's samples are applied (in local-steps mode the inner steps not
-contributed yet go in one more round), and two rounds more for what the others computed meanwhile. Loops should
-end with the cluster, not after their own steps: a faster peer takes more steps, and one that
-left early could leave the others short of ``min_peers``. With ``max_rounds`` or ``duration``
-the run's end is the cluster's (``cluster.ending``): ``while not peer.finished``, and every
-member leaves after the same update with the same parameters; without, count the cluster's
-updates (``while peer.version < n``).
+``contributions.FLUSH_S``) until this peer's samples are applied (in local-steps mode the inner
+steps not contributed yet go in one more round), and two rounds more for what the others
+computed meanwhile. Loops should end with the cluster, not after their own steps: a faster
+peer takes more steps, and one that left early could leave the others short of
+``min_peers``. With ``max_rounds`` or ``duration`` the run's end is the cluster's
+(``cluster.ending``): ``while not peer.finished``, and every member leaves after the same
+update with the same parameters; without, count the cluster's updates (``while peer.version
+< n``).
 
-State: ``snapshot``/``restore`` serve the cluster's state transfer; a restore lands at the
-next safe point (in ``step``) and voids the gradients accumulated before it.
+State: ``snapshot``/``restore`` (``Contributor``) serve the cluster's state transfer; a restore
+lands at the next safe point (in ``step``) and voids the gradients accumulated before it.
 ``state_dict``/``load_state_dict`` are for checkpoints (load before entering).
 
 Failure: ``step`` raises ``GroupError`` when no round takes or applies its batch within
@@ -86,14 +113,14 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import AveragedGradient, optimizer_step
+from p2ptrain.trainer.apply import optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
-from p2ptrain.trainer.contributions import ContributionsSide
-from p2ptrain.trainer.updates import UpdatesSide
+from p2ptrain.trainer.contributions import Contributor
+from p2ptrain.trainer.updates import Updater
 from p2ptrain.device import device_kind, pick_device
 from p2ptrain.net.discovery import Discovery, parse_host_port
-from p2ptrain.errors import ClosedError, ConfigError, GroupError
+from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
@@ -102,7 +129,6 @@ from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
-from p2ptrain.trainer.progress import ProgressLog
 from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
@@ -114,12 +140,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2ptrain.trainer.peer")
 
-FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
-HISTORY = 1000  # updates kept in ``history``
 RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
 
 
-class AsyncPeer(ContributionsSide, UpdatesSide):
+class AsyncPeer:
     """One member of a training cluster, for asyncio programs. See the module docstring.
 
     Keywords are the ``join`` flags: ``cluster``, ``secret``, ``peers``, ``listen``,
@@ -194,13 +218,12 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self._start: SyncPoint | None = None  # a checkpoint's point (load_state_dict), else genesis
         self._closed = False
 
-        # Shared with the cluster's callbacks (on its thread): guarded by _lock. _params_lock is
-        # held while the parameters change (an update, a state load), so a snapshot can refuse.
+        # The core the caller's thread (step) and the cluster's (the contributor) share, guarded
+        # by _lock (the module docstring says who writes what). _params_lock is held while the
+        # parameters change (an update, a state load), so a snapshot can refuse; it comes first.
         self._lock = threading.Lock()
         self._params_lock = threading.Lock()
-        self._changed = asyncio.Event()  # (used on the cluster's loop only)
         self._acc = Accumulator(self.params, self.device)
-        self._mean = AveragedGradient(self.params, self.device)  # (used under _params_lock)
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
         self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
         self._leaving = False  # closing: a round asking for our contribution gets what we have
@@ -209,34 +232,26 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         self.version = 0  # updates applied to the parameters here
         self._committed = 0  # updates committed by the cluster (applied here, or queued)
         self._computing_on = 0  # the version the batch in progress is computed on
-        self._applied_waiting = 0  # updates applied inside step() before it returns (it reports them)
+        self._applied_waiting = 0  # updates applied before step() returns (it reports them; under _params_lock)
         self._batch = 1  # the last batch size step() was given (the share counts whole batches)
         self._computing = True  # False while the caller is inside step() (no batch in progress)
         self._want_step = False  # a round waits for this peer's next batch: step() must say so
-        self._linger: asyncio.TimerHandle | None = None
-        self._linger_due = False
-        self._idle_rounds = 0  # consecutive rounds in which nobody had anything
-        self._rounds_seen = 0  # rounds committed with this peer in them
-        self._restore: dict | None = None
+        self._restore: dict | None = None  # a member's state, loaded at the next safe point
         self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
-        self._params_point: SyncPoint | None = None
+        self._params_point: SyncPoint | None = None  # the cluster's point of the parameters here
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
-        self._scheduler_unsent = False  # the scheduler's state could not go in a snapshot (said once)
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
-        self._said_finished = False
-        self._said_end = False  # the line naming where this peer finished was logged (``_say_finished``)
-        self._sketching = None  # (point, metrics, drift.SketchRead): a sketch the device still copies
-        self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
         self.staleness_max = 0
-        self.metrics: RoundMetrics | None = None  # the last update applied here
-        self.history: collections.deque[RoundMetrics] = collections.deque(maxlen=HISTORY)
-        self._compute_s = self._wait_s = 0.0
+        self._compute_s = self._wait_s = 0.0  # since the last update: for its metrics (``_metrics``)
         self._compute_n = 0
         self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
         self._step_end = time.perf_counter()
-        self._checksum = b""
-        self._progress = ProgressLog()
         self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
+        self._said_finished = False  # (the caller's thread only)
+        self._checksum = b""
+        # The parts; each owns its own state (the module docstring).
+        self._contributor = Contributor(self)  # the cluster's trainer, on its thread
+        self._updater = Updater(self)  # changes the parameters: updates, state loads, checkpoints
 
     @property
     def members(self) -> int:
@@ -253,6 +268,33 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         parameters at the cluster's version)."""
         with self._lock:
             return self._finished and not self._queue and self._restore is None
+
+    @property
+    def metrics(self) -> RoundMetrics | None:
+        """The last update applied here."""
+        return self._updater.metrics
+
+    @property
+    def history(self) -> collections.deque[RoundMetrics]:
+        """The last updates applied here (``RoundMetrics``, newest last)."""
+        return self._updater.history
+
+    @property
+    def corrected(self) -> int:
+        """The leader's parameters loaded here because ours drifted past the tolerance."""
+        return self._updater.corrected
+
+    def state_dict(self) -> dict:
+        """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
+        version, and the cluster's point at the last applied update. Save it as you save
+        anything (``torch.save``). Call it between steps."""
+        return self._updater.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers
+        restarted from the same checkpoint form one cluster again, and the ``scheduler`` (if
+        both the state and this peer have one) continues at the saved update's learning rate."""
+        self._updater.load_state_dict(state)
 
     # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
     async def __aenter__(self) -> Self:
@@ -287,7 +329,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         return self._thread
 
     async def _open(self) -> None:
-        self.cluster = Cluster(peer_id=self.peer_id, trainer=self, checksum=self._checksum,
+        self.cluster = Cluster(peer_id=self.peer_id, trainer=self._contributor, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
                                                    asyncio.get_running_loop().time()),
@@ -311,11 +353,10 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
     async def _close(self, flush: bool) -> None:
         try:
             if flush:
-                await self._flush()
+                await self._contributor.flush()
         finally:
             self._closed = True
-            if self._linger is not None:
-                self._linger.cancel()
+            self._contributor.cancel_linger()
             await self._tasks.close()
             await self.cluster.close()
             await self.discovery.__aexit__(None, None, None)
@@ -325,7 +366,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
             if self._local is not None:  # ... on the outer ones, identical on every replica
                 with self._params_lock:
                     self._local.finish()
-            self._changed.set()
+            self._contributor.wake()
 
     async def _propose(self) -> None:
         """Keep offering every address heard or given to the mesh (it skips those linked)."""
@@ -334,64 +375,13 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self.cluster.propose(host, port)
             await asyncio.sleep(0.5)
 
-    async def _flush(self) -> None:
-        """Staleness >= 1: stay until this peer's samples are applied, then two more rounds, so
-        that what the others computed before we left (taken by the next round, or held by
-        the one after for a batch in progress) is applied with us. At most ``FLUSH_S``."""
-        with self._lock:
-            self._computing = False  # no batch in progress any more: no round need wait for one
-            self._want_step = False
-            self._leaving = True
-        loop = asyncio.get_running_loop()
-        deadline, target = loop.time() + FLUSH_S, None
-
-        def blocked() -> bool:  # (under _lock)
-            nonlocal target
-            if self._finished or not self.cluster.machine.table.can_train(self.min_peers)[0]:
-                return False
-            if self._acc.samples or self._out is not None:
-                return True
-            target = self._rounds_seen + 2 if target is None else target
-            return self._rounds_seen < target
-
-        # (local steps: once our contribution in flight is applied, the inner steps made since go
-        # too; the model ends on the outer parameters. A stopped cluster applies nothing more.)
-        if (self.staleness or self._local is not None) and self.cluster.failure is None:
-            self._notify()
-            try:
-                if self._local is not None:
-                    await self._flush_inner_steps(deadline)
-                await self._wait(blocked, max(0.0, deadline - loop.time()), flushing=True)
-            except GroupError:
-                log.warning("leaving with %d samples not applied: no round took them within %.0f s",
-                            self._acc.samples, FLUSH_S)
-        with self._params_lock:
-            self._load_restore()  # (a state that came after the loop's last step: the cluster's, at the end)
-            self._apply_queue()
-
-    async def _flush_inner_steps(self, deadline: float) -> None:
-        """Local steps, leaving: wait for our contribution in flight, then contribute the inner
-        steps made since (fewer than ``sync_every``, or more if the last round was slow)."""
-        def in_flight() -> bool:  # (under _lock)
-            return (not self._finished and self.cluster.machine.table.can_train(self.min_peers)[0]
-                    and bool(self._acc.samples or self._out is not None))
-
-        await self._wait(in_flight, max(0.0, deadline - asyncio.get_running_loop().time()), flushing=True)
-        with self._params_lock:  # (the caller is in close(): no forward or backward runs)
-            self._apply_queue()
-            with self._lock:
-                if self._finished or self._acc.samples or self._out is not None or not self._local.samples:
-                    return
-                delta, samples = self._local.contribute()
-                self._acc.add_weighted(delta, samples, self.version)
-        self._notify()
-
     # -- the training loop's side -------------------------------------------------------------
     async def step(self, batch_size: int) -> int:
         """Contribute this batch's gradients (call it after ``loss.backward()``) and apply the
         updates committed since the last call. Returns how many were applied."""
         if self._begin_step(batch_size):
-            await asyncio.wrap_future(self._thread.submit(self._wait(self._must_wait, self.step_timeout)))
+            waited = self._contributor.wait(self._must_wait, self.step_timeout)
+            await asyncio.wrap_future(self._thread.submit(waited))
         else:  # yield even so: a loop whose step never waits (staleness >= 1) would starve the
             await asyncio.sleep(0)  # caller's other tasks, and its signal handlers (Ctrl-C) with them
         return self._end_step()
@@ -399,7 +389,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
     def _step_blocking(self, batch_size: int) -> int:
         """``step`` for a thread with no event loop (``sync_peer.Peer``)."""
         if self._begin_step(batch_size):
-            self._thread.call(self._wait(self._must_wait, self.step_timeout))
+            self._thread.call(self._contributor.wait(self._must_wait, self.step_timeout))
         return self._end_step()
 
     def _begin_step(self, batch_size: int) -> bool:
@@ -417,7 +407,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                         "(while not peer.finished)")
         began = time.perf_counter()
         with self._params_lock:
-            void = self._load_restore()
+            void = self._updater.load_restore()
             with self._lock:
                 self._compute_s += began - self._step_end
                 self._compute_n += 1
@@ -434,12 +424,12 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
                 self._computing = False
                 notify, self._want_step = self._want_step, False
             if alone:
-                self._apply_queue()  # (what was committed before we went solo)
-                notify = self._apply_alone(batch_size)
+                self._updater.apply_queue()  # (what was committed before we went solo)
+                notify = self._updater.apply_alone(batch_size)
             elif self._local is not None:
                 notify = self._inner_step(batch_size, void) or notify
             else:
-                self._apply_queue()
+                self._updater.apply_queue()
         if notify:
             self._notify()
         if alone and not notify:  # (applied: nothing to wait for)
@@ -449,8 +439,8 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
 
     def _end_step(self) -> int:
         with self._params_lock:
-            self._load_restore()
-            applied = self._apply_queue() + self._applied_waiting
+            self._updater.load_restore()
+            applied = self._updater.apply_queue() + self._applied_waiting
             self._applied_waiting = 0
             with self._lock:
                 self._computing_on, self._computing = self.version, True
@@ -465,7 +455,7 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         if not void:
             optimizer_step(self.params, self.optimizer, self.scheduler, self.clip_grad_norm)
             self._local.stepped(batch_size)
-        self._apply_queue()
+        self._updater.apply_queue()
         with self._lock:
             if not self._local.due() or self._acc.samples or self._out is not None:
                 return False
@@ -492,3 +482,14 @@ class AsyncPeer(ContributionsSide, UpdatesSide):
         elif not self._loop.is_closed():
             self._loop.call_soon_threadsafe(tell)
 
+    def _metrics(self, r: int, version: int, members: int, samples: int, local_samples: int, staleness: int,
+                 round_time: float) -> RoundMetrics:
+        """(under _lock) An update's metrics, with the compute and wait seconds since the last
+        update (read and reset here)."""
+        m = RoundMetrics(round=r, version=version, members=members, samples=samples, local_samples=local_samples,
+                         staleness=staleness, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
+                         raw_bytes=0, round_time=round_time, compute_time=self._compute_s / max(self._compute_n, 1),
+                         wait_time=self._wait_s)
+        self._compute_s = self._wait_s = 0.0
+        self._compute_n = 0
+        return m

@@ -1,78 +1,116 @@
-"""Committed updates reach the model here: ``UpdatesSide``, a mixin of ``peer.AsyncPeer`` (as
-``contributions.ContributionsSide`` is), for the caller's thread.
+"""Committed updates and handed-over states reach the model here: ``Updater``, the part of
+``peer.AsyncPeer`` that changes the parameters (the peer holds it as ``_updater``).
 
-``_apply_queue`` applies the updates the cluster committed (``contributions.apply`` queued
-them), in round order, at a safe point (inside ``step``, or while ``step`` waits;
-``_params_lock`` held): the averaged gradient goes through ``apply.apply_update`` (``p.grad``
-set to views of the ring's sum divided by the samples, clipped, the optimizer and scheduler
-step), the ring's buffer goes back to the cluster (``recycle``), the version moves on, and
-every ``reconcile_every`` updates a parameter sketch goes to the leader (``cluster.drift``).
-A peer alone applies its batch at once instead (``_apply_alone``; the cluster commits its round
-after: ``solo``). ``state_dict``/``load_state_dict`` give and load the state as of the last
-applied update (checkpoints). The state used is the peer's: ``_queue``, ``_lock``, ``version``,
-``_params_point``, ``_acc``, ``_mean``, ``_predictor``, ``_local``, ``_solo``, ``cluster``,
-``metrics``, ``history``.
+``apply_queue`` applies the updates the cluster committed (``contributions.Contributor.apply``
+queued them), in round order, at a safe point: the averaged gradient goes through
+``apply.apply_update`` (``p.grad`` set to views of the ring's sum divided by the samples,
+clipped, the optimizer and scheduler step), the ring's buffer goes back to the cluster
+(``recycle``), the version moves on, and every ``reconcile_every`` updates a parameter sketch
+goes to the leader (``cluster.drift``). A peer alone applies its batch at once instead
+(``apply_alone``; the cluster commits its round after: ``solo``). A state the cluster handed
+over (``Contributor.restore``, ``reconcile``) is loaded here too (``load_restore``, and the
+leader's parameters inside ``apply_queue`` once ours reach its point). ``state_dict`` and
+``load_state_dict`` give and load the state as of the last applied update (checkpoints).
+
+Who owns what. ``Updater`` owns what only applying touches, set in its ``__init__``: the mean's
+buffers (``_mean``), a sketch the device still copies (``_sketching``), ``_said_end``, the
+progress log, and what it publishes: ``metrics``, ``history`` and ``corrected`` (the peer shows
+them as read-only properties). The state it shares with the cluster's side (the queue, the
+versions, the state loads waiting, the accumulator, ``_solo``) is the peer's core, reached
+through ``self.peer`` and guarded by the peer's ``_lock`` (``peer``'s docstring).
+
+Threads and locks. Whatever changes the parameters runs with the peer's ``_params_lock`` held,
+never under a forward or a backward: on the caller's thread inside ``step``, or on the
+cluster's thread while ``step`` waits there or the peer leaves (``Contributor.wait``,
+``flush``: the caller is blocked then). ``_lock`` is taken inside it (``_params_lock`` first,
+always), briefly, for the shared core. ``true_state_dict`` and ``outer_state`` only read (a
+snapshot calls them on the cluster's thread, ``_params_lock`` held).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
 
 from p2ptrain.cluster.drift import sketch_checksum, start_sketch
 from p2ptrain.cluster.fingerprint import param_checksum
+from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.snapshot import tensors_checksum
 from p2ptrain.errors import ConfigError, GroupError
 from p2ptrain.trainer.accumulator import CommittedUpdate, RoundMetrics
-from p2ptrain.trainer.apply import apply_gradients, apply_update
-from p2ptrain.trainer.contributions import _point
+from p2ptrain.trainer.apply import AveragedGradient, apply_gradients, apply_update
+from p2ptrain.trainer.progress import ProgressLog
+
+if TYPE_CHECKING:
+    from p2ptrain.trainer.peer import AsyncPeer
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
 SOLO_COMMIT_S = 10.0  # how long a checkpoint waits for the cluster to commit what a peer alone applied
+HISTORY = 1000  # updates kept in ``history``
 
 
-class UpdatesSide:
-    """Applying committed updates, and the state they give (see the module docstring). A mixin:
-    the state is the peer's."""
+def _point(sync) -> SyncPoint | None:
+    """A ``state_dict``'s or snapshot's ``sync`` list as a ``SyncPoint`` (None: none)."""
+    return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
 
-    def _apply_queue(self) -> int:
-        """Apply the committed updates in order (caller's thread, ``_params_lock`` held)."""
-        if not (self._queue or self._reconcile is not None or self._sketching is not None
-                or self._predictor is not None or self._finished):
+
+class Updater:
+    """Applying committed updates and loading states, and what they give (see the module
+    docstring). Its methods without an underscore are what the peer and ``Contributor`` call."""
+
+    def __init__(self, peer: AsyncPeer):
+        self.peer = peer  # the shared core: settings, locks, queue, versions, accumulator
+        self._mean = AveragedGradient(peer.params, peer.device)  # (used under _params_lock)
+        self._sketching = None  # (point, metrics, drift.SketchRead): a sketch the device still copies
+        self._said_end = False  # the line naming where this peer finished was logged (``_say_finished``)
+        self._progress = ProgressLog()
+        self.metrics: RoundMetrics | None = None  # the last update applied here
+        self.history: collections.deque[RoundMetrics] = collections.deque(maxlen=HISTORY)
+        self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
+
+    def apply_queue(self) -> int:
+        """Apply the committed updates in order (``_params_lock`` held). Returns how many."""
+        peer = self.peer
+        if not (peer._queue or peer._reconcile is not None or self._sketching is not None
+                or peer._predictor is not None or peer._finished):
             return 0  # (nothing to do: most steps of a peer alone)
         applied = 0
         while True:
             self._load_reconcile()
-            with self._lock:
-                update = self._queue.popleft() if self._queue else None
+            with peer._lock:
+                update = peer._queue.popleft() if peer._queue else None
             if update is None:
                 # (read once the device copied it, a CPU's at once; leaving or at the end, now)
-                self._deliver_sketch(wait=self._leaving or self._finished)
-                if self._predictor is not None:
-                    self._predictor.predict()
+                self._deliver_sketch(wait=peer._leaving or peer._finished)
+                if peer._predictor is not None:
+                    peer._predictor.predict()
                 self._say_finished()
                 return applied
             self._deliver_sketch(wait=True)  # (the last one's, read before the next update: copied by now)
             if update.summed is not None:
-                if self._predictor is not None:
-                    self._predictor.before_update()
+                if peer._predictor is not None:
+                    peer._predictor.before_update()
                 self._apply_update(update)
                 if update.ours is None:  # (the ring's result, ours now: its memory serves a later ring)
-                    self.cluster.recycle(update.summed)
+                    peer.cluster.recycle(update.summed)
                 applied += 1
-            with self._lock:
-                self._params_point = update.point
-                self.version += update.summed is not None
+            with peer._lock:
+                peer._params_point = update.point
+                peer.version += update.summed is not None
                 if update.ours is not None:  # (a peer alone: the ring's result was our own buffer)
-                    self._acc.release(update.ours)
+                    peer._acc.release(update.ours)
             metrics = update.metrics
-            if update.compare and self.reconcile_every and update.point.version % self.reconcile_every == 0:
+            if update.compare and peer.reconcile_every and update.point.version % peer.reconcile_every == 0:
                 # (the outer parameters in local-steps mode: the model holds this peer's local ones)
-                read = start_sketch(self._local.outer if self._local is not None else self.params)
+                read = start_sketch(peer._local.outer if peer._local is not None else peer.params)
                 self._sketching, metrics = (update.point, metrics, read), None  # (published with it)
                 self._deliver_sketch(wait=False)
             if metrics is not None:
@@ -89,7 +127,8 @@ class UpdatesSide:
         self._sketching = None
         point, metrics, read = pending
         sketch = read.result()
-        self._loop.call_soon_threadsafe(self.cluster.parameters_at, point, sketch)
+        peer = self.peer
+        peer._loop.call_soon_threadsafe(peer.cluster.parameters_at, point, sketch)
         if metrics is not None:
             self._publish(replace(metrics, param_checksum=sketch_checksum(sketch)))
 
@@ -97,103 +136,171 @@ class UpdatesSide:
         """Once the cluster's run is over and its last update is applied here (``_params_lock``
         held): one line naming the round, the version (the chain's digest too) and a digest of
         the parameters, so that replicas that end apart can be told apart from their logs."""
-        with self._lock:
-            if not self._finished or self._queue or self._restore is not None or self._said_end:
+        peer = self.peer
+        with peer._lock:
+            if not peer._finished or peer._queue or peer._restore is not None or self._said_end:
                 return
-            self._said_end, point = True, self._params_point
-        end = self.cluster.finished
+            self._said_end, point = True, peer._params_point
+        end = peer.cluster.finished
         log.info("finished at the cluster's round %s, version %s: this peer holds version %d (chain %s), "
-                 "parameters %s", end and end.r, end and end.version, self.version,
+                 "parameters %s", end and end.r, end and end.version, peer.version,
                  point.digest.hex()[:16] if point else "-", self._parameters_digest())
 
     def _parameters_digest(self) -> str:
         """The replicas' common parameters, hashed (``join``'s summary checksum in gradient mode):
         the true ones where the model holds predicted ones, the outer ones in local-steps mode."""
-        if self._local is None and self._predictor is None:
-            return param_checksum(self.model)
-        state = self._true_state_dict()
-        return tensors_checksum((name, state[name]) for name, _ in self.model.named_parameters())
+        peer = self.peer
+        if peer._local is None and peer._predictor is None:
+            return param_checksum(peer.model)
+        state = self.true_state_dict()
+        return tensors_checksum((name, state[name]) for name, _ in peer.model.named_parameters())
 
-    def _apply_alone(self, batch_size: int) -> bool:
+    def apply_alone(self, batch_size: int) -> bool:
         """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
-        the plain loop would; the cluster commits its round later (``contributions.solo_*``).
+        the plain loop would; the cluster commits its round later (``Contributor.solo_*``).
         True: that was the run's last version, the cluster must hear of it now."""
-        grads = [p.grad for p in self.params]  # (dense, as a round's mean would be)
-        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], self.params,
-                        self.optimizer, self.scheduler, self.clip_grad_norm)
-        with self._lock:
-            self.version += 1
-            self._committed += 1
-            self._applied_waiting += 1
-            r, last = self._solo.applied(batch_size, self.version, time.time())
-            m = self._metrics(r, self.version, 1, batch_size, batch_size, 0, 0.0)
+        peer = self.peer
+        grads = [p.grad for p in peer.params]  # (dense, as a round's mean would be)
+        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], peer.params,
+                        peer.optimizer, peer.scheduler, peer.clip_grad_norm)
+        with peer._lock:
+            peer.version += 1
+            peer._committed += 1
+            peer._applied_waiting += 1
+            r, last = peer._solo.applied(batch_size, peer.version, time.time())
+            m = peer._metrics(r, peer.version, 1, batch_size, batch_size, 0, 0.0)
         self.metrics = m  # (as ``_publish``, with no cluster record to complete it: no ring ran)
         self.history.append(m)
-        self._progress.applied(m, self.staleness_max, self.dropped)
+        self._progress.applied(m, peer.staleness_max, peer.dropped)
         return last
 
     def _apply_update(self, update: CommittedUpdate) -> None:
-        if self._local is not None:
-            return self._local.apply(self._mean.of(update)[0])
+        peer = self.peer
+        if peer._local is not None:
+            return peer._local.apply(self._mean.of(update)[0])
         if update.ours is not None and update.ours.grads is not None:  # alone: our batch as backward left it
-            return apply_gradients(update.ours.grads, self.params, self.optimizer, self.scheduler,
-                                   self.clip_grad_norm)
-        apply_update(update, self._mean, self.optimizer, self.scheduler, self.clip_grad_norm)
+            return apply_gradients(update.ours.grads, peer.params, peer.optimizer, peer.scheduler,
+                                   peer.clip_grad_norm)
+        apply_update(update, self._mean, peer.optimizer, peer.scheduler, peer.clip_grad_norm)
 
     def _publish(self, m: RoundMetrics) -> None:
-        m = self._progress.completed(m, self.cluster)
+        peer = self.peer
+        m = self._progress.completed(m, peer.cluster)
         self.metrics = m
         self.history.append(m)
-        self._progress.applied(m, self.staleness_max, self.dropped)
+        self._progress.applied(m, peer.staleness_max, peer.dropped)
+
+    # -- states handed over by the cluster (``Contributor.restore``, ``reconcile``) -------------
+    def load_restore(self) -> bool:
+        """Load a pending state (``_params_lock`` held; no forward or backward runs now).
+        True: one was loaded (what was computed before it is void)."""
+        peer = self.peer
+        with peer._lock:
+            state, peer._restore = peer._restore, None
+        if state is None:
+            return False
+        self._load_state(state)
+        for p in peer.params:
+            p.grad = None
+        with peer._lock:
+            peer.version = peer._committed = peer._computing_on = int(state.get("version", 0))
+            peer._params_point = _point(state.get("sync"))
+            peer._acc.void()
+            peer._want_step = True
+        return True
+
+    def _load_reconcile(self) -> None:
+        """(``_params_lock`` held) Ours at the leader's point: take its parameters."""
+        peer = self.peer
+        with peer._lock:
+            if peer._reconcile is None or peer._params_point is None:
+                return
+            (state, point), here = peer._reconcile, peer._params_point
+            if here.version < point.version:
+                return  # not there yet
+            peer._reconcile = None
+        if (here.version, here.digest) != (point.version, point.digest):
+            log.debug("the leader's parameters for version %d came after ours passed it", point.version)
+            return
+        if peer._local is not None:  # the outer parameters: everything here moves by the difference
+            names = dict(peer.model.named_parameters())
+            peer._local.shift([state["model"][n] for n, _ in peer._local.named_outer(peer.model)
+                               if names[n].requires_grad], (state.get("outer") or {}).get("momentum"))
+        else:
+            with torch.no_grad():
+                for name, p in peer.model.named_parameters():
+                    if name in state["model"]:
+                        p.copy_(state["model"][name])
+        if peer._predictor is not None:
+            peer._predictor.forget()
+        self.corrected += 1
+
+    def _load_state(self, state: dict) -> None:
+        """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot (in
+        local-steps mode the outer state: the model starts over on it, with its momentum)."""
+        peer = self.peer
+        peer.model.load_state_dict(state["model"])
+        if peer._local is not None:
+            peer._local.reset((state.get("outer") or {}).get("momentum"))
+        peer.optimizer.load_state_dict(state["optimizer"])
+        self._load_scheduler(state)
+        if peer._predictor is not None:
+            peer._predictor.forget()
+
+    def _load_scheduler(self, state: dict) -> None:
+        """The scheduler's state from a snapshot or a ``state_dict()``, where both sides have one."""
+        if self.peer.scheduler is not None and state.get("scheduler"):
+            self.peer.scheduler.load_state_dict(state["scheduler"])
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
-        version, and the cluster's point at the last applied update. Save it as you save
-        anything (``torch.save``). Call it between steps."""
+        """``AsyncPeer.state_dict``: the state as of the last applied update."""
+        peer = self.peer
         self._commit_solo()
-        with self._params_lock, self._lock:
-            p = self._params_point
-            return {"model": self._true_state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                    "version": self.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
-                    **self._outer_state()}
+        with peer._params_lock, peer._lock:
+            p = peer._params_point
+            return {"model": self.true_state_dict(), "optimizer": peer.optimizer.state_dict(),
+                    "scheduler": peer.scheduler.state_dict() if peer.scheduler is not None else None,
+                    "version": peer.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
+                    **self.outer_state()}
 
     def _commit_solo(self) -> None:
         """Alone, the rounds of the batches applied at once are committed now (a checkpoint's
         point must be its version's)."""
-        with self._lock:
-            listed = bool(self._solo.listed)
-        if not listed or self._closed or threading.current_thread() is self._thread.thread:
+        peer = self.peer
+        with peer._lock:
+            listed = bool(peer._solo.listed)
+        if not listed or peer._closed or threading.current_thread() is peer._thread.thread:
             return  # (closed: committed on leaving; on the cluster's thread, in step: none listed)
-        self.cluster.check()
+        peer.cluster.check()
         try:
-            self._thread.call(asyncio.wait_for(self.cluster.commit_solo(), SOLO_COMMIT_S))
+            peer._thread.call(asyncio.wait_for(peer.cluster.commit_solo(), SOLO_COMMIT_S))
         except asyncio.TimeoutError:
             raise GroupError(f"the cluster did not commit this peer's last updates within {SOLO_COMMIT_S:.0f} s: "
                              "take the checkpoint again") from None
 
-    def _outer_state(self) -> dict:
+    def outer_state(self) -> dict:
         """Local-steps mode: the outer momentum, for a checkpoint or a joiner ({} otherwise)."""
-        return {} if self._local is None else {"outer": {"momentum": self._local.velocity_state()}}
+        local = self.peer._local
+        return {} if local is None else {"outer": {"momentum": local.velocity_state()}}
 
-    def _true_state_dict(self) -> dict:
+    def true_state_dict(self) -> dict:
         """``model.state_dict()``, with the true parameters where the model holds predicted ones,
         and the outer ones in local-steps mode (the model holds this peer's local ones)."""
-        if self._local is not None:
-            return self._local.state_dict(self.model)
-        return self.model.state_dict() if self._predictor is None else self._predictor.true_state_dict(self.model)
+        peer = self.peer
+        if peer._local is not None:
+            return peer._local.state_dict(peer.model)
+        return peer.model.state_dict() if peer._predictor is None else peer._predictor.true_state_dict(peer.model)
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a ``state_dict()`` before entering: the peer continues that lineage, so peers
-        restarted from the same checkpoint form one cluster again, and the ``scheduler`` (if
-        both the state and this peer have one) continues at the saved update's learning rate."""
-        if self._thread is not None:
+        """``AsyncPeer.load_state_dict``: before entering."""
+        peer = self.peer
+        if peer._thread is not None:
             raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        peer.model.load_state_dict(state["model"])
+        peer.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
-        if self._local is not None:
-            self._local.reset((state.get("outer") or {}).get("momentum"))
-        self.version = self._committed = self._computing_on = int(state.get("version", 0))
-        self._start = _point(state.get("sync"))
+        if peer._local is not None:
+            peer._local.reset((state.get("outer") or {}).get("momentum"))
+        peer.version = peer._committed = peer._computing_on = int(state.get("version", 0))
+        peer._start = _point(state.get("sync"))
