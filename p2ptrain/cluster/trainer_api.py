@@ -1,7 +1,7 @@
 """What the cluster asks of the trainer beside it (``Cluster``'s ``trainer``): ``Contributions``,
 which every trainer gives, and ``SoloTrainer``, which a trainer that can apply batches at once
-while its peer is alone adds (``AsyncPeer`` does; the tests' fakes do not). Every call comes on
-the cluster's event loop thread."""
+while its peer is alone adds (``AsyncPeer``'s ``trainer.contributions.Contributor`` does; the
+tests' fakes do not). Every call comes on the cluster's event loop thread."""
 
 from __future__ import annotations
 

@@ -16,14 +16,14 @@ Who owns what. ``Contributor`` owns what only the cluster's side touches, set in
 ``__init__``: the wake-up event ``_changed`` (``wait`` sleeps on it; every change here sets
 it), the linger timer (``_linger``, ``_linger_due``, ``_idle_rounds``), the rounds committed
 with us in them (``_rounds_seen``, which ``flush`` counts) and ``_scheduler_unsent``. All of
-it is used on the cluster's loop thread only; the fields the timer shares with ``take`` are
-written under the peer's ``_lock`` as before. Everything else it reads and writes is the
-peer's core, shared with the caller's thread (``peer``'s docstring: the accumulator, our
-contribution ``_out``, the queue of committed updates, the versions, the batch in progress,
-the state loads waiting, the counters), reached through ``self.peer`` and guarded by the
-peer's ``_lock``; ``snapshot`` and ``wait`` also take ``_params_lock`` (without blocking: a
-busy one means the caller is changing the parameters), ``solo_end`` and ``flush`` block on it,
-always before ``_lock``.
+it is used on the cluster's loop thread only; all but the event and ``_scheduler_unsent`` are
+written under the peer's ``_lock``, with the core they decide on. Everything else it reads
+and writes is the peer's core, shared with the caller's thread (``peer``'s docstring: the
+accumulator, our contribution ``_out``, the queue of committed updates, the versions, the
+batch in progress, the state loads waiting, the counters), reached through ``self.peer`` and
+guarded by the peer's ``_lock``; ``snapshot`` and ``wait`` also take ``_params_lock`` (without
+blocking: a busy one means the parameters are changing), ``solo_end`` and ``flush`` block on
+it; always before ``_lock``.
 
 When this member contributes (staleness tau >= 1; ``take``; the rules are ``peer``'s
 docstring): a member whose batch in progress would be staler than tau is waited for, but a

@@ -22,9 +22,10 @@ through ``self.peer`` and guarded by the peer's ``_lock`` (``peer``'s docstring)
 Threads and locks. Whatever changes the parameters runs with the peer's ``_params_lock`` held,
 never under a forward or a backward: on the caller's thread inside ``step``, or on the
 cluster's thread while ``step`` waits there or the peer leaves (``Contributor.wait``,
-``flush``: the caller is blocked then). ``_lock`` is taken inside it (``_params_lock`` first,
-always), briefly, for the shared core. ``true_state_dict`` and ``outer_state`` only read (a
-snapshot calls them on the cluster's thread, ``_params_lock`` held).
+``flush``: the caller is blocked then); ``load_state_dict`` only before entering (one thread
+then, no lock). ``_lock`` is taken inside it (``_params_lock`` first, always), briefly, for the
+shared core. ``true_state_dict`` and ``outer_state`` only read (a snapshot calls them on the
+cluster's thread, ``_params_lock`` held).
 """
 
 from __future__ import annotations
