@@ -49,7 +49,8 @@ two threads share, which the parts reach through their ``peer``:
   without it is a peek where a stale answer is harmless (``wait`` and ``apply_queue`` look at
   the queue before they lock; users read ``version``).
 - The settings, ``model``, ``optimizer``, ``scheduler``, ``params``, ``_predictor`` and ``_local``
-  are set here once (their contents change with the parameters, under ``_params_lock``).
+  are set here once (their contents change with the parameters, under ``_params_lock``); the
+  lifetime's (``cluster``, ``_thread``, ``_closed``, ...) once each, as the peer opens or closes.
 
 Threads: the caller's runs ``step`` (and ``Updater`` in it) and ``state_dict``; the cluster's runs
 ``Contributor``, the lifetime coroutines (``_open``, ``_close``), and ``Updater`` while ``step``
