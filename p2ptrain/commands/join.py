@@ -257,6 +257,9 @@ class _Join:
                     log.info("leaving the cluster")
                 finally:
                     await self._training.close()
+            # Rounds committed as the peer left (a peer alone commits the batches it applied at
+            # once afterwards, the last of them on leaving): their records, and the counts.
+            self._take_records(peer, task, device, metrics)
         finally:
             self.output.status.clear()
             if metrics:
@@ -339,8 +342,10 @@ class _Join:
                 elif a.step_delay:
                     await asyncio.sleep(a.step_delay)
             with self.trace("step", "compute"):
-                await peer.step(batch_size=n)
-            self.count.stepped(n, time.monotonic())
+                try:
+                    await peer.step(batch_size=n)
+                finally:  # (stopped in the middle, the batch was handed over all the same: applied, or dropped)
+                    self.count.stepped(n, time.monotonic())
             self._take_records(peer, task, device, metrics)
             now = time.monotonic()
             if now - last_log >= 0.5:

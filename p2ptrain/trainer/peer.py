@@ -241,6 +241,7 @@ class AsyncPeer:
         self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
         self._params_point: SyncPoint | None = None  # the cluster's point of the parameters here
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
+        self.unapplied = 0  # samples stepped that no round took before this peer left (set on closing)
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
         self.staleness_max = 0
         self._compute_s = self._wait_s = 0.0  # since the last update: for its metrics (``_metrics``)
@@ -360,6 +361,12 @@ class AsyncPeer:
             self._contributor.cancel_linger()
             await self._tasks.close()
             await self.cluster.close()
+            with self._params_lock:  # a round that committed as we left is applied: our records say it was
+                self._updater.apply_queue()
+            with self._lock:  # (a round in flight as we left put its share back)
+                self.unapplied = self._acc.samples
+            if self.unapplied:
+                log.info("left with %d samples that no round took (unapplied)", self.unapplied)
             await self.discovery.__aexit__(None, None, None)
             if self._predictor is not None:  # the model ends on the true parameters
                 with self._params_lock:

@@ -124,6 +124,12 @@ class Peer:
         return self._peer.dropped
 
     @property
+    def unapplied(self) -> int:
+        """Samples stepped that no round took before this peer left (a batch in flight when it
+        was stopped; local steps not sent): known once closed."""
+        return self._peer.unapplied
+
+    @property
     def staleness_max(self) -> int:
         return self._peer.staleness_max
 
