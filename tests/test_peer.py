@@ -64,7 +64,7 @@ async def test_a_peer_that_left_leaves_no_task_on_its_loop():
         for x, y in batches(0, 2):
             F.cross_entropy(model(x), y).backward()
             await peer.step(batch_size=len(x))
-    loop = peer._loop  # the cluster's loop, stopped now: what still pends there never ends
+    loop = peer._lifetime.loop  # the cluster's loop, stopped now: what still pends there never ends
     assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
 
 

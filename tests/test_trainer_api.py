@@ -165,7 +165,7 @@ async def on_cluster_thread(peer, fn, *args):
     """Call ``fn`` where the cluster calls it: on the peer's own event loop."""
     async def call():
         return fn(*args)
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), peer._loop))
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), peer._lifetime.loop))
 
 
 async def snapshot_of(peer):

@@ -154,7 +154,7 @@ def test_a_state_loaded_at_the_end_is_in_the_parameters_once_finished(leave):
             inner._contributor.restore(state)
             inner._contributor.finish()
 
-        inner._thread.call(load_then_end())
+        inner._lifetime.thread.call(load_then_end())
         assert not peer.finished  # the cluster's state is not in the parameters yet
         if leave == "step":
             x = torch.randn(32, 16)

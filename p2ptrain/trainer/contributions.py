@@ -132,7 +132,7 @@ class Contributor:
         try:
             while True:
                 peer.cluster.check()
-                if peer._closed and not flushing:
+                if peer._lifetime.closed and not flushing:
                     raise ClosedError("this peer was closed while step() waited")
                 # The caller waits in step (no forward or backward runs): a pending state
                 # load lands here, and so do committed updates, so that a snapshot for a
@@ -182,7 +182,7 @@ class Contributor:
         return self._not_yet("lingering for a batch")
 
     def _arm_linger(self, wait: float) -> None:  # (under _lock) take() is asked again by then
-        loop = self.peer._loop
+        loop = self.peer._lifetime.loop
         when = loop.time() + wait
         if self._linger is not None and self._linger.when() <= when:
             return
@@ -259,7 +259,7 @@ class Contributor:
         (a peer alone's share is then one batch)."""
         peer = self.peer
         with peer._lock:
-            if (peer._local is not None or peer._predictor is not None or peer._leaving or peer._closed
+            if (peer._local is not None or peer._predictor is not None or peer._leaving or peer._lifetime.closed
                     or peer._finished or peer._out is not None or peer._acc.samples
                     or peer._restore is not None or peer._reconcile is not None or peer._solo.listed
                     or version != peer._committed or (last_version and version >= last_version)

@@ -25,7 +25,10 @@ class LoopThread:
 
     def call(self, coro):
         """Run ``coro`` there and wait; its exception is raised here, with its own type."""
-        future = self.submit(coro)
+        return self.wait(self.submit(coro))
+
+    def wait(self, future: concurrent.futures.Future):
+        """Wait for a future of this loop (``submit``); its exception is raised here, with its own type."""
         try:
             return future.result()
         except BaseException:  # (Ctrl-C here: stop it there too)

@@ -24,8 +24,12 @@ cluster's thread and back for nothing: ``step`` applies the batch at once, as th
 would, and the cluster commits its round afterwards (``solo``, ``cluster.trainer_api``), leaving
 that mode before anything else happens (a peer linked, a state asked for).
 
-Who owns what. ``AsyncPeer`` is one object holding two parts, each a plain class in its own
+Who owns what. ``AsyncPeer`` is one object holding three parts, each a plain class in its own
 module that owns the state only it uses (set in its ``__init__``; nothing else assigns it):
+``_lifetime`` (``lifetime.Lifetime``): the loop thread (``thread``, ``loop``) and ``closed``,
+and the crossings to that thread both front ends make (opening, a step's wait, closing, each a
+future that ``AsyncPeer`` awaits and ``sync_peer.Peer`` blocks on; ``lifetime_of`` hands it to
+the latter).
 ``_contributor`` (``contributions.Contributor``): the trainer the cluster is given
 (``cluster.trainer_api.Contributions``, ``SoloTrainer``: ``take``, ``apply``, ``put_back``,
 ``snapshot``, ``restore``, ``reconcile``, ``finish``, ``solo_*``), the ``wait`` a blocked
@@ -33,8 +37,9 @@ module that owns the state only it uses (set in its ``__init__``; nothing else a
 wake-up event, the linger timer and the rounds counted for leaving. ``_updater``
 (``updates.Updater``): applying committed updates, loading the states the cluster hands over,
 checkpoints; it owns the mean's buffers, the sketch in flight, ``metrics``, ``history`` and
-``corrected``. This module is the caller's side (settings, lifetime, ``step``) and the core the
-two threads share, which the parts reach through their ``peer``:
+``corrected``. This module is the caller's side (settings, the async front end, the step's
+work: ``_begin_step``, ``_end_step``) and the core the two threads share, which the parts reach
+through their ``peer``:
 
 - ``_params_lock``, held while the parameters change (``Updater``; the user's optimizer in
   local-steps mode) or a snapshot copies them, is always taken before ``_lock``; it also
@@ -50,12 +55,14 @@ two threads share, which the parts reach through their ``peer``:
   the queue before they lock; users read ``version``).
 - The settings, ``model``, ``optimizer``, ``scheduler``, ``params``, ``_predictor`` and ``_local``
   are set here once (their contents change with the parameters, under ``_params_lock``); the
-  lifetime's (``cluster``, ``_thread``, ``_closed``, ...) once each, as the peer opens or closes.
+  lifetime's (``cluster``, ``discovery``, ``_params_point``, ...) once each, as the peer opens or
+  closes.
 
 Threads: the caller's runs ``step`` (and ``Updater`` in it) and ``state_dict``; the cluster's runs
-``Contributor``, the lifetime coroutines (``_open``, ``_close``), and ``Updater`` while ``step``
-waits there or the peer leaves (the caller is blocked then). Past ``take``: ``cluster``
-(rounds), ``collective`` (the ring), ``mesh`` and ``transport`` (the sockets), then ``apply``.
+``Contributor``, the lifetime coroutines (``_open``; ``Lifetime._close``, which ends in
+``_leave``), and ``Updater`` while ``step`` waits there or the peer leaves (the caller is
+blocked then). Past ``take``: ``cluster`` (rounds), ``collective`` (the ring), ``mesh`` and
+``transport`` (the sockets), then ``apply``.
 
 Staleness. A gradient computed on version v and applied to version V has staleness V - v.
 
@@ -125,7 +132,7 @@ from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
-from p2ptrain.trainer.loopthread import LoopThread
+from p2ptrain.trainer.lifetime import Lifetime
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
@@ -213,11 +220,8 @@ class AsyncPeer:
         self._host, self._port = listen_address(listen)
         self.cluster: Cluster | None = None  # built on entering (after a checkpoint may have been loaded)
         self.discovery: Discovery | None = None
-        self._thread: LoopThread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks = TaskSet()  # on the cluster's loop: the proposer (the cluster and discovery own theirs)
         self._start: SyncPoint | None = None  # a checkpoint's point (load_state_dict), else genesis
-        self._closed = False
 
         # The core the caller's thread (step) and the cluster's (the contributor) share, guarded
         # by _lock (the module docstring says who writes what). _params_lock is held while the
@@ -252,6 +256,7 @@ class AsyncPeer:
         self._said_finished = False  # (the caller's thread only)
         self._checksum = b""
         # The parts; each owns its own state (the module docstring).
+        self._lifetime = Lifetime(self)  # the loop thread, open or closed: what both front ends drive
         self._contributor = Contributor(self)  # the cluster's trainer, on its thread
         self._updater = Updater(self)  # changes the parameters: updates, state loads, checkpoints
 
@@ -298,37 +303,27 @@ class AsyncPeer:
         both the state and this peer have one) continues at the saved update's learning rate."""
         self._updater.load_state_dict(state)
 
-    # -- lifetime (the facades: async here, blocking for sync_peer.Peer) -----------------------
+    # -- lifetime (the async front end over ``_lifetime``; sync_peer.Peer blocks on the same) ---
     async def __aenter__(self) -> Self:
-        thread = self._start_thread()
-        try:
-            await asyncio.wrap_future(thread.submit(self._open()))
-        except BaseException:
-            thread.stop()
-            raise
+        with self._lifetime.opening() as opened:
+            await asyncio.wrap_future(opened)
         return self
 
     async def __aexit__(self, exc_type=None, exc=None, tb=None) -> None:
         """Leave politely. On a normal exit (staleness >= 1) first wait, a bounded while, for
         this peer's last samples to be applied, so its last steps are not lost."""
-        if self._thread is not None and not self._closed:
-            try:
-                await asyncio.wrap_future(self._thread.submit(self._close(flush=exc_type is None)))
-            finally:
-                self._thread.stop()
+        with self._lifetime.closing(flush=exc_type is None) as left:
+            if left is not None:
+                await asyncio.wrap_future(left)
 
     async def close(self) -> None:
         await self.__aexit__()
 
-    def _start_thread(self) -> LoopThread:
-        if self._closed or self._thread is not None:
-            raise ClosedError("this peer was entered once already: create a new one to join again")
+    def _prepare(self) -> None:
+        """(``Lifetime.opening``, the caller's thread) The point the parameters start from."""
         checksum = hashlib.blake2b(param_checksum(self.model).encode(), digest_size=16).digest()
         self._params_point = self._start or SyncPoint(0, genesis(checksum), -1, 0)
         self._checksum = checksum
-        self._thread = LoopThread(f"p2ptrain-{self.peer_id[:8]}")
-        self._loop = self._thread.loop
-        return self._thread
 
     async def _open(self) -> None:
         self.cluster = Cluster(peer_id=self.peer_id, trainer=self._contributor, checksum=self._checksum,
@@ -352,29 +347,25 @@ class AsyncPeer:
         self._tasks.spawn(self._propose())
         self._step_end = time.perf_counter()
 
-    async def _close(self, flush: bool) -> None:
-        try:
-            if flush:
-                await self._contributor.flush()
-        finally:
-            self._closed = True
-            self._contributor.cancel_linger()
-            await self._tasks.close()
-            await self.cluster.close()
-            with self._params_lock:  # a round that committed as we left is applied: our records say it was
-                self._updater.apply_queue()
-            with self._lock:  # (a round in flight as we left put its share back)
-                self.unapplied = self._acc.samples
-            if self.unapplied:
-                log.info("left with %d samples that no round took (unapplied)", self.unapplied)
-            await self.discovery.__aexit__(None, None, None)
-            if self._predictor is not None:  # the model ends on the true parameters
-                with self._params_lock:
-                    self._predictor.restore()
-            if self._local is not None:  # ... on the outer ones, identical on every replica
-                with self._params_lock:
-                    self._local.finish()
-            self._contributor.wake()
+    async def _leave(self) -> None:
+        """(``Lifetime.closing``, the loop thread) After the flush, if any, and ``closed`` is set."""
+        self._contributor.cancel_linger()
+        await self._tasks.close()
+        await self.cluster.close()
+        with self._params_lock:  # a round that committed as we left is applied: our records say it was
+            self._updater.apply_queue()
+        with self._lock:  # (a round in flight as we left put its share back)
+            self.unapplied = self._acc.samples
+        if self.unapplied:
+            log.info("left with %d samples that no round took (unapplied)", self.unapplied)
+        await self.discovery.__aexit__(None, None, None)
+        if self._predictor is not None:  # the model ends on the true parameters
+            with self._params_lock:
+                self._predictor.restore()
+        if self._local is not None:  # ... on the outer ones, identical on every replica
+            with self._params_lock:
+                self._local.finish()
+        self._contributor.wake()
 
     async def _propose(self) -> None:
         """Keep offering every address heard or given to the mesh (it skips those linked)."""
@@ -387,22 +378,16 @@ class AsyncPeer:
     async def step(self, batch_size: int) -> int:
         """Contribute this batch's gradients (call it after ``loss.backward()``) and apply the
         updates committed since the last call. Returns how many were applied."""
-        if self._begin_step(batch_size):
-            waited = self._contributor.wait(self._must_wait, self.step_timeout)
-            await asyncio.wrap_future(self._thread.submit(waited))
+        waiting = self._lifetime.begin_step(batch_size)
+        if waiting is not None:
+            await asyncio.wrap_future(waiting)
         else:  # yield even so: a loop whose step never waits (staleness >= 1) would starve the
             await asyncio.sleep(0)  # caller's other tasks, and its signal handlers (Ctrl-C) with them
-        return self._end_step()
-
-    def _step_blocking(self, batch_size: int) -> int:
-        """``step`` for a thread with no event loop (``sync_peer.Peer``)."""
-        if self._begin_step(batch_size):
-            self._thread.call(self._contributor.wait(self._must_wait, self.step_timeout))
-        return self._end_step()
+        return self._lifetime.end_step()
 
     def _begin_step(self, batch_size: int) -> bool:
-        """Accumulate this batch, apply what is queued. True: step must wait."""
-        if self._closed:
+        """(``Lifetime.begin_step``) Accumulate this batch, apply what is queued. True: step must wait."""
+        if self._lifetime.closed:
             raise ClosedError("this peer is closed: create a new one to train again")
         if self.cluster is None:
             raise ClosedError("this peer is not open yet: enter it first (with peer: / async with peer:)")
@@ -445,7 +430,7 @@ class AsyncPeer:
         with self._lock:
             return self._must_wait()
 
-    def _end_step(self) -> int:
+    def _end_step(self) -> int:  # (``Lifetime.end_step``)
         with self._params_lock:
             self._updater.load_restore()
             applied = self._updater.apply_queue() + self._applied_waiting
@@ -485,10 +470,11 @@ class AsyncPeer:
         """Tell the cluster this peer has something now (or call ``tell`` there), from whichever
         thread we are on."""
         tell = tell or self.cluster.contribution_available
-        if self._thread is not None and threading.current_thread() is self._thread.thread:
+        lifetime = self._lifetime
+        if lifetime.thread is not None and threading.current_thread() is lifetime.thread.thread:
             tell()
-        elif not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(tell)
+        elif not lifetime.loop.is_closed():
+            lifetime.loop.call_soon_threadsafe(tell)
 
     def _metrics(self, r: int, version: int, members: int, samples: int, local_samples: int, staleness: int,
                  round_time: float) -> RoundMetrics:
@@ -501,3 +487,9 @@ class AsyncPeer:
         self._compute_s = self._wait_s = 0.0
         self._compute_n = 0
         return m
+
+
+def lifetime_of(peer: AsyncPeer) -> Lifetime:
+    """The part both front ends drive (``lifetime``): ``sync_peer.Peer``'s way to the peer's loop
+    thread, as ``AsyncPeer``'s own ``__aenter__``, ``__aexit__`` and ``step`` use it."""
+    return peer._lifetime

@@ -7,11 +7,13 @@
             loss.backward()
             peer.step(batch_size=len(x))         # contribute; apply averaged updates
 
-A thin facade over ``AsyncPeer`` (same keywords, same semantics): the cluster runs on its
-own event loop on a daemon thread, and ``step`` does its work on the caller's thread,
-crossing to that loop only when it must wait. Exceptions raised there (``GroupError``,
-``FingerprintError``, ``ClosedError``) reach the caller with their own type. ``close`` (or
-leaving the ``with`` block) leaves the cluster politely.
+The blocking front end over the same core as ``AsyncPeer`` (same keywords, same semantics):
+it holds an ``AsyncPeer`` (its settings, its state, the properties read here) and drives that
+peer's ``Lifetime`` (``lifetime``, reached by ``peer.lifetime_of``) as ``AsyncPeer`` does, blocking
+where that one awaits. The cluster runs on its own event loop on a daemon thread, and ``step``
+does its work on the caller's thread, crossing to that loop only when it must wait. Exceptions
+raised there (``GroupError``, ``FingerprintError``, ``ClosedError``) reach the caller with
+their own type. ``close`` (or leaving the ``with`` block) leaves the cluster politely.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2ptrain.trainer.peer import RECONCILE_EVERY, AsyncPeer, RoundMetrics
+from p2ptrain.trainer.peer import RECONCILE_EVERY, AsyncPeer, RoundMetrics, lifetime_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -47,6 +49,7 @@ class Peer:
                                weight_prediction=weight_prediction, seed=seed,
                                max_rounds=max_rounds, duration=duration, sync_every=sync_every,
                                outer_lr=outer_lr, outer_momentum=outer_momentum)
+        self._lifetime = lifetime_of(self._peer)  # its loop thread: what start, step and close drive
 
     def __enter__(self) -> Self:
         self.start()
@@ -57,30 +60,25 @@ class Peer:
 
     def start(self) -> None:
         """Open the peer (what ``with peer:`` does): listen, discover, join."""
-        p = self._peer
-        thread = p._start_thread()
-        try:
-            thread.call(p._open())
-        except BaseException:
-            thread.stop()
-            raise
+        with self._lifetime.opening() as opened:
+            self._lifetime.wait(opened)
 
     def close(self) -> None:
         """Leave the cluster politely (after a bounded wait for this peer's last samples)."""
         self._leave(flush=True)
 
     def _leave(self, flush: bool) -> None:
-        p = self._peer
-        if p._thread is not None and not p._closed:
-            try:
-                p._thread.call(p._close(flush))
-            finally:
-                p._thread.stop()
+        with self._lifetime.closing(flush) as left:
+            if left is not None:
+                self._lifetime.wait(left)
 
     def step(self, batch_size: int) -> int:
         """After ``loss.backward()``: contribute this batch, apply the updates committed since
         the last call (returns how many). Blocks only as the staleness bound requires."""
-        return self._peer._step_blocking(batch_size)
+        waiting = self._lifetime.begin_step(batch_size)
+        if waiting is not None:
+            self._lifetime.wait(waiting)
+        return self._lifetime.end_step()
 
     def state_dict(self) -> dict:
         return self._peer.state_dict()

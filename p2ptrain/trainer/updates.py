@@ -129,7 +129,7 @@ class Updater:
         point, metrics, read = pending
         sketch = read.result()
         peer = self.peer
-        peer._loop.call_soon_threadsafe(peer.cluster.parameters_at, point, sketch)
+        peer._lifetime.loop.call_soon_threadsafe(peer.cluster.parameters_at, point, sketch)
         if metrics is not None:
             self._publish(replace(metrics, param_checksum=sketch_checksum(sketch)))
 
@@ -271,11 +271,11 @@ class Updater:
         peer = self.peer
         with peer._lock:
             listed = bool(peer._solo.listed)
-        if not listed or peer._closed or threading.current_thread() is peer._thread.thread:
+        if not listed or peer._lifetime.closed or threading.current_thread() is peer._lifetime.thread.thread:
             return  # (closed: committed on leaving; on the cluster's thread, in step: none listed)
         peer.cluster.check()
         try:
-            peer._thread.call(asyncio.wait_for(peer.cluster.commit_solo(), SOLO_COMMIT_S))
+            peer._lifetime.thread.call(asyncio.wait_for(peer.cluster.commit_solo(), SOLO_COMMIT_S))
         except asyncio.TimeoutError:
             raise GroupError(f"the cluster did not commit this peer's last updates within {SOLO_COMMIT_S:.0f} s: "
                              "take the checkpoint again") from None
@@ -296,7 +296,7 @@ class Updater:
     def load_state_dict(self, state: dict) -> None:
         """``AsyncPeer.load_state_dict``: before entering."""
         peer = self.peer
-        if peer._thread is not None:
+        if peer._lifetime.thread is not None:
             raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
         peer.model.load_state_dict(state["model"])
         peer.optimizer.load_state_dict(state["optimizer"])

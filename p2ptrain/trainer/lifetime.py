@@ -1,0 +1,108 @@
+"""``Lifetime``: a peer's loop thread, whether it is open or closed, and the crossings to that
+thread that both front ends make (``AsyncPeer`` awaits them, ``sync_peer.Peer`` blocks on them).
+
+Each operation is work on the caller's thread plus a future of the loop thread (a
+``concurrent.futures.Future``) for the front end to wait on: ``asyncio.wrap_future`` in
+``AsyncPeer``, ``wait`` (blocking) in ``Peer``. Call order, on the caller's thread:
+
+    with lifetime.opening() as future:        # once: ClosedError the second time
+        wait for future                       # the cluster joins (the peer's ``_open``)
+    ...
+    future = lifetime.begin_step(n)           # each step: None when it need not wait
+    if future is not None: wait for future
+    applied = lifetime.end_step()
+    ...
+    with lifetime.closing(flush) as future:   # None when not open, or closed already
+        if future is not None: wait for future
+
+``opening`` stops the thread if the opening fails (or the caller is interrupted while it
+waits), ``closing`` stops it whatever happens: that logic lives here only. An exception raised
+on the loop thread reaches the waiter with its own type; a waiter that is interrupted cancels
+the future (``wait`` here; ``asyncio.wrap_future`` does it for the async front end).
+
+It is a held part of ``AsyncPeer`` (``peer.py``, "Who owns what"): it owns ``thread`` (the
+``LoopThread``, set on opening), ``loop`` (its event loop) and ``closed`` (set on the loop
+thread as the peer leaves, after the flush); the peer's own work (``_prepare``, ``_open``,
+``_leave``, ``_begin_step``, ``_end_step``, the contributor's ``wait`` and ``flush``) stays
+in ``peer.py`` and ``contributions.py``, reached through ``peer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from p2ptrain.errors import ClosedError
+from p2ptrain.trainer.loopthread import LoopThread
+
+if TYPE_CHECKING:
+    from p2ptrain.trainer.peer import AsyncPeer
+
+
+class Lifetime:
+    """A peer's loop thread and open/closed state; the front ends' only way to the loop thread.
+    See the module docstring."""
+
+    def __init__(self, peer: AsyncPeer):
+        self.peer = peer
+        self.thread: LoopThread | None = None  # set once, on opening
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False  # set once, on the loop thread, as the peer leaves
+
+    @contextmanager
+    def opening(self) -> Iterator[concurrent.futures.Future]:
+        """Start the loop thread and the peer's opening there; yields its future. The thread
+        is stopped if the block raises (the opening failed, or the waiter was interrupted)."""
+        peer = self.peer
+        if self.closed or self.thread is not None:
+            raise ClosedError("this peer was entered once already: create a new one to join again")
+        peer._prepare()
+        thread = self.thread = LoopThread(f"p2ptrain-{peer.peer_id[:8]}")
+        self.loop = thread.loop
+        try:
+            yield thread.submit(peer._open())
+        except BaseException:
+            thread.stop()
+            raise
+
+    @contextmanager
+    def closing(self, flush: bool) -> Iterator[concurrent.futures.Future | None]:
+        """Leave: yields the future of the peer's leaving on the loop thread (None if it was
+        never opened or is closed already: nothing to do), and stops the thread after the
+        block, however it ends. ``flush``: first wait (bounded) for this peer's last samples."""
+        thread = self.thread
+        if thread is None or self.closed:
+            yield None
+            return
+        try:
+            yield thread.submit(self._close(flush))
+        finally:
+            thread.stop()
+
+    async def _close(self, flush: bool) -> None:
+        try:
+            if flush:
+                await self.peer._contributor.flush()
+        finally:
+            self.closed = True
+            await self.peer._leave()
+
+    def begin_step(self, batch_size: int) -> concurrent.futures.Future | None:
+        """The step's work on the caller's thread (``AsyncPeer._begin_step``); the future of
+        its wait on the loop thread if it must wait (until the staleness bound lets it go),
+        else None. Then wait for it, then ``end_step``."""
+        peer = self.peer
+        if peer._begin_step(batch_size):
+            return self.thread.submit(peer._contributor.wait(peer._must_wait, peer.step_timeout))
+        return None
+
+    def end_step(self) -> int:
+        """After the wait, if any: apply what was committed; returns the updates applied."""
+        return self.peer._end_step()
+
+    def wait(self, future: concurrent.futures.Future):
+        """Block on a future of the loop thread (the sync front end)."""
+        return self.thread.wait(future)
