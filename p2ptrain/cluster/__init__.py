@@ -1,7 +1,8 @@
 """The cluster: numbered rounds over a changing view of peers, and state for joiners.
 
 Sans-I/O: ``membership`` (peer table, views, liveness, chains), ``roundmsg`` (round
-messages), ``rounds`` with ``member``, ``leader`` and ``lineage`` (the round state machine),
+messages, typed as received, and the machine's actions), ``rounds`` holding its parts
+``member``, ``leader`` (with ``refusals``), ``lineage`` and ``ending`` (the round state machine),
 ``snapshot`` (the state format), ``fingerprint`` (model identity, parameter checksums).
 I/O: ``cluster`` (hosts the machine on a mesh; what it asks of its trainer: ``trainer_api``) with ``rings`` (``Round``, what one round
 holds; each round's ring, its sum and error feedback's residual), ``records`` (rounds applied)
