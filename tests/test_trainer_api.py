@@ -367,3 +367,25 @@ def test_custom_loop_example_resumes_at_the_schedulers_learning_rate(tmp_path):
     assert lr == pytest.approx(3e-3 * (1 + math.cos(math.pi * version / updates)) / 2, abs=1e-5), lines[0]
     last = [line for line in lines if line.startswith("step")][-1]
     assert f"updates {updates}" in last and "lr 0.00000" in last, last
+
+
+async def test_a_batch_no_round_took_before_leaving_is_counted_unapplied():
+    """A step stopped while it waits for its round (staleness 0, the partner never steps):
+    the batch it handed over is not applied anywhere, and the peer says so once closed
+    (``unapplied``), where it used to be gone without a trace. The partner owes nothing."""
+    addrs = [f"127.0.0.1:{p}" for p in ports(2)]
+    a, b = (AsyncPeer(*make(seed=0), listen=addrs[i], peers=[addrs[1 - i]], discovery=False, min_peers=2,
+                      secret="s") for i in range(2))
+    async with b:
+        async with a:
+            await until(lambda: a.members == 2 and b.members == 2)
+            x, y = batch(0)
+            F.cross_entropy(a.model(x), y).backward()
+            stepping = asyncio.ensure_future(a.step(batch_size=len(x)))
+            await asyncio.sleep(0.5)
+            assert not stepping.done()  # (no round without b's batch)
+            stepping.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stepping
+        assert a.unapplied == len(x) and a.version == 0 and a.dropped == 0
+    assert b.unapplied == 0
