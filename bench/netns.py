@@ -23,8 +23,9 @@ out at about 0.956 of a tbf rate, since tbf counts headers.
 Lifetime: ``EmulatedLan`` builds everything on ``__enter__``/``start()`` and tears it down
 on ``__exit__``/``close()`` (idempotent): it SIGKILLs the process groups it started, then
 any process still inside its namespaces, then deletes the namespaces (which deletes the
-veth pairs and the bridge). An atexit hook and a SIGTERM handler (installed only if
-SIGTERM still has its default action) do the same for every live LAN. Namespaces are
+veth pairs and the bridge). An atexit hook does the same for every live LAN, and SIGTERM
+exits through it (``_common.finally_on_sigterm``, if SIGTERM still has its default action,
+which also lets a launcher's ``finally`` kill its workers first). Namespaces are
 named ``p2pt-<creator pid>-<n>-...``; ``start()`` deletes ones whose creator is dead.
 
 Failure: ``NetnsUnavailable`` (one line: what is missing and what to do) when not root,
@@ -48,6 +49,9 @@ import sys
 import threading
 import time
 from typing import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (_common, when imported from elsewhere)
+import _common  # noqa: E402
 
 NS_PREFIX = "p2pt"
 IFNAME = "eth0"
@@ -198,19 +202,12 @@ def _close_all() -> None:
         lan.close()
 
 
-def _on_sigterm(signum, frame):  # noqa: ARG001
-    _close_all()
-    raise SystemExit(128 + signum)
-
-
 def _install_hooks() -> None:
     if _HOOKS_INSTALLED[0]:
         return
     _HOOKS_INSTALLED[0] = True
     atexit.register(_close_all)
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    _common.finally_on_sigterm()  # (SIGTERM then exits through the atexit hook above)
 
 
 class EmulatedLan:
