@@ -389,9 +389,7 @@ class Contributor:
             except GroupError:
                 log.warning("leaving with %d samples not applied: no round took them within %.0f s",
                             peer._acc.samples, FLUSH_S)
-        with peer._params_lock:
-            peer._updater.load_restore()  # (a state that came after the loop's last step: the cluster's, at the end)
-            peer._updater.apply_queue()
+        # (what was handed over or committed meanwhile lands as the peer leaves: ``AsyncPeer._leave``)
 
     async def _flush_inner_steps(self, deadline: float) -> None:
         """Local steps, leaving: wait for our contribution in flight, then contribute the inner

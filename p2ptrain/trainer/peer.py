@@ -352,7 +352,8 @@ class AsyncPeer:
         self._contributor.cancel_linger()
         await self._tasks.close()
         await self.cluster.close()
-        with self._params_lock:  # a round that committed as we left is applied: our records say it was
+        with self._params_lock:  # a state handed over after the loop's last step (the cluster's, at the
+            self._updater.load_restore()  # end), and rounds committed until we left: our records say so
             self._updater.apply_queue()
         with self._lock:  # (a round in flight as we left put its share back)
             self.unapplied = self._acc.samples
