@@ -257,8 +257,8 @@ class _Join:
                     log.info("leaving the cluster")
                 finally:
                     await self._training.close()
-            # Rounds committed as the peer left (a peer alone commits the batches it applied at
-            # once afterwards, the last of them on leaving): their records, and the counts.
+            # The rounds since the loop's last look, those committed as the peer left too (a peer
+            # alone commits the batches it applied at once afterwards, the last on leaving).
             self._take_records(peer, task, device, metrics)
         finally:
             self.output.status.clear()
@@ -351,7 +351,6 @@ class _Join:
             if now - last_log >= 0.5:
                 last_log = now
                 self.output.report(peer, self.count, now)
-        self._take_records(peer, task, device, metrics)  # (the last round's, if it came after the look above)
 
     def _take_records(self, peer, task, device, metrics) -> None:
         """Count the rounds applied since we last looked; metrics, evaluations, checkpoints."""

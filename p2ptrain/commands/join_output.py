@@ -76,12 +76,12 @@ class JoinOutput:
         val = task.evaluate(model, device) if task.evaluate else None
         checksum = param_checksum(model)
         end = c.finished  # (None: this peer left before the cluster's run was over)
+        unapplied = getattr(peer, "unapplied", 0)
         lines = [f"updates {count.rounds} in this run (the cluster's update {peer.version})",
                  f"the cluster's run ended at round {end.r} (version {end.version})" if end else
                  "left before the cluster's run was over",
                  f"samples {count.samples} (this peer {count.own_samples}"
-                 + (f"; {peer.unapplied} of them no round took before it left)" if getattr(peer, "unapplied", 0)
-                    else ")"),
+                 + (f"; {unapplied} of them no round took before it left" if unapplied else "") + ")",
                  f"final train loss {self.last_loss:.4f}",
                  f"validation loss {val:.4f}" if val is not None else "",
                  f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
@@ -93,7 +93,7 @@ class JoinOutput:
                                       "version": peer.version,
                                       "samples": count.samples, "own_samples": count.own_samples,
                                       "dropped": getattr(peer, "dropped", 0),
-                                      "unapplied": getattr(peer, "unapplied", 0),
+                                      "unapplied": unapplied,
                                       "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                                       "raw_bytes": c.raw_bytes, "param_checksum": checksum,
                                       "end": end and {"round": end.r, "version": end.version}}) + "\n")
