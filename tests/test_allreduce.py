@@ -12,7 +12,8 @@ from helpers import pending_tasks, until
 
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
-from p2ptrain.errors import LinkError
+from p2ptrain.collective.ring import split
+from p2ptrain.errors import GroupError, LinkError
 from p2ptrain.net import wire
 from p2ptrain.net.mesh import Mesh
 
@@ -32,7 +33,8 @@ async def meshes(n):
     return ids, ms
 
 
-async def allreduce(ms, ids, data, codec, op_id=1, executor=None, chunk_elems=1000, own_values=None, residuals=None):
+async def allreduce(ms, ids, data, codec, op_id=1, executor=None, chunk_elems=1000, own_values=None, residuals=None,
+                    buckets=None, ready=None):
     n = len(ms)
 
     async def one(rank):
@@ -40,7 +42,8 @@ async def allreduce(ms, ids, data, codec, op_id=1, executor=None, chunk_elems=10
         run = RingAllreduce(data[rank], rank=rank, size=n, own=own_values and own_values[rank],
                             residual=residuals and residuals[rank], send_link=m.channel(ids[(rank + 1) % n]),
                             recv_link=m.channel(ids[(rank - 1) % n]), codec=parse_codec(codec), op_id=op_id,
-                            chunk_elems=chunk_elems, timeout=10, executor=executor, digest=True)
+                            chunk_elems=chunk_elems, timeout=10, executor=executor, digest=True,
+                            buckets=buckets, ready=ready and ready[rank])
         await run.run()
         return run
     return await asyncio.gather(*[one(r) for r in range(n)])
@@ -117,6 +120,100 @@ async def test_own_values_apart_are_read_never_written_and_give_the_same_bits(n,
         assert all(np.array_equal(w, x) for w, x in zip(works, in_place))  # the same sum, bit for bit
         assert all(np.array_equal(a, b) for a, b in zip(res_a, res_b))  # and the same residuals
         assert len({r.sum_digest() for r in runs}) == 1
+    finally:
+        for m in ms:
+            await m.close()
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_rings_of_buckets_give_every_peer_the_same_sum(n, codec):
+    from p2ptrain.collective.ring import bucket_bounds
+    ids, ms = await meshes(n)
+    try:
+        rng = np.random.default_rng(3)
+        data = [rng.standard_normal(10_007).astype(np.float32) for _ in range(n)]
+        expected = np.sum(data, axis=0)
+        runs = await allreduce(ms, ids, data, codec, buckets=bucket_bounds(10_007, 3000))
+        assert all(np.array_equal(d, data[0]) for d in data)
+        assert np.allclose(data[0], expected, atol=0.1 if codec != "none" else 1e-5)
+        assert len({r.sum_digest() for r in runs}) == 1
+        assert runs[0].sum_digest() == buffer_digest(data[0], runs[0].plan)
+    finally:
+        for m in ms:
+            await m.close()
+
+
+class Filling:
+    """Our values written a range at a time from the end, as backward writes a gradient: a read
+    of a range not written yet would see NaN."""
+
+    def __init__(self, values: np.ndarray, parts: int, withdraw_at: int | None = None, pause: float = 0.005):
+        self.values, self.target, self.pause = values, values.copy(), pause
+        values[:] = np.nan
+        self.ranges = list(reversed(split(len(values), parts)))
+        self.written = 0
+        self.withdraw_at, self.waited = withdraw_at, 0
+        self.changed = asyncio.Event()
+
+    async def write(self):
+        for i, (a, b) in enumerate(self.ranges):
+            await asyncio.sleep(self.pause)
+            if i == self.withdraw_at:
+                break
+            self.values[a:b] = self.target[a:b]
+            self.written = i + 1
+            self.changed.set()
+
+    def _done(self, start, stop):  # (written: the ranges from the end down to this one's start)
+        return self.written and start >= self.ranges[self.written - 1][0]
+
+    async def until(self, start, stop):
+        while not self._done(start, stop):
+            if self.withdraw_at is not None and self.written >= self.withdraw_at:
+                raise GroupError("withdrawn")
+            self.waited += 1
+            self.changed.clear()
+            await self.changed.wait()
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_own_values_still_being_written_are_read_only_once_written(n, codec):
+    from p2ptrain.collective.ring import bucket_bounds
+    ids, ms = await meshes(n)
+    try:
+        rng = np.random.default_rng(4)
+        data = [rng.standard_normal(10_007).astype(np.float32) for _ in range(n)]
+        expected_runs = await allreduce(ms, ids, [d.copy() for d in data], codec, op_id=1,
+                                        own_values=[d.copy() for d in data], buckets=bucket_bounds(10_007, 4000))
+        own = [d.copy() for d in data]
+        fills = [Filling(o, parts=9, pause=0.0 if i == 0 else 0.01) for i, o in enumerate(own)]  # (peer 0 first:
+        #                                    the others receive its chunks before writing their own values)
+        works = [np.empty_like(d) for d in data]
+        writers = [asyncio.ensure_future(f.write()) for f in fills]
+        runs = await allreduce(ms, ids, works, codec, op_id=2, own_values=own, buckets=bucket_bounds(10_007, 4000),
+                               ready=fills)
+        await asyncio.gather(*writers)
+        assert all(np.array_equal(w, expected_runs[0].work) for w in works)  # the same bits as when written first
+        assert sum(f.waited for f in fills) > 0  # (the ring did have to wait)
+        assert len({r.sum_digest() for r in runs}) == 1
+    finally:
+        for m in ms:
+            await m.close()
+
+
+async def test_values_withdrawn_while_written_fail_the_call():
+    ids, ms = await meshes(2)
+    try:
+        data = [np.ones(10_007, np.float32) for _ in range(2)]
+        fills = [Filling(data[0].copy(), parts=5, withdraw_at=2), None]
+        writer = asyncio.ensure_future(fills[0].write())
+        own = [fills[0].values, data[1].copy()]
+        with pytest.raises(GroupError):
+            await allreduce(ms, ids, [np.empty(10_007, np.float32) for _ in range(2)], "none", own_values=own,
+                            ready=fills)
+        await writer
     finally:
         for m in ms:
             await m.close()

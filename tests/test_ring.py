@@ -20,16 +20,16 @@ def test_chunks_of():
     assert chunks_of(5, 5, 4) == []
 
 
-def simulate(vectors, chunk):
+def simulate(vectors, chunk, buckets=None):
     """Run every peer's plan with perfect links (messages in order), pure numpy."""
     n = len(vectors)
     work = [v.copy() for v in vectors]
-    plans = [RingPlan(r, n, len(vectors[0]), chunk) for r in range(n)]
+    plans = [RingPlan(r, n, len(vectors[0]), chunk, buckets) for r in range(n)]
     for r, p in enumerate(plans):  # what r sends is what r+1 expects, in the same order
         nxt = plans[(r + 1) % n]
         assert [(t.g, t.chunk, t.start, t.stop) for t in p.sends] == \
                [(t.g, t.chunk, t.start, t.stop) for t in nxt.recvs]
-    for g in range(plans[0].steps if n > 1 else 0):
+    for g in range(len(buckets or [None]) * plans[0].steps if n > 1 else 0):
         outgoing = [{t.chunk: work[r][t.start:t.stop].copy() for t in p.sends if t.g == g}
                     for r, p in enumerate(plans)]
         for r, p in enumerate(plans):
@@ -50,6 +50,37 @@ def test_schedule_computes_the_sum(n, length, chunk):
     vectors = [rng.integers(-100, 100, length).astype(np.float64) for _ in range(n)]
     for w in simulate(vectors, chunk):
         np.testing.assert_array_equal(w, sum(vectors))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("length, chunk, bucket", [(100, 7, 30), (17, 3, 5), (64, 64, 16), (9, 2, 100)])
+def test_a_plan_of_buckets_computes_the_sum(n, length, chunk, bucket):
+    from p2ptrain.collective.ring import bucket_bounds
+    rng = np.random.default_rng(n * 1000 + length)
+    vectors = [rng.integers(-100, 100, length).astype(np.float64) for _ in range(n)]
+    for w in simulate(vectors, chunk, bucket_bounds(length, bucket)):
+        np.testing.assert_array_equal(w, sum(vectors))
+
+
+def test_buckets_start_at_the_buffer_end_and_steps_number_on():
+    from p2ptrain.collective.ring import bucket_bounds
+    assert bucket_bounds(100, 30) == ((75, 100), (50, 75), (25, 50), (0, 25))
+    assert bucket_bounds(100, 100) == ((0, 100),) and bucket_bounds(0) == ((0, 0),)
+    p = RingPlan(0, 2, 100, 10, bucket_bounds(100, 50))
+    assert [(t.g, t.step, t.start) for t in p.sends if t.chunk == 0] == [(0, 0, 50), (1, 1, 75), (2, 0, 0), (3, 1, 25)]
+    assert all(t.after is None for t in p.sends if t.step == 0)  # each bucket's ring starts on our own values
+    recv = {(t.g, t.chunk): t for t in p.recvs}
+    for t in p.sends:
+        if t.after is not None:
+            assert (recv[t.after].start, recv[t.after].stop) == (t.start, t.stop)
+    assert p.final_chunks == sorted(set(p.final_chunks))
+    assert [a for a, _ in p.final_chunks][0] == 0 and sum(b - a for a, b in p.final_chunks) == 100
+
+
+def test_buckets_must_cover_the_buffer_once():
+    for buckets in [((0, 50),), ((0, 60), (50, 100)), ((0, 40), (50, 100)), ((50, 100), (0, 50), (0, 0), (10, 5))]:
+        with pytest.raises(ValueError):
+            RingPlan(0, 2, 100, 10, buckets)
 
 
 def test_dependencies_point_to_the_previous_step_same_segment():

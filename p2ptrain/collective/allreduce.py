@@ -33,6 +33,11 @@ peers exactly when their results are bit-identical (up to a 64-bit hash collisio
 chunk), computed a chunk at a time while the ring runs, never over the whole buffer at
 its end.
 
+Our values still being written (``ready``: a round's gradient while backward runs, issue 16's
+overlap): each read of our own values (a bucket's first send, a reduce-scatter's add) first
+awaits ``ready.until(start, stop)``; everything else (forwarding, the all-gather) never waits
+for it. ``ready`` raises to withdraw the values, and the call fails as on any error.
+
 Failure: any error (link lost, timeout, bad chunk) cancels both tasks and is raised; the
 work buffer then holds partial sums and the links are unusable, so the caller must close
 them. ``residual`` is complete only on success.
@@ -44,6 +49,7 @@ import asyncio
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -51,10 +57,17 @@ import xxhash
 from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
-from p2ptrain.collective.ring import RingPlan, Transfer, chunks_of
+from p2ptrain.collective.ring import RingPlan, Transfer
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 from p2ptrain.net.transport import Link
+
+
+class Ready(Protocol):
+    """Values still being written by another thread (``RingAllreduce``'s ``ready``)."""
+
+    async def until(self, start: int, stop: int) -> None: ...  # returns once [start, stop) is written;
+    #                                                          raises to withdraw them (the call fails)
 
 
 @dataclass
@@ -148,11 +161,7 @@ def _chunk_elems(codec: Codec, chunk_elems: int, length: int, size: int) -> int:
 def buffer_digest(values: np.ndarray, plan: RingPlan) -> bytes:
     """What ``RingAllreduce.sum_digest`` gives for a result ``values`` under ``plan``, from the
     whole buffer at once (for checks and tests; the ring hashes chunks as they become final)."""
-    digests = {}
-    for start, stop in plan.segments:
-        for a, b in chunks_of(start, stop, plan.chunk_elems):
-            digests[a] = xxhash.xxh3_64_intdigest(values[a:b])
-    return _combine(digests)
+    return _combine({a: xxhash.xxh3_64_intdigest(values[a:b]) for a, b in plan.final_chunks})
 
 
 def _combine(digests: dict[int, int]) -> bytes:
@@ -168,12 +177,14 @@ class RingAllreduce:
     With ``own`` (the same shape), this peer's values are read from ``own``, which is
     left untouched, and the sum is written into ``work`` (its contents on entry do not
     matter): a caller that must keep its contribution whole (to put it back if the call
-    fails) need not copy it first."""
+    fails) need not copy it first. ``buckets``: rings one after the other (``ring.RingPlan``).
+    ``ready``: our values are still being written (the module docstring; with ``own``)."""
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
                  residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE,
-                 digest: bool = False, own: np.ndarray | None = None):
+                 digest: bool = False, own: np.ndarray | None = None,
+                 buckets: tuple[tuple[int, int], ...] | None = None, ready: Ready | None = None):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
         if own is not None and (own.dtype != np.float32 or own.shape != work.shape
@@ -182,7 +193,8 @@ class RingAllreduce:
         self.work = work
         self.own = work if own is None else own  # this peer's own values
         chunk_elems = _chunk_elems(codec, chunk_elems, len(work), size)
-        self.plan = RingPlan(rank, size, len(work), chunk_elems)
+        self.plan = RingPlan(rank, size, len(work), chunk_elems, buckets)
+        self._ready = ready
         self.send_link, self.recv_link = send_link, recv_link
         self.codec = codec
         self._recv_codec = codec if codec.is_identity or executor is None else parse_codec(codec.spec)
@@ -204,6 +216,8 @@ class RingAllreduce:
 
     async def run(self) -> AllreduceStats:
         if self.plan.size == 1 or len(self.work) == 0:
+            if self._ready is not None:
+                await self._ready.until(0, len(self.work))
             if self.own is not self.work:
                 self.work[:] = self.own
             if self.residual is not None:
@@ -227,12 +241,14 @@ class RingAllreduce:
         for t in self.plan.sends:
             if t.after is not None:
                 await self._wait_arrived(t.after)
-            src = (self.own if t.g == 0 else self.work)[t.start : t.stop]  # (step 0: our own values)
-            if self.codec.is_identity and (t.reduce or t.g == owner_step):
+            elif self._ready is not None:
+                await self._ready.until(t.start, t.stop)
+            src = (self.own if t.step == 0 else self.work)[t.start : t.stop]  # (step 0: our own values)
+            if self.codec.is_identity and (t.reduce or t.step == owner_step):
                 params, payload = {}, [memoryview(src)]  # nothing to compute: no thread hop
                 if not t.reduce:
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
-            elif t.reduce or t.g == owner_step:
+            elif t.reduce or t.step == owner_step:
                 began = self.trace.now()
                 params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start)
                 self.trace.span("encode", "encode", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
@@ -248,7 +264,7 @@ class RingAllreduce:
             self.trace.span("send", "send", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
             self.stats.wire_bytes += sum(memoryview(p).nbytes for p in payload)
             self.stats.raw_bytes += src.nbytes
-            if not (t.reduce or t.g == owner_step or self.codec.is_identity):
+            if not (t.reduce or t.step == owner_step or self.codec.is_identity):
                 self._pool.give(forwarded)
 
     def _encode(self, src: np.ndarray, final: bool, start: int = 0) -> tuple[dict, list]:
@@ -327,6 +343,8 @@ class RingAllreduce:
             arrived = self.trace.now()
             self.trace.span("receive", "receive", began, arrived, round=self.op_id, step=t.g, chunk=t.chunk)
             params = self._check(frame, t)
+            if t.reduce and self._ready is not None:
+                await self._ready.until(t.start, t.stop)
             try:
                 if self.codec.is_identity and not t.reduce:
                     self._absorb(t, params, frame.payload)  # already in place: at most a hash, inline
@@ -381,7 +399,7 @@ class RingAllreduce:
         else:
             self._recv_codec.decode(params, payload, dst)
             self._finished(t.start, dst)
-            if t.g < self.plan.steps - 1:
+            if t.step < self.plan.steps - 1:
                 self._forward[(t.g, t.chunk)] = (params, payload)
             else:
                 self._pool.give(payload)

@@ -24,6 +24,7 @@ from functools import cached_property
 DEFAULT_CHUNK_ELEMS = 1 << 19  # 2 MiB of float32: the largest chunk
 MIN_CHUNK_ELEMS = 1 << 14  # 64 KiB: below this, per-chunk overhead dominates
 CHUNKS_PER_SEGMENT = 8
+BUCKET_ELEMS = 1 << 22  # 16 MiB of float32: a bucket's most (DDP's default cap is 25 MB)
 
 
 def chunk_elems_for(length: int, size: int, max_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
@@ -40,6 +41,13 @@ def chunk_elems_for(length: int, size: int, max_elems: int = DEFAULT_CHUNK_ELEMS
     (less CPU, same or less wall time) and 4 MiB (more wall time at N = 2)."""
     segment = -(-length // max(1, size))
     return max(min(MIN_CHUNK_ELEMS, max_elems), min(max_elems, -(-segment // CHUNKS_PER_SEGMENT)))
+
+
+def bucket_bounds(length: int, bucket_elems: int = BUCKET_ELEMS) -> tuple[tuple[int, int], ...]:
+    """The buckets of a round's ring, in ring order: the buffer cut into near-equal ranges of
+    at most ``bucket_elems``, its end first (where backward's first gradients land). A pure
+    function of the length, so every peer derives the same."""
+    return tuple(reversed(split(length, max(1, -(-length // bucket_elems)))))
 
 
 def split(length: int, parts: int) -> list[tuple[int, int]]:
@@ -64,16 +72,21 @@ def chunks_of(start: int, stop: int, chunk_elems: int) -> list[tuple[int, int]]:
 class Transfer:
     """One chunk moving one hop at step ``g``: values ``[start, stop)`` of the buffer."""
 
-    g: int
+    g: int  # the step, numbered on across buckets (unique in a plan)
     chunk: int
     start: int
     stop: int
     reduce: bool  # reduce-scatter (receiver adds its own values) or all-gather (receiver copies)
+    step: int = -1  # the step within its bucket's ring (default: ``g``, a plan of one bucket)
+
+    def __post_init__(self):
+        if self.step < 0:
+            object.__setattr__(self, "step", self.g)
 
     @property
     def after(self) -> tuple[int, int] | None:
         """The (step, chunk) whose arrival this send waits for; None for our own first data."""
-        return None if self.g == 0 else (self.g - 1, self.chunk)
+        return None if self.step == 0 else (self.g - 1, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -84,16 +97,36 @@ class RingPlan:
     size: int
     length: int
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    buckets: tuple[tuple[int, int], ...] | None = None  # rings in order (None: one over the whole buffer)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} outside a ring of {self.size}")
         if self.chunk_elems < 1:
             raise ValueError("chunk_elems must be positive")
+        if not self._covers():
+            raise ValueError(f"buckets {self.buckets} do not cover [0, {self.length}) once")
+
+    def _covers(self) -> bool:
+        bounds = sorted(self.buckets or ((0, self.length),))
+        return (bounds[0][0] == 0 and bounds[-1][1] == self.length
+                and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(a <= b for a, b in bounds))
 
     @cached_property
     def segments(self) -> list[tuple[int, int]]:
-        return split(self.length, self.size)
+        """The segments of the first bucket's ring (of the whole buffer's, without buckets)."""
+        return self._bucket_segments[0]
+
+    @cached_property
+    def _bucket_segments(self) -> list[list[tuple[int, int]]]:
+        return [[(start + a, start + b) for a, b in split(stop - start, self.size)]
+                for start, stop in (self.buckets or ((0, self.length),))]
+
+    @cached_property
+    def final_chunks(self) -> list[tuple[int, int]]:
+        """Every chunk's range, each once (what the all-gather makes final), in buffer order."""
+        return sorted(c for segments in self._bucket_segments for start, stop in segments
+                      for c in chunks_of(start, stop, self.chunk_elems))
 
     @property
     def steps(self) -> int:
@@ -114,10 +147,12 @@ class RingPlan:
 
     def _transfers(self, segment_of) -> list[Transfer]:
         out = []
-        for g in range(self.steps):
-            start, stop = self.segments[segment_of(g)]
-            for c, (a, b) in enumerate(chunks_of(start, stop, self.chunk_elems)):
-                out.append(Transfer(g, c, a, b, reduce=g < self.size - 1))
+        for bucket, segments in enumerate(self._bucket_segments):
+            for step in range(self.steps):
+                start, stop = segments[segment_of(step)]
+                for c, (a, b) in enumerate(chunks_of(start, stop, self.chunk_elems)):
+                    out.append(Transfer(bucket * self.steps + step, c, a, b, reduce=step < self.size - 1,
+                                        step=step))
         return out
 
     @cached_property
