@@ -10,6 +10,7 @@
     │                          ``reason`` is the fixed reason, ``by_peer`` says who refused
     ├── LinkError              a connection that failed, closed or timed out
     ├── GroupError             a group that cannot form, or a collective that cannot complete
+    ├── WithdrawnError         (internal) a contribution withdrawn while its ring ran (overlap)
     ├── FingerprintError       this model is not the cluster's (names the first difference)
     ├── SettingsError          this peer's shared settings (compression, staleness, ...) are not the cluster's
     ├── CheckpointError        a checkpoint file that cannot be written or read
@@ -66,6 +67,12 @@ class LinkError(P2PTrainError):
 
 class GroupError(P2PTrainError):
     """A group could not form (names who is missing) or a collective could not complete."""
+
+
+class WithdrawnError(P2PTrainError):
+    """This peer withdrew a contribution its round already held: backward was still writing it
+    and the batch turned out otherwise (another size, a second backward). Its round aborts and
+    the batch goes in the next one; nobody need act."""
 
 
 class FingerprintError(P2PTrainError):

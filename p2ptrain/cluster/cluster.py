@@ -307,7 +307,8 @@ class Cluster:
                 if taken is None:  # the round waits for this peer (its next batch, or a moment)
                     rnd.waiting = True
                     continue
-                vector, samples = rnd.taken = taken
+                vector, samples = rnd.taken = taken[:2]
+                rnd.ready = taken[2] if len(taken) > 2 else None  # (backward still writes it: overlap)
                 log.debug("round %d: contributing %d samples", action.r, samples)
                 await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
                                                                          vector.nbytes))

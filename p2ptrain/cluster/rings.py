@@ -6,6 +6,12 @@ Why apart from ``cluster``: the cluster's actor decides (events in, the machine'
 out); this is what carries out ``StartRing``, and what ``Apply`` and ``PutBack`` do to the
 buffers. It owns every buffer of the model's size that a round uses besides the trainer's.
 
+Buckets. A round's ring runs over the buffer in buckets, its end first (``ring.bucket_bounds``):
+with the trainer's overlap, backward still writes our contribution when the ring starts
+(``Round.ready``), and the first bucket's ring runs on the gradients backward made first.
+Where error feedback owes a residual (it is added to the whole vector first) or we are alone,
+the ring waits for the whole vector.
+
 Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
 ``residual``: of its own contribution and of the partial sums it forwarded) is added to its
 contribution in the next round, so the applied updates plus what is still owed always sum to
@@ -25,10 +31,10 @@ from collections.abc import Callable
 import numpy as np
 
 from p2ptrain.codecs import Codec
-from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
+from p2ptrain.collective.allreduce import AllreduceStats, Ready, RingAllreduce
 from p2ptrain.collective.pool import shared_pool
-from p2ptrain.collective.ring import chunk_elems_for
-from p2ptrain.errors import P2PTrainError
+from p2ptrain.collective.ring import bucket_bounds, chunk_elems_for
+from p2ptrain.errors import P2PTrainError, WithdrawnError
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
@@ -46,6 +52,7 @@ class Round:
 
     r: int
     taken: tuple[np.ndarray, int] | None = None  # our contribution (vector, samples), once the trainer gave it
+    ready: Ready | None = None  # ... while backward still writes that vector (the trainer's overlap)
     waiting: bool = False  # asked for a contribution the trainer did not have yet: the next ``take`` asks again
     began: float | None = None  # loop time our ring started
     ring: asyncio.Task | None = None  # our ring, while it runs
@@ -88,6 +95,16 @@ class Rings:
         # owed from earlier rounds: a ring writes this round's into the spare buffer.
         r = rnd.r
         owed = self.residual if self.residual is not None and len(self.residual) == len(vector) else None
+        ready = rnd.ready
+        try:
+            if ready is not None and (owed is not None or view == (self.peer_id,)):  # (read whole below)
+                await ready.until(0, len(vector))
+                ready = None
+        except WithdrawnError as exc:
+            log.info("round %d: %s", r, exc)
+            rnd.ring = None
+            self._on_done(r, False, None)
+            return
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
             rnd.summed = vector if owed is None else vector + owed  # (exact: nothing owed)
             rnd.ring = None
@@ -106,14 +123,19 @@ class Rings:
         ok = True
         try:
             rank, n = view.index(self.peer_id), len(view)
+            buckets = bucket_bounds(len(work))
             run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
                                 recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
-                                op_id=r, chunk_elems=chunk_elems_for(len(work), n), timeout=self.timeout,
-                                residual=residual, trace=trace, digest=True, executor=shared_pool(),
-                                own=vector if owed is None else None)
+                                op_id=r, chunk_elems=chunk_elems_for(max(b - a for a, b in buckets), n),
+                                timeout=self.timeout, residual=residual, trace=trace, digest=True,
+                                executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
+                                ready=ready)
             rnd.stats = await run.run()
             rnd.summed, rnd.residual = work, residual
             checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
+        except WithdrawnError as exc:  # (not a fault: the batch changed after backward began)
+            log.info("round %d: %s", r, exc)
+            ok, checksum = False, None
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok, checksum = False, None

@@ -27,7 +27,7 @@ import msgpack
 from p2ptrain.errors import FrameError
 
 MAGIC = b"P2PT"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings
 PREFIX = struct.Struct("<4sBBHQ")
 PREFIX_SIZE = PREFIX.size  # 16
 
