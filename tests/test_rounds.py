@@ -48,6 +48,25 @@ def test_rounds_are_two_phase_nobody_applies_before_commit():
     assert net.applied("a") == net.applied("b") == [(0, ("a", "b"), 8)]
 
 
+def test_a_member_that_withdrew_its_batch_aborts_the_round_at_once_and_nobody_is_dropped():
+    """(overlap) Its DONE says so: the leader does not wait for the others' rings, which wait for
+    the chunks it will not send; everyone's contribution goes back, and the next round takes them."""
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    net.contribute("a", 3)
+    net.contribute("b", 5)
+    net.settle()
+    r = net.of("b", StartRing)[0].r
+    net.finish_ring("b", ok=False, withdrawn=True)
+    net.settle()  # (a's ring still runs)
+    aborts = [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    assert aborts and aborts[0]["drop"] == [] and "withdrew its batch" in aborts[0]["reason"]
+    assert all(r in [a.r for a in net.of(p, PutBack)] for p in "ab") and not net.applied("a")
+    assert not [x for x in net.of("a", Log) if x.level == "warning"]  # (routine: no fault)
+
+
 # -- faults -------------------------------------------------------------------------------------
 def test_member_dies_mid_round_abort_put_back_then_continue_without_it():
     net = cluster("abc", run=0.3)

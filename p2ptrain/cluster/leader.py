@@ -367,6 +367,10 @@ class Leader:
         if lead is None:
             return
         machine.table.report(sender, message.r, message.checksum)
+        if not message.ok and message.withdrawn:  # (no fault: nobody to wait for or drop; the others'
+            #       rings wait for its chunks: abort now, and every member's batch goes in the next round)
+            return self.abort(now, f"{sender} withdrew its batch (it changed after backward began)", drop=[],
+                              routine=True)
         if not message.ok:
             lead.failed.add(sender)
         if lead.waiting:

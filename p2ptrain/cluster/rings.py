@@ -68,11 +68,11 @@ class Round:
 
 class Rings:
     """One peer's rings. ``start`` a round's ring (a task in the owner's ``tasks``, which
-    closing cancels; ``on_done(r, ok, checksum)`` when it ends), then ``commit`` (its sum, for
+    closing cancels; ``on_done(r, ok, checksum, withdrawn)`` when it ends), then ``commit`` (its sum, for
     the trainer) or ``cancel`` it. What a ring leaves (its sum, residual, stats) is the ``Round``'s."""
 
     def __init__(self, peer_id: str, mesh: Mesh, codec: Codec, timeout: float, tasks: TaskSet,
-                 on_done: Callable[[int, bool, bytes | None], None]):
+                 on_done: Callable[[int, bool, bytes | None, bool], None]):
         self.peer_id, self.mesh, self.codec, self.timeout = peer_id, mesh, codec, timeout
         self._tasks, self._on_done = tasks, on_done
         # Error feedback (lossy codecs): what our encodes dropped in the rounds applied so far,
@@ -103,12 +103,12 @@ class Rings:
         except WithdrawnError as exc:
             log.info("round %d: %s", r, exc)
             rnd.ring = None
-            self._on_done(r, False, None)
+            self._on_done(r, False, None, True)
             return
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
             rnd.summed = vector if owed is None else vector + owed  # (exact: nothing owed)
             rnd.ring = None
-            self._on_done(r, True, None)
+            self._on_done(r, True, None, False)
             return
         # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
         # in); our values are read from ``vector`` itself (``own``), never copied first.
@@ -120,7 +120,7 @@ class Rings:
             residual = None
         elif residual is None or len(residual) != len(work):
             residual = np.empty_like(work)
-        ok = True
+        ok, withdrawn = True, False
         try:
             rank, n = view.index(self.peer_id), len(view)
             buckets = bucket_bounds(len(work))
@@ -135,12 +135,12 @@ class Rings:
             checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
         except WithdrawnError as exc:  # (not a fault: the batch changed after backward began)
             log.info("round %d: %s", r, exc)
-            ok, checksum = False, None
+            ok, checksum, withdrawn = False, None, True
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok, checksum = False, None
         rnd.ring = None
-        self._on_done(r, ok, checksum)
+        self._on_done(r, ok, checksum, withdrawn)
 
     def commit(self, rnd: Round, total: int) -> np.ndarray | None:
         """The round committed: its sum (None: no ring of ours finished for it); what it dropped

@@ -103,10 +103,12 @@ class Start(RoundMessage):
 
 @_message
 class Done(RoundMessage):
-    """Member -> leader: our ring of round ``r`` ended (``ok``), with our parameters' checksum."""
+    """Member -> leader: our ring of round ``r`` ended (``ok``), with our parameters' checksum;
+    ``withdrawn``: not ok because we withdrew our batch (overlap), not for a fault."""
     t: ClassVar[str] = DONE
     ok: bool
     checksum: bytes | None = None
+    withdrawn: bool | None = None
 
 
 @_message
@@ -256,7 +258,7 @@ _SCHEMA = {m[0].t: m for m in (
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
     _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
-    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64))),
+    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), withdrawn=_opt(_of(bool))),
     _checked(Commit, **_RB),
     _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids),
     _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),

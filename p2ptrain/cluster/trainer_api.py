@@ -10,14 +10,17 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.collective.allreduce import Ready
 
 
 class Contributions(Protocol):
     """What the cluster asks of the trainer (all called on the event loop's thread)."""
 
-    def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | None: ...  # swap the accumulator out:
-    #                           (float32 sum, samples) for a round of ``members``; None: nothing yet (then call
-    #                           contribution_available). ``alone``: its sum will be that very object, unread
+    def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, Ready] | None: ...
+    #                           swap the accumulator out: (float32 sum, samples) for a round of ``members``;
+    #                           None: nothing yet (then call contribution_available). ``alone``: its sum will be
+    #                           that very object, unread. A third element: backward still writes the sum (the
+    #                           ring awaits each range of it: ``collective.allreduce.Ready``)
     def apply(self, summed: np.ndarray, total_samples: int) -> None: ...  # committed: summed / total, in
     #                                                   round order; total 0 (nothing to apply) still counts
     def put_back(self, contribution: np.ndarray, samples: int) -> None: ...

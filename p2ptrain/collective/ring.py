@@ -43,11 +43,11 @@ def chunk_elems_for(length: int, size: int, max_elems: int = DEFAULT_CHUNK_ELEMS
     return max(min(MIN_CHUNK_ELEMS, max_elems), min(max_elems, -(-segment // CHUNKS_PER_SEGMENT)))
 
 
-def bucket_bounds(length: int, bucket_elems: int = BUCKET_ELEMS) -> tuple[tuple[int, int], ...]:
+def bucket_bounds(length: int, bucket_elems: int | None = None) -> tuple[tuple[int, int], ...]:
     """The buckets of a round's ring, in ring order: the buffer cut into near-equal ranges of
-    at most ``bucket_elems``, its end first (where backward's first gradients land). A pure
-    function of the length, so every peer derives the same."""
-    return tuple(reversed(split(length, max(1, -(-length // bucket_elems)))))
+    at most ``bucket_elems`` (``BUCKET_ELEMS``), its end first (where backward's first gradients
+    land). A pure function of the length, so every peer derives the same."""
+    return tuple(reversed(split(length, max(1, -(-length // (bucket_elems or BUCKET_ELEMS))))))
 
 
 def split(length: int, parts: int) -> list[tuple[int, int]]:

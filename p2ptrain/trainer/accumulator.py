@@ -24,6 +24,7 @@ import torch
 
 from p2ptrain.device import HostStaging
 from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.trainer.overlap import Filling
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
@@ -69,6 +70,7 @@ class Outgoing:  # this peer's contribution, with the cluster until applied or p
     array: np.ndarray | None = None
     staging: HostStaging | None = None
     grads: list[torch.Tensor | None] | None = None  # a kept batch's gradients, never written (``Accumulator``)
+    filling: Filling | None = None  # backward still writes it (``overlap``)
 
 
 def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
@@ -131,6 +133,7 @@ class Accumulator:
         self.samples = self.batches = 0
         self.oldest: int | None = None
         self._kept: list[torch.Tensor | None] | None = None  # the one batch taken in, not written yet
+        self._filling_staging: HostStaging | None = None  # (CUDA, overlap: the host copy of a batch being written)
 
     def _fresh(self) -> torch.Tensor:
         return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
@@ -187,6 +190,47 @@ class Accumulator:
                     view.add_(g.float(), alpha=float(batch_size))
             if f32_views:
                 torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
+
+    def begin_filling(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(empty) Where a backward's hooks write the next batch (``overlap``): the sum's views,
+        and on CUDA views of a pinned host buffer the ring reads (else None). Until ``filled``,
+        what they write is no sum (the next ``add`` writes over it)."""
+        self._dirty = True
+        if self.device.type != "cuda":
+            return self._views, None
+        staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
+        self._filling_staging = staging
+        return self._views, self._views_of(staging, staging.tensor)
+
+    def filled(self, samples: int, version: int) -> None:
+        """The hooks wrote the whole batch into the sum, and no round took it yet: it is one."""
+        self._dirty = False
+        self.samples, self.batches, self.oldest = samples, 1, version
+        self._unstage()
+
+    def abandon_filling(self) -> None:
+        """A filling never taken was withdrawn: the sum stays empty (and dirty)."""
+        self._unstage()
+
+    def _unstage(self) -> None:
+        if self._filling_staging is not None:
+            self._staging.append(self._filling_staging)
+            self._filling_staging = None
+
+    def swap_filling(self, members: int, filling: Filling) -> Outgoing:
+        """A round takes the batch backward is writing (``overlap``): the sum goes out as it is,
+        counted as the hooks' guess, and its host array is the one the hooks copy into."""
+        out = Outgoing(self._flat, filling.guess, 1, filling.version, time.perf_counter(), members,
+                       filling=filling)
+        if self._filling_staging is not None:
+            out.staging, self._filling_staging = self._filling_staging, None
+            out.array = out.staging.array
+        else:
+            out.array = self._flat.numpy()
+        self._dirty = bool(self._spare)
+        self._flat = self._fresh()
+        self._views = self._views_of(self._flat)
+        return out
 
     def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
         """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode)."""

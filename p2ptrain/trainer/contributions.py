@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from p2ptrain.collective.allreduce import Ready
 from p2ptrain.trainer.accumulator import CommittedUpdate
 from p2ptrain.cluster import snapshot
 from p2ptrain.cluster.rounds import SyncPoint
@@ -73,7 +74,7 @@ class Contributor:
         self._rounds_seen = 0  # rounds committed with this peer in them
         self._scheduler_unsent = False  # the scheduler's state could not go in a snapshot (said once)
 
-    def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | None:
+    def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, Ready] | None:
         peer = self.peer
         with peer._lock:
             if peer._restore is not None or peer._out is not None:
@@ -92,6 +93,12 @@ class Contributor:
                     if self._idle_rounds and not self._linger_due:
                         return self._linger_idle()
             elif peer.staleness == 0:
+                filling = peer._feed.filling if peer._feed is not None else None
+                if not peer._acc.samples and filling is not None and filling.withdrawn is None and not filling.taken:
+                    filling.taken = True  # backward still writes it: the ring reads each range once written
+                    out = peer._out = peer._acc.swap_filling(members, filling)
+                    self._changed.set()
+                    return out.array, out.samples, filling
                 if not peer._acc.samples:
                     return self._not_yet("no batch yet")
             else:
@@ -241,7 +248,10 @@ class Contributor:
             if out is None or contribution is not out.array:  # from before a state load: void (counted then)
                 return
             peer._out = None
-            peer._acc.merge(out)
+            if out.filling is not None and not out.filling.complete:  # (step adds the batch from the gradients)
+                out.filling.withdraw("its round aborted while backward ran")
+            else:
+                peer._acc.merge(out)
         self._changed.set()
 
     def finish(self) -> None:

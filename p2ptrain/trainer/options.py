@@ -12,7 +12,7 @@ from p2ptrain.net.auth import MAX_CLUSTER_LEN
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
                   weight_prediction, max_rounds=None, duration=None, cluster="default", sync_every=None,
-                  outer_lr=0.7, outer_momentum=0.9) -> None:
+                  outer_lr=0.7, outer_momentum=0.9, overlap=False) -> None:
     """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
     if not isinstance(cluster, str) or not 1 <= len(cluster) <= MAX_CLUSTER_LEN or not cluster.isprintable():
         raise ConfigError(f"cluster must be a name of 1..{MAX_CLUSTER_LEN} printable characters, got {cluster!r}")
@@ -34,6 +34,11 @@ def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, re
     if weight_prediction and staleness == 0:
         raise ConfigError("weight_prediction needs staleness >= 1 (at staleness 0 every gradient is computed on "
                           "the parameters it is applied to)")
+    if type(overlap) is not bool:
+        raise ConfigError(f"overlap must be True or False, got {overlap!r}")
+    if overlap and (staleness or sync_every is not None):
+        raise ConfigError("overlap is for staleness 0 in gradient mode (at staleness >= 1 and with sync_every the "
+                          "ring already runs beside the next batches): drop overlap=True")
     if type(min_peers) is not int or min_peers < 1:
         raise ConfigError(f"min_peers must be an int >= 1, got {min_peers!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:

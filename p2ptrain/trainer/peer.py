@@ -133,6 +133,7 @@ from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
 from p2ptrain.trainer.lifetime import Lifetime
+from p2ptrain.trainer.overlap import BackwardFeed, Filling, offsets_of
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
@@ -182,12 +183,12 @@ class AsyncPeer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
                  duration: float | None = None, sync_every: int | None = None, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9):
+                 outer_momentum: float = 0.9, overlap: bool = False):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
                       duration=duration, cluster=cluster, sync_every=sync_every, outer_lr=outer_lr,
-                      outer_momentum=outer_momentum)
+                      outer_momentum=outer_momentum, overlap=overlap)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
@@ -231,6 +232,9 @@ class AsyncPeer:
         self._acc = Accumulator(self.params, self.device)
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
         self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
+        # Overlap: the hooks that write each gradient into the round's buffer as backward makes it.
+        self._feed = BackwardFeed(self.params, self._may_overlap) if overlap else None
+        self._offsets = offsets_of(self.params)
         self._leaving = False  # closing: a round asking for our contribution gets what we have
         self._out: Outgoing | None = None  # our contribution, in a round
         self._queue: collections.deque[CommittedUpdate] = collections.deque()
@@ -350,6 +354,8 @@ class AsyncPeer:
     async def _leave(self) -> None:
         """(``Lifetime.closing``, the loop thread) After the flush, if any, and ``closed`` is set."""
         self._contributor.cancel_linger()
+        if self._feed is not None:
+            self._feed.close()
         await self._tasks.close()
         await self.cluster.close()
         with self._params_lock:  # a state handed over after the loop's last step (the cluster's, at the
@@ -407,10 +413,15 @@ class AsyncPeer:
                 self._compute_n += 1
                 self._pacing.computed(began - self._step_end)
                 alone = self._solo.on and not void
+                filling = self._feed.confirm(batch_size) if self._feed is not None else None
                 if void:  # computed on parameters just replaced
+                    if filling is not None:
+                        self._withdraw(filling, "the parameters were replaced (a state load)")
                     for p in self.params:
                         p.grad = None
                     self.dropped += batch_size
+                elif filling is not None and self._filled(filling, batch_size):
+                    pass  # (backward wrote it into the round's buffer: ``overlap``)
                 elif self._local is None and not alone:  # (kept as it is until a round needs a vector:
                     #                  ``Accumulator``; not while a next batch computes beside it, but alone)
                     self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
@@ -440,6 +451,45 @@ class AsyncPeer:
                 self._computing_on, self._computing = self.version, True
                 self._step_end = time.perf_counter()
         return applied
+
+    def _may_overlap(self) -> Filling | None:
+        """(backward's first hook after a step; ``overlap``) Whether this backward's gradients go
+        into a round's buffer as they come: at staleness 0, in gradient mode, with others to
+        train with, nothing else accumulated or out, no state load waiting."""
+        with self._lock:
+            if (self._lifetime.closed or self.cluster is None or self._solo.on or self.members <= 1
+                    or self._acc.samples or self._out is not None
+                    or self._restore is not None or self._finished or self._lifetime.loop is None
+                    or self._feed.last_batch is None):  # (the first step: no batch size to guess yet)
+                return None
+            views, host = self._acc.begin_filling()
+            filling = self._feed.filling = Filling(views, self._offsets, self._feed.last_batch, self.version,
+                                                   self._lifetime.loop, host)
+            notify, self._want_step = self._want_step, False
+        if notify:  # (a round waits for our batch: it can take this one now)
+            self._notify()
+        return filling
+
+    def _filled(self, filling: Filling, batch_size: int) -> bool:
+        """(under _lock) ``step`` ends an overlapped backward: True if its batch went in whole;
+        False: withdrawn (``step`` adds it as without overlap)."""
+        if batch_size != filling.guess:
+            self._withdraw(filling, f"a batch of {batch_size} samples after one of {filling.guess}")
+        if filling.withdrawn is not None:
+            return False
+        for i in filling.unmarked():  # (no gradient from this backward: what add() would write)
+            filling.write(i, self.params[i].grad)
+        for p in self.params:
+            p.grad = None
+        if not filling.taken:
+            self._acc.filled(batch_size, filling.version)
+        filling.finish()
+        return True
+
+    def _withdraw(self, filling: Filling, why: str) -> None:  # (under _lock)
+        filling.withdraw(why)
+        if not filling.taken:
+            self._acc.abandon_filling()
 
     def _inner_step(self, batch_size: int, void: bool) -> bool:
         """Local-steps mode (``_params_lock`` held): the user's optimizer steps on this batch,

@@ -40,7 +40,7 @@ class Peer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
                  duration: float | None = None, sync_every: int | None = None, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9):
+                 outer_momentum: float = 0.9, overlap: bool = False):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
@@ -48,7 +48,7 @@ class Peer:
                                step_timeout=step_timeout, reconcile_every=reconcile_every,
                                weight_prediction=weight_prediction, seed=seed,
                                max_rounds=max_rounds, duration=duration, sync_every=sync_every,
-                               outer_lr=outer_lr, outer_momentum=outer_momentum)
+                               outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
         self._lifetime = lifetime_of(self._peer)  # its loop thread: what start, step and close drive
 
     def __enter__(self) -> Self:

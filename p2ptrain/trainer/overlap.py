@@ -1,0 +1,165 @@
+"""Overlap (``overlap=True``, staleness 0): a batch's gradients go into its round's buffer as
+backward makes them, and the round's ring starts on the first ones while backward computes the
+rest, as DDP's reducer does; a step costs about max(backward, ring), not their sum.
+
+How. A hook per parameter (``register_post_accumulate_grad_hook``) fires once backward has
+accumulated that parameter's gradient. The first hook after a ``step`` decides whether this
+backward feeds a round (``BackwardFeed``; ``AsyncPeer._may_overlap``: staleness 0, gradient mode,
+others to train with, nothing else accumulated); each then writes ``batch x grad`` into the
+accumulator's buffer (the batch: the last one ``step`` was given, a guess), and the round can
+take that buffer at once (``Filling``, the ring's ``ready``: it reads a range of our values only
+once the hooks wrote it, buckets from the buffer's end, where backward starts). ``step`` then
+confirms: the same batch size and one backward per parameter, and it writes what no hook did
+(a parameter without a gradient: zeros, as ``Accumulator.add`` would). Until it confirms, the
+first parameter's range is held (its gradient comes last anyway), so no round can end on a
+wrong guess. A different batch size, a second backward before ``step`` (gradient accumulation),
+or the round aborting meanwhile withdraws the contribution (``WithdrawnError`` fails our ring;
+the round aborts and is tried again), and ``step`` adds the batch as it would have without
+overlap: the parameters' gradients are left in place until ``step``. The result is bit for bit
+what ``step`` computes without overlap (``batch x grad``, the same multiplication).
+
+What the user must know (as with DDP): the gradients are read as backward makes them, so a
+change made to them between ``backward`` and ``step`` (clipping them yourself) is not seen:
+use ``clip_grad_norm=``, which clips the averaged gradient.
+
+On CUDA each hook also copies its range to the pinned host buffer the ring reads (an
+asynchronous copy on the stream backward used, with an event the ring waits on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from p2ptrain.errors import WithdrawnError
+
+POLL_S = 0.0005  # how often the ring looks again at a CUDA copy that has not finished
+
+
+class Filling:
+    """One batch's gradients being written into a contribution (``collective.allreduce.Ready``).
+    The hooks (backward's thread) write and ``mark``; ``step`` (the caller's) ``complete``s or
+    ``withdraw``s; the ring (the cluster's loop) awaits ``until``. ``guess``: the batch size the
+    hooks multiply by; ``version``: the parameters' version the batch is computed on."""
+
+    def __init__(self, views: list[torch.Tensor], offsets: list[int], guess: int, version: int,
+                 loop: asyncio.AbstractEventLoop, host: list[torch.Tensor] | None = None):
+        self.views, self.host = views, host
+        self.guess, self.version = guess, version
+        self._starts = offsets  # where each parameter's range starts, in order
+        self._marked = bytearray(len(views))
+        self._events: list = [None] * len(views)  # (CUDA: the copy to ``host``)
+        self._loop = loop
+        self._waiting = False  # a ring awaits ``until``: a change must wake it
+        self._changed = asyncio.Event()  # (the loop's; set through call_soon_threadsafe)
+        self.taken = False  # a round holds it (``Contributor.take``)
+        self.complete = False
+        self.withdrawn: str | None = None  # why, once withdrawn
+
+    def write(self, i: int, grad: torch.Tensor | None) -> None:
+        """(backward's thread) Parameter ``i``'s gradient times the guess, into its range."""
+        view = self.views[i]
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            else:
+                grad = grad.to_dense() if grad.is_sparse else grad
+                torch.mul(grad if grad.dtype == torch.float32 else grad.float(), float(self.guess), out=view)
+            if self.host is not None:
+                self.host[i].copy_(view, non_blocking=True)
+                self._events[i] = event = torch.cuda.Event()
+                event.record()
+        self._marked[i] = 1
+        self._wake()
+
+    def marked(self, i: int) -> bool:
+        return bool(self._marked[i])
+
+    def unmarked(self) -> list[int]:
+        return [i for i, m in enumerate(self._marked) if not m]
+
+    def finish(self) -> None:
+        """(``step``) Every range is written: the ring may read them all."""
+        self.complete = True
+        self._wake()
+
+    def withdraw(self, why: str) -> None:
+        if self.withdrawn is None and not self.complete:
+            self.withdrawn = why
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiting and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._changed.set)
+
+    async def until(self, start: int, stop: int) -> None:
+        """(the ring) Return once ``[start, stop)`` is written; raise ``WithdrawnError`` if withdrawn."""
+        first = max(0, bisect.bisect_right(self._starts, start) - 1)
+        last = bisect.bisect_left(self._starts, stop)  # (parameters first..last-1 overlap the range)
+        while True:
+            self._waiting = True  # (before looking: a write after the look wakes us)
+            if self.withdrawn is not None:
+                raise WithdrawnError(f"this peer withdrew its batch from the round: {self.withdrawn}")
+            if self.complete or (first > 0 and 0 not in self._marked[first:last]):  # (the first: held)
+                break
+            self._changed.clear()
+            await self._changed.wait()
+        for event in self._events[first:last]:  # (CUDA: the copies to host memory)
+            while event is not None and not event.query():
+                await asyncio.sleep(POLL_S)
+
+
+class BackwardFeed:
+    """The hooks, and the filling of the backward in progress. ``begin`` (called by the first
+    hook after a step, under nothing) says whether this backward feeds a round: a ``Filling``,
+    or None. ``confirm`` (``step``) ends it. The hooks run on backward's thread; ``confirm`` and
+    ``taken`` under the peer's ``_lock``."""
+
+    def __init__(self, params: list[torch.Tensor], begin: Callable[[], Filling | None]):
+        self.params, self._begin = params, begin
+        self.filling: Filling | None = None
+        self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
+        self._decided = False  # this backward's first hook has run
+        self._lock = threading.Lock()  # (the first hooks of a backward on several device threads)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+
+    def _hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            f = self.filling
+            if f is None:
+                with self._lock:
+                    if self._decided:
+                        f = self.filling
+                    else:
+                        self._decided = True
+                        f = self.filling = self._begin()
+                if f is None:
+                    return
+            if f.withdrawn is not None:
+                return
+            if f.marked(i):
+                f.withdraw("a second backward before step() (accumulated gradients go in the next round)")
+                return
+            f.write(i, p.grad)
+        return hook
+
+    def confirm(self, batch_size: int) -> Filling | None:
+        """(``step``, under the peer's ``_lock``) The filling of the backward just done, if any;
+        the next backward decides again, and guesses ``batch_size``."""
+        with self._lock:
+            f, self.filling, self._decided = self.filling, None, False
+        self.last_batch = batch_size
+        return f
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def offsets_of(params: list[torch.Tensor]) -> list[int]:
+    return [int(x) for x in np.cumsum([0] + [p.numel() for p in params[:-1]])]

@@ -1,0 +1,118 @@
+"""Overlap (``overlap=True``): gradients go into the round's buffer as backward makes them and
+the ring starts before ``step``. Real peers on loopback (the synchronous ``Peer``, one thread
+each): the parameters must be bit for bit those of the same run without overlap, whatever the
+loop does between backward and step (another batch size, two backwards, a parameter without a
+gradient)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_trainer_staleness import close_all, open_peers, run_threads
+
+from p2ptrain import ConfigError, Peer
+from p2ptrain.collective import ring
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Net(torch.nn.Module):
+    """Two layers, and one layer a flag leaves out of the graph (no gradient in that step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = torch.nn.Linear(16, 64), torch.nn.Linear(64, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, skip=True):
+        y = self.b(torch.tanh(self.a(x)))
+        return y if skip else self.unused(y)
+
+
+def make():
+    torch.manual_seed(0)
+    model = Net()
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def batches(rank, steps):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(steps)]
+
+
+def train(overlap: bool, plan, monkeypatch, steps=12, compression="none"):
+    """Two peers take ``steps`` steps; ``plan(i, x)`` gives step i's list of (x, skip) backwards
+    (several: accumulated) and its batch size. Returns each peer's parameters, and whether a round
+    was withdrawn anywhere."""
+    monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)  # (several buckets for this small model)
+    peers = open_peers([make, make], overlap=overlap, compression=compression)
+    data = [batches(r, steps) for r in range(2)]
+    try:
+        def loop(rank):
+            peer = peers[rank]
+            for i, (x, y) in enumerate(data[rank]):
+                parts, size = plan(i, x, rank)
+                for part, skip in parts:
+                    F.cross_entropy(peer.model(part, skip), y[:len(part)]).backward()
+                peer.step(batch_size=size)
+        run_threads([lambda r=r: loop(r) for r in range(2)])
+        return [[p.detach().clone() for p in peer.model.parameters()] for peer in peers]
+    finally:
+        close_all(peers)
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def plain(i, x, rank):
+    return [(x, True)], len(x)
+
+
+def awkward(i, x, rank):
+    """A smaller batch now and then (on one peer: a wrong guess would weigh the two batches
+    wrongly), two backwards in one step, a layer used once in a while."""
+    if i % 4 == 1 and rank == 0:
+        return [(x[:5], True)], 5
+    if i % 4 == 2:
+        return [(x[:4], True), (x[4:], True)], 8
+    return [(x, i % 4 != 3)], 8
+
+
+@pytest.mark.parametrize("plan", [plain, awkward], ids=["plain", "awkward"])
+def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, monkeypatch):
+    without = train(False, plan, monkeypatch)
+    with_overlap = train(True, plan, monkeypatch)
+    assert same(without[0], without[1]) and same(with_overlap[0], with_overlap[1])
+    assert same(with_overlap[0], without[0])
+
+
+def test_the_ring_starts_before_step(monkeypatch):
+    """The round takes the batch while backward runs: our contribution is out before step()."""
+    monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)
+    peers = open_peers([make, make], overlap=True)
+    data = [batches(r, 6) for r in range(2)]
+    seen = [[], []]
+    try:
+        def loop(rank):
+            peer = peers[rank]
+            inner = peer._peer
+            for x, y in data[rank]:
+                F.cross_entropy(peer.model(x), y).backward()
+                with inner._lock:
+                    seen[rank].append(inner._out is not None and inner._out.filling is not None)
+                peer.step(batch_size=len(x))
+        run_threads([lambda r=r: loop(r) for r in range(2)])
+    finally:
+        close_all(peers)
+    # (the first step has no batch size to guess; a peer whose partner is not stepping yet may
+    # find no round asking: most steps must have gone out before step())
+    assert sum(seen[0][1:]) + sum(seen[1][1:]) >= 5, seen
+
+
+def test_overlap_is_refused_where_the_ring_already_overlaps():
+    model, opt = make()
+    for options in [{"staleness": 1}, {"sync_every": 4}]:
+        with pytest.raises(ConfigError, match="overlap is for staleness 0"):
+            Peer(model, opt, overlap=True, discovery=False, **options)
+    with pytest.raises(ConfigError, match="overlap must be True or False"):
+        Peer(model, opt, overlap="yes", discovery=False)
