@@ -4,6 +4,8 @@ each): the parameters must be bit for bit those of the same run without overlap,
 loop does between backward and step (another batch size, two backwards, a parameter without a
 gradient)."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from test_trainer_staleness import close_all, open_peers, run_threads
 
 from p2ptrain import ConfigError, Peer
 from p2ptrain.collective import ring
+from p2ptrain.trainer import peer as peer_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,6 +47,8 @@ def train(overlap: bool, plan, monkeypatch, steps=12, compression="none"):
     (several: accumulated) and its batch size. Returns each peer's parameters, and whether a round
     was withdrawn anywhere."""
     monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)  # (several buckets for this small model)
+    ids = iter(["00000000000000a1", "00000000000000b2"])  # (the ring's order: int8 rounds by it)
+    monkeypatch.setattr(peer_module, "new_peer_id", lambda: next(ids))
     peers = open_peers([make, make], overlap=overlap, compression=compression)
     data = [batches(r, steps) for r in range(2)]
     try:
@@ -53,6 +58,8 @@ def train(overlap: bool, plan, monkeypatch, steps=12, compression="none"):
                 parts, size = plan(i, x, rank)
                 for part, skip in parts:
                     F.cross_entropy(peer.model(part, skip), y[:len(part)]).backward()
+                if plan is awkward:  # (time for a ring to end before step, were the guess not held)
+                    time.sleep(0.03)
                 peer.step(batch_size=size)
         run_threads([lambda r=r: loop(r) for r in range(2)])
         return [[p.detach().clone() for p in peer.model.parameters()] for peer in peers]
@@ -71,17 +78,18 @@ def plain(i, x, rank):
 def awkward(i, x, rank):
     """A smaller batch now and then (on one peer: a wrong guess would weigh the two batches
     wrongly), two backwards in one step, a layer used once in a while."""
-    if i % 4 == 1 and rank == 0:
-        return [(x[:5], True)], 5
+    if i % 4 == 1 and rank == 0:  # (every layer used: every range written before step, but the held one)
+        return [(x[:5], False)], 5
     if i % 4 == 2:
         return [(x[:4], True), (x[4:], True)], 8
-    return [(x, i % 4 != 3)], 8
+    return [(x, i % 4 not in (1, 3))], 8
 
 
-@pytest.mark.parametrize("plan", [plain, awkward], ids=["plain", "awkward"])
-def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, monkeypatch):
-    without = train(False, plan, monkeypatch)
-    with_overlap = train(True, plan, monkeypatch)
+@pytest.mark.parametrize("plan, compression", [(plain, "none"), (awkward, "none"), (plain, "int8")],
+                         ids=["plain", "awkward", "int8"])
+def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, compression, monkeypatch):
+    without = train(False, plan, monkeypatch, compression=compression)
+    with_overlap = train(True, plan, monkeypatch, compression=compression)
     assert same(without[0], without[1]) and same(with_overlap[0], with_overlap[1])
     assert same(with_overlap[0], without[0])
 
@@ -116,3 +124,33 @@ def test_overlap_is_refused_where_the_ring_already_overlaps():
             Peer(model, opt, overlap=True, discovery=False, **options)
     with pytest.raises(ConfigError, match="overlap must be True or False"):
         Peer(model, opt, overlap="yes", discovery=False)
+
+
+async def test_a_filling_lets_the_ring_read_a_range_once_written_and_the_first_only_once_confirmed():
+    import asyncio
+
+    from p2ptrain.errors import WithdrawnError
+    from p2ptrain.trainer.overlap import Filling, offsets_of
+
+    params = [torch.zeros(3), torch.zeros(4), torch.zeros(5)]
+    buffer = torch.full((12,), float("nan"))
+    views = [buffer[0:3], buffer[3:7], buffer[7:12]]
+    f = Filling(views, offsets_of(params), guess=2, version=0, loop=asyncio.get_running_loop())
+    last, middle, first = (asyncio.ensure_future(f.until(a, b)) for a, b in [(7, 12), (3, 9), (0, 2)])
+    await asyncio.sleep(0.01)
+    assert not (last.done() or middle.done() or first.done())
+    f.write(2, torch.ones(5))
+    await asyncio.sleep(0.01)
+    assert last.done() and not middle.done() and buffer[7:].tolist() == [2.0] * 5
+    f.write(1, torch.ones(4))
+    f.write(0, torch.ones(3))
+    await asyncio.sleep(0.01)
+    assert middle.done() and not first.done()  # (the first parameter's range waits for step)
+    f.finish()
+    await asyncio.wait_for(first, 1)
+    g = Filling(views, offsets_of(params), guess=2, version=0, loop=asyncio.get_running_loop())
+    waiting = asyncio.ensure_future(g.until(0, 12))
+    await asyncio.sleep(0.01)
+    g.withdraw("a batch of 3 samples after one of 2")
+    with pytest.raises(WithdrawnError, match="a batch of 3 samples"):
+        await asyncio.wait_for(waiting, 1)
