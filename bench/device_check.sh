@@ -64,7 +64,8 @@ else
 fi
 
 # 1. Correctness on the device: bit-identical replicas, DDP's mathematics, a peer alone = the plain loop.
-step tests 120 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_devices.py tests/test_device.py -rs
+step tests 150 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_devices.py tests/test_device.py \
+    tests/test_trainer_overlap.py -rs
 # 2. Issue 16: a peer alone against the plain loop (goal >= 0.97 of its steps/s at 10 M parameters).
 step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size $SIZE \
     --staleness 0,1 --reps $REPS --seconds $SECS
@@ -72,10 +73,11 @@ step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --mode
 step overhead-small 40 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size 100k \
     --batch-size 8 --staleness 0 --reps $REPS --seconds $SECS
 # 3. Issue 16: two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
-#    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP); Chrome traces
-#    of the last p2ptrain run of each codec in $OUT/trace.
-step train-loopback 200 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
-    --steps $STEPS --reps $REPS --modes ddp,p2ptrain,alone --trace "$OUT/trace"
+#    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP), and with overlap
+#    (issue 16 item 2: the ring during backward); Chrome traces of the last p2ptrain run of each
+#    codec in $OUT/trace.
+step train-loopback 240 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
+    --steps $STEPS --reps $REPS --modes ddp,p2ptrain,overlap,alone --trace "$OUT/trace"
 # 4. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback).
 step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
     --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2

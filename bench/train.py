@@ -5,6 +5,7 @@ beside DDP over gloo, and beside the same steps with no communication, in the sa
     python bench/train.py --n 2,4 --codecs none,int8 --netns 1gbit
     python bench/train.py --device cuda --steps 200        # on a GPU machine (peers share the device)
     python bench/train.py --quick                          # seconds: the CI smoke run
+    python bench/train.py --modes ddp,p2ptrain,overlap --device-ms 60   # overlap, with a GPU's idle host
 
 The model is a deep MLP (``--depth`` linear layers of ``--width``; the defaults give 10.0 M
 parameters, 40 MB of fp32 gradients, in ten layers of about 1 M, so that gradients arrive in
@@ -21,7 +22,15 @@ a row's the median of ``--reps`` runs, the modes interleaved. ``cpu ms / step`` 
 time a process spent per timed step (all its threads; the mean over processes, in that
 median run): on a shared machine it says what each mode costs when wall times swing.
 ``loss`` is the evaluation loss after the run (rank 0's; at staleness 0 and fp32 p2ptrain's
-equals DDP's: the same mathematics, so equal steps are equal time to a loss).
+equals DDP's: the same mathematics, so equal steps are equal time to a loss). ``overlap`` is
+p2ptrain with ``overlap=True`` (the ring starts on the gradients backward made first).
+
+``--device-ms T`` emulates a device that computes while the host waits (a GPU): every step's
+forward and backward also sleep T ms in all (a third in forward, two thirds in backward, spread
+over the layers, between them), the host's cores idle meanwhile, as while a GPU computes. What
+overlaps with backward (DDP's bucketed allreduce, p2ptrain's ``overlap``) runs in that time; on
+these 2 cores real backward leaves no core idle for it. An emulation: it shows the scheduling,
+not a GPU's figures.
 """
 
 from __future__ import annotations
@@ -39,16 +48,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 MARK = "P2PT_TRAIN "
+P2PTRAIN_MODES = ("p2ptrain", "overlap")
 INPUTS, CLASSES = 64, 10
 
 
 # ------------------------------------------------------------------ worker (one per process)
 def _model(a):
     import torch.nn as nn
-    layers = [nn.Linear(INPUTS, a.width), nn.ReLU()]
+    wait = [_DeviceTime(a.device_ms / a.depth)] if getattr(a, "device_ms", 0) else []
+    layers = [nn.Linear(INPUTS, a.width), nn.ReLU(), *wait]
     for _ in range(a.depth - 2):
-        layers += [nn.Linear(a.width, a.width), nn.ReLU()]
+        layers += [nn.Linear(a.width, a.width), nn.ReLU(), *wait]
     return nn.Sequential(*layers, nn.Linear(a.width, CLASSES))
+
+
+def _DeviceTime(ms: float):
+    """A layer that sleeps ms/3 in forward and 2ms/3 in backward, values unchanged (``--device-ms``)."""
+    import torch
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(ms / 3e3)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(2 * ms / 3e3)
+            return g
+
+    class DeviceTime(torch.nn.Module):
+        def forward(self, x):
+            return Sleep.apply(x)
+    return DeviceTime()
 
 
 def _data(a, rank: int, device):
@@ -113,7 +145,8 @@ def _worker(a) -> None:
         from p2ptrain.trace import NO_TRACE, Tracer
         with p2ptrain.Peer(model, optimizer, listen=addrs[a.rank], peers=[p for p in addrs if p != addrs[a.rank]],
                            discovery=False, min_peers=len(addrs), secret="bench", staleness=a.staleness,
-                           compression=a.codec, reconcile_every=a.reconcile_every) as peer:
+                           compression=a.codec, reconcile_every=a.reconcile_every,
+                           overlap=a.mode == "overlap") as peer:
             trace = NO_TRACE
             if a.trace:
                 trace = peer.cluster.trace = Tracer(str(Path(a.trace) / f"rank{a.rank}.json"), f"rank {a.rank}")
@@ -146,7 +179,8 @@ def run_mode(a, mode: str, n: int, codec: str = "none", lan=None, tree: str | No
     cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--addrs", ",".join(addrs), "--codec", codec,
            "--width", str(a.width), "--depth", str(a.depth), "--batch-size", str(a.batch_size),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--device", a.device, "--threads", str(a.threads),
-           "--staleness", str(a.staleness), "--reconcile-every", str(a.reconcile_every)]
+           "--staleness", str(a.staleness), "--reconcile-every", str(a.reconcile_every),
+           "--device-ms", str(a.device_ms)]
     if a.trace and mode == "p2ptrain":
         trace_dir = Path(a.trace) / f"n{n}-{codec}"
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +209,8 @@ def run_mode(a, mode: str, n: int, codec: str = "none", lan=None, tree: str | No
             raise RuntimeError(f"{mode} worker failed (exit {p.returncode}):\n{out[-3000:]}")
         results.append(json.loads(line[len(MARK):]))
     seconds = max(r["seconds"] for r in results)
-    return {"mode": mode if tree is None else f"{mode} (baseline)", "n": n, "codec": codec if mode == "p2ptrain" else "fp32" if mode == "ddp" else "-",
+    return {"mode": mode if tree is None else f"{mode} (baseline)", "n": n,
+            "codec": codec if mode in P2PTRAIN_MODES else "fp32" if mode == "ddp" else "-",
             "seconds": seconds, "steps_per_s": a.steps / seconds, "loss": results[0]["loss"],
             "cpu_ms_per_step": 1e3 * sum(r["cpu_s"] for r in results) / len(results) / a.steps,
             "wire_bytes": results[0].get("wire_bytes")}
@@ -197,7 +232,9 @@ def main(argv=None) -> int:
                    help="p2ptrain's reconcile_every (default 10, the library's: a parameter sketch every 10 updates)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps, auto (every process on it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--modes", default="ddp,p2ptrain,alone")
+    p.add_argument("--modes", default="ddp,p2ptrain,alone", help="of ddp, p2ptrain, overlap (p2ptrain with "
+                   "overlap=True), alone")
+    p.add_argument("--device-ms", type=float, default=0.0, help="emulated device time per step (see the docstring)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
     p.add_argument("--json", help="write the rows to this file")
@@ -228,7 +265,7 @@ def main(argv=None) -> int:
             runs: dict[tuple, list[dict]] = {}
             for _ in range(a.reps):  # interleaved: a busy machine slows every mode alike
                 for mode in a.modes.split(","):
-                    for codec in (a.codecs.split(",") if mode == "p2ptrain" else ["none"]):
+                    for codec in (a.codecs.split(",") if mode in P2PTRAIN_MODES else ["none"]):
                         runs.setdefault((mode, codec), []).append(run_mode(a, mode, n, codec, lan))
                         print(f"  {runs[(mode, codec)][-1]}", file=sys.stderr, flush=True)
                         if mode == "p2ptrain" and a.baseline_tree:
@@ -243,7 +280,8 @@ def main(argv=None) -> int:
                 lan.close()
     params = sum(p.numel() for p in _model(a).parameters())
     print(f"model: {params / 1e6:.1f} M parameters ({a.depth} layers of width {a.width}), batch {a.batch_size}, "
-          f"{a.steps} timed steps, device {a.device}, {a.netns or 'loopback'}, staleness {a.staleness}")
+          f"{a.steps} timed steps, device {a.device}, {a.netns or 'loopback'}, staleness {a.staleness}"
+          + (f", emulated device time {a.device_ms:g} ms a step" if a.device_ms else ""))
     ddp = {r["n"]: r["seconds"] for r in rows if r["mode"] == "ddp"}
     alone = {r["n"]: r["seconds"] for r in rows if r["mode"] == "alone"}
     out = [[r["n"], r["mode"], r["codec"], f"{r['seconds']:.2f} s", f"{r['steps_per_s']:.1f}",

@@ -94,6 +94,8 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     (["--batch-size", "many"], "--batch-size: 'many': expected an integer, at least 1"),
     (["--target-batch-size", "256"], "needs --staleness 1 or more"),
     (["--weight-prediction"], "--weight-prediction needs --staleness 1 or more"),
+    (["--overlap", "--staleness", "1"], "--overlap is for --staleness 0 in gradient mode"),
+    (["--overlap", "--sync-every", "8"], "--overlap is for --staleness 0 in gradient mode"),
     (["--reconcile-every", "-1"], "at least 0"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):

@@ -42,14 +42,14 @@ def batches(rank, steps):
     return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(steps)]
 
 
-def train(overlap: bool, plan, monkeypatch, steps=12, compression="none"):
+def train(overlap: bool, plan, monkeypatch, steps=12, compression="none", device="cpu"):
     """Two peers take ``steps`` steps; ``plan(i, x)`` gives step i's list of (x, skip) backwards
     (several: accumulated) and its batch size. Returns each peer's parameters, and whether a round
     was withdrawn anywhere."""
     monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)  # (several buckets for this small model)
     ids = iter(["00000000000000a1", "00000000000000b2"])  # (the ring's order: int8 rounds by it)
     monkeypatch.setattr(peer_module, "new_peer_id", lambda: next(ids))
-    peers = open_peers([make, make], overlap=overlap, compression=compression)
+    peers = open_peers([make, make], overlap=overlap, compression=compression, device=device)
     data = [batches(r, steps) for r in range(2)]
     try:
         def loop(rank):
@@ -57,12 +57,12 @@ def train(overlap: bool, plan, monkeypatch, steps=12, compression="none"):
             for i, (x, y) in enumerate(data[rank]):
                 parts, size = plan(i, x, rank)
                 for part, skip in parts:
-                    F.cross_entropy(peer.model(part, skip), y[:len(part)]).backward()
+                    F.cross_entropy(peer.model(part.to(device), skip), y[:len(part)].to(device)).backward()
                 if plan is awkward:  # (time for a ring to end before step, were the guess not held)
                     time.sleep(0.03)
                 peer.step(batch_size=size)
         run_threads([lambda r=r: loop(r) for r in range(2)])
-        return [[p.detach().clone() for p in peer.model.parameters()] for peer in peers]
+        return [[p.detach().cpu().clone() for p in peer.model.parameters()] for peer in peers]
     finally:
         close_all(peers)
 
@@ -85,11 +85,17 @@ def awkward(i, x, rank):
     return [(x, i % 4 not in (1, 3))], 8
 
 
-@pytest.mark.parametrize("plan, compression", [(plain, "none"), (awkward, "none"), (plain, "int8")],
-                         ids=["plain", "awkward", "int8"])
-def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, compression, monkeypatch):
-    without = train(False, plan, monkeypatch, compression=compression)
-    with_overlap = train(True, plan, monkeypatch, compression=compression)
+NO_CUDA = "needs a CUDA device (run bench/device_check.sh on a GPU machine)"
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+
+
+@pytest.mark.parametrize("plan, compression, device", [
+    (plain, "none", "cpu"), (awkward, "none", "cpu"), (plain, "int8", "cpu"),
+    pytest.param(plain, "none", "cuda", marks=CUDA), pytest.param(awkward, "none", "cuda", marks=CUDA)],
+    ids=["plain", "awkward", "int8", "plain-cuda", "awkward-cuda"])
+def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, compression, device, monkeypatch):
+    without = train(False, plan, monkeypatch, compression=compression, device=device)
+    with_overlap = train(True, plan, monkeypatch, compression=compression, device=device)
     assert same(without[0], without[1]) and same(with_overlap[0], with_overlap[1])
     assert same(with_overlap[0], without[0])
 

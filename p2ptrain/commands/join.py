@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
+    g.add_argument("--overlap", action="store_true", default=_flag("overlap"),
+                   help="with --staleness 0: start each round's ring on the gradients backward makes first, "
+                   "during backward, as DDP does (pays where the cores are free during backward: a GPU)")
     g.add_argument("--reconcile-every", type=integer(0), default=_env("reconcile_every", "10"),
                    help="compare a sketch of the parameters with the coordinator's every N updates; a peer "
                    "whose drift passes the tolerance (1e-5 relative; rounding alone stays far below) loads "
@@ -126,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
         if args.target_batch_size is not None or args.weight_prediction:
             raise ConfigError("--sync-every does not combine with --target-batch-size or --weight-prediction "
                               "(they are for gradient mode)")
+    if args.overlap and (args.staleness or args.sync_every is not None):
+        raise ConfigError("--overlap is for --staleness 0 in gradient mode (at --staleness 1 or more and with "
+                          "--sync-every the ring already runs beside the next batches): drop --overlap")
     if args.weight_prediction and args.staleness == 0:
         raise ConfigError("--weight-prediction needs --staleness 1 or more (at 0 every gradient is computed on the "
                           "parameters it is applied to)")
@@ -235,7 +241,7 @@ class _Join:
         peer = AsyncPeer(model, optimizer, cluster=a.cluster, secret=self.secret, peers=peers,
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
-                         reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction,
+                         reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction, overlap=a.overlap,
                          step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
                          **kwargs)
         self._resume(peer, task)

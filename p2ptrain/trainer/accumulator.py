@@ -128,7 +128,7 @@ class Accumulator:
         self._staging: list[HostStaging] = []
         self._flat = self._fresh()
         self._dirty = False  # _flat holds an old sum: the next add writes instead of adding
-        self._views_of = ViewCache(self.params, keep=4)  # (the sum, one out, spares: a few buffers)
+        self._views_of = ViewCache(self.params, keep=6)  # (the sum, one out, spares, overlap's host copy: a few)
         self._views = self._views_of(self._flat)
         self.samples = self.batches = 0
         self.oldest: int | None = None

@@ -81,6 +81,12 @@ Staleness. A gradient computed on version v and applied to version V has stalene
   and nothing computed within the bound is dropped. Anything staler than tau when its round
   starts is dropped and counted (``dropped``).
 
+Overlap (``overlap=True``, staleness 0; ``overlap``): hooks write each gradient into the
+accumulator's buffer as backward makes it (``_feed``, a ``BackwardFeed``; its ``filling``, read
+by ``take`` under ``_lock``), the round takes that buffer at the first hook, and its ring reads
+each range once written; ``step`` confirms the batch (``_filled``) or withdraws it and adds
+the batch as without overlap.
+
 Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user's optimizer on
 the batch at once (and the scheduler, per inner step); after H inner steps the parameter change
 goes to the accumulator as a pseudo-gradient, and a committed round is an outer Nesterov step
@@ -420,6 +426,8 @@ class AsyncPeer:
                     for p in self.params:
                         p.grad = None
                     self.dropped += batch_size
+                elif filling is not None and alone:  # (solo began while backward ran: the batch applies as it is)
+                    self._withdraw(filling, "this peer is alone now")
                 elif filling is not None and self._filled(filling, batch_size):
                     pass  # (backward wrote it into the round's buffer: ``overlap``)
                 elif self._local is None and not alone:  # (kept as it is until a round needs a vector:
