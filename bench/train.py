@@ -181,8 +181,8 @@ def run_mode(a, mode: str, n: int, codec: str = "none", lan=None, tree: str | No
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--device", a.device, "--threads", str(a.threads),
            "--staleness", str(a.staleness), "--reconcile-every", str(a.reconcile_every),
            "--device-ms", str(a.device_ms)]
-    if a.trace and mode == "p2ptrain":
-        trace_dir = Path(a.trace) / f"n{n}-{codec}"
+    if a.trace and mode in P2PTRAIN_MODES:
+        trace_dir = Path(a.trace) / f"n{n}-{mode}-{codec}"
         trace_dir.mkdir(parents=True, exist_ok=True)
         cmd += ["--trace", str(trace_dir.resolve())]
     env = dict(os.environ, PYTHONPATH=tree or str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS=str(a.threads))

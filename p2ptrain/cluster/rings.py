@@ -8,9 +8,9 @@ buffers. It owns every buffer of the model's size that a round uses besides the 
 
 Buckets. A round's ring runs over the buffer in buckets, its end first (``ring.bucket_bounds``):
 with the trainer's overlap, backward still writes our contribution when the ring starts
-(``Round.ready``), and the first bucket's ring runs on the gradients backward made first.
-Where error feedback owes a residual (it is added to the whole vector first) or we are alone,
-the ring waits for the whole vector.
+(``Round.ready``), and the first bucket's ring runs on the gradients backward made first (with
+a residual owed, each range is added to it as it is written: ``_PlusOwed``). Alone, the round
+waits for the whole vector.
 
 Error feedback. With a lossy codec, what this peer's encodes dropped in a round (its
 ``residual``: of its own contribution and of the partial sums it forwarded) is added to its
@@ -66,6 +66,19 @@ class Round:
         return self.taken[1] if self.taken is not None else 0
 
 
+class _PlusOwed:
+    """Our values for a ring, ``vector + owed`` (error feedback), written into ``work`` a range
+    at a time as ``ready`` (backward) lets the ring read it. The ring reads each of our values
+    once, in the reduce-scatter, before any sum lands on it, so ``work`` can hold both."""
+
+    def __init__(self, ready: Ready, vector: np.ndarray, owed: np.ndarray, work: np.ndarray):
+        self.ready, self.vector, self.owed, self.work = ready, vector, owed, work
+
+    async def until(self, start: int, stop: int) -> None:
+        await self.ready.until(start, stop)
+        np.add(self.vector[start:stop], self.owed[start:stop], out=self.work[start:stop])
+
+
 class Rings:
     """One peer's rings. ``start`` a round's ring (a task in the owner's ``tasks``, which
     closing cancels; ``on_done(r, ok, checksum, withdrawn)`` when it ends), then ``commit`` (its sum, for
@@ -97,7 +110,7 @@ class Rings:
         owed = self.residual if self.residual is not None and len(self.residual) == len(vector) else None
         ready = rnd.ready
         try:
-            if ready is not None and (owed is not None or view == (self.peer_id,)):  # (read whole below)
+            if ready is not None and view == (self.peer_id,):  # (read whole below)
                 await ready.until(0, len(vector))
                 ready = None
         except WithdrawnError as exc:
@@ -113,7 +126,9 @@ class Rings:
         # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
         # in); our values are read from ``vector`` itself (``own``), never copied first.
         work = self._buffer(len(vector))
-        if owed is not None:
+        if owed is not None and ready is not None:  # (each range once backward wrote it)
+            ready = _PlusOwed(ready, vector, owed, work)
+        elif owed is not None:
             np.add(vector, owed, out=work)
         residual, self._spare = self._spare, None
         if self.codec.lossless:
