@@ -240,7 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--trace", metavar="DIR", help="p2ptrain workers write Chrome traces here (DIR/nN-CODEC/rankR.json; "
                                                   "the last run of each kept)")
-    p.add_argument("--baseline-tree", help="also run p2ptrain from this source tree (before/after, same run)")
+    p.add_argument("--baseline-tree", help="also run p2ptrain (and overlap) from this source tree (before/after, "
+                   "same run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -268,10 +269,10 @@ def main(argv=None) -> int:
                     for codec in (a.codecs.split(",") if mode in P2PTRAIN_MODES else ["none"]):
                         runs.setdefault((mode, codec), []).append(run_mode(a, mode, n, codec, lan))
                         print(f"  {runs[(mode, codec)][-1]}", file=sys.stderr, flush=True)
-                        if mode == "p2ptrain" and a.baseline_tree:
-                            runs.setdefault(("base", codec), []).append(
+                        if mode in P2PTRAIN_MODES and a.baseline_tree:
+                            runs.setdefault((f"base {mode}", codec), []).append(
                                 run_mode(a, mode, n, codec, lan, tree=a.baseline_tree))
-                            print(f"  {runs[('base', codec)][-1]}", file=sys.stderr, flush=True)
+                            print(f"  {runs[(f'base {mode}', codec)][-1]}", file=sys.stderr, flush=True)
             for rs in runs.values():
                 rs.sort(key=lambda r: r["seconds"])
                 rows.append(dict(rs[len(rs) // 2], rep_seconds=[r["seconds"] for r in rs]))
