@@ -209,7 +209,9 @@ class Accumulator:
         self._unstage()
 
     def abandon_filling(self) -> None:
-        """A filling never taken was withdrawn: the sum stays empty (and dirty)."""
+        """A filling never taken was withdrawn: the sum is empty, and what the hooks wrote into
+        it is no sum (dirty: also after a ``void`` while they wrote)."""
+        self._dirty = True
         self._unstage()
 
     def _unstage(self) -> None:
