@@ -161,3 +161,24 @@ def test_the_averaged_gradient_is_the_sum_over_the_samples_in_views_of_the_rings
     summed *= 2
     again = mean.of(SimpleNamespace(summed=summed, total=2))[1]
     assert all(x is y for x, y in zip(again, views)) and again[1].tolist() == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("voided", [False, True])
+def test_a_withdrawn_filling_leaves_nothing_in_the_sum(voided):
+    """(overlap) Hooks wrote a batch into the sum; withdrawn before a round took it (also after a
+    state load voided the sum while they wrote), the next batch is added as into an empty sum."""
+    params = [torch.zeros(3, 4, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    acc = Accumulator(params, torch.device("cpu"))
+    views, host = acc.begin_filling()
+    assert host is None  # (CPU: the ring reads the sum itself)
+    if voided:
+        acc.void()
+    for view in views:
+        view.fill_(7.0)  # (what the hooks wrote)
+    acc.abandon_filling()
+    grads(params, 1)
+    acc.add(2, 0)
+    out = acc.swap(1)
+    acc.to_host(out)
+    grads(params, 1)
+    assert torch.equal(torch.from_numpy(out.array), torch.cat([2 * p.grad.reshape(-1) for p in params]))
