@@ -48,7 +48,7 @@ def test_train_bench_traces_where_a_step_goes(tmp_path):
     p = run("bench/train.py", "--quick", "--reps", "1", "--modes", "p2ptrain", "--trace", str(tmp_path))
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     for rank in (0, 1):
-        events = json.loads((tmp_path / "n2-none" / f"rank{rank}.json").read_text())["traceEvents"]
+        events = json.loads((tmp_path / "n2-p2ptrain-none" / f"rank{rank}.json").read_text())["traceEvents"]
         names = {e["name"].split(" ")[0] for e in events if e["ph"] == "X"}
         assert {"batch", "step", "round", "send", "receive", "optimizer"} <= names, names
 

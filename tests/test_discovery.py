@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.net import discovery as discovery_mod
+from p2ptrain.net import wire
 from p2ptrain.net.discovery import Discovery, parse_host_port, resolve_static_peers
 from p2ptrain.errors import ConfigError
 
@@ -227,7 +228,7 @@ async def test_peers_command_on_loopback(lo_port, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ID" in out and "peer-w" not in out
     (row,) = [line for line in out.splitlines() if "peer-a" in line]
-    assert row.split() == ["peer-a", "127.0.0.1", "7000", "mps", "3", "training", "lab", "1"]
+    assert row.split() == ["peer-a", "127.0.0.1", "7000", "mps", "3", "training", "lab", str(wire.PROTOCOL_VERSION)]
     assert re.search(r"dropped beacons: \d+ with a bad tag \(last from 127.0.0.1\)", out) and "1 peer heard" in out
 
 
@@ -530,7 +531,8 @@ def test_peers_command_lists_a_namespaced_sender(lan):
             p.wait(timeout=5)
     assert cmd.returncode == 0, err
     (row,) = [line for line in out.splitlines() if "sender-0" in line]
-    assert row.split() == ["sender-0", lan.addresses[0], "7123", "cpu", "0", "syncing", "demo", "1"]
+    assert row.split() == ["sender-0", lan.addresses[0], "7123", "cpu", "0", "syncing", "demo",
+                           str(wire.PROTOCOL_VERSION)]
     assert "sender-x" not in out and re.search(r"dropped beacons: \d+ of another cluster", out)
     assert "eth0 (10.78.0.12, wired)" in out
 
