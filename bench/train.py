@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
     p.add_argument("--json", help="write the rows to this file")
-    p.add_argument("--trace", metavar="DIR", help="p2ptrain workers write Chrome traces here (DIR/nN-MODE-CODEC/rankR.json; "
+    p.add_argument("--trace", metavar="DIR", help="p2ptrain workers write Chrome traces here "
+                   "(DIR/nN-MODE-CODEC/rankR.json; "
                                                   "the last run of each kept)")
     p.add_argument("--baseline-tree", help="also run p2ptrain (and overlap) from this source tree (before/after, "
                    "same run)")

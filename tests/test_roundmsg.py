@@ -55,8 +55,8 @@ VALID = {
 CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: M.Ready, M.START: M.Start,
            M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
 FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7}}  # every field of each type
-OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end"), M.PROPOSE: ("end",), M.DONE: ("checksum", "withdrawn"),
-           M.NACK: ("missing",), M.GOODBYE: ("end",)}  # what an older peer may leave out
+OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end"), M.PROPOSE: ("end",),
+           M.DONE: ("checksum", "withdrawn"), M.NACK: ("missing",), M.GOODBYE: ("end",)}  # what an older peer may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -79,7 +79,8 @@ def test_parsed_fields_are_typed():
     assert M.parse(FULL[M.PROPOSE]) == M.Propose(r=1, b=(1, "a"), view=("a", "b"), end=(30, 12.5))
     assert M.parse(FULL[M.READY]) == M.Ready(r=1, b=(1, "a"), samples=3, version=0, digest=b"d")
     assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3)
-    assert M.parse({**FULL[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c", withdrawn=False)
+    assert M.parse({**FULL[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
+                                                                 withdrawn=False)
     assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"))
     assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",))
     assert M.parse(FULL[M.NACK]) == M.Nack(r=-1, b=(1, "a"), reason="x", missing=("c",))

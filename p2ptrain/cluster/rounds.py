@@ -162,7 +162,8 @@ class RoundMachine:
         self._nbytes = nbytes or self._nbytes  # the ring buffer's size, for the deadline
         return self._run(now, self.member.contributed, r, samples, now)
 
-    def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None, withdrawn: bool = False) -> list:
+    def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None,
+                     withdrawn: bool = False) -> list:
         return self._run(now, self.member.ring_done, r, bool(ok), now, checksum, withdrawn)
 
     def on_synced(self, point: SyncPoint, now: float, donor: str | None = None) -> list:
