@@ -100,10 +100,18 @@ def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, compr
     assert same(with_overlap[0], without[0])
 
 
-def test_the_ring_starts_before_step(monkeypatch):
-    """The round takes the batch while backward runs: our contribution is out before step()."""
-    monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)
-    peers = open_peers([make, make], overlap=True)
+def make_deep():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def test_a_round_takes_the_batch_before_step_once_the_rings_first_bucket_is_written(monkeypatch):
+    """Our contribution is out before step() (taken while backward ran: a pause before step
+    gives the cluster's thread time to take it), and its ring runs on the last layers' values."""
+    monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)  # (the first bucket: the last layer and part of the middle one)
+    peers = open_peers([make_deep, make_deep], overlap=True)
     data = [batches(r, 6) for r in range(2)]
     seen = [[], []]
     try:
@@ -112,6 +120,7 @@ def test_the_ring_starts_before_step(monkeypatch):
             inner = peer._peer
             for x, y in data[rank]:
                 F.cross_entropy(peer.model(x), y).backward()
+                time.sleep(0.05)
                 with inner._lock:
                     seen[rank].append(inner._out is not None and inner._out.filling is not None)
                 peer.step(batch_size=len(x))
@@ -141,15 +150,15 @@ async def test_a_filling_lets_the_ring_read_a_range_once_written_and_the_first_o
     params = [torch.zeros(3), torch.zeros(4), torch.zeros(5)]
     buffer = torch.full((12,), float("nan"))
     views = [buffer[0:3], buffer[3:7], buffer[7:12]]
-    f = Filling(views, offsets_of(params), guess=2, version=0, loop=asyncio.get_running_loop())
+    f = Filling(views, offsets_of(params), guess=2, version=0, loop=asyncio.get_running_loop(), ring_from=1)
     last, middle, first = (asyncio.ensure_future(f.until(a, b)) for a, b in [(7, 12), (3, 9), (0, 2)])
     await asyncio.sleep(0.01)
     assert not (last.done() or middle.done() or first.done())
-    f.write(2, torch.ones(5))
+    assert not f.write(2, torch.ones(5)) and not f.takeable
     await asyncio.sleep(0.01)
     assert last.done() and not middle.done() and buffer[7:].tolist() == [2.0] * 5
-    f.write(1, torch.ones(4))
-    f.write(0, torch.ones(3))
+    assert f.write(1, torch.ones(4)) and f.takeable  # (the ring's first bucket, from parameter 1, is written)
+    assert not f.write(0, torch.ones(3))
     await asyncio.sleep(0.01)
     assert middle.done() and not first.done()  # (the first parameter's range waits for step)
     f.finish()

@@ -94,7 +94,8 @@ class Contributor:
                         return self._linger_idle()
             elif peer.staleness == 0:
                 filling = peer._feed.filling if peer._feed is not None else None
-                if not peer._acc.samples and filling is not None and filling.withdrawn is None and not filling.taken:
+                if (not peer._acc.samples and filling is not None and filling.takeable and not filling.taken
+                        and filling.withdrawn is None):
                     filling.taken = True  # backward still writes it: the ring reads each range once written
                     out = peer._out = peer._acc.swap_filling(members, filling)
                     self._changed.set()

@@ -6,9 +6,13 @@ How. A hook per parameter (``register_post_accumulate_grad_hook``) fires once ba
 accumulated that parameter's gradient. The first hook after a ``step`` decides whether this
 backward feeds a round (``BackwardFeed``; ``AsyncPeer._may_overlap``: staleness 0, gradient mode,
 others to train with, nothing else accumulated); each then writes ``batch x grad`` into the
-accumulator's buffer (the batch: the last one ``step`` was given, a guess), and the round can
-take that buffer at once (``Filling``, the ring's ``ready``: it reads a range of our values only
-once the hooks wrote it, buckets from the buffer's end, where backward starts). ``step`` then
+accumulator's buffer (the batch: the last one ``step`` was given, a guess), and once the ring's
+first bucket is written (the buffer's end, where backward starts) the round may take that
+buffer (``Filling``, the ring's ``ready``: it reads a range of our values only once the hooks
+wrote it). Not sooner: a round's messages and a ring waiting on hooks would only contend with
+backward for the interpreter. For the same reason a model of one bucket (up to ``BUCKET_ELEMS``,
+4 M parameters) is not overlapped at all: its ring is short, and overlapping it cost more than
+it hid (measured on 2 cores, N = 2, 150 K parameters: 1.5x DDP's time against 1.3x). ``step`` then
 confirms: the same batch size and one backward per parameter, and it writes what no hook did
 (a parameter without a gradient: zeros, as ``Accumulator.add`` would). Until it confirms, the
 first parameter's range is held (its gradient comes last anyway), so no round can end on a
@@ -48,21 +52,24 @@ class Filling:
     hooks multiply by; ``version``: the parameters' version the batch is computed on."""
 
     def __init__(self, views: list[torch.Tensor], offsets: list[int], guess: int, version: int,
-                 loop: asyncio.AbstractEventLoop, host: list[torch.Tensor] | None = None):
+                 loop: asyncio.AbstractEventLoop, host: list[torch.Tensor] | None = None, ring_from: int = 0):
         self.views, self.host = views, host
         self.guess, self.version = guess, version
         self._starts = offsets  # where each parameter's range starts, in order
         self._marked = bytearray(len(views))
         self._events: list = [None] * len(views)  # (CUDA: the copy to ``host``)
         self._loop = loop
-        self._waiting = False  # a ring awaits ``until``: a change must wake it
+        self._waits: list[tuple[int, int]] = []  # the parameter ranges rings await (``until``)
         self._changed = asyncio.Event()  # (the loop's; set through call_soon_threadsafe)
+        self._ring_from = ring_from  # (the first parameter in the ring's first bucket)
+        self.takeable = False  # the ring's first bucket is written: a round may take it
         self.taken = False  # a round holds it (``Contributor.take``)
         self.complete = False
         self.withdrawn: str | None = None  # why, once withdrawn
 
-    def write(self, i: int, grad: torch.Tensor | None) -> None:
-        """(backward's thread) Parameter ``i``'s gradient times the guess, into its range."""
+    def write(self, i: int, grad: torch.Tensor | None) -> bool:
+        """(backward's thread) Parameter ``i``'s gradient times the guess, into its range. True:
+        that made it takeable (the hook offers it to a round waiting)."""
         view = self.views[i]
         with torch.no_grad():
             if grad is None:
@@ -75,7 +82,12 @@ class Filling:
                 self._events[i] = event = torch.cuda.Event()
                 event.record()
         self._marked[i] = 1
-        self._wake()
+        if any(0 not in self._marked[first:last] for first, last in list(self._waits)):
+            self._wake()
+        if not self.takeable and 0 not in self._marked[self._ring_from:]:
+            self.takeable = True
+            return True
+        return False
 
     def marked(self, i: int) -> bool:
         return bool(self._marked[i])
@@ -85,7 +97,7 @@ class Filling:
 
     def finish(self) -> None:
         """(``step``) Every range is written: the ring may read them all."""
-        self.complete = True
+        self.complete = self.takeable = True
         self._wake()
 
     def withdraw(self, why: str) -> None:
@@ -94,21 +106,25 @@ class Filling:
             self._wake()
 
     def _wake(self) -> None:
-        if self._waiting and not self._loop.is_closed():
+        if self._waits and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._changed.set)
 
     async def until(self, start: int, stop: int) -> None:
         """(the ring) Return once ``[start, stop)`` is written; raise ``WithdrawnError`` if withdrawn."""
         first = max(0, bisect.bisect_right(self._starts, start) - 1)
         last = bisect.bisect_left(self._starts, stop)  # (parameters first..last-1 overlap the range)
-        while True:
-            self._waiting = True  # (before looking: a write after the look wakes us)
-            if self.withdrawn is not None:
-                raise WithdrawnError(f"this peer withdrew its batch from the round: {self.withdrawn}")
-            if self.complete or (first > 0 and 0 not in self._marked[first:last]):  # (the first: held)
-                break
-            self._changed.clear()
-            await self._changed.wait()
+        wait = (first, last)
+        self._waits.append(wait)  # (before looking: a write after the look wakes us)
+        try:
+            while True:
+                if self.withdrawn is not None:
+                    raise WithdrawnError(f"this peer withdrew its batch from the round: {self.withdrawn}")
+                if self.complete or (first > 0 and 0 not in self._marked[first:last]):  # (the first: held)
+                    break
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            self._waits.remove(wait)
         for event in self._events[first:last]:  # (CUDA: the copies to host memory)
             while event is not None and not event.query():
                 await asyncio.sleep(POLL_S)
@@ -120,8 +136,9 @@ class BackwardFeed:
     or None. ``confirm`` (``step``) ends it. The hooks run on backward's thread; ``confirm`` and
     ``taken`` under the peer's ``_lock``."""
 
-    def __init__(self, params: list[torch.Tensor], begin: Callable[[], Filling | None]):
-        self.params, self._begin = params, begin
+    def __init__(self, params: list[torch.Tensor], begin: Callable[[], Filling | None],
+                 offer: Callable[[], None]):
+        self.params, self._begin, self._offer = params, begin, offer
         self.filling: Filling | None = None
         self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
         self._decided = False  # this backward's first hook has run
@@ -145,7 +162,8 @@ class BackwardFeed:
             if f.marked(i):
                 f.withdraw("a second backward before step() (accumulated gradients go in the next round)")
                 return
-            f.write(i, p.grad)
+            if f.write(i, p.grad):
+                self._offer()
         return hook
 
     def confirm(self, batch_size: int) -> Filling | None:

@@ -115,6 +115,7 @@ Failure: ``step`` raises ``GroupError`` when no round takes or applies its batch
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import hashlib
 import logging
@@ -146,6 +147,7 @@ from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.cluster.rings import KEEP_RESULTS
+from p2ptrain.collective.ring import bucket_bounds
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
@@ -239,7 +241,7 @@ class AsyncPeer:
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
         self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
         # Overlap: the hooks that write each gradient into the round's buffer as backward makes it.
-        self._feed = BackwardFeed(self.params, self._may_overlap) if overlap else None
+        self._feed = BackwardFeed(self.params, self._may_overlap, self._offer) if overlap else None
         self._offsets = offsets_of(self.params)
         self._leaving = False  # closing: a round asking for our contribution gets what we have
         self._out: Outgoing | None = None  # our contribution, in a round
@@ -463,7 +465,11 @@ class AsyncPeer:
     def _may_overlap(self) -> Filling | None:
         """(backward's first hook after a step; ``overlap``) Whether this backward's gradients go
         into a round's buffer as they come: at staleness 0, in gradient mode, with others to
-        train with, nothing else accumulated or out, no state load waiting."""
+        train with, nothing else accumulated or out, no state load waiting, and a model of more
+        than one of the ring's buckets (``overlap``: below, overlapping cost more than it hid)."""
+        buckets = bucket_bounds(self._acc.numel)
+        if len(buckets) < 2:
+            return None
         with self._lock:
             if (self._lifetime.closed or self.cluster is None or self._solo.on or self.members <= 1
                     or self._acc.samples or self._out is not None
@@ -471,12 +477,18 @@ class AsyncPeer:
                     or self._feed.last_batch is None):  # (the first step: no batch size to guess yet)
                 return None
             views, host = self._acc.begin_filling()
+            ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1)
             filling = self._feed.filling = Filling(views, self._offsets, self._feed.last_batch, self.version,
-                                                   self._lifetime.loop, host)
-            notify, self._want_step = self._want_step, False
-        if notify:  # (a round waits for our batch: it can take this one now)
-            self._notify()
+                                                   self._lifetime.loop, host, ring_from)
         return filling
+
+    def _offer(self) -> None:
+        """(backward's thread) The ring's first bucket is written: a round waiting for our batch
+        may take it now (``Contributor.take``)."""
+        with self._lock:
+            notify, self._want_step = self._want_step, False
+        if notify:
+            self._notify()
 
     def _filled(self, filling: Filling, batch_size: int) -> bool:
         """(under _lock) ``step`` ends an overlapped backward: True if its batch went in whole;
