@@ -4,7 +4,7 @@ rest, as DDP's reducer does; a step costs about max(backward, ring), not their s
 
 How. A hook per parameter (``register_post_accumulate_grad_hook``) fires once backward has
 accumulated that parameter's gradient. The first hook after a ``step`` decides whether this
-backward feeds a round (``BackwardFeed``; ``AsyncPeer._may_overlap``: staleness 0, gradient mode,
+backward feeds a round (``BackwardFeed``, the peer's ``_feed``: staleness 0, gradient mode,
 others to train with, nothing else accumulated); each then writes ``batch x grad`` into the
 accumulator's buffer (the batch: the last one ``step`` was given, a guess), and once the ring's
 first bucket is written (the buffer's end, where backward starts) the round may take that
@@ -12,8 +12,8 @@ buffer (``Filling``, the ring's ``ready``: it reads a range of our values only o
 wrote it). Not sooner: a round's messages and a ring waiting on hooks would only contend with
 backward for the interpreter. For the same reason a model of one bucket (up to ``BUCKET_ELEMS``,
 4 M parameters) is not overlapped at all: its ring is short, and overlapping it cost more than
-it hid (measured on 2 cores, N = 2, 150 K parameters: 1.5x DDP's time against 1.3x). ``step`` then
-confirms: the same batch size and one backward per parameter, and it writes what no hook did
+it hid (measured on 2 cores, N = 2, 150 K parameters: 1.5x DDP's time against 1.3x). ``step``
+then confirms: the same batch size and one backward per parameter, and it writes what no hook did
 (a parameter without a gradient: zeros, as ``Accumulator.add`` would). Until it confirms, the
 first parameter's range is held (its gradient comes last anyway), so no round can end on a
 wrong guess. A different batch size, a second backward before ``step`` (gradient accumulation),
@@ -35,12 +35,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from p2ptrain.collective.ring import bucket_bounds
 from p2ptrain.errors import WithdrawnError
+
+if TYPE_CHECKING:
+    from p2ptrain.trainer.peer import AsyncPeer
 
 POLL_S = 0.0005  # how often the ring looks again at a CUDA copy that has not finished
 
@@ -131,19 +135,21 @@ class Filling:
 
 
 class BackwardFeed:
-    """The hooks, and the filling of the backward in progress. ``begin`` (called by the first
-    hook after a step, under nothing) says whether this backward feeds a round: a ``Filling``,
-    or None. ``confirm`` (``step``) ends it. The hooks run on backward's thread; ``confirm`` and
-    ``taken`` under the peer's ``_lock``."""
+    """The part of ``peer.AsyncPeer`` that overlaps (its ``_feed``): the hooks, and the filling
+    of the backward in progress. The first hook after a step decides (``_begin``) whether this
+    backward feeds a round; ``step`` ends it (``confirm``, then ``filled`` or ``withdraw``). It
+    owns ``filling``, ``last_batch`` and the hooks; the rest is the peer's core, under its
+    ``_lock`` (``peer``'s docstring). The hooks run on backward's thread, ``confirm``, ``filled``
+    and ``withdraw`` on the caller's under ``_lock``; ``Contributor.take`` reads ``filling``."""
 
-    def __init__(self, params: list[torch.Tensor], begin: Callable[[], Filling | None],
-                 offer: Callable[[], None]):
-        self.params, self._begin, self._offer = params, begin, offer
+    def __init__(self, peer: AsyncPeer):
+        self.peer, self.params = peer, peer.params
+        self._offsets = offsets_of(self.params)
         self.filling: Filling | None = None
         self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
         self._decided = False  # this backward's first hook has run
         self._lock = threading.Lock()  # (the first hooks of a backward on several device threads)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -154,7 +160,7 @@ class BackwardFeed:
                         f = self.filling
                     else:
                         self._decided = True
-                        f = self.filling = self._begin()
+                        f = self._begin()
                 if f is None:
                     return
             if f.withdrawn is not None:
@@ -165,6 +171,58 @@ class BackwardFeed:
             if f.write(i, p.grad):
                 self._offer()
         return hook
+
+    def _begin(self) -> Filling | None:
+        """(backward's first hook after a step) Whether this backward's gradients go into a
+        round's buffer as they come: at staleness 0, in gradient mode, with others to train
+        with, nothing else accumulated or out, no state load waiting, and a model of more than
+        one of the ring's buckets (the module docstring)."""
+        peer = self.peer
+        buckets = bucket_bounds(peer._acc.numel)
+        if len(buckets) < 2:
+            return None
+        with peer._lock:
+            if (peer._lifetime.closed or peer.cluster is None or peer._solo.on or peer.members <= 1
+                    or peer._acc.samples or peer._out is not None or peer._restore is not None or peer._finished
+                    or peer._lifetime.loop is None or self.last_batch is None):  # (the first step: no guess yet)
+                return None
+            views, host = peer._acc.begin_filling()
+            ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1)
+            self.filling = Filling(views, self._offsets, self.last_batch, peer.version, peer._lifetime.loop, host,
+                                   ring_from)
+            return self.filling
+
+    def _offer(self) -> None:
+        """(backward's thread) The ring's first bucket is written: a round waiting for our batch
+        may take it now (``Contributor.take``)."""
+        peer = self.peer
+        with peer._lock:
+            notify, peer._want_step = peer._want_step, False
+        if notify:
+            peer._notify()
+
+    def filled(self, filling: Filling, batch_size: int) -> bool:
+        """(``step``, under the peer's _lock) An overlapped backward ends: True if its batch went in
+        whole; False: withdrawn (``step`` adds it as without overlap)."""
+        if batch_size != filling.guess:
+            self.withdraw(filling, f"a batch of {batch_size} samples after one of {filling.guess}")
+        if filling.withdrawn is not None:
+            return False
+        for i in filling.unmarked():  # (no gradient from this backward: what add() would write)
+            filling.write(i, self.params[i].grad)
+        for p in self.params:
+            p.grad = None
+        if not filling.taken:
+            self.peer._acc.filled(batch_size, filling.version)
+        filling.finish()
+        return True
+
+    def withdraw(self, filling: Filling, why: str) -> None:
+        """(under the peer's _lock) Its round fails (``WithdrawnError``); never taken, the sum
+        is left empty."""
+        filling.withdraw(why)
+        if not filling.taken:
+            self.peer._acc.abandon_filling()
 
     def confirm(self, batch_size: int) -> Filling | None:
         """(``step``, under the peer's ``_lock``) The filling of the backward just done, if any;

@@ -84,8 +84,8 @@ Staleness. A gradient computed on version v and applied to version V has stalene
 Overlap (``overlap=True``, staleness 0; ``overlap``): hooks write each gradient into the
 accumulator's buffer as backward makes it (``_feed``, a ``BackwardFeed``; its ``filling``, read
 by ``take`` under ``_lock``), the round takes that buffer at the first hook, and its ring reads
-each range once written; ``step`` confirms the batch (``_filled``) or withdraws it and adds
-the batch as without overlap.
+each range once written; ``step`` confirms the batch (``BackwardFeed.filled``) or withdraws it
+and adds the batch as without overlap.
 
 Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user's optimizer on
 the batch at once (and the scheduler, per inner step); after H inner steps the parameter change
@@ -115,7 +115,6 @@ Failure: ``step`` raises ``GroupError`` when no round takes or applies its batch
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import hashlib
 import logging
@@ -140,14 +139,13 @@ from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
 from p2ptrain.trainer.lifetime import Lifetime
-from p2ptrain.trainer.overlap import BackwardFeed, Filling, offsets_of
+from p2ptrain.trainer.overlap import BackwardFeed
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.cluster.rings import KEEP_RESULTS
-from p2ptrain.collective.ring import bucket_bounds
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
 from p2ptrain.cluster.fingerprint import model_fingerprint, param_checksum
@@ -241,8 +239,7 @@ class AsyncPeer:
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
         self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
         # Overlap: the hooks that write each gradient into the round's buffer as backward makes it.
-        self._feed = BackwardFeed(self.params, self._may_overlap, self._offer) if overlap else None
-        self._offsets = offsets_of(self.params)
+        self._feed = BackwardFeed(self) if overlap else None
         self._leaving = False  # closing: a round asking for our contribution gets what we have
         self._out: Outgoing | None = None  # our contribution, in a round
         self._queue: collections.deque[CommittedUpdate] = collections.deque()
@@ -424,13 +421,13 @@ class AsyncPeer:
                 filling = self._feed.confirm(batch_size) if self._feed is not None else None
                 if void:  # computed on parameters just replaced
                     if filling is not None:
-                        self._withdraw(filling, "the parameters were replaced (a state load)")
+                        self._feed.withdraw(filling, "the parameters were replaced (a state load)")
                     for p in self.params:
                         p.grad = None
                     self.dropped += batch_size
                 elif filling is not None and alone:  # (solo began while backward ran: the batch applies as it is)
-                    self._withdraw(filling, "this peer is alone now")
-                elif filling is not None and self._filled(filling, batch_size):
+                    self._feed.withdraw(filling, "this peer is alone now")
+                elif filling is not None and self._feed.filled(filling, batch_size):
                     pass  # (backward wrote it into the round's buffer: ``overlap``)
                 elif self._local is None and not alone:  # (kept as it is until a round needs a vector:
                     #                  ``Accumulator``; not while a next batch computes beside it, but alone)
@@ -461,55 +458,6 @@ class AsyncPeer:
                 self._computing_on, self._computing = self.version, True
                 self._step_end = time.perf_counter()
         return applied
-
-    def _may_overlap(self) -> Filling | None:
-        """(backward's first hook after a step; ``overlap``) Whether this backward's gradients go
-        into a round's buffer as they come: at staleness 0, in gradient mode, with others to
-        train with, nothing else accumulated or out, no state load waiting, and a model of more
-        than one of the ring's buckets (``overlap``: below, overlapping cost more than it hid)."""
-        buckets = bucket_bounds(self._acc.numel)
-        if len(buckets) < 2:
-            return None
-        with self._lock:
-            if (self._lifetime.closed or self.cluster is None or self._solo.on or self.members <= 1
-                    or self._acc.samples or self._out is not None
-                    or self._restore is not None or self._finished or self._lifetime.loop is None
-                    or self._feed.last_batch is None):  # (the first step: no batch size to guess yet)
-                return None
-            views, host = self._acc.begin_filling()
-            ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1)
-            filling = self._feed.filling = Filling(views, self._offsets, self._feed.last_batch, self.version,
-                                                   self._lifetime.loop, host, ring_from)
-        return filling
-
-    def _offer(self) -> None:
-        """(backward's thread) The ring's first bucket is written: a round waiting for our batch
-        may take it now (``Contributor.take``)."""
-        with self._lock:
-            notify, self._want_step = self._want_step, False
-        if notify:
-            self._notify()
-
-    def _filled(self, filling: Filling, batch_size: int) -> bool:
-        """(under _lock) ``step`` ends an overlapped backward: True if its batch went in whole;
-        False: withdrawn (``step`` adds it as without overlap)."""
-        if batch_size != filling.guess:
-            self._withdraw(filling, f"a batch of {batch_size} samples after one of {filling.guess}")
-        if filling.withdrawn is not None:
-            return False
-        for i in filling.unmarked():  # (no gradient from this backward: what add() would write)
-            filling.write(i, self.params[i].grad)
-        for p in self.params:
-            p.grad = None
-        if not filling.taken:
-            self._acc.filled(batch_size, filling.version)
-        filling.finish()
-        return True
-
-    def _withdraw(self, filling: Filling, why: str) -> None:  # (under _lock)
-        filling.withdraw(why)
-        if not filling.taken:
-            self._acc.abandon_filling()
 
     def _inner_step(self, batch_size: int, void: bool) -> bool:
         """Local-steps mode (``_params_lock`` held): the user's optimizer steps on this batch,
