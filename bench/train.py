@@ -146,7 +146,7 @@ def _worker(a) -> None:
         with p2ptrain.Peer(model, optimizer, listen=addrs[a.rank], peers=[p for p in addrs if p != addrs[a.rank]],
                            discovery=False, min_peers=len(addrs), secret="bench", staleness=a.staleness,
                            compression=a.codec, reconcile_every=a.reconcile_every,
-                           overlap=a.mode == "overlap") as peer:
+                           **({"overlap": True} if a.mode == "overlap" else {})) as peer:  # (older trees lack it)
             trace = NO_TRACE
             if a.trace:
                 trace = peer.cluster.trace = Tracer(str(Path(a.trace) / f"rank{a.rank}.json"), f"rank {a.rank}")
