@@ -5,7 +5,9 @@ runs on the cluster's loop thread (the peer holds it as ``_contributor`` and giv
 Call order. The cluster calls ``take`` when a round collects (our accumulator is swapped out, or
 None: nothing yet, and ``step`` or the linger timer calls ``contribution_available`` later;
 ``alone``: the round's sum will be what we hand over, so a batch kept as backward left it
-stays so, ``Accumulator``), then ``apply`` on commit or ``put_back`` on abort; ``snapshot``,
+stays so, ``Accumulator``; with ``overlap``, the batch backward is still writing, with its
+``overlap.Filling`` as a third element), then ``apply`` on commit or ``put_back`` on abort (a
+batch still being written is then withdrawn, not merged: ``step`` adds it); ``snapshot``,
 ``restore`` and ``reconcile`` for state transfer; ``finish`` at the run's end; ``solo_*``
 while the peer is alone. The peer runs ``wait`` here while ``step`` blocks (committed updates
 and state loads land meanwhile) and ``flush`` when it leaves. A state handed over is loaded
