@@ -83,8 +83,8 @@ Staleness. A gradient computed on version v and applied to version V has stalene
 
 Overlap (``overlap=True``, staleness 0; ``overlap``): hooks write each gradient into the
 accumulator's buffer as backward makes it (``_feed``, a ``BackwardFeed``; its ``filling``, read
-by ``take`` under ``_lock``), the round takes that buffer at the first hook, and its ring reads
-each range once written; ``step`` confirms the batch (``BackwardFeed.filled``) or withdraws it
+by ``take`` under ``_lock``), a round takes that buffer once its ring's first bucket is
+written, and the ring reads each range once written; ``step`` confirms the batch (``BackwardFeed.filled``) or withdraws it
 and adds the batch as without overlap.
 
 Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user's optimizer on
