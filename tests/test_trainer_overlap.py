@@ -4,7 +4,6 @@ each): the parameters must be bit for bit those of the same run without overlap,
 loop does between backward and step (another batch size, two backwards, a parameter without a
 gradient)."""
 
-import socket
 import time
 
 import pytest
@@ -18,12 +17,6 @@ from p2ptrain.collective import ring
 from p2ptrain.trainer import peer as peer_module
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Net(torch.nn.Module):
@@ -183,11 +176,7 @@ def partner_leaves(overlap: bool) -> list[torch.Tensor]:
     seventh step comes once this peer is alone (solo may begin before it), then nine more.
     Returns the peer's parameters. (``Net``'s unused layer lies in the ring's first bucket: no
     round takes a batch before ``step``, so solo finds the seventh still being written.)"""
-    ports = [free_port() for _ in range(2)]
-    peers = [Peer(*make(), listen=f"127.0.0.1:{port}", peers=[f"127.0.0.1:{q}" for q in ports if q != port],
-                  discovery=False, secret="s", overlap=overlap) for port in ports]  # (min_peers 1: alone, it trains on)
-    for p in peers:
-        p.start()
+    peers = open_peers([make, make], overlap=overlap, min_peers=1)  # (alone, it trains on)
     data = [batches(r, 16) for r in range(2)]
     try:
         def together(rank):

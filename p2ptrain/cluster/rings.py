@@ -104,25 +104,29 @@ class Rings:
         rnd.ring = self._tasks.spawn(self._ring(rnd, view, rnd.taken[0], trace))
 
     async def _ring(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> None:
+        r, ok, withdrawn, checksum = rnd.r, True, False, None
+        try:
+            checksum = await self._sum(rnd, view, vector, trace)
+        except WithdrawnError as exc:  # (not a fault: the batch changed after backward began)
+            log.info("round %d: %s", r, exc)
+            ok, withdrawn = False, True
+        except (P2PTrainError, KeyError, ValueError) as exc:
+            log.warning("round %d: ring failed: %s", r, exc)
+            ok = False
+        rnd.ring = None
+        self._on_done(r, ok, checksum, withdrawn)
+
+    async def _sum(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> bytes | None:
+        """The round's sum into ``rnd`` (and its stats and residual); the digest of it (None alone)."""
         # The vector stays whole (an aborted round puts it back), and so does the residual
         # owed from earlier rounds: a ring writes this round's into the spare buffer.
-        r = rnd.r
         owed = self.residual if self.residual is not None and len(self.residual) == len(vector) else None
         ready = rnd.ready
-        try:
-            if ready is not None and view == (self.peer_id,):  # (read whole below)
-                await ready.until(0, len(vector))
-                ready = None
-        except WithdrawnError as exc:
-            log.info("round %d: %s", r, exc)
-            rnd.ring = None
-            self._on_done(r, False, None, True)
-            return
         if view == (self.peer_id,):  # alone: the sum is our own vector (no copy, nothing to compare)
+            if ready is not None:
+                await ready.until(0, len(vector))
             rnd.summed = vector if owed is None else vector + owed  # (exact: nothing owed)
-            rnd.ring = None
-            self._on_done(r, True, None, False)
-            return
+            return None
         # The sum goes into a buffer the trainer gave back (``recycle``: no fresh pages to fault
         # in); our values are read from ``vector`` itself (``own``), never copied first.
         work = self._buffer(len(vector))
@@ -135,27 +139,17 @@ class Rings:
             residual = None
         elif residual is None or len(residual) != len(work):
             residual = np.empty_like(work)
-        ok, withdrawn = True, False
-        try:
-            rank, n = view.index(self.peer_id), len(view)
-            buckets = bucket_bounds(len(work))
-            run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
-                                recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
-                                op_id=r, chunk_elems=chunk_elems_for(max(b - a for a, b in buckets), n),
-                                timeout=self.timeout, residual=residual, trace=trace, digest=True,
-                                executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
-                                ready=ready)
-            rnd.stats = await run.run()
-            rnd.summed, rnd.residual = work, residual
-            checksum = run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
-        except WithdrawnError as exc:  # (not a fault: the batch changed after backward began)
-            log.info("round %d: %s", r, exc)
-            ok, checksum, withdrawn = False, None, True
-        except (P2PTrainError, KeyError, ValueError) as exc:
-            log.warning("round %d: ring failed: %s", r, exc)
-            ok, checksum = False, None
-        rnd.ring = None
-        self._on_done(r, ok, checksum, withdrawn)
+        rank, n = view.index(self.peer_id), len(view)
+        buckets = bucket_bounds(len(work))
+        run = RingAllreduce(work, rank=rank, size=n, send_link=self.mesh.channel(view[(rank + 1) % n]),
+                            recv_link=self.mesh.channel(view[(rank - 1) % n]), codec=self.codec,
+                            op_id=rnd.r, chunk_elems=chunk_elems_for(max(b - a for a, b in buckets), n),
+                            timeout=self.timeout, residual=residual, trace=trace, digest=True,
+                            executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
+                            ready=ready)
+        rnd.stats = await run.run()
+        rnd.summed, rnd.residual = work, residual
+        return run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
 
     def commit(self, rnd: Round, total: int) -> np.ndarray | None:
         """The round committed: its sum (None: no ring of ours finished for it); what it dropped

@@ -77,11 +77,7 @@ class Transfer:
     start: int
     stop: int
     reduce: bool  # reduce-scatter (receiver adds its own values) or all-gather (receiver copies)
-    step: int = -1  # the step within its bucket's ring (default: ``g``, a plan of one bucket)
-
-    def __post_init__(self):
-        if self.step < 0:
-            object.__setattr__(self, "step", self.g)
+    step: int  # the step within its bucket's ring (``g`` in a plan of one bucket)
 
     @property
     def after(self) -> tuple[int, int] | None:
@@ -113,12 +109,8 @@ class RingPlan:
                 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(a <= b for a, b in bounds))
 
     @cached_property
-    def segments(self) -> list[tuple[int, int]]:
-        """The segments of the first bucket's ring (of the whole buffer's, without buckets)."""
-        return self._bucket_segments[0]
-
-    @cached_property
     def _bucket_segments(self) -> list[list[tuple[int, int]]]:
+        """Each bucket's ring's N segments, in ring order (one bucket: the whole buffer's)."""
         return [[(start + a, start + b) for a, b in split(stop - start, self.size)]
                 for start, stop in (self.buckets or ((0, self.length),))]
 

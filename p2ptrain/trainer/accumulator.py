@@ -18,13 +18,16 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from p2ptrain.device import HostStaging
 from p2ptrain.cluster.rounds import SyncPoint
-from p2ptrain.trainer.overlap import Filling
+
+if TYPE_CHECKING:
+    from p2ptrain.trainer.overlap import Filling
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
@@ -71,6 +74,17 @@ class Outgoing:  # this peer's contribution, with the cluster until applied or p
     staging: HostStaging | None = None
     grads: list[torch.Tensor | None] | None = None  # a kept batch's gradients, never written (``Accumulator``)
     filling: Filling | None = None  # backward still writes it (``overlap``)
+
+
+def write_scaled(view: torch.Tensor, grad: torch.Tensor | None, batch_size: int) -> None:
+    """``view = batch_size * grad`` (zeros for no gradient): one parameter's share of a sum,
+    written where nothing was added yet (``Accumulator``; overlap's hooks, ``overlap.Filling``:
+    the same multiplication, so the same bits)."""
+    if grad is None:
+        view.zero_()
+        return
+    grad = grad.to_dense() if grad.is_sparse else grad
+    torch.mul(grad if grad.dtype == torch.float32 else grad.float(), float(batch_size), out=view)
 
 
 def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
@@ -138,6 +152,15 @@ class Accumulator:
     def _fresh(self) -> torch.Tensor:
         return self._spare.pop() if self._spare else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
+    def _staging_buffer(self) -> HostStaging:
+        return self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
+
+    def _renew(self) -> None:
+        """The sum went out: a fresh buffer takes the next batches (a reused one is dirty)."""
+        self._dirty = bool(self._spare)
+        self._flat = self._fresh()
+        self._views = self._views_of(self._flat)
+
     def add(self, batch_size: int, version: int, keep: bool = False) -> None:
         """Add the parameters' gradients times ``batch_size``, and clear them. ``keep``: if
         nothing was added yet, keep them as they are instead (see the class docstring)."""
@@ -172,11 +195,7 @@ class Accumulator:
         with torch.no_grad():
             if write:
                 for view, g in zip(views, grads):
-                    if g is None:
-                        view.zero_()
-                        continue
-                    g = g.to_dense() if g.is_sparse else g
-                    torch.mul(g if g.dtype == torch.float32 else g.float(), float(batch_size), out=view)
+                    write_scaled(view, g, batch_size)
                 return
             f32_views, f32_grads = [], []
             for view, g in zip(views, grads):
@@ -198,8 +217,7 @@ class Accumulator:
         self._dirty = True
         if self.device.type != "cuda":
             return self._views, None
-        staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
-        self._filling_staging = staging
+        staging = self._filling_staging = self._staging_buffer()
         return self._views, self._views_of(staging, staging.tensor)
 
     def filled(self, samples: int, version: int) -> None:
@@ -229,9 +247,7 @@ class Accumulator:
             out.array = out.staging.array
         else:
             out.array = self._flat.numpy()
-        self._dirty = bool(self._spare)
-        self._flat = self._fresh()
-        self._views = self._views_of(self._flat)
+        self._renew()
         return out
 
     def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
@@ -254,9 +270,7 @@ class Accumulator:
         out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members,
                        grads=self._kept)
         self._kept = None
-        self._dirty = bool(self._spare)  # (a reused buffer holds an old sum)
-        self._flat = self._fresh()
-        self._views = self._views_of(self._flat)
+        self._renew()
         self.samples = self.batches = 0
         self.oldest = None
         return out
@@ -275,7 +289,7 @@ class Accumulator:
         if self.device.type == "cpu":
             out.array = out.buffer.numpy()
             return
-        out.staging = self._staging.pop() if self._staging else HostStaging(self.numel, self.device)
+        out.staging = self._staging_buffer()
         out.array = out.staging.to_host([out.buffer])
         self._spare.append(out.buffer)  # (dirty: the next add writes over it)
         out.buffer = None

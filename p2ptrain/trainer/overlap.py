@@ -42,6 +42,7 @@ import torch
 
 from p2ptrain.collective.ring import bucket_bounds
 from p2ptrain.errors import WithdrawnError
+from p2ptrain.trainer.accumulator import write_scaled
 
 if TYPE_CHECKING:
     from p2ptrain.trainer.peer import AsyncPeer
@@ -76,11 +77,7 @@ class Filling:
         that made it takeable (the hook offers it to a round waiting)."""
         view = self.views[i]
         with torch.no_grad():
-            if grad is None:
-                view.zero_()
-            else:
-                grad = grad.to_dense() if grad.is_sparse else grad
-                torch.mul(grad if grad.dtype == torch.float32 else grad.float(), float(self.guess), out=view)
+            write_scaled(view, grad, self.guess)  # (as ``Accumulator.add`` writes it: the same bits)
             if self.host is not None:
                 self.host[i].copy_(view, non_blocking=True)
                 self._events[i] = event = torch.cuda.Event()
@@ -145,6 +142,9 @@ class BackwardFeed:
     def __init__(self, peer: AsyncPeer):
         self.peer, self.params = peer, peer.params
         self._offsets = offsets_of(self.params)
+        buckets = bucket_bounds(sum(p.numel() for p in self.params))  # (the rounds' rings: ``cluster.rings``)
+        # The first parameter in the ring's first bucket; None: one bucket, never overlapped.
+        self._ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1) if len(buckets) > 1 else None
         self.filling: Filling | None = None
         self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
         self._decided = False  # this backward's first hook has run
@@ -178,8 +178,7 @@ class BackwardFeed:
         with, nothing else accumulated or out, no state load waiting, and a model of more than
         one of the ring's buckets (the module docstring)."""
         peer = self.peer
-        buckets = bucket_bounds(peer._acc.numel)
-        if len(buckets) < 2:
+        if self._ring_from is None:
             return None
         with peer._lock:
             if (peer._lifetime.closed or peer.cluster is None or peer._solo.on or peer.members <= 1
@@ -187,9 +186,8 @@ class BackwardFeed:
                     or peer._lifetime.loop is None or self.last_batch is None):  # (the first step: no guess yet)
                 return None
             views, host = peer._acc.begin_filling()
-            ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1)
             self.filling = Filling(views, self._offsets, self.last_batch, peer.version, peer._lifetime.loop, host,
-                                   ring_from)
+                                   self._ring_from)
             return self.filling
 
     def _offer(self) -> None:
