@@ -15,7 +15,7 @@ from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
 from p2ptrain.collective.ring import split
 from p2ptrain.errors import GroupError, LinkError
 from p2ptrain.net import wire
-from p2ptrain.net.mesh import Mesh
+from p2ptrain.net.mesh import ChunkChannel, Mesh
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,6 +70,35 @@ async def test_every_peer_gets_the_same_sum_and_the_same_digest_of_it(n, codec, 
             executor.shutdown()
         for m in ms:
             await m.close()
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_zstd_only_on_a_link_that_is_behind_and_the_same_sum_either_way(monkeypatch, threads):
+    # A link still holding more of our bytes than a chunk takes raw sets the ring's pace: zstd
+    # saves time there. One that keeps up gets raw chunks (no CPU spent on bytes that cost no
+    # time); one the OS cannot tell about (None) keeps zstd as set. The sum's bits never change.
+    ids, ms = await meshes(3)
+    executor = ThreadPoolExecutor(threads) if threads else None
+    rng = np.random.default_rng(1)
+    sparse = [np.where(rng.random(30_000) < 0.2, rng.standard_normal(30_000), 0).astype(np.float32)
+              for _ in range(3)]  # (int8 codes of it: mostly zeros, which zstd shrinks)
+    sums, sent = {}, {}
+    try:
+        for queued in (0, 10**9, None):
+            monkeypatch.setattr(ChunkChannel, "queued_bytes", lambda self, q=queued: q)
+            data = [x.copy() for x in sparse]
+            runs = await allreduce(ms, ids, data, "int8", op_id=len(sums) + 1, executor=executor,
+                                   chunk_elems=5000, residuals=[np.empty_like(x) for x in data])
+            sums[queued], sent[queued] = data[0].tobytes(), sum(r.stats.wire_bytes for r in runs)
+            assert all(np.array_equal(d, data[0]) for d in data)
+    finally:
+        if executor:
+            executor.shutdown()
+        for m in ms:
+            await m.close()
+    assert sums[0] == sums[10**9] == sums[None]
+    assert sent[0] >= sum(r.stats.raw_bytes for r in runs) // 4  # a byte a value: no zstd
+    assert sent[10**9] == sent[None] < 0.6 * sent[0]
 
 
 def test_the_digest_tells_any_changed_bit_and_any_moved_value():
@@ -228,6 +257,9 @@ class FaultyLink:
 
     def set_allocator(self, allocate) -> None:
         self.allocator = allocate
+
+    def queued_bytes(self) -> None:
+        return None
 
     async def send(self, header, payload, timeout):
         if self.send_fails:

@@ -236,6 +236,26 @@ def test_zstd_skipped_when_it_does_not_pay():
     assert enc.params["z"] is True and enc.nbytes < 0.05 * 70_000
 
 
+@pytest.mark.parametrize("spec", ["int8", "fp16", "topk:0.05"])
+def test_a_chunk_asked_without_zstd_goes_raw_and_decodes_to_the_same_values(spec):
+    # (the ring's choice where its link keeps up: never a change in the maths)
+    codec = parse_codec(spec)
+    x = np.zeros(70_000, np.float32)
+    x[::7] = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)  # zstd shrinks it
+    packed, raw = codec.encode(x), codec.encode(x, zstd=False)
+    assert packed.params["z"] is True and raw.params["z"] is False and raw.nbytes > packed.nbytes
+    y_packed, y_raw = np.empty_like(x), np.empty_like(x)
+    codec.decode(packed.params, packed.tobytes(), y_packed)
+    codec.decode(raw.params, raw.tobytes(), y_raw)
+    assert np.array_equal(y_packed.view(np.uint32), y_raw.view(np.uint32))
+    for zstd in (True, False):  # the sender's own decoded values and residual: the same bits too
+        out, residual = np.empty_like(x), np.empty_like(x)
+        assert codec.encode_decoded(x, out, zstd=zstd).params["z"] is zstd
+        assert codec.encode_residual(x, residual, zstd=zstd).params["z"] is zstd
+        assert np.array_equal(out.view(np.uint32), y_raw.view(np.uint32))
+        assert np.array_equal(residual, x - y_raw)
+
+
 @pytest.mark.parametrize("n", [60_000, 300_000])  # payloads below and above the probe size
 def test_zstd_kept_only_when_it_saves_a_tenth(n):
     # int8 codes of Gaussian values save ~6% under zstd: not worth its CPU. Heavy-tailed

@@ -291,8 +291,8 @@ async def test_a_corrupt_compressed_chunk_names_the_peer_and_chunk():
         def __getattr__(self, name):
             return getattr(self._codec, name)
 
-        def encode(self, x):
-            enc = self._codec.encode(x)
+        def encode(self, x, zstd=True):
+            enc = self._codec.encode(x, zstd)
             junk = memoryview(b"\xff" * enc.nbytes)
             return Encoded(enc.params, [junk], enc.nbytes)
 

@@ -4,9 +4,12 @@ live listener, which logs one line, closes that connection and keeps serving goo
 import asyncio
 import logging
 import os
+import sys
 
 import numpy as np
 import pytest
+
+from helpers import until
 
 from p2ptrain.net import auth, transport, wire
 from p2ptrain.errors import HandshakeError, LinkError
@@ -209,3 +212,21 @@ async def test_loopback_links_get_a_small_send_buffer():
         client.close()
     with socket.socket() as unconnected:
         assert not transport._is_loopback(unconnected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="queued_bytes reads Linux's SIOCOUTQ; None elsewhere")
+async def test_queued_bytes_tell_how_far_the_link_is_behind():
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        await until(lambda: client.queued_bytes() == 0)  # (the handshake acknowledged)
+        server_side._transport.pause_reading()  # a peer that does not keep up
+        data = np.ones(1 << 20, np.float32)
+        sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=5))
+        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        server_side._transport.resume_reading()
+        await sending
+        got = await server_side.recv(timeout=5)
+        assert got.payload.nbytes == data.nbytes
+        await until(lambda: client.queued_bytes() == 0)  # all of it acknowledged
+        client.close()
+        assert client.queued_bytes() is None  # (closed: the OS has nothing to tell)

@@ -36,6 +36,9 @@ ZSTD_PAYS = 0.90
 # Payloads above _PROBE_OVER bytes first compress a _PROBE-byte slice from their middle;
 # if that does not pay, the whole payload is not tried (a pure function of the payload, so
 # encoding stays deterministic). Saves ~90% of the compress cost where zstd cannot pay.
+# The caller may also skip zstd for a chunk (``zstd=False``): the ring does where its link
+# keeps up with it, so that the bytes zstd would save cost no time (see
+# ``collective.allreduce``). Either way the decoded values are the same.
 _PROBE, _PROBE_OVER = 8192, 65536
 # Levels 1..19 never use a window above 8 MiB; refusing larger windows bounds the memory
 # a hostile frame header can make the decompressor ask for.
@@ -141,11 +144,12 @@ class Codec:
         """Upper bound on the payload length of an ``n``-value chunk (zstd only ever shrinks it)."""
         return 4 * n if self._t is None else self._t.max_raw(n)
 
-    def encode(self, x: np.ndarray) -> Encoded:
-        """Encode one chunk. Pure and deterministic: the same ``x`` gives the same bytes."""
-        return self.encode_decoded(x, None)
+    def encode(self, x: np.ndarray, zstd: bool = True) -> Encoded:
+        """Encode one chunk. Pure and deterministic: the same ``x`` gives the same bytes.
+        ``zstd=False``: no zstd layer for this chunk, whatever the codec's setting."""
+        return self.encode_decoded(x, None, zstd)
 
-    def encode_decoded(self, x: np.ndarray, out: np.ndarray | None) -> Encoded:
+    def encode_decoded(self, x: np.ndarray, out: np.ndarray | None, zstd: bool = True) -> Encoded:
         """``encode(x)``, and, unless ``out`` is None, ``decode(enc)`` written into ``out``.
 
         For the sender's own use (error feedback, the owner adopting its final sum): the
@@ -163,25 +167,25 @@ class Codec:
             if out is not None and out is not x:
                 np.copyto(out, x)
             return Encoded({}, [memoryview(x).cast("B")], x.nbytes)
-        params, raw, enc = self._encode_raw(x)
+        params, raw, enc = self._encode_raw(x, zstd)
         if out is not None:
             with np.errstate(all="ignore"):
                 self._t.decode_raw(x.shape[0], params, raw, out)
         return enc
 
-    def _encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray, Encoded]:
+    def _encode_raw(self, x: np.ndarray, zstd: bool) -> tuple[dict, np.ndarray, Encoded]:
         """The transform's (params, raw payload), and the chunk as sent (zstd where it pays)."""
         params, raw = self._t.encode_raw(x)
         buf: Any = raw
         applied = False
-        if self._cctx is not None and raw.nbytes and self._probe_pays(raw):
+        if zstd and self._cctx is not None and raw.nbytes and self._probe_pays(raw):
             packed = self._cctx.compress(raw)
             if len(packed) < ZSTD_PAYS * raw.nbytes:
                 buf, applied = packed, True
         mv = memoryview(buf).cast("B")
         return params, raw, Encoded({"z": applied, **params}, [mv], mv.nbytes)
 
-    def encode_residual(self, x: np.ndarray, residual: np.ndarray) -> Encoded:
+    def encode_residual(self, x: np.ndarray, residual: np.ndarray, zstd: bool = True) -> Encoded:
         """``encode(x)``, and what it drops, ``x - decode(encode(x))``, written into
         ``residual`` (as long as ``x``, apart from it): what error feedback keeps. The same
         floats as decoding and subtracting; a sparse codec copies ``x`` and zeroes the kept
@@ -194,7 +198,7 @@ class Codec:
         if self._t is None:
             residual.fill(0)
             return self.encode_decoded(x, None)
-        params, raw, enc = self._encode_raw(x)
+        params, raw, enc = self._encode_raw(x, zstd)
         with np.errstate(all="ignore"):
             residual_raw = getattr(self._t, "residual_raw", None)
             if residual_raw is not None:

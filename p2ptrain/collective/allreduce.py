@@ -10,6 +10,10 @@ Chunks pass through a codec (``p2ptrain.codecs``):
 - all-gather: the owner of a segment encodes its final sum once, and every peer, the owner
   too, decodes those same bytes, which are forwarded unchanged around the ring. So every peer
   ends with bit-identical values, whatever the codec.
+- zstd (the codec's lossless layer) only where the send link is behind: it still holds more
+  of our bytes than the chunk would take raw (``Link.queued_bytes``). Elsewhere the link
+  keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). The
+  values never depend on it.
 - error feedback (optional): what a lossy encode dropped, ``x - decode(encode(x))``, is
   written per value into ``residual``; the caller adds it into the next call's input (the
   ``Group`` keeps it across calls, the ``Cluster`` until its round commits). Every value is
@@ -250,7 +254,8 @@ class RingAllreduce:
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
             elif t.reduce or t.step == owner_step:
                 began = self.trace.now()
-                params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start)
+                params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start,
+                                                      self._link_behind(len(src)))
                 self.trace.span("encode", "encode", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
             elif self.codec.is_identity:
                 params, payload = {}, [memoryview(src)]
@@ -267,10 +272,11 @@ class RingAllreduce:
             if not (t.reduce or t.step == owner_step or self.codec.is_identity):
                 self._pool.give(forwarded)
 
-    def _encode(self, src: np.ndarray, final: bool, start: int = 0) -> tuple[dict, list]:
+    def _encode(self, src: np.ndarray, final: bool, start: int, zstd: bool) -> tuple[dict, list]:
         """Encode our values; keep the residual; the owner adopts its own decoded final sum
-        (and hashes it: ``start`` is where ``src`` begins in the buffer)."""
-        params, buffers = self._encode_values(src, final, start)
+        (and hashes it: ``start`` is where ``src`` begins in the buffer). ``zstd``: whether
+        the codec's zstd layer may run (``_link_behind``)."""
+        params, buffers = self._encode_values(src, final, start, zstd)
         if final:
             self._finished(start, src)
         return params, buffers
@@ -290,22 +296,31 @@ class RingAllreduce:
             return buffer_digest(self.work, self.plan)
         return _combine(self._digests)
 
-    def _encode_values(self, src: np.ndarray, final: bool, start: int) -> tuple[dict, list]:
+    def _encode_values(self, src: np.ndarray, final: bool, start: int, zstd: bool) -> tuple[dict, list]:
         if self.codec.is_identity:
             return {}, [memoryview(src)]
         if self.residual is None:
             # The owner's final sum is decoded straight into place (the payload is apart).
-            enc = self.codec.encode_decoded(src, src) if final else self.codec.encode(src)
+            enc = self.codec.encode_decoded(src, src, zstd) if final else self.codec.encode(src, zstd)
             return enc.params, enc.buffers
         residual = self.residual[start : start + len(src)]
         if not final:
-            enc = self.codec.encode_residual(src, residual)
+            enc = self.codec.encode_residual(src, residual, zstd)
             return enc.params, enc.buffers
         decoded = self._send_scratch[: len(src)]
-        enc = self.codec.encode_decoded(src, decoded)
+        enc = self.codec.encode_decoded(src, decoded, zstd)
         np.subtract(src, decoded, out=residual)
         src[:] = decoded
         return enc.params, enc.buffers
+
+    def _link_behind(self, elems: int) -> bool:
+        """Whether the send link still holds more of our bytes than ``elems`` values take
+        encoded without zstd: then the link, not our CPU, sets the ring's pace, and the bytes
+        zstd saves are time saved. A link that keeps up (loopback, a fast LAN, or peers short
+        of CPU, as several on one machine) gets chunks without zstd: compressing them would
+        only delay them and take CPU from the ring. Where the OS cannot tell, zstd as set."""
+        queued = self.send_link.queued_bytes()
+        return queued is None or queued > self.codec.max_payload(elems)
 
     async def _offload(self, elems: int, fn, *args):
         """``fn(*args)`` on the pool, for a chunk of ``elems`` values; a small one inline (the

@@ -53,6 +53,9 @@ class ChunkChannel:
     def name(self) -> str:
         return self._link.name
 
+    def queued_bytes(self) -> int | None:
+        return self._link.queued_bytes()
+
     def set_allocator(self, allocate: wire.Allocator) -> None:
         self._link.set_allocator(allocate)
 
