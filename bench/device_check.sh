@@ -84,7 +84,7 @@ step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce
 # 5. Issues 16 and 17 across emulated 1 Gbit/s hosts, where the sandbox allows namespaces.
 if can_netns; then
     step train-1gbit 150 $PY bench/train.py --device $DEVICE --netns 1gbit --n 2 --codecs int8 --batch-size 64 \
-        --steps 30 --reps 1 --modes ddp,p2ptrain,alone
+        --steps 30 --reps 1 --modes ddp,p2ptrain,overlap,alone
     step lan-1gbit 120 $PY bench/lan.py --local 2 --netns 1gbit --device $DEVICE --no-allreduce --model-size 1m \
         --batch-size 64 --train-codecs int8 --staleness 0 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 \
         --rounds $ROUNDS --scaling 2
