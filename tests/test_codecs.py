@@ -240,6 +240,7 @@ def test_zstd_skipped_when_it_does_not_pay():
 def test_a_chunk_asked_without_zstd_goes_raw_and_decodes_to_the_same_values(spec):
     # (the ring's choice where its link keeps up: never a change in the maths)
     codec = parse_codec(spec)
+    assert codec.compresses and not parse_codec(f"{spec}+nozstd").compresses and not parse_codec("none").compresses
     x = np.zeros(70_000, np.float32)
     x[::7] = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)  # zstd shrinks it
     packed, raw = codec.encode(x), codec.encode(x, zstd=False)

@@ -140,6 +140,11 @@ class Codec:
     def __hash__(self) -> int:
         return hash(self.spec)
 
+    @property
+    def compresses(self) -> bool:
+        """Whether it has a zstd layer (``+zstd``), which ``encode(..., zstd=False)`` may skip."""
+        return self._cctx is not None
+
     def max_payload(self, n: int) -> int:
         """Upper bound on the payload length of an ``n``-value chunk (zstd only ever shrinks it)."""
         return 4 * n if self._t is None else self._t.max_raw(n)

@@ -254,8 +254,8 @@ class RingAllreduce:
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
             elif t.reduce or t.step == owner_step:
                 began = self.trace.now()
-                params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start,
-                                                      self._link_behind(len(src)))
+                zstd = self.codec.compresses and self._link_behind(len(src))  # (no zstd: no need to ask)
+                params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd)
                 self.trace.span("encode", "encode", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
             elif self.codec.is_identity:
                 params, payload = {}, [memoryview(src)]
