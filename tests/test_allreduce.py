@@ -118,6 +118,43 @@ def test_the_digest_tells_any_changed_bit_and_any_moved_value():
     assert buffer_digest(minus_zero, plan) != buffer_digest(-minus_zero, plan)  # -0.0 is another bit pattern
 
 
+class _CountingPool(ThreadPoolExecutor):
+    def __init__(self):
+        super().__init__(2)
+        self.calls = 0
+
+    def submit(self, fn, *args, **kwargs):
+        self.calls += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_chunks_up_to_the_inline_size_stay_on_the_loop_and_larger_ones_use_the_pool(codec):
+    # A small ring's codec work is a few ms: hopping each chunk to a thread and back costs more
+    # (and, on a busy machine, waits for that thread to get a core). Larger chunks use the pool.
+    # Either way every peer gets the same bits.
+    from p2ptrain.collective.allreduce import INLINE_ELEMS
+    ids, ms = await meshes(2)
+    pool = _CountingPool()
+    try:
+        rng = np.random.default_rng(3)
+        base = [rng.standard_normal(4 * INLINE_ELEMS + 4).astype(np.float32) for _ in range(2)]
+        results = {}
+        for op, chunk in enumerate((INLINE_ELEMS, INLINE_ELEMS + 1), start=1):
+            data = [x.copy() for x in base]
+            calls = pool.calls
+            await allreduce(ms, ids, data, codec, op_id=op, executor=pool, chunk_elems=chunk)
+            assert all(np.array_equal(d, data[0]) for d in data)
+            results[chunk] = (pool.calls - calls, data[0])
+        assert results[INLINE_ELEMS][0] == 0
+        assert results[INLINE_ELEMS + 1][0] > 0
+        assert np.allclose(results[INLINE_ELEMS][1], base[0] + base[1], atol=0.1 if codec != "none" else 1e-5)
+    finally:
+        pool.shutdown()
+        for m in ms:
+            await m.close()
+
+
 def test_the_data_path_pool_follows_the_environment(monkeypatch):
     from p2ptrain.collective import pool
     monkeypatch.setenv(pool.ENV, "0")

@@ -234,11 +234,11 @@ def test_log_line_summarises_several_hosts_and_reasons_in_one_line():
     for ip in ("10.0.0.7", "10.0.0.7", "10.0.0.8"):
         f.accept(encode_beacon(B, b"wrong"), ip, 1.0)
     f.accept(encode_beacon(B, None), "10.0.0.9", 1.0)
-    f.accept(raw({**FIELDS, "v": 3}), "10.0.0.10", 1.0)
+    f.accept(raw({**FIELDS, "v": 7}), "10.0.0.10", 1.0)
     (line,) = f.take_log_lines(1.0)
     assert "\n" not in line
     assert "dropped 3 beacons with a bad tag from 10.0.0.7 and 1 other host:" in line
-    assert "without a tag from 10.0.0.9" in line and "1 beacon of protocol version 3 from 10.0.0.10" in line
+    assert "without a tag from 10.0.0.9" in line and "1 beacon of protocol version 7 from 10.0.0.10" in line
 
 
 def test_other_clusters_and_own_beacons_are_never_logged():

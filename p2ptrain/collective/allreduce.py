@@ -61,7 +61,7 @@ import xxhash
 from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
-from p2ptrain.collective.ring import RingPlan, Transfer
+from p2ptrain.collective.ring import MIN_CHUNK_ELEMS, RingPlan, Transfer
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 from p2ptrain.net.transport import Link
@@ -143,8 +143,12 @@ class _BufferPool:
 # ~0.4 ms to encode. Measured best of 1, 2 and 4 MiB (64 MiB buffers, 2 and 4 peers on
 # 2 cores): larger ones spill the selection's scratch out of the cache.
 _SPARSE_CHUNK_ELEMS = 1 << 19
-INLINE_ELEMS = 1 << 15  # a chunk smaller than this is encoded or reduced on the loop's thread: the hop to
-#                        the pool and back took 60 us here, int8's encode of 16 K values 48 us, 64 K 77 us
+# A chunk of at most this many values is encoded, decoded or reduced on the loop's thread: the
+# hop to the pool and back (60 us, and a thread to wake on a busy machine) costs more than its
+# work. That is every chunk of a ring whose segments have at most 8 of the smallest chunks (a
+# 4 M-value vector at N = 4): there the codec's work is a few ms a call, and the round's
+# latency counts more than spreading it over cores; larger rings use the pool.
+INLINE_ELEMS = MIN_CHUNK_ELEMS
 
 
 def _chunk_elems(codec: Codec, chunk_elems: int, length: int, size: int) -> int:
@@ -325,7 +329,7 @@ class RingAllreduce:
     async def _offload(self, elems: int, fn, *args):
         """``fn(*args)`` on the pool, for a chunk of ``elems`` values; a small one inline (the
         hop to a thread and back costs more than its work)."""
-        if self._executor is None or elems < INLINE_ELEMS:
+        if self._executor is None or elems <= INLINE_ELEMS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
