@@ -230,3 +230,92 @@ async def test_queued_bytes_tell_how_far_the_link_is_behind():
         await until(lambda: client.queued_bytes() == 0)  # all of it acknowledged
         client.close()
         assert client.queued_bytes() is None  # (closed: the OS has nothing to tell)
+
+
+# -- large frames from the link's own sender thread (P2PTRAIN_SEND_THREAD=1) --
+
+@pytest.fixture
+def send_thread(monkeypatch):
+    if not hasattr(__import__("socket").socket, "sendmsg"):
+        pytest.skip("no sendmsg here: links send through the transport")
+    monkeypatch.setenv(transport.SEND_THREAD_ENV, "1")
+
+
+def _send_threads() -> list:
+    import threading
+    return [t for t in threading.enumerate() if t.name.startswith("p2ptrain-send")]
+
+
+async def test_threaded_sends_keep_frames_whole_and_in_order(send_thread):
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        big = [np.full(300_000, i, np.float32) for i in range(6)]  # 1.2 MB each: the thread's
+        sends = []
+        for i, data in enumerate(big):
+            sends.append(client.send({"t": "chunk", "i": 2 * i}, [memoryview(data)], timeout=5))
+            sends.append(client.send({"t": "chunk", "i": 2 * i + 1}, [b"small"], timeout=5))  # inline
+        receiving = asyncio.ensure_future(asyncio.gather(*[server_side.recv(timeout=5) for _ in sends]))
+        await asyncio.gather(*sends)
+        frames = await receiving
+        assert [f.header["i"] for f in frames] == list(range(12))
+        for i, data in enumerate(big):
+            assert np.array_equal(np.frombuffer(frames[2 * i].payload, np.float32), data)
+            assert bytes(frames[2 * i + 1].payload) == b"small"
+        assert client._direct._jobs is not None  # (the large ones did go through the thread)
+        client.close()
+    await until(lambda: not _send_threads())  # closed links leave no thread behind
+
+
+async def test_threaded_send_to_a_peer_that_stopped_reading_times_out(send_thread):
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        server_side._transport.pause_reading()
+        data = np.ones(4 << 20, np.float32)  # 16 MiB: more than the kernel's buffers hold
+        with pytest.raises(LinkError, match="stopped reading"):
+            await client.send({"t": "chunk"}, [memoryview(data)], timeout=0.3)
+        client.close()
+
+
+async def test_a_cancelled_threaded_send_still_ends_before_the_next_frame(send_thread):
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        server_side._transport.pause_reading()
+        data = np.arange(4 << 20, dtype=np.float32)
+        sending = asyncio.ensure_future(client.send({"t": "chunk", "i": 0}, [memoryview(data)], timeout=5))
+        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        sending.cancel()
+        following = asyncio.ensure_future(client.send({"t": "chunk", "i": 1}, [b"after"], timeout=5))
+        await asyncio.sleep(0.05)
+        assert not following.done()  # waits for the frame the thread is still sending
+        server_side._transport.resume_reading()
+        await following
+        first, second = await server_side.recv(timeout=5), await server_side.recv(timeout=5)
+        assert first.header["i"] == 0 and np.array_equal(np.frombuffer(first.payload, np.float32), data)
+        assert second.header["i"] == 1 and bytes(second.payload) == b"after"
+        client.close()
+
+
+async def test_closing_a_link_ends_its_threaded_send(send_thread):
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        server_side._transport.pause_reading()
+        data = np.ones(4 << 20, np.float32)
+        sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=30))
+        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        client.close()
+        with pytest.raises(Exception, match="closed"):
+            await asyncio.wait_for(sending, 2)
+    await until(lambda: not _send_threads())
+
+
+def test_send_thread_setting(monkeypatch):
+    from p2ptrain.errors import ConfigError
+    monkeypatch.setenv(transport.SEND_THREAD_ENV, "0")
+    assert transport.send_thread_default() is False
+    monkeypatch.setenv(transport.SEND_THREAD_ENV, "yes")
+    with pytest.raises(ConfigError, match="expected 0 or 1"):
+        transport.send_thread_default()
+    monkeypatch.delenv(transport.SEND_THREAD_ENV)
+    assert transport.send_thread_default() is False
+    monkeypatch.setenv(transport.SEND_THREAD_ENV, "1")
+    assert transport.send_thread_default() is True
