@@ -7,8 +7,9 @@
 # tool's, or ./device-out), since a lent machine gives back a few files only.
 #
 # The GPU image has torch, numpy, msgpack, xxhash, uvloop and pytest but not zstandard or
-# pytest-asyncio: carry their wheels. Once per session, on the machine you work on:
-#   python -m pip download zstandard pytest-asyncio --only-binary :all: --python-version 3.12 \
+# pytest-asyncio: carry their wheels (and py-spy's, for the profile at the end). Once per
+# session, on the machine you work on:
+#   python -m pip download zstandard pytest-asyncio py-spy --only-binary :all: --python-version 3.12 \
 #       --platform manylinux_2_17_x86_64 -d .wheels          # (.wheels/ is in .gitignore)
 # then run `bash bench/device_check.sh` there with `.wheels` carried, with a limit of 560 s.
 # `bash bench/device_check.sh --cpu` runs the same steps, short, on this machine's CPU, to
@@ -60,7 +61,7 @@ can_netns() {  # network namespaces and tc (a gVisor sandbox may have neither)
 if [ $QUICK = 1 ]; then
     STEPS=10 REPS=1 SECS=1 ROUNDS=20 SIZE=1m
 else
-    STEPS=150 REPS=2 SECS=4 ROUNDS=200 SIZE=10m
+    STEPS=100 REPS=2 SECS=4 ROUNDS=200 SIZE=10m
 fi
 
 # 1. Correctness on the device: bit-identical replicas, DDP's mathematics, a peer alone = the plain loop.
@@ -75,9 +76,23 @@ step overhead-small 40 $PY bench/overhead.py --device $DEVICE --task synthetic -
 # 3. Issue 16: two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
 #    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP), and with overlap
 #    (issue 16 item 2: the ring during backward); Chrome traces of the last p2ptrain run of each
-#    codec in $OUT/trace.
-step train-loopback 240 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
-    --steps $STEPS --reps $REPS --modes ddp,p2ptrain,overlap,alone --trace "$OUT/trace"
+#    codec in $OUT/trace, and where their time went (bench/trace_spans.py).
+step train-loopback 170 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
+    --steps $STEPS --reps 1 --modes ddp,p2ptrain,overlap,alone --trace "$OUT/trace"
+step spans 20 $PY bench/trace_spans.py "$OUT/trace/n2-p2ptrain-none/rank0.json" "$OUT/trace/n2-p2ptrain-int8/rank0.json"
+#    The links' sender threads (P2PTRAIN_SEND_THREAD, off by default until measured here): this
+#    tree as it is, and beside it as "(baseline)" a copy with the threads on, interleaved.
+THREADED=$(mktemp -d)
+cp -r p2ptrain "$THREADED/" && echo 'import os; os.environ.setdefault("P2PTRAIN_SEND_THREAD", "1")' >"$THREADED/sitecustomize.py"
+if PYTHONPATH="$THREADED" $PY -c "from p2ptrain.net.transport import send_thread_default as d; assert d()"; then
+    echo "== send-thread: its '(baseline)' rows are the links' sender threads ON" | tee -a "$SUMMARY"
+    step send-thread 150 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
+        --steps $STEPS --reps 1 --modes p2ptrain --baseline-tree "$THREADED" --trace "$OUT/trace-st"
+    step send-thread-spans 20 $PY bench/trace_spans.py "$OUT/trace-st/n2-p2ptrain-baseline-none/rank0.json" \
+        "$OUT/trace-st/n2-p2ptrain-baseline-int8/rank0.json"
+else
+    echo "== send-thread: skipped (could not switch the copy's default)" | tee -a "$SUMMARY"
+fi
 # 4. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback).
 step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
     --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2
@@ -90,6 +105,12 @@ if can_netns; then
         --rounds $ROUNDS --scaling 2
 else
     echo "== 1 Gbit/s steps skipped: no network namespaces or tc here" | tee -a "$SUMMARY"
+fi
+# 6. A py-spy profile of both peers of an int8 run (every thread, idle included; collapsed stacks
+#    in the logs): where the data path's threads wait. Only where the py-spy wheel was carried.
+if $PY -m pip install -q --no-index --find-links .wheels py-spy >/dev/null 2>&1 && command -v py-spy >/dev/null; then
+    step py-spy 60 py-spy record --subprocesses --threads --idle --rate 97 --format raw -o "$OUT/py-spy-int8.txt" -- \
+        $PY bench/train.py --device $DEVICE --n 2 --codecs int8 --batch-size 64 --steps $STEPS --reps 1 --modes p2ptrain
 fi
 # What comes back from a lent machine is a few files: the summary, and the rest in one archive.
 ARCHIVE=$(mktemp -u /tmp/device-logs.XXXXXX).tar.gz

@@ -182,7 +182,7 @@ def run_mode(a, mode: str, n: int, codec: str = "none", lan=None, tree: str | No
            "--staleness", str(a.staleness), "--reconcile-every", str(a.reconcile_every),
            "--device-ms", str(a.device_ms)]
     if a.trace and mode in P2PTRAIN_MODES:
-        trace_dir = Path(a.trace) / f"n{n}-{mode}-{codec}"
+        trace_dir = Path(a.trace) / f"n{n}-{mode}{'-baseline' if tree else ''}-{codec}"
         trace_dir.mkdir(parents=True, exist_ok=True)
         cmd += ["--trace", str(trace_dir.resolve())]
     env = dict(os.environ, PYTHONPATH=tree or str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS=str(a.threads))
