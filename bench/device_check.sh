@@ -55,6 +55,7 @@ can_netns() {  # network namespaces and tc (a gVisor sandbox may have neither)
 
 { echo "device $DEVICE, $(nproc) cores, $(date -u +%FT%TZ)"
   nvidia-smi -L 2>/dev/null
+  echo "kernel $(uname -r) (4.4.0: gVisor, whose loopback TCP runs in user space)"
   $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee -a "$SUMMARY"
 

@@ -171,15 +171,19 @@ class _DirectSender:
             await asyncio.shield(self._in_flight)
             return
         while views:
-            try:
-                sent = self._sock.sendmsg(views[:_IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                raise LinkError(f"{name}: send failed: {exc.strerror or exc}") from None
-            _drop_sent(views, sent)
+            self._send_some(views, name)
             if views:
                 await self._writable(timeout, name)
+
+    def _send_some(self, views: list[memoryview], name: str) -> None:
+        """One ``sendmsg``: what the kernel takes at once is removed from ``views``."""
+        try:
+            sent = self._sock.sendmsg(views[:_IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            raise LinkError(f"{name}: send failed: {exc.strerror or exc}") from None
+        _drop_sent(views, sent)
 
     async def _writable(self, timeout: float | None, name: str) -> None:
         fut = self._loop.create_future()
@@ -214,13 +218,7 @@ class _DirectSender:
         while views:
             if self._closed:
                 raise ClosedError(f"{name}: link closed")
-            try:
-                sent = self._sock.sendmsg(views[:_IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                raise LinkError(f"{name}: send failed: {exc.strerror or exc}") from None
-            _drop_sent(views, sent)
+            self._send_some(views, name)
             if views:
                 wait = _POLL_SLICE if deadline is None else min(_POLL_SLICE, deadline - time.monotonic())
                 if wait <= 0:
