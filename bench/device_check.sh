@@ -94,6 +94,13 @@ if PYTHONPATH="$THREADED" $PY -c "from p2ptrain.net.transport import send_thread
 else
     echo "== send-thread: skipped (could not switch the copy's default)" | tee -a "$SUMMARY"
 fi
+#    And the interpreter's switch interval at 0.5 ms instead of 5 (sys.setswitchinterval, by
+#    sitecustomize in a copy of the tree): whether the data threads' numpy calls wait on the GIL.
+SWITCH=$(mktemp -d)
+cp -r p2ptrain "$SWITCH/" && echo 'import sys; sys.setswitchinterval(0.0005)' >"$SWITCH/sitecustomize.py"
+echo "== switch-interval: its '(baseline)' rows are sys.setswitchinterval(0.0005)" | tee -a "$SUMMARY"
+step switch-interval 120 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
+    --steps $STEPS --reps 1 --modes p2ptrain --baseline-tree "$SWITCH"
 # 4. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback).
 step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
     --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2
