@@ -51,6 +51,14 @@ def test_train_bench_traces_where_a_step_goes(tmp_path):
         events = json.loads((tmp_path / "n2-p2ptrain-none" / f"rank{rank}.json").read_text())["traceEvents"]
         names = {e["name"].split(" ")[0] for e in events if e["ph"] == "X"}
         assert {"batch", "step", "round", "send", "receive", "optimizer"} <= names, names
+    # bench/trace_spans.py: where the time went, a row per span with its count (rounds as one row)
+    trace = tmp_path / "n2-p2ptrain-none" / "rank0.json"
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    p = run("bench/trace_spans.py", str(trace))
+    assert p.returncode == 0, p.stderr[-1500:]
+    counts = {row.split("|")[1].strip(): int(row.split("|")[2]) for row in p.stdout.splitlines()[2:]}
+    assert counts["round"] == sum(e["name"].startswith("round ") for e in events) > 0
+    assert counts["send"] == sum(e["name"] == "send" for e in events) > 0
 
 
 def test_local_steps_sim_runs_the_librarys_outer_step():
