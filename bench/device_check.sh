@@ -85,7 +85,7 @@ step spans 20 $PY bench/trace_spans.py "$OUT/trace/n2-p2ptrain-none/rank0.json" 
 #    tree as it is, and beside it as "(baseline)" a copy with the threads on, interleaved.
 THREADED=$(mktemp -d)
 cp -r p2ptrain "$THREADED/" && echo 'import os; os.environ.setdefault("P2PTRAIN_SEND_THREAD", "1")' >"$THREADED/sitecustomize.py"
-if PYTHONPATH="$THREADED" $PY -c "from p2ptrain.net.transport import send_thread_default as d; assert d()"; then
+if PYTHONPATH="$THREADED" $PY -c "from p2ptrain.net.sender import send_thread_default as d; assert d()"; then
     echo "== send-thread: its '(baseline)' rows are the links' sender threads ON" | tee -a "$SUMMARY"
     step send-thread 150 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
         --steps $STEPS --reps 1 --modes p2ptrain --baseline-tree "$THREADED" --trace "$OUT/trace-st"

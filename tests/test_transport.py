@@ -11,7 +11,7 @@ import pytest
 
 from helpers import until
 
-from p2ptrain.net import auth, transport, wire
+from p2ptrain.net import auth, sender, transport, wire
 from p2ptrain.errors import HandshakeError, LinkError
 
 pytestmark = pytest.mark.timeout(30)
@@ -238,7 +238,7 @@ async def test_queued_bytes_tell_how_far_the_link_is_behind():
 def send_thread(monkeypatch):
     if not hasattr(__import__("socket").socket, "sendmsg"):
         pytest.skip("no sendmsg here: links send through the transport")
-    monkeypatch.setenv(transport.SEND_THREAD_ENV, "1")
+    monkeypatch.setenv(sender.SEND_THREAD_ENV, "1")
 
 
 def _send_threads() -> list:
@@ -310,12 +310,12 @@ async def test_closing_a_link_ends_its_threaded_send(send_thread):
 
 def test_send_thread_setting(monkeypatch):
     from p2ptrain.errors import ConfigError
-    monkeypatch.setenv(transport.SEND_THREAD_ENV, "0")
-    assert transport.send_thread_default() is False
-    monkeypatch.setenv(transport.SEND_THREAD_ENV, "yes")
+    monkeypatch.setenv(sender.SEND_THREAD_ENV, "0")
+    assert sender.send_thread_default() is False
+    monkeypatch.setenv(sender.SEND_THREAD_ENV, "yes")
     with pytest.raises(ConfigError, match="expected 0 or 1"):
-        transport.send_thread_default()
-    monkeypatch.delenv(transport.SEND_THREAD_ENV)
-    assert transport.send_thread_default() is False
-    monkeypatch.setenv(transport.SEND_THREAD_ENV, "1")
-    assert transport.send_thread_default() is True
+        sender.send_thread_default()
+    monkeypatch.delenv(sender.SEND_THREAD_ENV)
+    assert sender.send_thread_default() is False
+    monkeypatch.setenv(sender.SEND_THREAD_ENV, "1")
+    assert sender.send_thread_default() is True

@@ -4,9 +4,8 @@
   kernel writes payloads straight into the buffer the link's ``allocate`` hook gives out
   (a preallocated ring segment, a pooled buffer): no copy in Python, on the stock loop and
   on uvloop alike. Frames queue on the link (bounded: reading pauses at the high-water mark).
-- Sending: payloads go out from the caller's memory with ``sendmsg`` on a duplicate of the
-  connection's socket, waiting for writability with ``loop.add_writer`` (asyncio's own
-  transports copy what the kernel does not take at once, before Python 3.12). Where the
+- Sending: payloads go out from the caller's memory (``sender.DirectSender``: ``sendmsg`` on a
+  duplicate of the connection's socket, on the loop or on a thread of the link). Where the
   loop has no ``add_writer`` (Windows' proactor), pieces go through the transport, each
   handed over only when its buffer is empty. Either way ``send`` returns once nothing of
   the frame is left in user space: the caller may then reuse its buffer. A loopback link's
@@ -27,18 +26,12 @@ import asyncio
 import collections
 import ipaddress
 import logging
-import os
-import queue
-import select
 import socket
-import struct
-import sys
-import threading
-import time
 from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, wire
-from p2ptrain.errors import ClosedError, ConfigError, FrameError, HandshakeError, LinkError, P2PTrainError
+from p2ptrain.net.sender import DirectSender, direct_sender, queued_reader
+from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
 from p2ptrain.taskset import TaskSet
 
 log = logging.getLogger("p2ptrain.net.transport")
@@ -84,193 +77,6 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if _is_loopback(sock):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF)
-
-
-_IOV_MAX = 512
-
-
-def _queued_reader(sock: socket.socket) -> Callable[[], int | None]:
-    """A function that tells how many bytes ``sock`` holds that the peer has not acknowledged
-    yet (Linux's SIOCOUTQ, a syscall of ~1.5 us), or None where the OS cannot tell."""
-    if not sys.platform.startswith("linux"):
-        return lambda: None
-    import fcntl
-    import termios
-
-    def queued() -> int | None:
-        try:
-            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-        except (OSError, ValueError):  # (closed: fileno() is -1)
-            return None
-
-    return queued
-
-
-# Frames of at least this many bytes can go out from the link's own sender thread
-# (``send_thread_default``): a large chunk's ``sendmsg`` is a copy (on loopback also the
-# receiver's share of the stack) of ~0.5 ms per MiB, and on the event loop it holds up every
-# receive and every pool hand-off behind it. Seen on an H200 machine (16 cores, 2 peers,
-# 10 M values fp32, loopback): the loop thread sent 48 chunks of 840 KB a round at 0.3-0.8 ms
-# each, and each reduce waited for the loop, 1.1 ms a chunk where the add takes 0.05 ms; the
-# round took 34 ms, DDP's whole step 24 ms. Smaller frames (headers, control) go inline.
-THREAD_SEND_BYTES = 256 << 10
-SEND_THREAD_ENV = "P2PTRAIN_SEND_THREAD"
-_POLL_SLICE = 0.05  # seconds a sender thread waits for writability before looking at close()
-
-
-def send_thread_default() -> bool:
-    """Whether links send large frames from their own thread: ``P2PTRAIN_SEND_THREAD=1``.
-    Off unless asked: on 2 cores the thread only adds hand-offs (fp32 allreduce of 36 MiB,
-    N = 2: 20-21 -> 24-27 ms), and where cores are to spare it is not measured yet
-    (``bench/device_check.sh`` runs both)."""
-    value = os.environ.get(SEND_THREAD_ENV, "").strip()
-    if value in ("", "0", "1"):
-        return value == "1"
-    raise ConfigError(f"{SEND_THREAD_ENV}={value!r}: expected 0 or 1")
-
-
-def _drop_sent(views: list[memoryview], sent: int) -> None:
-    """Remove the first ``sent`` bytes from ``views`` (what ``sendmsg`` took)."""
-    while sent and views:
-        if sent >= views[0].nbytes:
-            sent -= views.pop(0).nbytes
-        else:
-            views[0] = views[0][sent:]
-            sent = 0
-
-
-class _DirectSender:
-    """Sends buffers with ``sendmsg`` on a dup of a connected non-blocking socket: no copies.
-
-    With ``threaded``, frames of ``THREAD_SEND_BYTES`` or more are sent by a thread of this
-    sender (``sendmsg`` and ``poll`` release the GIL), one at a time and in order; while one
-    is on its way every later frame waits for it, so frames never interleave on the wire,
-    even after the task that sent it was cancelled. The dup keeps the connection open:
-    ``close()`` it before the transport closes (with a frame in flight, the thread closes
-    the dup once it stops, within ``_POLL_SLICE``)."""
-
-    def __init__(self, sock, threaded: bool = False):
-        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
-        self._sock.setblocking(False)
-        self._loop = asyncio.get_running_loop()
-        self._threaded = threaded
-        self._jobs: queue.SimpleQueue | None = None  # to the thread, started on first use
-        self._in_flight: asyncio.Future | None = None  # the thread's current frame
-        self._closed = False
-
-    async def send(self, buffers: list, timeout: float | None, name: str) -> None:
-        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-        if self._in_flight is not None and not self._in_flight.done():
-            await asyncio.shield(self._in_flight)  # (its sender was cancelled: it is still going)
-        if self._threaded and sum(v.nbytes for v in views) >= THREAD_SEND_BYTES:
-            self._in_flight = self._loop.create_future()
-            if self._jobs is None:
-                self._jobs = queue.SimpleQueue()
-                threading.Thread(target=self._run, name=f"p2ptrain-send {name}", daemon=True).start()
-            self._jobs.put((views, timeout, name, self._in_flight))
-            await asyncio.shield(self._in_flight)
-            return
-        while views:
-            self._send_some(views, name)
-            if views:
-                await self._writable(timeout, name)
-
-    def _send_some(self, views: list[memoryview], name: str) -> None:
-        """One ``sendmsg``: what the kernel takes at once is removed from ``views``."""
-        try:
-            sent = self._sock.sendmsg(views[:_IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            raise LinkError(f"{name}: send failed: {exc.strerror or exc}") from None
-        _drop_sent(views, sent)
-
-    async def _writable(self, timeout: float | None, name: str) -> None:
-        fut = self._loop.create_future()
-        fd = self._sock.fileno()
-        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise LinkError(f"{name}: peer stopped reading for {timeout:.0f} s") from None
-        finally:
-            self._loop.remove_writer(fd)
-
-    # -- the sender thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                views, timeout, name, done = job
-                try:
-                    self._send_blocking(views, timeout, name)
-                    outcome: BaseException | None = None
-                except Exception as exc:  # (any: the awaiting task must not wait forever)
-                    outcome = exc
-                try:
-                    self._loop.call_soon_threadsafe(_settle, done, outcome)
-                except RuntimeError:  # (the loop is closed: no one waits)
-                    return
-        finally:
-            self._sock.close()
-
-    def _send_blocking(self, views: list[memoryview], timeout: float | None, name: str) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while views:
-            if self._closed:
-                raise ClosedError(f"{name}: link closed")
-            self._send_some(views, name)
-            if views:
-                wait = _POLL_SLICE if deadline is None else min(_POLL_SLICE, deadline - time.monotonic())
-                if wait <= 0:
-                    raise LinkError(f"{name}: peer stopped reading for {timeout:.0f} s")
-                _wait_writable(self._sock, wait)
-
-    def close(self) -> None:
-        self._closed = True
-        if self._jobs is None:
-            self._sock.close()
-        else:
-            self._jobs.put(None)  # the thread closes the dup once its frame stops
-
-
-def _settle(fut: asyncio.Future, outcome: BaseException | None) -> None:
-    if not fut.done():
-        if outcome is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(outcome)
-
-
-def _wait_writable(sock: socket.socket, seconds: float) -> None:
-    """Block (GIL released) until ``sock`` is writable or ``seconds`` pass."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLOUT)
-        poller.poll(max(1, int(seconds * 1000)))
-    else:
-        select.select([], [sock], [], seconds)
-
-
-def _direct_sender(transport: asyncio.Transport) -> _DirectSender | None:
-    sock = transport.get_extra_info("socket")
-    loop = asyncio.get_running_loop()
-    if sock is None or not hasattr(socket.socket, "sendmsg"):
-        return None
-    try:
-        threaded = send_thread_default()
-    except ConfigError as exc:  # (``join`` refuses it at its start; a library user is told here)
-        log.warning("%s; sending from the event loop", exc)
-        threaded = False
-    try:
-        sender = _DirectSender(sock, threaded)
-        probe = sender._sock.fileno()
-        loop.add_writer(probe, lambda: None)  # NotImplementedError on loops without it
-        loop.remove_writer(probe)
-    except (NotImplementedError, OSError, ValueError):
-        if "sender" in locals():
-            sender.close()
-        return None
-    return sender
 
 
 class _FrameProtocol(asyncio.BufferedProtocol):
@@ -329,7 +135,7 @@ class Link:
         self._can_write.set()
         self._reading_paused = False
         self._error: BaseException | None = None
-        self._direct: _DirectSender | None = None
+        self._direct: DirectSender | None = None
         self._discarding = False  # after a protocol error: swallow input until we close
         self._discard = memoryview(bytearray(1 << 16))
         self._send_lock = asyncio.Lock()
@@ -427,10 +233,10 @@ class Link:
     # -- protocol callbacks ---------------------------------------------------------------
     def _attach(self, transport: asyncio.Transport) -> None:
         self._transport = transport
-        self._direct = _direct_sender(transport)
+        self._direct = direct_sender(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            self._queued = _queued_reader(sock)
+            self._queued = queued_reader(sock)
 
     def _close_direct(self) -> None:
         if self._direct is not None:
