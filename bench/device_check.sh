@@ -101,10 +101,17 @@ cp -r p2ptrain "$SWITCH/" && echo 'import sys; sys.setswitchinterval(0.0005)' >"
 echo "== switch-interval: its '(baseline)' rows are sys.setswitchinterval(0.0005)" | tee -a "$SUMMARY"
 step switch-interval 120 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
     --steps $STEPS --reps 1 --modes p2ptrain --baseline-tree "$SWITCH"
-# 4. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback).
+# 4. A py-spy profile of both peers of an int8 run (every thread, idle included; collapsed stacks
+#    in the logs): where the data path's threads wait. Only where the py-spy wheel was carried.
+if $PY -m pip install -q --no-index --find-links .wheels py-spy >/dev/null 2>&1 && command -v py-spy >/dev/null; then
+    step py-spy 60 py-spy record --subprocesses --threads --idle --rate 97 --format raw -o "$OUT/py-spy-int8.txt" -- \
+        $PY bench/train.py --device $DEVICE --n 2 --codecs int8 --batch-size 64 --steps $STEPS --reps 1 --modes p2ptrain
+fi
+# 5. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback;
+#    measured on an H200 in session 18, so late in the order: a short budget skips it first).
 step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
     --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2
-# 5. Issues 16 and 17 across emulated 1 Gbit/s hosts, where the sandbox allows namespaces.
+# 6. Issues 16 and 17 across emulated 1 Gbit/s hosts, where the sandbox allows namespaces.
 if can_netns; then
     step train-1gbit 150 $PY bench/train.py --device $DEVICE --netns 1gbit --n 2 --codecs int8 --batch-size 64 \
         --steps 30 --reps 1 --modes ddp,p2ptrain,overlap,alone
@@ -113,12 +120,6 @@ if can_netns; then
         --rounds $ROUNDS --scaling 2
 else
     echo "== 1 Gbit/s steps skipped: no network namespaces or tc here" | tee -a "$SUMMARY"
-fi
-# 6. A py-spy profile of both peers of an int8 run (every thread, idle included; collapsed stacks
-#    in the logs): where the data path's threads wait. Only where the py-spy wheel was carried.
-if $PY -m pip install -q --no-index --find-links .wheels py-spy >/dev/null 2>&1 && command -v py-spy >/dev/null; then
-    step py-spy 60 py-spy record --subprocesses --threads --idle --rate 97 --format raw -o "$OUT/py-spy-int8.txt" -- \
-        $PY bench/train.py --device $DEVICE --n 2 --codecs int8 --batch-size 64 --steps $STEPS --reps 1 --modes p2ptrain
 fi
 # What comes back from a lent machine is a few files: the summary, and the rest in one archive.
 ARCHIVE=$(mktemp -u /tmp/device-logs.XXXXXX).tar.gz
