@@ -81,18 +81,18 @@ step overhead-small 40 $PY bench/overhead.py --device $DEVICE --task synthetic -
 step train-loopback 170 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
     --steps $STEPS --reps 1 --modes ddp,p2ptrain,overlap,alone --trace "$OUT/trace"
 step spans 20 $PY bench/trace_spans.py "$OUT/trace/n2-p2ptrain-none/rank0.json" "$OUT/trace/n2-p2ptrain-int8/rank0.json"
-#    The links' sender threads (P2PTRAIN_SEND_THREAD, off by default until measured here): this
-#    tree as it is, and beside it as "(baseline)" a copy with the threads on, interleaved.
+#    The links' own threads, to send and to read (P2PTRAIN_IO_THREADS, off by default until
+#    measured here): this tree as it is, and beside it as "(baseline)" a copy with them on.
 THREADED=$(mktemp -d)
-cp -r p2ptrain "$THREADED/" && echo 'import os; os.environ.setdefault("P2PTRAIN_SEND_THREAD", "1")' >"$THREADED/sitecustomize.py"
-if PYTHONPATH="$THREADED" $PY -c "from p2ptrain.net.sender import send_thread_default as d; assert d()"; then
-    echo "== send-thread: its '(baseline)' rows are the links' sender threads ON" | tee -a "$SUMMARY"
-    step send-thread 150 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
-        --steps $STEPS --reps 1 --modes p2ptrain --baseline-tree "$THREADED" --trace "$OUT/trace-st"
-    step send-thread-spans 20 $PY bench/trace_spans.py "$OUT/trace-st/n2-p2ptrain-baseline-none/rank0.json" \
-        "$OUT/trace-st/n2-p2ptrain-baseline-int8/rank0.json"
+cp -r p2ptrain "$THREADED/" && echo 'import os; os.environ.setdefault("P2PTRAIN_IO_THREADS", "1")' >"$THREADED/sitecustomize.py"
+if PYTHONPATH="$THREADED" $PY -c "from p2ptrain.net.sender import io_threads_default as d; assert d()"; then
+    echo "== io-threads: its '(baseline)' rows are the links' own threads ON (P2PTRAIN_IO_THREADS=1)" | tee -a "$SUMMARY"
+    step io-threads 150 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
+        --steps $STEPS --reps 1 --modes p2ptrain --baseline-tree "$THREADED" --trace "$OUT/trace-io"
+    step io-threads-spans 20 $PY bench/trace_spans.py "$OUT/trace-io/n2-p2ptrain-baseline-none/rank0.json" \
+        "$OUT/trace-io/n2-p2ptrain-baseline-int8/rank0.json"
 else
-    echo "== send-thread: skipped (could not switch the copy's default)" | tee -a "$SUMMARY"
+    echo "== io-threads: skipped (could not switch the copy's default)" | tee -a "$SUMMARY"
 fi
 #    And the interpreter's switch interval at 0.5 ms instead of 5 (sys.setswitchinterval, by
 #    sitecustomize in a copy of the tree): whether the data threads' numpy calls wait on the GIL.

@@ -86,7 +86,7 @@ async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
                 task.cancel()
             for link in list(clusters[2].mesh._links.values()):
                 link._transport.abort()
-                link._close_direct()
+                link._close_io()
         before = len(trainers[0].applied)
         await until(lambda: len(trainers[0].applied) >= before + 3, timeout=20)
         assert trainers[0].applied[-1] == trainers[1].applied[-1] == (3.0, 2)  # a and b: 1 + 2, two samples

@@ -94,7 +94,7 @@ async def test_goodbye_and_crash_are_reported_once():
         assert peers[0].lost == [("c", "said goodbye")] and peers[0].mesh.peers == ["b"]
         for link in list(peers[1].mesh._links.values()):  # b dies without a word
             link._transport.abort()
-            link._close_direct()
+            link._close_io()
         await until(lambda: len(peers[0].lost) == 2)
         assert peers[0].lost[1][0] == "b" and peers[0].mesh.peers == []
         with pytest.raises(Exception, match="no link"):

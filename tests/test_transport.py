@@ -17,6 +17,35 @@ from p2ptrain.errors import HandshakeError, LinkError
 pytestmark = pytest.mark.timeout(30)
 
 
+@pytest.fixture(autouse=True, params=["loop", "threads"])
+def io_mode(request, monkeypatch):
+    """Every test twice: the socket's I/O on the event loop, and on the links' own threads
+    (``P2PTRAIN_IO_THREADS=1``: large frames sent by one, everything read by another)."""
+    if request.param == "threads":
+        if not hasattr(__import__("socket").socket, "sendmsg"):
+            pytest.skip("no sendmsg here: links send through the transport, and read on the loop")
+        monkeypatch.setenv(sender.IO_THREADS_ENV, "1")
+    else:
+        monkeypatch.delenv(sender.IO_THREADS_ENV, raising=False)
+    return request.param
+
+
+def stop_reading(link):
+    """A peer that does not keep up: its link reads nothing until ``go_on_reading``."""
+    if link._reader is not None:
+        link._reader._backlog = lambda: 1 << 30  # (its consumer "holds" frames: the thread waits for room)
+    else:
+        link._transport.pause_reading()
+
+
+def go_on_reading(link):
+    if link._reader is not None:
+        link._reader._backlog = link._frames.__len__
+        link._reader.room.set()
+    else:
+        link._transport.resume_reading()
+
+
 def hs(pid, secret=None, cluster="lab"):
     return auth.Handshake(cluster=cluster, peer_id=pid, secret=secret, info={"id": pid})
 
@@ -219,11 +248,11 @@ async def test_queued_bytes_tell_how_far_the_link_is_behind():
     async with Server() as srv:
         client, server_side = await srv.good_client()
         await until(lambda: client.queued_bytes() == 0)  # (the handshake acknowledged)
-        server_side._transport.pause_reading()  # a peer that does not keep up
+        stop_reading(server_side)  # a peer that does not keep up
         data = np.ones(1 << 20, np.float32)
         sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=5))
         await until(lambda: (client.queued_bytes() or 0) > 100_000)
-        server_side._transport.resume_reading()
+        go_on_reading(server_side)
         await sending
         got = await server_side.recv(timeout=5)
         assert got.payload.nbytes == data.nbytes
@@ -232,18 +261,17 @@ async def test_queued_bytes_tell_how_far_the_link_is_behind():
         assert client.queued_bytes() is None  # (closed: the OS has nothing to tell)
 
 
-# -- large frames from the link's own sender thread (P2PTRAIN_SEND_THREAD=1) --
+# -- a link's own threads: large frames sent, everything read (P2PTRAIN_IO_THREADS=1) --
 
 @pytest.fixture
-def send_thread(monkeypatch):
-    if not hasattr(__import__("socket").socket, "sendmsg"):
-        pytest.skip("no sendmsg here: links send through the transport")
-    monkeypatch.setenv(sender.SEND_THREAD_ENV, "1")
+def send_thread(io_mode):
+    if io_mode != "threads":
+        pytest.skip("a test of the links' own threads")
 
 
-def _send_threads() -> list:
+def _link_threads() -> list:
     import threading
-    return [t for t in threading.enumerate() if t.name.startswith("p2ptrain-send")]
+    return [t for t in threading.enumerate() if t.name.startswith(("p2ptrain-send", "p2ptrain-read"))]
 
 
 async def test_threaded_sends_keep_frames_whole_and_in_order(send_thread):
@@ -263,13 +291,13 @@ async def test_threaded_sends_keep_frames_whole_and_in_order(send_thread):
             assert bytes(frames[2 * i + 1].payload) == b"small"
         assert client._direct._jobs is not None  # (the large ones did go through the thread)
         client.close()
-    await until(lambda: not _send_threads())  # closed links leave no thread behind
+    await until(lambda: not _link_threads())  # closed links leave no thread behind
 
 
 async def test_threaded_send_to_a_peer_that_stopped_reading_times_out(send_thread):
     async with Server() as srv:
         client, server_side = await srv.good_client()
-        server_side._transport.pause_reading()
+        stop_reading(server_side)
         data = np.ones(4 << 20, np.float32)  # 16 MiB: more than the kernel's buffers hold
         with pytest.raises(LinkError, match="stopped reading"):
             await client.send({"t": "chunk"}, [memoryview(data)], timeout=0.3)
@@ -279,7 +307,7 @@ async def test_threaded_send_to_a_peer_that_stopped_reading_times_out(send_threa
 async def test_a_cancelled_threaded_send_still_ends_before_the_next_frame(send_thread):
     async with Server() as srv:
         client, server_side = await srv.good_client()
-        server_side._transport.pause_reading()
+        stop_reading(server_side)
         data = np.arange(4 << 20, dtype=np.float32)
         sending = asyncio.ensure_future(client.send({"t": "chunk", "i": 0}, [memoryview(data)], timeout=5))
         await until(lambda: (client.queued_bytes() or 0) > 100_000)
@@ -287,7 +315,7 @@ async def test_a_cancelled_threaded_send_still_ends_before_the_next_frame(send_t
         following = asyncio.ensure_future(client.send({"t": "chunk", "i": 1}, [b"after"], timeout=5))
         await asyncio.sleep(0.05)
         assert not following.done()  # waits for the frame the thread is still sending
-        server_side._transport.resume_reading()
+        go_on_reading(server_side)
         await following
         first, second = await server_side.recv(timeout=5), await server_side.recv(timeout=5)
         assert first.header["i"] == 0 and np.array_equal(np.frombuffer(first.payload, np.float32), data)
@@ -298,24 +326,38 @@ async def test_a_cancelled_threaded_send_still_ends_before_the_next_frame(send_t
 async def test_closing_a_link_ends_its_threaded_send(send_thread):
     async with Server() as srv:
         client, server_side = await srv.good_client()
-        server_side._transport.pause_reading()
+        stop_reading(server_side)
         data = np.ones(4 << 20, np.float32)
         sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=30))
         await until(lambda: (client.queued_bytes() or 0) > 100_000)
         client.close()
         with pytest.raises(Exception, match="closed"):
             await asyncio.wait_for(sending, 2)
-    await until(lambda: not _send_threads())
+    await until(lambda: not _link_threads())
 
 
-def test_send_thread_setting(monkeypatch):
+def test_io_threads_setting(monkeypatch):
     from p2ptrain.errors import ConfigError
-    monkeypatch.setenv(sender.SEND_THREAD_ENV, "0")
-    assert sender.send_thread_default() is False
-    monkeypatch.setenv(sender.SEND_THREAD_ENV, "yes")
+    monkeypatch.setenv(sender.IO_THREADS_ENV, "0")
+    assert sender.io_threads_default() is False
+    monkeypatch.setenv(sender.IO_THREADS_ENV, "yes")
     with pytest.raises(ConfigError, match="expected 0 or 1"):
-        sender.send_thread_default()
-    monkeypatch.delenv(sender.SEND_THREAD_ENV)
-    assert sender.send_thread_default() is False
-    monkeypatch.setenv(sender.SEND_THREAD_ENV, "1")
-    assert sender.send_thread_default() is True
+        sender.io_threads_default()
+    monkeypatch.delenv(sender.IO_THREADS_ENV)
+    assert sender.io_threads_default() is False
+    monkeypatch.setenv(sender.IO_THREADS_ENV, "1")
+    assert sender.io_threads_default() is True
+
+
+async def test_reading_stops_at_the_high_water_mark_and_goes_on_as_frames_are_taken():
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        frames = 3 * transport.MAX_QUEUED_FRAMES
+        for i in range(frames):  # (the kernel's buffers take what the link does not read yet)
+            await client.send({"t": "chunk", "i": i}, [bytes(4096)], timeout=5)
+        await until(lambda: len(server_side._frames) >= transport.MAX_QUEUED_FRAMES)
+        await asyncio.sleep(0.2)
+        assert len(server_side._frames) <= transport.MAX_QUEUED_FRAMES + 1  # (bounded: reading waits)
+        got = [(await server_side.recv(timeout=5)).header["i"] for _ in range(frames)]
+        assert got == list(range(frames))
+        client.close()

@@ -156,10 +156,10 @@ def _check_where(args: argparse.Namespace) -> None:
 
     from p2ptrain.collective.pool import default_threads
     from p2ptrain.net.interfaces import list_interfaces, pick_address
-    from p2ptrain.net.sender import send_thread_default
+    from p2ptrain.net.sender import io_threads_default
 
     default_threads()  # (P2PTRAIN_DATA_THREADS: read at the first ring, mid-run)
-    send_thread_default()  # (P2PTRAIN_SEND_THREAD: read as each link opens)
+    io_threads_default()  # (P2PTRAIN_IO_THREADS: read as each link opens)
 
     try:
         socket.getaddrinfo(args.host, None)

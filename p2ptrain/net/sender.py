@@ -3,7 +3,7 @@
 ``DirectSender`` sends on a duplicate of the connection's non-blocking socket, waiting for
 writability with ``loop.add_writer`` (asyncio's own transports copy what the kernel does not
 take at once, before Python 3.12), or, for large frames and where asked
-(``P2PTRAIN_SEND_THREAD=1``), from a thread of the link that blocks in ``poll`` with the GIL
+(``P2PTRAIN_IO_THREADS=1``), from a thread of the link that blocks in ``poll`` with the GIL
 released. ``queued_reader`` tells how much of what was sent the peer has not acknowledged.
 ``transport.Link`` owns one of each per connection.
 """
@@ -48,26 +48,27 @@ def queued_reader(sock: socket.socket) -> Callable[[], int | None]:
 
 
 # Frames of at least this many bytes can go out from the link's own sender thread
-# (``send_thread_default``): a large chunk's ``sendmsg`` is a copy (on loopback also the
+# (``io_threads_default``): a large chunk's ``sendmsg`` is a copy (on loopback also the
 # receiver's share of the stack) of ~0.5 ms per MiB, and on the event loop it holds up every
 # receive and every pool hand-off behind it. Seen on an H200 machine (16 cores, 2 peers,
 # 10 M values fp32, loopback): the loop thread sent 48 chunks of 840 KB a round at 0.3-0.8 ms
 # each, and each reduce waited for the loop, 1.1 ms a chunk where the add takes 0.05 ms; the
 # round took 34 ms, DDP's whole step 24 ms. Smaller frames (headers, control) go inline.
 THREAD_SEND_BYTES = 256 << 10
-SEND_THREAD_ENV = "P2PTRAIN_SEND_THREAD"
-_POLL_SLICE = 0.05  # seconds a sender thread waits for writability before looking at close()
+IO_THREADS_ENV = "P2PTRAIN_IO_THREADS"
+POLL_SLICE = 0.05  # seconds a link's thread waits on its socket before looking at close()
 
 
-def send_thread_default() -> bool:
-    """Whether links send large frames from their own thread: ``P2PTRAIN_SEND_THREAD=1``.
-    Off unless asked: on 2 cores the thread only adds hand-offs (fp32 allreduce of 36 MiB,
-    N = 2: 20-21 -> 24-27 ms), and where cores are to spare it is not measured yet
-    (``bench/device_check.sh`` runs both)."""
-    value = os.environ.get(SEND_THREAD_ENV, "").strip()
+def io_threads_default() -> bool:
+    """Whether links send large frames from a thread of their own and read from another
+    (``transport``): ``P2PTRAIN_IO_THREADS=1``. Off unless asked: on 2 cores the threads only
+    add hand-offs (fp32 allreduce of 36 MiB, N = 2, the sender thread alone: 20-21 -> 24-27
+    ms), and where cores are to spare they are not measured yet (``bench/device_check.sh``
+    runs both)."""
+    value = os.environ.get(IO_THREADS_ENV, "").strip()
     if value in ("", "0", "1"):
         return value == "1"
-    raise ConfigError(f"{SEND_THREAD_ENV}={value!r}: expected 0 or 1")
+    raise ConfigError(f"{IO_THREADS_ENV}={value!r}: expected 0 or 1")
 
 
 def _drop_sent(views: list[memoryview], sent: int) -> None:
@@ -88,7 +89,7 @@ class DirectSender:
     is on its way every later frame waits for it, so frames never interleave on the wire,
     even after the task that sent it was cancelled. The dup keeps the connection open:
     ``close()`` it before the transport closes (with a frame in flight, the thread closes
-    the dup once it stops, within ``_POLL_SLICE``)."""
+    the dup once it stops, within ``POLL_SLICE``)."""
 
     def __init__(self, sock, threaded: bool = False):
         self._sock = socket.socket(fileno=os.dup(sock.fileno()))
@@ -98,6 +99,10 @@ class DirectSender:
         self._jobs: queue.SimpleQueue | None = None  # to the thread, started on first use
         self._in_flight: asyncio.Future | None = None  # the thread's current frame
         self._closed = False
+
+    @property
+    def threaded(self) -> bool:
+        return self._threaded
 
     async def send(self, buffers: list, timeout: float | None, name: str) -> None:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
@@ -161,10 +166,10 @@ class DirectSender:
                 raise ClosedError(f"{name}: link closed")
             self._send_some(views, name)
             if views:
-                wait = _POLL_SLICE if deadline is None else min(_POLL_SLICE, deadline - time.monotonic())
+                wait = POLL_SLICE if deadline is None else min(POLL_SLICE, deadline - time.monotonic())
                 if wait <= 0:
                     raise LinkError(f"{name}: peer stopped reading for {timeout:.0f} s")
-                _wait_writable(self._sock, wait)
+                wait_socket(self._sock, wait)
 
     def close(self) -> None:
         self._closed = True
@@ -182,12 +187,14 @@ def _settle(fut: asyncio.Future, outcome: BaseException | None) -> None:
             fut.set_exception(outcome)
 
 
-def _wait_writable(sock: socket.socket, seconds: float) -> None:
-    """Block (GIL released) until ``sock`` is writable or ``seconds`` pass."""
+def wait_socket(sock: socket.socket, seconds: float, *, readable: bool = False) -> None:
+    """Block (GIL released) until ``sock`` is writable (or ``readable``) or ``seconds`` pass."""
     if hasattr(select, "poll"):
         poller = select.poll()
-        poller.register(sock.fileno(), select.POLLOUT)
+        poller.register(sock.fileno(), select.POLLIN if readable else select.POLLOUT)
         poller.poll(max(1, int(seconds * 1000)))
+    elif readable:
+        select.select([sock], [], [], seconds)
     else:
         select.select([], [sock], [], seconds)
 
@@ -200,7 +207,7 @@ def direct_sender(transport: asyncio.Transport) -> DirectSender | None:
     if sock is None or not hasattr(socket.socket, "sendmsg"):
         return None
     try:
-        threaded = send_thread_default()
+        threaded = io_threads_default()
     except ConfigError as exc:  # (``join`` refuses it at its start; a library user is told here)
         log.warning("%s; sending from the event loop", exc)
         threaded = False

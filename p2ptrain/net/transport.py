@@ -3,7 +3,9 @@
 - Receiving: an ``asyncio.BufferedProtocol`` whose ``get_buffer`` is the decoder's, so the
   kernel writes payloads straight into the buffer the link's ``allocate`` hook gives out
   (a preallocated ring segment, a pooled buffer): no copy in Python, on the stock loop and
-  on uvloop alike. Frames queue on the link (bounded: reading pauses at the high-water mark).
+  on uvloop alike; or, with ``P2PTRAIN_IO_THREADS=1``, a thread of the link reads into the same
+  decoder (``reader.ThreadReader``). Frames queue on the link (bounded: reading pauses at the
+  high-water mark).
 - Sending: payloads go out from the caller's memory (``sender.DirectSender``: ``sendmsg`` on a
   duplicate of the connection's socket, on the loop or on a thread of the link). Where the
   loop has no ``add_writer`` (Windows' proactor), pieces go through the transport, each
@@ -30,6 +32,7 @@ import socket
 from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, wire
+from p2ptrain.net.reader import ThreadReader
 from p2ptrain.net.sender import DirectSender, direct_sender, queued_reader
 from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
 from p2ptrain.taskset import TaskSet
@@ -136,6 +139,7 @@ class Link:
         self._reading_paused = False
         self._error: BaseException | None = None
         self._direct: DirectSender | None = None
+        self._reader: ThreadReader | None = None  # (P2PTRAIN_IO_THREADS=1: reading off the loop)
         self._discarding = False  # after a protocol error: swallow input until we close
         self._discard = memoryview(bytearray(1 << 16))
         self._send_lock = asyncio.Lock()
@@ -199,6 +203,8 @@ class Link:
             except asyncio.TimeoutError:
                 raise LinkError(f"{self.name}: nothing received for {timeout:.0f} s") from None
         frame = self._frames.popleft()
+        if self._reader is not None and len(self._frames) <= MAX_QUEUED_FRAMES // 2:
+            self._reader.room.set()
         if self._reading_paused and len(self._frames) <= MAX_QUEUED_FRAMES // 2 and not self.closed:
             self._reading_paused = False
             self._transport.resume_reading()
@@ -212,13 +218,14 @@ class Link:
         if reason is not None:
             self._refuse(reason)
             return
-        self._close_direct()
+        self._close_io()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
 
     def _refuse(self, reason: str, linger: float = 1.0) -> None:
         """Send REJECT, half-close, discard input, close for good after ``linger`` seconds."""
-        self._close_direct()
+        reading_thread = self._reader is not None
+        self._close_io()
         transport = self._transport
         if transport is None or transport.is_closing() or self._discarding:
             return
@@ -226,7 +233,7 @@ class Link:
         transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
         if transport.can_write_eof():
             transport.write_eof()
-        if self._reading_paused:
+        if self._reading_paused or reading_thread:  # (the transport discards what comes now)
             transport.resume_reading()
         asyncio.get_running_loop().call_later(linger, transport.close)
 
@@ -237,11 +244,33 @@ class Link:
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self._queued = queued_reader(sock)
+        if self._direct is not None and self._direct.threaded:  # (P2PTRAIN_IO_THREADS=1)
+            # Once connection_made has returned: uvloop starts reading an accepted connection
+            # after it, whatever it paused (two readers of one stream garbled frames).
+            asyncio.get_running_loop().call_soon(self._start_reader, sock)
+
+    def _start_reader(self, sock: socket.socket) -> None:
+        transport = self._transport
+        if self._error is not None or transport is None or transport.is_closing():
+            return
+        transport.pause_reading()  # for good: the thread reads
+        if transport.is_reading():  # (a loop that cannot stop reading: keep it)
+            return
+        self._reader = ThreadReader(sock, self._decoder, asyncio.get_running_loop(), deliver=self._deliver,
+                                    lost=self._on_lost, bad=self._on_bad_frame, backlog=self._frames.__len__,
+                                    limit=MAX_QUEUED_FRAMES, name=self.name)
 
     def _close_direct(self) -> None:
         if self._direct is not None:
             self._direct.close()
             self._direct = None
+
+    def _close_io(self) -> None:
+        """Our duplicates of the socket (the sender's, the reading thread's) closed or closing."""
+        self._close_direct()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def _on_bytes(self, nbytes: int) -> None:
         if self._discarding:
@@ -249,20 +278,27 @@ class Link:
         try:
             self._decoder.buffer_updated(nbytes)
         except FrameError as exc:
-            log.debug("%s: closing connection: %s", self.remote, exc)  # the link's owner reports it
-            self._fail(exc)
-            self._refuse(auth.REASON_MALFORMED if exc.peer_version is None else auth.REASON_VERSION)
+            self._on_bad_frame(exc)
             return
         frames = self._decoder.pop_frames()
         if frames:
-            self._frames.extend(frames)
-            self._frame_ready.set()
-            if len(self._frames) >= MAX_QUEUED_FRAMES and not self._reading_paused:
-                self._reading_paused = True
-                self._transport.pause_reading()
+            self._deliver(frames)
+
+    def _deliver(self, frames: list[wire.Frame]) -> None:
+        """Whole frames for ``recv`` (from the protocol, or from the reading thread)."""
+        self._frames.extend(frames)
+        self._frame_ready.set()
+        if len(self._frames) >= MAX_QUEUED_FRAMES and not self._reading_paused and self._reader is None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def _on_bad_frame(self, exc: FrameError) -> None:
+        log.debug("%s: closing connection: %s", self.remote, exc)  # the link's owner reports it
+        self._fail(exc)
+        self._refuse(auth.REASON_MALFORMED if exc.peer_version is None else auth.REASON_VERSION)
 
     def _on_lost(self, exc: BaseException | None) -> None:
-        self._close_direct()
+        self._close_io()
         if self._error is None:
             where = "" if self._decoder.idle else " in the middle of a frame"
             why = f": {exc}" if exc else ""
