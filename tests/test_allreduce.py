@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -12,8 +13,9 @@ from helpers import pending_tasks, until
 
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
+from p2ptrain.collective.linkpace import LinkPace
 from p2ptrain.collective.ring import split
-from p2ptrain.errors import GroupError, LinkError
+from p2ptrain.errors import ConfigError, FrameError, GroupError, LinkError, RemoteProtocolError
 from p2ptrain.net import wire
 from p2ptrain.net.mesh import ChunkChannel, Mesh
 
@@ -341,3 +343,77 @@ async def test_a_cancelled_allreduce_leaves_no_task_behind():
     with pytest.raises(asyncio.CancelledError):
         await call
     assert own_tasks() == []
+
+
+# -- a lossy codec's chunks sent raw where the link is quicker than the codec (linkpace) --
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_raw_chunks_of_a_lossy_codec_leave_every_peer_the_same_bits(monkeypatch, threads):
+    # Every chunk raw: the none codec's sum, bit for bit, and nothing left in the residuals.
+    # Every other chunk raw: still the same bits on every peer, and the residuals still hold
+    # exactly what the encoded chunks dropped (sum of inputs = result + sum of residuals).
+    ids, ms = await meshes(3)
+    executor = ThreadPoolExecutor(threads) if threads else None
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal(30_000).astype(np.float32) for _ in range(3)]
+    try:
+        exact = [x.copy() for x in inputs]
+        await allreduce(ms, ids, exact, "none", op_id=1, chunk_elems=5000)
+        results = {}
+        for op_id, choose in ((2, lambda: True), (3, itertools.cycle([True, False]).__next__),
+                              (4, lambda: False)):
+            monkeypatch.setattr(LinkPace, "send_raw", lambda self, *args, choose=choose: choose())
+            data, residuals = [x.copy() for x in inputs], [np.full_like(x, np.nan) for x in inputs]
+            runs = await allreduce(ms, ids, data, "int8", op_id=op_id, executor=executor, chunk_elems=5000,
+                                   residuals=residuals)
+            assert all(np.array_equal(d, data[0]) for d in data)
+            assert len({r.sum_digest() for r in runs}) == 1
+            assert runs[0].sum_digest() == buffer_digest(data[0], runs[0].plan)
+            assert np.allclose(data[0] + np.sum(residuals, axis=0), np.sum(inputs, axis=0), atol=1e-4)
+            results[op_id] = data[0], residuals, sum(r.stats.wire_bytes for r in runs), sum(r.stats.raw_bytes for r in runs)
+    finally:
+        if executor:
+            executor.shutdown()
+        for m in ms:
+            await m.close()
+    every, residuals, sent, raw = results[2]
+    assert np.array_equal(every, exact[0]) and all((r == 0).all() for r in residuals) and sent == raw
+    _, _, sent, raw = results[3]
+    assert raw // 3 < sent < raw * 3 // 4  # some chunks each way
+    _, _, sent, raw = results[4]
+    assert sent < raw // 3  # none raw: int8's byte a value
+
+
+async def test_a_raw_chunk_refuses_nan_and_inf_as_the_codec_would(monkeypatch):
+    monkeypatch.setattr(LinkPace, "send_raw", lambda self, *args: True)
+    for bad in (np.nan, np.inf, -np.inf):
+        values = np.ones(10_000, np.float32)
+        values[1234] = bad
+        run = RingAllreduce(values, rank=0, size=3, send_link=FaultyLink("next"), recv_link=FaultyLink("previous"),
+                            codec=parse_codec("int8"), op_id=1, chunk_elems=1000, timeout=60)
+        run._pace = LinkPace()  # (a link that cannot tell its queue gets none: forced here)
+        with pytest.raises(ConfigError, match="cannot encode with int8: the chunk holds NaN, inf"):
+            await run.run()
+    assert own_tasks() == []
+
+
+async def test_a_raw_mark_where_none_can_come_is_refused_naming_the_peer():
+    ids, ms = await meshes(2)
+    try:
+        def ring(codec):
+            return RingAllreduce(np.ones(10_000, np.float32), rank=0, size=2, send_link=ms[0].channel(ids[1]),
+                                 recv_link=ms[0].channel(ids[1]), codec=parse_codec(codec), op_id=1,
+                                 chunk_elems=1000, timeout=10)
+        t = ring("int8").plan.recvs[0]
+        header = {"t": wire.CHUNK, "op": 1, "g": t.g, "c": t.chunk, "n": 10_000, "p": {}}
+        for codec, raw in (("int8", "yes"), ("int8", 1), ("none", True)):
+            run = ring(codec)
+            with pytest.raises(RemoteProtocolError, match=f"b sent a chunk marked raw={raw!r}"):
+                run._check(wire.Frame({**header, "z": run.codec.spec, "raw": raw}, memoryview(b"")), t)
+        run = ring("int8")
+        assert run._check(wire.Frame({**header, "z": run.codec.spec, "raw": True}, memoryview(b"")), t) == ({}, True)
+        with pytest.raises(FrameError, match="raw chunk of"):  # (more than a chunk's float32)
+            ring("int8")._allocate({**header, "raw": True}, 4 * 1000 + 4)
+    finally:
+        for m in ms:
+            await m.close()

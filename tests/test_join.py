@@ -28,8 +28,8 @@ def ports(n):
 ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def join(*args):
-    return subprocess.Popen([sys.executable, "-m", "p2ptrain", "join", *args], env=ONE_THREAD,
+def join(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "p2ptrain", "join", *args], env={**ONE_THREAD, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -44,8 +44,8 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path):
     procs = [join("--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port), "--no-discovery",
                   "--port", str(port), "--min-peers", str(n), "--max-rounds", str(rounds), "--compression", "int8",
                   "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"),
-                  "--trace", str(tmp_path / f"t{port}.json"))
-             for port in mine]
+                  "--trace", str(tmp_path / f"t{port}.json"), env={"P2PTRAIN_RAW_CHUNKS": "0"})
+             for port in mine]  # (every chunk encoded, as asked: loopback is quicker raw otherwise)
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0] * n, [e[-1500:] for _, e in outs]
     runs = [records(tmp_path / f"m{port}.jsonl") for port in mine]

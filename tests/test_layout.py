@@ -17,7 +17,7 @@ BASE_MODULES = {"errors", "identity", "trace", "device", "taskset"}
 
 SANS_IO = {
     "p2ptrain.net.wire", "p2ptrain.net.auth", "p2ptrain.net.beacon",
-    "p2ptrain.collective.ring",
+    "p2ptrain.collective.ring", "p2ptrain.collective.linkpace",
     "p2ptrain.cluster.membership", "p2ptrain.cluster.roundmsg", "p2ptrain.cluster.rounds", "p2ptrain.cluster.member",
     "p2ptrain.cluster.ending", "p2ptrain.cluster.refusals",
     "p2ptrain.cluster.leader", "p2ptrain.cluster.lineage", "p2ptrain.cluster.snapshot",

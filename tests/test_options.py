@@ -43,6 +43,7 @@ def test_a_bad_join_flag_is_one_line_naming_it_exit_2(capsys, args, names, allow
     ("P2PTRAIN_NO_DISCOVERY", "maybe", "expected 1 or 0"),
     ("P2PTRAIN_DATA_THREADS", "many", "expected a number of threads"),
     ("P2PTRAIN_IO_THREADS", "yes", "expected 0 or 1"),
+    ("P2PTRAIN_RAW_CHUNKS", "on", "expected 0 or 1"),
 ])
 def test_a_bad_variable_is_one_line_naming_the_variable_exit_2(capsys, monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)

@@ -141,6 +141,11 @@ class Codec:
         return hash(self.spec)
 
     @property
+    def name(self) -> str:
+        """The transform's name (``int8``, ``topk``, ...; ``none``), as its errors say it."""
+        return "none" if self._t is None else self._t.name
+
+    @property
     def compresses(self) -> bool:
         """Whether it has a zstd layer (``+zstd``), which ``encode(..., zstd=False)`` may skip."""
         return self._cctx is not None

@@ -10,6 +10,11 @@ Chunks pass through a codec (``p2ptrain.codecs``):
 - all-gather: the owner of a segment encodes its final sum once, and every peer, the owner
   too, decodes those same bytes, which are forwarded unchanged around the ring. So every peer
   ends with bit-identical values, whatever the codec.
+- raw chunks (``linkpace``): a lossy codec's chunk goes as the float32 values themselves
+  (header ``"raw": true``, exact, no residual) where the link carries them sooner than the
+  codec would turn them out: loopback, a fast LAN, CPUs too busy to encode in time. Measured
+  per link as the ring runs; never while the link is behind. Every peer takes the bytes that
+  came, so replicas stay bit-identical whichever way each chunk went.
 - zstd (the codec's lossless layer) only where the send link is behind: it still holds more
   of our bytes than the chunk would take raw (``Link.queued_bytes``). Elsewhere the link
   keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). The
@@ -51,6 +56,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import weakref
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,7 +67,9 @@ import xxhash
 
 from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
+from p2ptrain.codecs._codec import check_domain
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
+from p2ptrain.collective.linkpace import LinkPace, raw_chunks_enabled
 from p2ptrain.collective.ring import MIN_CHUNK_ELEMS, RingPlan, Transfer
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
@@ -151,6 +160,24 @@ _SPARSE_CHUNK_ELEMS = 1 << 19
 INLINE_ELEMS = MIN_CHUNK_ELEMS
 
 
+_PACES: "weakref.WeakKeyDictionary[Link, LinkPace]" = weakref.WeakKeyDictionary()
+
+
+def pace_of(link: Link) -> LinkPace:
+    """The link's ``LinkPace``, kept as long as the link: what it measured serves later calls."""
+    pace = _PACES.get(link)
+    if pace is None:
+        pace = _PACES[link] = LinkPace()
+    return pace
+
+
+def _check_finite(name: str, values: np.ndarray) -> None:
+    """A raw chunk carries what the codec would have refused: refuse NaN and inf the same way
+    (max and min propagate NaN; two passes of ~25 us per 256 K values)."""
+    if len(values) and not (np.isfinite(values.max()) and np.isfinite(values.min())):
+        check_domain(name, float(np.max(np.abs(values))))
+
+
 def _chunk_elems(codec: Codec, chunk_elems: int, length: int, size: int) -> int:
     """The chunk size for this codec: ``chunk_elems``, or for a sparse codec at least 1/8
     of a segment and at most _SPARSE_CHUNK_ELEMS (unless asked for more).
@@ -215,9 +242,12 @@ class RingAllreduce:
         self._digests: dict[int, int] | None = {} if digest else None  # chunk start -> xxh3 of its final values
         self._arrived: set[tuple[int, int]] = set()
         self._progress = asyncio.Event()
-        self._forward: dict[tuple[int, int], tuple[dict, memoryview]] = {}
+        self._forward: dict[tuple[int, int], tuple[dict, memoryview | None, bool]] = {}  # (params, payload, raw)
         self._recv_index = {(t.g, t.chunk): t for t in self.plan.recvs}
         self._pool = _BufferPool(codec.max_payload(chunk_elems))
+        # A lossy codec's chunks may go raw (``linkpace``): their own buffers, and the link's pace.
+        self._raw_pool = None if codec.is_identity else _BufferPool(4 * chunk_elems)
+        self._pace = None if codec.is_identity or not raw_chunks_enabled() else pace_of(send_link)
         # One scratch per task: encode (sender) and decode-then-add (receiver) never share.
         self._send_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
         self._recv_scratch = np.empty_like(self._send_scratch)
@@ -252,29 +282,62 @@ class RingAllreduce:
             elif self._ready is not None:
                 await self._ready.until(t.start, t.stop)
             src = (self.own if t.step == 0 else self.work)[t.start : t.stop]  # (step 0: our own values)
+            raw, forwarded = False, None
             if self.codec.is_identity and (t.reduce or t.step == owner_step):
                 params, payload = {}, [memoryview(src)]  # nothing to compute: no thread hop
                 if not t.reduce:
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
             elif t.reduce or t.step == owner_step:
-                began = self.trace.now()
-                zstd = self.codec.compresses and self._link_behind(len(src))  # (no zstd: no need to ask)
-                params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd)
-                self.trace.span("encode", "encode", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
+                began = time.perf_counter()
+                raw = self._pace is not None and self._pace.send_raw(
+                    len(src), self.codec.max_payload(len(src)), self.send_link.queued_bytes())
+                if raw:
+                    params, payload = self._raw(src, t)
+                else:
+                    zstd = self.codec.compresses and self._link_behind(len(src))  # (no zstd: no need to ask)
+                    params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd)
+                    if self._pace is not None:
+                        self._pace.encoded(len(src), time.perf_counter() - began)
+                self.trace.span("raw" if raw else "encode", "encode", began, time.perf_counter(), round=self.op_id,
+                                step=t.g, chunk=t.chunk)
             elif self.codec.is_identity:
                 params, payload = {}, [memoryview(src)]
-            else:
-                params, forwarded = self._forward.pop(t.after)
-                payload = [forwarded]
+            else:  # an all-gather chunk on its way round, as it came (raw ones were received in place)
+                params, forwarded, raw = self._forward.pop(t.after)
+                payload = [memoryview(src) if raw else forwarded]
             header = {"t": wire.CHUNK, "op": self.op_id, "g": t.g, "c": t.chunk, "n": self.plan.length,
                       "z": self.codec.spec, "p": params}
-            began = self.trace.now()
-            await self.send_link.send(header, payload, timeout=self.timeout)
-            self.trace.span("send", "send", began, self.trace.now(), round=self.op_id, step=t.g, chunk=t.chunk)
-            self.stats.wire_bytes += sum(memoryview(p).nbytes for p in payload)
+            if raw:
+                header["raw"] = True
+            await self._send(header, payload, t)
             self.stats.raw_bytes += src.nbytes
-            if not (t.reduce or t.step == owner_step or self.codec.is_identity):
+            if forwarded is not None and not raw:
                 self._pool.give(forwarded)
+
+    def _raw(self, src: np.ndarray, t: Transfer) -> tuple[dict, list]:
+        """Our values as they are (``linkpace``): nothing dropped, so no residual; the owner's
+        final sum stays as it is."""
+        if t.step == 0:
+            _check_finite(self.codec.name, src)  # (sums of finite values stay finite)
+        if self.residual is not None:
+            self.residual[t.start : t.stop] = 0.0
+        if not t.reduce:
+            self._finished(t.start, src)
+        return {}, [memoryview(src)]
+
+    async def _send(self, header: dict, payload: list, t: Transfer) -> None:
+        """One chunk's frame out; how fast the link drained meanwhile goes to its pace."""
+        nbytes = sum(memoryview(p).nbytes for p in payload)
+        pace = self._pace
+        queued = self.send_link.queued_bytes() if pace is not None else None
+        began = time.perf_counter()
+        await self.send_link.send(header, payload, timeout=self.timeout)
+        ended = time.perf_counter()
+        if pace is not None:
+            pace.sent(began, queued, ended, self.send_link.queued_bytes(), nbytes)
+        if self.trace is not NO_TRACE:
+            self.trace.span("send", "send", began, ended, round=self.op_id, step=t.g, chunk=t.chunk)
+        self.stats.wire_bytes += nbytes
 
     def _encode(self, src: np.ndarray, final: bool, start: int, zstd: bool) -> tuple[dict, list]:
         """Encode our values; keep the residual; the owner adopts its own decoded final sum
@@ -345,10 +408,15 @@ class RingAllreduce:
         if header.get("op") != self.op_id:  # a peer already on the next call: checked then
             return wire.default_allocate(header, nbytes)
         t = self._recv_index.get((header.get("g"), header.get("c")))
-        if t is not None and not t.reduce and self.codec.is_identity:
+        raw = header.get("raw") is True and self._raw_pool is not None
+        if t is not None and not t.reduce and (self.codec.is_identity or raw):
             if nbytes != (t.stop - t.start) * 4:
                 raise FrameError(f"chunk of {nbytes} bytes where {(t.stop - t.start) * 4} were expected")
             return memoryview(self.work[t.start : t.stop]).cast("B")
+        if raw:
+            if nbytes > self._raw_pool.size:
+                raise FrameError(f"raw chunk of {nbytes} bytes exceeds {self._raw_pool.size}")
+            return self._raw_pool.take(nbytes)
         if nbytes > self._pool.size:
             raise FrameError(f"chunk payload of {nbytes} bytes exceeds {self._pool.size} for this codec")
         return self._pool.take(nbytes)
@@ -361,14 +429,14 @@ class RingAllreduce:
                 frame = await self.recv_link.recv(timeout=self.timeout)  # left by an aborted earlier call
             arrived = self.trace.now()
             self.trace.span("receive", "receive", began, arrived, round=self.op_id, step=t.g, chunk=t.chunk)
-            params = self._check(frame, t)
+            params, raw = self._check(frame, t)
             if t.reduce and self._ready is not None:
                 await self._ready.until(t.start, t.stop)
             try:
-                if self.codec.is_identity and not t.reduce:
-                    self._absorb(t, params, frame.payload)  # already in place: at most a hash, inline
+                if (self.codec.is_identity or raw) and not t.reduce:
+                    self._absorb(t, params, frame.payload, raw)  # already in place: at most a hash, inline
                 else:
-                    await self._offload(t.stop - t.start, self._absorb, t, params, frame.payload)
+                    await self._offload(t.stop - t.start, self._absorb, t, params, frame.payload, raw)
                 self.trace.span("reduce" if t.reduce else "decode", "reduce", arrived, self.trace.now(),
                                 round=self.op_id, step=t.g, chunk=t.chunk)
             except CodecError as exc:
@@ -376,7 +444,8 @@ class RingAllreduce:
             self._arrived.add((t.g, t.chunk))
             self._progress.set()
 
-    def _check(self, frame: wire.Frame, t: Transfer) -> dict:
+    def _check(self, frame: wire.Frame, t: Transfer) -> tuple[dict, bool]:
+        """The chunk's codec parameters, and whether it came raw (``linkpace``)."""
         h = frame.header
         who = self.recv_link.name
         if h.get("t") != wire.CHUNK:
@@ -393,12 +462,15 @@ class RingAllreduce:
         params = h.get("p")
         if not isinstance(params, dict):
             raise RemoteProtocolError(f"{who} sent a chunk without codec parameters")
-        return params
+        raw = h.get("raw", False)
+        if raw is not False and (raw is not True or self.codec.is_identity):
+            raise RemoteProtocolError(f"{who} sent a chunk marked raw={raw!r}, which {self.codec.spec!r} never sends")
+        return params, raw
 
-    def _absorb(self, t: Transfer, params: dict, payload: memoryview) -> None:
+    def _absorb(self, t: Transfer, params: dict, payload: memoryview, raw: bool = False) -> None:
         dst = self.work[t.start : t.stop]
         n = t.stop - t.start
-        if self.codec.is_identity:
+        if self.codec.is_identity or raw:
             if payload.nbytes != n * 4:
                 raise CodecError(f"{payload.nbytes} bytes for {n} float32 values")
             incoming = np.frombuffer(payload, np.float32)
@@ -408,8 +480,11 @@ class RingAllreduce:
                 dst[:] = incoming  # arrived before this call owned the link's allocator
             if not t.reduce:
                 self._finished(t.start, dst)
-            self._pool.give(payload)
+                if raw and t.step < self.plan.steps - 1:
+                    self._forward[(t.g, t.chunk)] = (params, None, True)  # (sent on from ``work``)
+            (self._raw_pool if raw else self._pool).give(payload)
             return
+        began = time.perf_counter()
         if t.reduce:
             if self.own is not self.work:
                 dst[:] = self.own[t.start : t.stop]
@@ -419,6 +494,8 @@ class RingAllreduce:
             self._recv_codec.decode(params, payload, dst)
             self._finished(t.start, dst)
             if t.step < self.plan.steps - 1:
-                self._forward[(t.g, t.chunk)] = (params, payload)
+                self._forward[(t.g, t.chunk)] = (params, payload, False)
             else:
                 self._pool.give(payload)
+        if self._pace is not None:
+            self._pace.decoded(n, time.perf_counter() - began)

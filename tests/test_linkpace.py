@@ -1,0 +1,100 @@
+"""``LinkPace``: a lossy codec's chunk goes raw only where the link carries raw bytes clearly
+sooner than the codec turns them out, and never while the link is behind. Pure: made-up times."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.collective.linkpace import MARGIN, LinkPace, raw_chunks_enabled
+from p2ptrain.errors import ConfigError
+
+N = 256 * 1024          # values in a chunk
+INT8 = N + 4 * (N // 256)  # its int8 payload
+
+
+def drained_at(pace: LinkPace, rate: float, sends: int = 4, nbytes: int = 1 << 20) -> None:
+    """Sends that the kernel took whole and drained at ``rate`` while they ran (dry after each)."""
+    t = 0.0
+    for _ in range(sends):
+        pace.sent(t, 0, t + nbytes / rate, 0, nbytes)
+        t += 2 * nbytes / rate
+
+
+def busy_at(pace: LinkPace, rate: float, sends: int = 4, nbytes: int = 1 << 20) -> float:
+    """Sends into a link that stays behind: each gap drains ``nbytes`` at ``rate``, the queue
+    never empty (the next send finds it back at 4 sends' worth). Returns when the next is due."""
+    t, queued = 0.0, 4 * nbytes
+    for _ in range(sends):
+        pace.sent(t, queued, t + 1e-5, queued + nbytes, nbytes)
+        t += 1e-5 + nbytes / rate
+    return t
+
+
+def codec(pace: LinkPace, ns_per_value: float) -> None:
+    pace.encoded(N, ns_per_value * 1e-9 * N)
+
+
+def test_nothing_measured_keeps_the_codec():
+    pace = LinkPace()
+    assert not pace.send_raw(N, INT8, 0)
+    codec(pace, 20)
+    assert not pace.send_raw(N, INT8, 0)  # (the codec's cost alone says nothing of the link)
+
+
+def test_a_fast_link_beside_a_slow_codec_goes_raw_unless_behind_or_unknown():
+    pace = LinkPace()
+    drained_at(pace, 5e9)   # loopback: 5 GB/s, 3 bytes a value saved cost 0.6 ns
+    codec(pace, 10)         # a codec at 10 ns a value (a busy machine's wall time)
+    assert pace.send_raw(N, INT8, 0)
+    assert not pace.send_raw(N, INT8, INT8 + 1)  # the link holds more than a chunk: it sets the pace
+    assert not pace.send_raw(N, INT8, None)      # the OS cannot tell: as asked
+
+
+def test_a_slow_link_keeps_the_codec_however_busy_the_cpu():
+    pace = LinkPace()
+    busy_at(pace, 125e6)    # 1 Gbit/s: 3 bytes a value saved cost 24 ns
+    codec(pace, 20)
+    assert not pace.send_raw(N, INT8, 0)
+    codec(pace, 200)        # (a codec ten times slower than the wire saves: raw, then)
+    codec(pace, 200)
+    codec(pace, 200)
+    codec(pace, 200)
+    assert pace.send_raw(N, INT8, 0)
+
+
+def test_bunched_acknowledgements_do_not_make_a_slow_link_look_fast():
+    pace = LinkPace()
+    t = busy_at(pace, 125e6)
+    assert 120e6 < pace.rate < 130e6
+    pace.sent(t, 1 << 22, t + 2e-4, (1 << 22) - (256 << 10), 0)  # then 256 KiB acked in 0.2 ms (1.3 GB/s)
+    assert pace.rate < 150e6
+    codec(pace, 20)
+    assert not pace.send_raw(N, INT8, 0)
+
+
+@pytest.mark.parametrize("times_saved, raw", [(MARGIN * 0.75, False), (MARGIN * 1.25, True)])
+def test_raw_must_win_by_the_margin(times_saved, raw):
+    pace = LinkPace()
+    drained_at(pace, 1e9)
+    saved_ns = (4 * N - INT8) / 1e9 / N * 1e9
+    codec(pace, times_saved * saved_ns)
+    assert pace.send_raw(N, INT8, 0) is raw
+
+
+def test_the_codecs_cost_counts_both_ends():
+    pace = LinkPace()
+    drained_at(pace, 1e9)   # saving 3 bytes a value costs 3 ns
+    codec(pace, 4)          # 4 ns to encode: under the margin alone
+    assert not pace.send_raw(N, INT8, 0)
+    pace.decoded(N, 4e-9 * N)  # ... and 4 to decode: 8 ns, over it
+    assert pace.send_raw(N, INT8, 0)
+
+
+def test_the_environment_switch(monkeypatch):
+    monkeypatch.delenv("P2PTRAIN_RAW_CHUNKS", raising=False)
+    assert raw_chunks_enabled()
+    monkeypatch.setenv("P2PTRAIN_RAW_CHUNKS", "0")
+    assert not raw_chunks_enabled()
+    monkeypatch.setenv("P2PTRAIN_RAW_CHUNKS", "yes")
+    with pytest.raises(ConfigError, match="P2PTRAIN_RAW_CHUNKS='yes': expected 0 or 1"):
+        raw_chunks_enabled()
