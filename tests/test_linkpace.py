@@ -72,6 +72,28 @@ def test_bunched_acknowledgements_do_not_make_a_slow_link_look_fast():
     assert not pace.send_raw(N, INT8, 0)
 
 
+def test_a_token_buckets_burst_does_not_make_a_slow_link_look_fast():
+    pace = LinkPace()
+    t = busy_at(pace, 125e6)
+    pace.sent(t + 1.0, 0, t + 1.0 + 2e-4, 0, 256 << 10)  # after an idle second, 256 KiB out at once
+    assert pace.rate < 200e6
+    codec(pace, 20)
+    assert not pace.send_raw(N, INT8, 0)
+
+
+def test_idle_time_between_rounds_does_not_make_a_fast_link_look_slow():
+    pace = LinkPace()
+    t = 0.0
+    for _ in range(8):  # 1 MiB sends at 5 GB/s, then the link idles 100 ms (a step's compute)
+        pace.sent(t, 0, t + 2e-4, 0, 1 << 20)
+        t += 0.1
+        pace.sent(t, 64 << 10, t + 2e-4, 0, 1 << 20)  # (a frame of the next round still queued)
+        t += 0.1
+    assert pace.rate > 1e9
+    codec(pace, 10)
+    assert pace.send_raw(N, INT8, 0)
+
+
 @pytest.mark.parametrize("times_saved, raw", [(MARGIN * 0.75, False), (MARGIN * 1.25, True)])
 def test_raw_must_win_by_the_margin(times_saved, raw):
     pace = LinkPace()

@@ -5,12 +5,12 @@ decode there. On a link that carries raw bytes faster than the codec turns them 
 (loopback, a fast LAN, peers short of CPU, a GIL shared with a busy loop) encoding only
 delays the ring: there the chunk goes raw, which is also exact. ``LinkPace`` keeps, per send
 link and across calls, two figures measured while the ring runs: how fast the link drains
-(bytes per second the kernel got rid of while it held bytes of ours; lower bounds where it
-ran dry) and the codec's seconds per value (our encodes and decodes). It says raw when the
-bytes that encoding would save take the link less time than the codec takes to save them,
-and never while the link is behind (it holds more of our bytes than an encoded chunk). Raw
-must win by ``MARGIN``: where the two come out about even, fewer bytes are the better use of
-a link that others may share (and of a rate estimate that is only an estimate).
+(bytes the kernel got rid of while a send ran or while it held bytes of ours throughout;
+never over an idle gap) and the codec's seconds per value (our encodes and decodes). It says
+raw when the bytes that encoding would save take the link less time than the codec takes to
+save them, and never while the link is behind (it holds more of our bytes than an encoded
+chunk). Raw must win by ``MARGIN``: where the two come out about even, fewer bytes are the
+better use of a link that others may share (and of a rate that is only an estimate).
 
 Pure: no sockets and no clock of its own; the allreduce feeds it times and queue lengths.
 ``P2PTRAIN_RAW_CHUNKS=0`` turns it off (every chunk encoded, as a user may want to keep a
@@ -49,8 +49,7 @@ class LinkPace:
     """One send link's drain rate and the codec's cost, and the choice they make."""
 
     def __init__(self) -> None:
-        self._busy = [0.0, 0.0]   # bytes drained and seconds taken while the kernel held ours (decayed sums)
-        self._dry = 0.0           # bytes/s drained where it ran dry: a lower bound (decaying maximum)
+        self._drained = [0.0, 0.0]  # bytes the kernel got rid of, and in how many seconds (decayed sums)
         self.encode_s: float | None = None    # seconds per value to encode (moving average)
         self.decode_s: float | None = None    # ... and to decode
         self._after: tuple[float, int] | None = None  # (time, queued bytes) when the last send returned
@@ -71,28 +70,27 @@ class LinkPace:
         if queued_before is None or queued_after is None:
             self._after = None
             return
-        if self._after is not None:  # the gap since the last send: the link drained alone
-            t, q = self._after
-            self._sample(q - queued_before, began - t, dry=queued_before == 0)
-        self._sample(queued_before + nbytes - queued_after, ended - began, dry=queued_after == 0)
+        if self._after is not None and queued_before > 0:  # the gap since the last send, the link
+            t, q = self._after                               # busy throughout: it drained alone
+            self._sample(q - queued_before, began - t)
+        # (a gap in which it ran dry is idle time, not the link's speed: not counted)
+        self._sample(queued_before + nbytes - queued_after, ended - began)
         self._after = (ended, queued_after)
 
-    def _sample(self, drained: int, seconds: float, dry: bool) -> None:
-        """``drained`` bytes left the kernel in ``seconds``; ``dry``: it ran out of them
-        meanwhile, so the link could have done more (a lower bound). Busy samples are summed,
-        bytes and seconds apart: a short one of bunched acknowledgements weighs little."""
+    def _sample(self, drained: int, seconds: float) -> None:
+        """``drained`` bytes left the kernel in ``seconds``. Summed, bytes and seconds apart,
+        so that a short burst (a token bucket's, bunched acknowledgements) weighs little
+        beside the link's steady pace."""
         if drained < MIN_SAMPLE_BYTES or seconds < MIN_SAMPLE_S:
             return
-        if dry:
-            self._dry = max(self._dry * (1 - ALPHA), drained / seconds)
-        else:
-            self._busy = [self._busy[0] * (1 - ALPHA) + drained, self._busy[1] * (1 - ALPHA) + seconds]
+        b, s = self._drained
+        self._drained = [b * (1 - ALPHA) + drained, s * (1 - ALPHA) + seconds]
 
     @property
     def rate(self) -> float | None:
         """Bytes per second the link drains (None: not measured yet)."""
-        busy = self._busy[0] / self._busy[1] if self._busy[1] else 0.0
-        return max(busy, self._dry) or None
+        b, s = self._drained
+        return b / s if s else None
 
     # -- the choice -----------------------------------------------------------------------
     def send_raw(self, values: int, encoded_bytes: int, queued: int | None) -> bool:
@@ -104,4 +102,5 @@ class LinkPace:
         if queued > encoded_bytes:
             return False  # the link is behind: it sets the pace, and fewer bytes are sooner
         saved_s = (4 * values - encoded_bytes) / rate
-        return MARGIN * saved_s < values * (self.encode_s + (self.decode_s or 0.0))
+        codec_s = values * (self.encode_s + (self.decode_s or 0.0)) - queued / rate  # (the queue drains meanwhile)
+        return MARGIN * saved_s < codec_s
