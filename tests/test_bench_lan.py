@@ -24,15 +24,17 @@ def lan(*args, timeout=180):
     return p.returncode, p.stdout, p.stderr, p.pid
 
 
-def check_quick_report(doc: dict, out: str, scaling=(1, 2)) -> None:
+def check_quick_report(doc: dict, out: str, scaling=(1, 2), raw_chunks=False) -> None:
     """What a user reads off a quick 2-peer run: both implementations, every part, sane numbers
-    (trained with each of ``scaling`` peers; a scaling efficiency where N=1 ran)."""
+    (trained with each of ``scaling`` peers; a scaling efficiency where N=1 ran). ``raw_chunks``:
+    the link may carry int8's chunks raw sooner than the codec (loopback: ``linkpace``)."""
     ar = {(r["impl"], r["codec"], r["size_bytes"]): r for r in doc["allreduce"]}
     for size in (256 << 10, 1 << 20):
         for key in (("gloo", "fp32", size), ("p2ptrain", "none", size), ("p2ptrain", "int8", size)):
             assert ar[key]["median_s"] > 0 and ar[key]["busbw_Bps"] > 0, key
         assert ar[("p2ptrain", "none", size)]["identical"] and ar[("p2ptrain", "int8", size)]["identical"]
-        assert 3 < ar[("p2ptrain", "int8", size)]["ratio"] < 5  # 1 byte per value plus block scales
+        low = 1 if raw_chunks else 3
+        assert low <= ar[("p2ptrain", "int8", size)]["ratio"] < 5  # 1 byte per value plus block scales
         assert 1e-4 < ar[("p2ptrain", "int8", size)]["err_sim"] < 0.05
         assert ar[("p2ptrain", "none", size)]["err_sim"] < 1e-6
     train = {(r["impl"], r["n"]): r for r in doc["train"]}
@@ -51,7 +53,7 @@ def check_quick_report(doc: dict, out: str, scaling=(1, 2)) -> None:
 def test_quick_local_run_reports_p2ptrain_beside_gloo(tmp_path):
     code, out, err, _ = lan("--local", "2", "--quick", "--json", str(tmp_path / "lan.json"))
     assert code == 0, out[-2000:] + err[-3000:]
-    check_quick_report(json.loads((tmp_path / "lan.json").read_text()), out)
+    check_quick_report(json.loads((tmp_path / "lan.json").read_text()), out, raw_chunks=True)
     assert "[lan 6/6]" in err  # the progress display: one line per phase
 
 
