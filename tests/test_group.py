@@ -313,9 +313,9 @@ async def test_a_corrupt_compressed_chunk_names_the_peer_and_chunk():
 
 
 def test_receive_buffer_cache_reuses_and_stays_under_its_cap():
-    from p2ptrain.collective.allreduce import _BufferCache
+    from p2ptrain.collective.buffers import BufferCache
 
-    cache = _BufferCache(keep_bytes=3 * 1024)
+    cache = BufferCache(keep_bytes=3 * 1024)
     a, b = cache.take(1024), cache.take(1024)
     assert len(a) == 1024 and a is not b
     cache.give(a)
@@ -330,10 +330,10 @@ def test_receive_buffer_cache_reuses_and_stays_under_its_cap():
 
 
 async def test_reduce_scatter_buffers_outlive_the_call(monkeypatch):
-    from p2ptrain.collective import allreduce as collective
+    from p2ptrain.collective import buffers
 
-    cache = collective._BufferCache(keep_bytes=64 << 20)
-    monkeypatch.setattr(collective, "_CACHE", cache)
+    cache = buffers.BufferCache(keep_bytes=64 << 20)
+    monkeypatch.setattr(buffers, "CACHE", cache)
     kept = []
 
     async def body(g, r):

@@ -55,7 +55,6 @@ them. ``residual`` is complete only on success.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import weakref
 from concurrent.futures import Executor
@@ -69,6 +68,7 @@ from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.codecs._codec import check_domain
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
+from p2ptrain.collective.buffers import BufferPool
 from p2ptrain.collective.linkpace import LinkPace, raw_chunks_enabled
 from p2ptrain.collective.ring import MIN_CHUNK_ELEMS, RingPlan, Transfer
 from p2ptrain.taskset import TaskSet
@@ -89,63 +89,6 @@ class AllreduceStats:
 
     wire_bytes: int = 0
     raw_bytes: int = 0
-
-
-class _BufferCache:
-    """Free receive buffers by size, kept across calls, at most ``keep_bytes`` in all.
-
-    A fresh 1 MiB buffer costs ~0.4 ms to fault in and zero, and a call takes as many as
-    arrive before its adds catch up: 10 to 30 in a 64 MiB fp32 call on loopback, 4 to 13 ms
-    of its 40 when each call made its own. Buffers of a size no longer asked for are dropped
-    first when the cap is reached. ``take``/``give`` may run on any thread.
-    """
-
-    def __init__(self, keep_bytes: int):
-        self.keep_bytes = keep_bytes
-        self._free: dict[int, list[bytearray]] = {}
-        self._kept = 0
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> bytearray:
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._kept -= size
-                return free.pop()
-        return bytearray(size)
-
-    def give(self, buf: bytearray) -> None:
-        size = len(buf)
-        with self._lock:
-            for other in [s for s in self._free if s != size]:
-                while self._kept + size > self.keep_bytes and self._free[other]:
-                    self._free[other].pop()
-                    self._kept -= other
-                if not self._free[other]:
-                    del self._free[other]
-            if self._kept + size <= self.keep_bytes:
-                self._free.setdefault(size, []).append(buf)
-                self._kept += size
-
-
-_CACHE = _BufferCache(32 << 20)  # sixteen 2 MiB chunks in flight; loopback peaks at ~5-10
-
-
-class _BufferPool:
-    """Receive buffers of one size for one call, from the process-wide ``_CACHE``."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def take(self, nbytes: int) -> memoryview:
-        if nbytes > self.size:
-            return memoryview(bytearray(nbytes))
-        return memoryview(_CACHE.take(self.size))[:nbytes]
-
-    def give(self, view: memoryview) -> None:
-        base = view.obj
-        if isinstance(base, bytearray) and len(base) == self.size:
-            _CACHE.give(base)
 
 
 # The largest chunk of a sparse codec: 2 MiB of float32, ~40 KiB of top-k:0.01 payload,
@@ -244,9 +187,9 @@ class RingAllreduce:
         self._progress = asyncio.Event()
         self._forward: dict[tuple[int, int], tuple[dict, memoryview | None, bool]] = {}  # (params, payload, raw)
         self._recv_index = {(t.g, t.chunk): t for t in self.plan.recvs}
-        self._pool = _BufferPool(codec.max_payload(chunk_elems))
+        self._pool = BufferPool(codec.max_payload(chunk_elems))
         # A lossy codec's chunks may go raw (``linkpace``): their own buffers, and the link's pace.
-        self._raw_pool = None if codec.is_identity else _BufferPool(4 * chunk_elems)
+        self._raw_pool = None if codec.is_identity else BufferPool(4 * chunk_elems)
         self._pace = None if codec.is_identity or not raw_chunks_enabled() else pace_of(send_link)
         # One scratch per task: encode (sender) and decode-then-add (receiver) never share.
         self._send_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
