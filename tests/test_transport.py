@@ -198,7 +198,7 @@ async def test_truncated_frame_then_close_is_a_clear_link_error():
         client._transport.write(half)
         await asyncio.sleep(0.05)
         client._transport.abort()
-        client._close_direct()
+        client._close_io()
         with pytest.raises(LinkError, match="middle of a frame"):
             await server_side.recv(timeout=5)
 

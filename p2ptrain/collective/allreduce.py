@@ -232,12 +232,12 @@ class RingAllreduce:
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
             elif t.reduce or t.step == owner_step:
                 began = time.perf_counter()
-                raw = self._pace is not None and self._pace.send_raw(
-                    len(src), self.codec.max_payload(len(src)), self.send_link.queued_bytes())
+                queued = self.send_link.queued_bytes()  # (one look serves both choices)
+                raw = self._pace is not None and self._pace.send_raw(len(src), self.codec.max_payload(len(src)), queued)
                 if raw:
                     params, payload = self._raw(src, t)
                 else:
-                    zstd = self.codec.compresses and self._link_behind(len(src))  # (no zstd: no need to ask)
+                    zstd = self.codec.compresses and self._link_behind(len(src), queued)
                     params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd)
                     if self._pace is not None:
                         self._pace.encoded(len(src), time.perf_counter() - began)
@@ -278,8 +278,7 @@ class RingAllreduce:
         ended = time.perf_counter()
         if pace is not None:
             pace.sent(began, queued, ended, self.send_link.queued_bytes(), nbytes)
-        if self.trace is not NO_TRACE:
-            self.trace.span("send", "send", began, ended, round=self.op_id, step=t.g, chunk=t.chunk)
+        self.trace.span("send", "send", began, ended, round=self.op_id, step=t.g, chunk=t.chunk)
         self.stats.wire_bytes += nbytes
 
     def _encode(self, src: np.ndarray, final: bool, start: int, zstd: bool) -> tuple[dict, list]:
@@ -323,13 +322,12 @@ class RingAllreduce:
         src[:] = decoded
         return enc.params, enc.buffers
 
-    def _link_behind(self, elems: int) -> bool:
-        """Whether the send link still holds more of our bytes than ``elems`` values take
+    def _link_behind(self, elems: int, queued: int | None) -> bool:
+        """Whether the send link still holds ``queued`` bytes of ours, more than ``elems`` values take
         encoded without zstd: then the link, not our CPU, sets the ring's pace, and the bytes
         zstd saves are time saved. A link that keeps up (loopback, a fast LAN, or peers short
         of CPU, as several on one machine) gets chunks without zstd: compressing them would
         only delay them and take CPU from the ring. Where the OS cannot tell, zstd as set."""
-        queued = self.send_link.queued_bytes()
         return queued is None or queued > self.codec.max_payload(elems)
 
     async def _offload(self, elems: int, fn, *args):

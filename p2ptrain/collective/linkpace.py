@@ -19,9 +19,7 @@ shared link's bytes low whatever the speed).
 
 from __future__ import annotations
 
-import os
-
-from p2ptrain.errors import ConfigError
+from p2ptrain.switches import env_switch
 
 ENV = "P2PTRAIN_RAW_CHUNKS"
 ALPHA = 0.25               # weight of a new sample in the moving averages
@@ -33,12 +31,7 @@ MIN_SAMPLE_S = 100e-6
 def raw_chunks_enabled() -> bool:
     """``P2PTRAIN_RAW_CHUNKS``: 1 (default) lets a lossy codec's chunks go raw where that is
     sooner; 0 encodes every chunk. Anything else is a ConfigError (``join`` checks at start)."""
-    value = os.environ.get(ENV, "").strip()
-    if value in ("", "1"):
-        return True
-    if value == "0":
-        return False
-    raise ConfigError(f"{ENV}={value!r}: expected 0 or 1")
+    return env_switch(ENV, default=True)
 
 
 def _average(old: float | None, new: float) -> float:

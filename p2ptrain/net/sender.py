@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 from p2ptrain.errors import ClosedError, ConfigError, LinkError
+from p2ptrain.switches import env_switch
 
 log = logging.getLogger("p2ptrain.net.transport")
 
@@ -65,10 +66,7 @@ def io_threads_default() -> bool:
     add hand-offs (fp32 allreduce of 36 MiB, N = 2, the sender thread alone: 20-21 -> 24-27
     ms), and where cores are to spare they are not measured yet (``bench/device_check.sh``
     runs both)."""
-    value = os.environ.get(IO_THREADS_ENV, "").strip()
-    if value in ("", "0", "1"):
-        return value == "1"
-    raise ConfigError(f"{IO_THREADS_ENV}={value!r}: expected 0 or 1")
+    return env_switch(IO_THREADS_ENV, default=False)
 
 
 def _drop_sent(views: list[memoryview], sent: int) -> None:

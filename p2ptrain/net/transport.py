@@ -260,14 +260,11 @@ class Link:
                                     lost=self._on_lost, bad=self._on_bad_frame, backlog=self._frames.__len__,
                                     limit=MAX_QUEUED_FRAMES, name=self.name)
 
-    def _close_direct(self) -> None:
+    def _close_io(self) -> None:
+        """Our duplicates of the socket (the sender's, the reading thread's) closed or closing."""
         if self._direct is not None:
             self._direct.close()
             self._direct = None
-
-    def _close_io(self) -> None:
-        """Our duplicates of the socket (the sender's, the reading thread's) closed or closing."""
-        self._close_direct()
         if self._reader is not None:
             self._reader.close()
             self._reader = None
