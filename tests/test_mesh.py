@@ -56,6 +56,35 @@ async def test_simultaneous_dials_leave_one_link_per_pair():
             await p.mesh.close()
 
 
+async def test_a_ring_that_took_its_channels_before_a_duplicate_won_runs_over_the_kept_link():
+    """Both ends dialed at once and the link both keep (the smaller id's) came second: the
+    channels a ring took before the swap move to it, and nothing waits for a dropped link."""
+    a, b = await started("a", "b")
+    try:
+        b.mesh.propose("127.0.0.1", a.mesh.port)  # b's dial first: the link both will drop
+        await until(lambda: a.mesh.peers == ["b"] and b.mesh.peers == ["a"])
+        channels = {"a": a.mesh.channel("b"), "b": b.mesh.channel("a")}
+        dropped = a.mesh._links["b"]
+        await a.mesh._dial("127.0.0.1", b.mesh.port)  # (propose skips an address already linked)
+        await until(lambda: a.mesh._links["b"] is not dropped and b.mesh._links["a"] is not dropped)
+        assert a.mesh.channel("b") is channels["a"] and b.mesh.channel("a") is channels["b"]
+
+        data = {"a": np.arange(5_000, dtype=np.float32), "b": np.ones(5_000, np.float32)}
+        want = data["a"] + data["b"]
+
+        async def ring(rank, pid):
+            run = RingAllreduce(data[pid], rank=rank, size=2, send_link=channels[pid], recv_link=channels[pid],
+                                codec=parse_codec("none"), op_id=1, chunk_elems=512, timeout=5)
+            await run.run()
+
+        await asyncio.gather(ring(0, "a"), ring(1, "b"))
+        assert np.array_equal(data["a"], want) and np.array_equal(data["b"], want)
+        assert a.lost == b.lost == []
+    finally:
+        await a.mesh.close()
+        await b.mesh.close()
+
+
 async def test_messages_are_routed_and_a_ring_runs_over_the_channels():
     peers = await started("a", "b", "c")
     try:

@@ -137,6 +137,29 @@ async def test_a_fresh_peer_of_another_model_stops_naming_the_difference_and_the
             await c.close()
 
 
+async def test_a_fresh_peer_that_meets_the_odd_one_out_before_its_partner_goes_on_with_the_partner():
+    """Three peers started together: ``a`` meets ``c`` (another model) first, then ``b``. Only
+    ``c`` stops; ``a`` waited for a peer of its own model instead of blaming itself."""
+    other = [("w", (LENGTH + 1,), "float32")]
+    trainers = [TensorTrainer(0), TensorTrainer(1), TensorTrainer(2)]
+    clusters = await start(["a", "b", "c"], trainers, [FP, FP, other], [b"s", b"s", b"s"], min_peers=2)
+    a, b, c = clusters
+    try:
+        link([a, c])
+        await until(lambda: "c" in a._foreign, timeout=10)  # a, fresh, has met c
+        await asyncio.sleep(0.5)  # (c's fingerprint told and heard)
+        assert a.failure is None
+        link([a, b])
+        await until(lambda: c.failure is not None, timeout=20)
+        with pytest.raises(FingerprintError, match="start every peer with the same task"):
+            c.check()
+        await until(lambda: trainers[0].version >= 3 and trainers[1].version >= 3, timeout=20)
+        assert a.failure is None and b.failure is None
+    finally:
+        for x in clusters:
+            await x.close()
+
+
 def part(i, n, size, payload=b""):
     return {"t": "state", "k": "part", "id": 1, "i": i, "n": n, "size": size, "checksum": "x",
             "sync": [3, b"d" * 16, 4, 1]}, memoryview(payload)

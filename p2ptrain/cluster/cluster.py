@@ -72,6 +72,7 @@ TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
 REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secret) while we cannot train
+FOREIGN_VERDICT = 3.0  # seconds a fresh peer that met another model looks for one of its own before it stops
 
 
 def _brief(header: dict) -> dict:
@@ -104,6 +105,7 @@ class Cluster:
         self._refused: set[str] = set()  # peers refused for their settings, said once each
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
+        self._foreign_met: dict[str, tuple[float, str]] = {}  # (met while fresh: since when, what differs)
         self._tasks = TaskSet()  # every task of this cluster: actor, ticker, rings, state downloads
         self._fetcher: asyncio.Task | None = None  # (of those: the state download in progress)
         self.rounds = RoundLog()  # applied here, newest last
@@ -238,6 +240,7 @@ class Cluster:
                         if machine.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")
                     self._give_up_if_refused(now)
+                    self._judge_foreign(now)
                 elif kind == "message":
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("from %s: %s", args[0], _brief(args[1]))
@@ -262,7 +265,8 @@ class Cluster:
                 elif kind == "sent":  # our snapshot is on its way to a joiner: hold a while more
                     actions = machine.hold_for(args[0], now)
                 elif kind == "foreign":
-                    self._foreign_model(*args)
+                    self._foreign_met.setdefault(args[0], (now, args[1]))
+                    self._judge_foreign(now)
                     continue
                 elif kind == "other_settings":
                     self._other_settings(*args)
@@ -444,14 +448,22 @@ class Cluster:
             if members and donor not in members:
                 donor = members[int(loop.time()) % len(members)]
 
-    def _foreign_model(self, peer: str, diff: str) -> None:
-        fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
-        text = f"peer {peer} trains another model ({diff}); it is not admitted"
-        if fresh:  # we have trained nothing: the mistake is most likely ours
-            self.failure = FingerprintError(f"{text}: start every peer with the same task and model size")
-            log.error("%s", self.failure)
-        else:
-            log.error("%s; this peer keeps training with the others", text)
+    def _judge_foreign(self, now: float) -> None:
+        """Peers of another model met: a peer that has trained nothing and found no peer of its
+        own model within FOREIGN_VERDICT seconds stops (the mistake is most likely its own);
+        any other keeps training with the others. (Peers that start together all meet the odd
+        one out while fresh, some before they meet each other: they must not stop for it.)"""
+        for peer, (since, diff) in list(self._foreign_met.items()):
+            fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
+            text = f"peer {peer} trains another model ({diff}); it is not admitted"
+            if not fresh:
+                log.error("%s; this peer keeps training with the others", text)
+            elif now - since >= FOREIGN_VERDICT and self.failure is None:
+                self.failure = FingerprintError(f"{text}: start every peer with the same task and model size")
+                log.error("%s", self.failure)
+            else:
+                continue
+            del self._foreign_met[peer]
 
     def _give_up_if_refused(self, now: float) -> None:
         """Below ``min_peers``, with every peer we know refusing our handshake for a setting (a

@@ -15,7 +15,9 @@ Every task the mesh runs (dials, readers, keepalives) is in one ``TaskSet``, whi
 cancels and awaits.
 
 Two peers that dial each other at once end up with two links; both keep the one dialed by
-the smaller peer id and close the other, so they agree without talking. A link that fails
+the smaller peer id and close the other, so they agree without talking. A peer's
+``ChunkChannel`` outlives such a swap (it moves to the kept link, and the losing link's chunks
+still come to it), so a ring that took the channel before the swap goes on. A link that fails
 or closes is dropped and reported once through ``on_lost(peer_id, reason)``.
 
 Call order: ``await mesh.start()``; ``mesh.propose(host, port)`` as addresses come in;
@@ -45,6 +47,7 @@ class ChunkChannel:
 
     def __init__(self, link: transport.Link):
         self._link = link
+        self._allocate: wire.Allocator = wire.default_allocate
         self._frames: collections.deque[wire.Frame] = collections.deque()
         self._ready = asyncio.Event()
         self._error: BaseException | None = None
@@ -57,7 +60,15 @@ class ChunkChannel:
         return self._link.queued_bytes()
 
     def set_allocator(self, allocate: wire.Allocator) -> None:
+        self._allocate = allocate
         self._link.set_allocator(allocate)
+
+    def _move_to(self, link: transport.Link) -> None:
+        """Send on ``link`` from now on (it replaced a duplicate): the ring's allocator goes with
+        it; what still comes on the old link is received into fresh buffers (and copied)."""
+        self._link.set_allocator(wire.default_allocate)
+        self._link = link
+        link.set_allocator(self._allocate)
 
     async def send(self, header: dict, payload=(), timeout: float | None = None) -> None:
         await self._link.send(header, payload, timeout)
@@ -248,13 +259,15 @@ class Mesh:
                 return
             self._linger(pid, self._links[pid])
             self._readers.pop(pid).cancel()
+            self._channels[pid]._move_to(link)
         self._links[pid] = link
         self._dialer[pid] = dialed_by
         if addr is not None:
             self._addr[pid] = addr
             self.refused.pop(addr, None)
             self._said = {said for said in self._said if said[0] != addr}  # (a later refusal is news)
-        self._channels[pid] = ChunkChannel(link)
+        if pid not in self._channels:
+            self._channels[pid] = ChunkChannel(link)
         self._readers[pid] = self._tasks.spawn(self._read(pid, link))
         self._on_admitted(pid, link.peer.info)
 
