@@ -449,21 +449,20 @@ class Cluster:
                 donor = members[int(loop.time()) % len(members)]
 
     def _judge_foreign(self, now: float) -> None:
-        """Peers of another model met: a peer that has trained nothing and found no peer of its
-        own model within FOREIGN_VERDICT seconds stops (the mistake is most likely its own);
-        any other keeps training with the others. (Peers that start together all meet the odd
-        one out while fresh, some before they meet each other: they must not stop for it.)"""
+        """Peers of another model met: one that has trained nothing and found no peer of its own
+        model FOREIGN_VERDICT seconds on stops (the mistake is most likely its own; peers started
+        together meet the odd one out while fresh, some before each other); any other goes on."""
+        fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
         for peer, (since, diff) in list(self._foreign_met.items()):
-            fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
+            if fresh and now - since < FOREIGN_VERDICT:
+                continue
+            del self._foreign_met[peer]
             text = f"peer {peer} trains another model ({diff}); it is not admitted"
             if not fresh:
                 log.error("%s; this peer keeps training with the others", text)
-            elif now - since >= FOREIGN_VERDICT and self.failure is None:
+            elif self.failure is None:
                 self.failure = FingerprintError(f"{text}: start every peer with the same task and model size")
                 log.error("%s", self.failure)
-            else:
-                continue
-            del self._foreign_met[peer]
 
     def _give_up_if_refused(self, now: float) -> None:
         """Below ``min_peers``, with every peer we know refusing our handshake for a setting (a
