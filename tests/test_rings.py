@@ -38,3 +38,39 @@ async def test_cancel_stops_the_ring_and_forgets_what_it_left():
         await ring
     assert rnd.ring is None and rnd.summed is None and rnd.stats is None
     assert rnd.taken is not None  # (the contribution is the cluster's to put back)
+
+
+async def test_a_lossy_ring_whose_chunks_all_went_exact_owes_nothing_and_one_that_encoded_owes_what_it_dropped(monkeypatch):
+    from helpers import until
+    from p2ptrain.collective.linkpace import LinkPace
+    from p2ptrain.net.mesh import Mesh
+
+    meshes = [Mesh(cluster="lab", peer_id=pid, secret=b"s", host="127.0.0.1") for pid in "ab"]
+    for m in meshes:
+        await m.start()
+    meshes[0].propose("127.0.0.1", meshes[1].port)
+    await until(lambda: all(m.peers for m in meshes))
+    rings = [Rings(m.peer_id, mesh=m, codec=parse_codec("int8"), timeout=5.0, tasks=TaskSet(),
+                   on_done=lambda *a: None) for m in meshes]
+    rng = np.random.default_rng(1)
+    try:
+        for r, raw in ((1, True), (2, False), (3, True)):
+            monkeypatch.setattr(LinkPace, "send_raw", lambda self, *args, raw=raw: raw)
+            vectors = [rng.standard_normal(300_000).astype(np.float32) for _ in rings]
+            owed = [x.residual if x.residual is not None else np.zeros_like(v) for x, v in zip(rings, vectors)]
+            rounds = [Round(r, taken=(v, 1)) for v in vectors]
+            for x, rnd in zip(rings, rounds):
+                x.start(rnd, ("a", "b"))
+            await asyncio.gather(*[rnd.ring for rnd in rounds])
+            sums = [x.commit(rnd, total=2) for x, rnd in zip(rings, rounds)]
+            assert np.array_equal(sums[0], sums[1])
+            if raw:  # exact: the sum itself, nothing owed afterwards
+                assert np.array_equal(sums[0], (vectors[0] + owed[0]) + (vectors[1] + owed[1]))
+                assert all(x.residual is None for x in rings)
+            else:  # what int8 dropped is owed to the next round
+                assert all(x.residual is not None for x in rings)
+                left = sums[0] + rings[0].residual + rings[1].residual
+                assert np.allclose(left, vectors[0] + vectors[1], atol=1e-5)
+    finally:
+        for m in meshes:
+            await m.close()

@@ -148,6 +148,8 @@ class Rings:
                             executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
                             ready=ready)
         rnd.stats = await run.run()
+        if residual is not None and not run.residual_owed:  # (every chunk went exact: the buffer stays spare)
+            self._spare, residual = residual, None
         rnd.summed, rnd.residual = work, residual
         return run.sum_digest()  # (hashed a chunk at a time as the all-gather delivered them)
 

@@ -23,7 +23,9 @@ Chunks pass through a codec (``p2ptrain.codecs``):
   written per value into ``residual``; the caller adds it into the next call's input (the
   ``Group`` keeps it across calls, the ``Cluster`` until its round commits). Every value is
   encoded exactly once per peer per call, so one float32 buffer of the input's size holds it
-  all, and every value of it is written.
+  all, and every value of it is written, unless no chunk dropped anything (every one went
+  raw): then ``residual_owed`` is False after the call and the buffer was left as it was (a
+  caller owes nothing, and skips both the zeros and adding them next time).
 
 With the ``none`` codec nothing is copied in Python: chunks are sent from the work buffer's
 memory, and all-gather chunks are received straight into it (the link's allocator).
@@ -181,6 +183,9 @@ class RingAllreduce:
         self.op_id = op_id
         self.timeout = timeout
         self.residual = residual
+        self.residual_owed = residual is not None  # (after ``run``: False where nothing was dropped)
+        self._raw_spans: list[tuple[int, int]] = []  # ranges of ``residual`` that are 0 (their chunks went raw)
+        self._encoded = False  # whether an encode wrote ``residual``
         self.stats = AllreduceStats()
         self._digests: dict[int, int] | None = {} if digest else None  # chunk start -> xxh3 of its final values
         self._arrived: set[tuple[int, int]] = set()
@@ -201,8 +206,7 @@ class RingAllreduce:
                 await self._ready.until(0, len(self.work))
             if self.own is not self.work:
                 self.work[:] = self.own
-            if self.residual is not None:
-                self.residual.fill(0)  # (alone, the sum is exact)
+            self.residual_owed = False  # (alone, the sum is exact)
             return self.stats
         self.recv_link.set_allocator(self._allocate)
         tasks = TaskSet()  # sender and receiver: neither outlives this call, however it ends
@@ -214,6 +218,10 @@ class RingAllreduce:
         finally:
             await tasks.close()
             self.recv_link.set_allocator(wire.default_allocate)
+        if self.residual is not None:
+            self.residual_owed = self._encoded
+            for start, stop in self._raw_spans if self._encoded else ():
+                self.residual[start:stop] = 0.0
         return self.stats
 
     # -- sending --------------------------------------------------------------------------
@@ -262,8 +270,7 @@ class RingAllreduce:
         final sum stays as it is."""
         if t.step == 0:
             _check_finite(self.codec.name, src)  # (sums of finite values stay finite)
-        if self.residual is not None:
-            self.residual[t.start : t.stop] = 0.0
+        self._raw_spans.append((t.start, t.stop))
         if not t.reduce:
             self._finished(t.start, src)
         return {}, [memoryview(src)]
@@ -313,6 +320,7 @@ class RingAllreduce:
             enc = self.codec.encode_decoded(src, src, zstd) if final else self.codec.encode(src, zstd)
             return enc.params, enc.buffers
         residual = self.residual[start : start + len(src)]
+        self._encoded = True
         if not final:
             enc = self.codec.encode_residual(src, residual, zstd)
             return enc.params, enc.buffers

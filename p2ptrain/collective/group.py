@@ -218,6 +218,8 @@ class Group:
                     self._failure = exc
                     await self.close()
                     raise
+                if feedback is not None and not run.residual_owed:
+                    feedback.fill(0)  # (every chunk went exact: nothing dropped, nothing owed)
             if op == "mean":
                 np.divide(work, np.float32(self.size), out=work)
             copy_back()
