@@ -1,12 +1,16 @@
-"""Rings: a round's ring leaves its sum in the round's record; commit hands it over, cancel forgets it."""
+"""Rings: a round's ring leaves its sum in the round's record; commit hands it over, cancel forgets it; what a lossy ring dropped is owed to the next."""
 
 import asyncio
 
 import numpy as np
 import pytest
 
+from helpers import until
+
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.codecs import parse_codec
+from p2ptrain.collective.linkpace import LinkPace
+from p2ptrain.net.mesh import Mesh
 from p2ptrain.taskset import TaskSet
 
 pytestmark = pytest.mark.timeout(10)
@@ -41,10 +45,6 @@ async def test_cancel_stops_the_ring_and_forgets_what_it_left():
 
 
 async def test_a_lossy_ring_whose_chunks_all_went_exact_owes_nothing_and_one_that_encoded_owes_what_it_dropped(monkeypatch):
-    from helpers import until
-    from p2ptrain.collective.linkpace import LinkPace
-    from p2ptrain.net.mesh import Mesh
-
     meshes = [Mesh(cluster="lab", peer_id=pid, secret=b"s", host="127.0.0.1") for pid in "ab"]
     for m in meshes:
         await m.start()
