@@ -452,6 +452,8 @@ class Cluster:
         """Peers of another model met: one that has trained nothing and found no peer of its own
         model FOREIGN_VERDICT seconds on stops (the mistake is most likely its own; peers started
         together meet the odd one out while fresh, some before each other); any other goes on."""
+        if not self._foreign_met:
+            return
         fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
         for peer, (since, diff) in list(self._foreign_met.items()):
             if fresh and now - since < FOREIGN_VERDICT:
