@@ -5,12 +5,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from helpers import until
+from test_allreduce import meshes
 
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.linkpace import LinkPace
-from p2ptrain.net.mesh import Mesh
 from p2ptrain.taskset import TaskSet
 
 pytestmark = pytest.mark.timeout(10)
@@ -45,13 +44,9 @@ async def test_cancel_stops_the_ring_and_forgets_what_it_left():
 
 
 async def test_a_lossy_ring_whose_chunks_all_went_exact_owes_nothing_and_one_that_encoded_owes_what_it_dropped(monkeypatch):
-    meshes = [Mesh(cluster="lab", peer_id=pid, secret=b"s", host="127.0.0.1") for pid in "ab"]
-    for m in meshes:
-        await m.start()
-    meshes[0].propose("127.0.0.1", meshes[1].port)
-    await until(lambda: all(m.peers for m in meshes))
+    ids, ms = await meshes(2)
     rings = [Rings(m.peer_id, mesh=m, codec=parse_codec("int8"), timeout=5.0, tasks=TaskSet(),
-                   on_done=lambda *a: None) for m in meshes]
+                   on_done=lambda *a: None) for m in ms]
     rng = np.random.default_rng(1)
     try:
         for r, raw in ((1, True), (2, False), (3, True)):
@@ -60,7 +55,7 @@ async def test_a_lossy_ring_whose_chunks_all_went_exact_owes_nothing_and_one_tha
             owed = [x.residual if x.residual is not None else np.zeros_like(v) for x, v in zip(rings, vectors)]
             rounds = [Round(r, taken=(v, 1)) for v in vectors]
             for x, rnd in zip(rings, rounds):
-                x.start(rnd, ("a", "b"))
+                x.start(rnd, tuple(ids))
             await asyncio.gather(*[rnd.ring for rnd in rounds])
             sums = [x.commit(rnd, total=2) for x, rnd in zip(rings, rounds)]
             assert np.array_equal(sums[0], sums[1])
@@ -72,5 +67,5 @@ async def test_a_lossy_ring_whose_chunks_all_went_exact_owes_nothing_and_one_tha
                 left = sums[0] + rings[0].residual + rings[1].residual
                 assert np.allclose(left, vectors[0] + vectors[1], atol=1e-5)
     finally:
-        for m in meshes:
+        for m in ms:
             await m.close()
