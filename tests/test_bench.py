@@ -32,21 +32,18 @@ def test_codecs_bench_quick():
         assert codec in p.stdout
 
 
-def test_train_bench_quick_runs_ddp_p2ptrain_and_alone_with_equal_fp32_losses():
-    p = run("bench/train.py", "--quick", "--reps", "1")
+def test_train_bench_quick_runs_ddp_p2ptrain_and_alone_with_equal_fp32_losses_and_traces_where_a_step_goes(tmp_path):
+    """One quick run of every mode (a start-up of torch per worker is most of its time):
+    DDP and p2ptrain end at the same fp32 loss, and ``--trace`` has each p2ptrain worker write
+    a Chrome trace with its batches, steps, rounds, the ring's chunks and the optimizer's steps,
+    so a step's time can be taken apart."""
+    import json
+
+    p = run("bench/train.py", "--quick", "--reps", "1", "--trace", str(tmp_path))
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     rows = {l.split("|")[2].strip(): l.split("|")[-2].strip() for l in p.stdout.splitlines() if l.startswith("| 2 ")}
     assert set(rows) == {"ddp", "p2ptrain", "alone"}
     assert rows["ddp"] == rows["p2ptrain"]  # staleness 0, fp32: DDP's mathematics, the same loss
-
-
-def test_train_bench_traces_where_a_step_goes(tmp_path):
-    """``--trace``: each p2ptrain worker writes a Chrome trace with its batches, steps, rounds,
-    the ring's chunks and the optimizer's steps, so a step's time can be taken apart."""
-    import json
-
-    p = run("bench/train.py", "--quick", "--reps", "1", "--modes", "p2ptrain", "--trace", str(tmp_path))
-    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     for rank in (0, 1):
         events = json.loads((tmp_path / "n2-p2ptrain-none" / f"rank{rank}.json").read_text())["traceEvents"]
         names = {e["name"].split(" ")[0] for e in events if e["ph"] == "X"}
