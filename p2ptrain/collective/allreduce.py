@@ -13,8 +13,8 @@ Chunks pass through a codec (``p2ptrain.codecs``):
 - raw chunks (``linkpace``): a lossy codec's chunk goes as the float32 values themselves
   (header ``"raw": true``, exact, no residual) where the link carries them sooner than the
   codec would turn them out: loopback, a fast LAN, CPUs too busy to encode in time. Measured
-  per link as the ring runs; never while the link is behind. Every peer takes the bytes that
-  came, so replicas stay bit-identical whichever way each chunk went.
+  per link as the ring runs (what the link still holds of ours counted at its rate). Every
+  peer takes the bytes that came, so replicas stay bit-identical whichever way each chunk went.
 - zstd (the codec's lossless layer) only where the send link is behind: it still holds more
   of our bytes than the chunk would take raw (``Link.queued_bytes``). Elsewhere the link
   keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). The

@@ -8,9 +8,12 @@ link and across calls, two figures measured while the ring runs: how fast the li
 (bytes the kernel got rid of while a send ran or while it held bytes of ours throughout;
 never over an idle gap) and the codec's seconds per value (our encodes and decodes). It says
 raw when the bytes that encoding would save take the link less time than the codec takes to
-save them, and never while the link is behind (it holds more of our bytes than an encoded
-chunk). Raw must win by ``MARGIN``: where the two come out about even, fewer bytes are the
-better use of a link that others may share (and of a rate that is only an estimate).
+save them, less the time the link needs to drain what it holds of ours already (the encode
+runs meanwhile): a link that is behind keeps the codec only where its queue takes longer to
+drain than the codec takes (a slow link); a fast one that holds bytes because the next peer
+is busy reading is no reason to encode, which only makes both ends busier. Raw must win by
+``MARGIN``: where the two come out about even, fewer bytes are the better use of a link that
+others may share (and of a rate that is only an estimate).
 
 Pure: no sockets and no clock of its own; the allreduce feeds it times and queue lengths.
 ``P2PTRAIN_RAW_CHUNKS=0`` turns it off (every chunk encoded, as a user may want to keep a
@@ -92,8 +95,9 @@ class LinkPace:
         rate = self.rate
         if queued is None or rate is None or self.encode_s is None:
             return False  # (nothing known: as asked, encoded)
-        if queued > encoded_bytes:
-            return False  # the link is behind: it sets the pace, and fewer bytes are sooner
+        # Raw arrives at (queued + 4 values) / rate; encoded at max(codec, queued / rate) plus
+        # its bytes / rate: raw is sooner by the bytes saved against the codec's time beyond
+        # the drain (none, so never raw, where the queue outlasts the codec).
         saved_s = (4 * values - encoded_bytes) / rate
-        codec_s = values * (self.encode_s + (self.decode_s or 0.0)) - queued / rate  # (the queue drains meanwhile)
+        codec_s = values * (self.encode_s + (self.decode_s or 0.0)) - queued / rate
         return MARGIN * saved_s < codec_s
