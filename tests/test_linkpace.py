@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.collective.linkpace import MARGIN, LinkPace, raw_chunks_enabled
+from p2ptrain.collective.linkpace import MARGIN, SETTLED_BYTES, LinkPace, raw_chunks_enabled
 from p2ptrain.errors import ConfigError
 
 N = 256 * 1024          # values in a chunk
 INT8 = N + 4 * (N // 256)  # its int8 payload
 
 
-def drained_at(pace: LinkPace, rate: float, sends: int = 4, nbytes: int = 1 << 20) -> None:
+SETTLED = SETTLED_BYTES // (1 << 20) + 1  # 1 MiB sends before a rate is trusted
+
+
+def drained_at(pace: LinkPace, rate: float, sends: int = SETTLED, nbytes: int = 1 << 20) -> None:
     """Sends that the kernel took whole and drained at ``rate`` while they ran (dry after each)."""
     t = 0.0
     for _ in range(sends):
@@ -20,7 +23,7 @@ def drained_at(pace: LinkPace, rate: float, sends: int = 4, nbytes: int = 1 << 2
         t += 2 * nbytes / rate
 
 
-def busy_at(pace: LinkPace, rate: float, sends: int = 4, nbytes: int = 1 << 20) -> float:
+def busy_at(pace: LinkPace, rate: float, sends: int = SETTLED + 1, nbytes: int = 1 << 20) -> float:
     """Sends into a link that stays behind: each gap drains ``nbytes`` at ``rate``, the queue
     never empty (the next send finds it back at 4 sends' worth). Returns when the next is due."""
     t, queued = 0.0, 4 * nbytes
@@ -54,6 +57,18 @@ def test_a_fast_link_beside_a_slow_codec_goes_raw_unless_its_queue_outlasts_the_
     # bytes are sooner.
     assert not pace.send_raw(N, INT8, int(5e9 * 3e-3))
     assert not pace.send_raw(N, INT8, None)      # the OS cannot tell: as asked
+
+
+def test_a_rate_read_over_little_traffic_keeps_the_codec():
+    """A few small calls' samples may be a burst's (one CI run of lan.py's quick 100 Mbit/s
+    test, a few calls of at most 1 MiB, sent every int8 chunk raw): nothing goes raw before
+    the link has drained SETTLED_BYTES in samples."""
+    pace = LinkPace()
+    drained_at(pace, 5e9, sends=4)   # 4 MiB at 5 GB/s
+    codec(pace, 10)
+    assert pace.rate > 1e9 and not pace.send_raw(N, INT8, 0)
+    drained_at(pace, 5e9)            # and then enough of it
+    assert pace.send_raw(N, INT8, 0)
 
 
 def test_a_slow_link_keeps_the_codec_however_busy_the_cpu():
@@ -90,7 +105,7 @@ def test_a_token_buckets_burst_does_not_make_a_slow_link_look_fast():
 def test_idle_time_between_rounds_does_not_make_a_fast_link_look_slow():
     pace = LinkPace()
     t = 0.0
-    for _ in range(8):  # 1 MiB sends at 5 GB/s, then the link idles 100 ms (a step's compute)
+    for _ in range(SETTLED // 2 + 1):  # 1 MiB sends at 5 GB/s, then the link idles 100 ms (a step's compute)
         pace.sent(t, 0, t + 2e-4, 0, 1 << 20)
         t += 0.1
         pace.sent(t, 64 << 10, t + 2e-4, 0, 1 << 20)  # (a frame of the next round still queued)

@@ -11,9 +11,11 @@ raw when the bytes that encoding would save take the link less time than the cod
 save them, less the time the link needs to drain what it holds of ours already (the encode
 runs meanwhile): a link that is behind keeps the codec only where its queue takes longer to
 drain than the codec takes (a slow link); a fast one that holds bytes because the next peer
-is busy reading is no reason to encode, which only makes both ends busier. Raw must win by
-``MARGIN``: where the two come out about even, fewer bytes are the better use of a link that
-others may share (and of a rate that is only an estimate).
+is busy reading is no reason to encode, which only makes both ends busier. Nothing goes raw
+until the link has drained ``SETTLED_BYTES`` in the samples: a rate read over less may be a
+burst's (a token bucket's, a switch's buffer; 100 Mbit/s read as several times that after a
+few small calls). Raw must win by ``MARGIN``: where the two come out about even, fewer bytes are the better
+use of a link that others may share (and of a rate that is only an estimate).
 
 Pure: no sockets and no clock of its own; the allreduce feeds it times and queue lengths.
 ``P2PTRAIN_RAW_CHUNKS=0`` turns it off (every chunk encoded, as a user may want to keep a
@@ -29,6 +31,7 @@ ALPHA = 0.25               # weight of a new sample in the moving averages
 MARGIN = 2.0               # raw only where the codec would take this many times the time it saves
 MIN_SAMPLE_BYTES = 64 << 10  # a drain figure over fewer bytes is the kernel's bursts, not the link
 MIN_SAMPLE_S = 100e-6
+SETTLED_BYTES = 64 << 20   # drained in the samples before the rate is trusted (a chunk may go raw)
 
 
 def raw_chunks_enabled() -> bool:
@@ -49,6 +52,7 @@ class LinkPace:
         self.encode_s: float | None = None    # seconds per value to encode (moving average)
         self.decode_s: float | None = None    # ... and to decode
         self._after: tuple[float, int] | None = None  # (time, queued bytes) when the last send returned
+        self.measured = 0  # bytes drained in all the samples so far (not decayed)
 
     # -- what the ring measured --------------------------------------------------------------
     def encoded(self, values: int, seconds: float) -> None:
@@ -81,6 +85,7 @@ class LinkPace:
             return
         b, s = self._drained
         self._drained = [b * (1 - ALPHA) + drained, s * (1 - ALPHA) + seconds]
+        self.measured += drained
 
     @property
     def rate(self) -> float | None:
@@ -93,8 +98,8 @@ class LinkPace:
         """Whether ``values`` float32 reach the next peer sooner raw than as ``encoded_bytes``
         of codec (``queued``: our bytes the kernel holds now; None: the OS cannot tell)."""
         rate = self.rate
-        if queued is None or rate is None or self.encode_s is None:
-            return False  # (nothing known: as asked, encoded)
+        if queued is None or rate is None or self.encode_s is None or self.measured < SETTLED_BYTES:
+            return False  # (nothing known, or a rate over too little traffic: as asked, encoded)
         # Raw arrives at (queued + 4 values) / rate; encoded at max(codec, queued / rate) plus
         # its bytes / rate: raw is sooner by the bytes saved against the codec's time beyond
         # the drain (none, so never raw, where the queue outlasts the codec).
