@@ -31,7 +31,7 @@ ALPHA = 0.25               # weight of a new sample in the moving averages
 MARGIN = 2.0               # raw only where the codec would take this many times the time it saves
 MIN_SAMPLE_BYTES = 64 << 10  # a drain figure over fewer bytes is the kernel's bursts, not the link
 MIN_SAMPLE_S = 100e-6
-SETTLED_BYTES = 64 << 20   # drained in the samples before the rate is trusted (a chunk may go raw)
+SETTLED_BYTES = 8 << 20    # drained in the samples before the rate is trusted (a chunk may go raw)
 
 
 def raw_chunks_enabled() -> bool:
