@@ -14,8 +14,8 @@ drain than the codec takes (a slow link); a fast one that holds bytes because th
 is busy reading is no reason to encode, which only makes both ends busier. Nothing goes raw
 until the link has drained ``SETTLED_BYTES`` in the samples: a rate read over less may be a
 burst's (a token bucket's, a switch's buffer; 100 Mbit/s read as several times that after a
-few small calls). Raw must win by ``MARGIN``: where the two come out about even, fewer bytes are the better
-use of a link that others may share (and of a rate that is only an estimate).
+few small calls). Raw must win by ``MARGIN``: where the two come out about even, fewer bytes
+are the better use of a link that others may share (and of a rate that is only an estimate).
 
 Pure: no sockets and no clock of its own; the allreduce feeds it times and queue lengths.
 ``P2PTRAIN_RAW_CHUNKS=0`` turns it off (every chunk encoded, as a user may want to keep a
