@@ -104,6 +104,8 @@ def test_bad_options_exit_2_with_one_line(args, message):
     assert p.returncode == 2, (p.returncode, p.stderr[-800:])
     assert message in p.stderr
     assert "Traceback" not in p.stderr
+    # one name for the command on every such line, the parser's and the checks' after it alike
+    assert p.stderr.strip().splitlines()[-1].startswith("python -m p2ptrain join: error: "), p.stderr[-800:]
 
 
 def test_missing_peer_exits_3_naming_it():

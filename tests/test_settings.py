@@ -131,7 +131,7 @@ def test_join_peers_with_other_compression_exit_3_within_seconds_with_one_line()
     listening = []
     for _, err in outs:
         said = [line for line in err.splitlines() if "other settings" in line]
-        assert len(said) == 1 and said[0].startswith("p2ptrain join: ") and "--compression" in said[0], err[-800:]
+        assert len(said) == 1 and said[0].startswith("python -m p2ptrain join: ") and "--compression" in said[0], err[-800:]
         assert "ring failed" not in err and "Traceback" not in err
         stamp = next(line[:23] for line in err.splitlines() if "listening on port" in line)
         listening.append(datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())

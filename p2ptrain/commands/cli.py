@@ -70,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prog = parser.commands[args.command].prog  # (as a usage error names it: one name for every line)
     try:
         return args._run(args)
     except ConfigError as exc:
-        print(f"p2ptrain {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except P2PTrainError as exc:
-        print(f"p2ptrain {args.command}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_CLUSTER
     except KeyboardInterrupt:
         return 130
