@@ -81,6 +81,22 @@ def test_bad_options_are_refused_clearly():
             AsyncPeer(model, opt, **bad)
 
 
+def test_a_model_and_optimizer_that_do_not_belong_together_are_refused_at_once():
+    """Not at the first step, and never by training nothing: an optimizer over another module's
+    parameters stepped tensors without gradients (none moved), and one holding a tensor outside
+    the model would step it on gradients no peer averages."""
+    model, opt = model_and_optimizer()
+    other, other_opt = model_and_optimizer()
+    extra = torch.zeros(3, requires_grad=True)
+    for args, match in [(("model", opt), "model must be a torch.nn.Module, got str"),
+                        ((model, "sgd"), "optimizer must be a torch.optim.Optimizer over the model's parameters"),
+                        ((model, other_opt), r"steps \d+ tensor\(s\) that are not the model's parameters"),
+                        ((model, torch.optim.SGD([*model.parameters(), extra], lr=0.1)), "steps 1 tensor")]:
+        with pytest.raises(ConfigError, match=match):
+            AsyncPeer(*args, discovery=False)
+    AsyncPeer(model, torch.optim.SGD([next(model.parameters())], lr=0.1), discovery=False)  # a part is the user's choice
+
+
 def test_async_example_trains_with_two_processes():
     import os
     import sys

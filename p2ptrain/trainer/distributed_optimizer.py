@@ -51,10 +51,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"DistributedOptimizer(optimizer, model, ...): model must be a torch.nn.Module, got "
                               f"{type(model).__name__}")
-        owned = {id(p) for p in model.parameters()}
-        if any(id(p) not in owned for g in optimizer.param_groups for p in g["params"]):
-            raise ConfigError("the optimizer steps parameters that are not the model's: build it over "
-                              "model.parameters()")
         self.optimizer = optimizer
         self.peer = Peer(model, optimizer, **peer_options)
 

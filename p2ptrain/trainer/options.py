@@ -54,6 +54,23 @@ def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, re
         raise ConfigError(f"duration must be a number of seconds > 0 (or None: no limit), got {duration!r}")
 
 
+def check_model_and_optimizer(model, optimizer) -> None:
+    """``AsyncPeer(model, optimizer)``: a module, and an optimizer over its parameters only (one
+    over others' would step parameters whose gradients no peer averages, so replicas drift)."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, got "
+                          f"{type(optimizer).__name__}")
+    owned = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in owned for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ConfigError(f"the optimizer steps {foreign} tensor(s) that are not the model's parameters, whose "
+                          f"gradients no peer would average: build it over model.parameters()")
+
+
 def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None, duration: float | None,
                  now: float) -> RoundConfig:
     """The round machine's settings; the run's limits (``cluster.ending``): the version this peer

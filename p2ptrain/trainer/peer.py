@@ -142,7 +142,7 @@ from p2ptrain.trainer.lifetime import Lifetime
 from p2ptrain.trainer.overlap import BackwardFeed
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
-from p2ptrain.trainer.options import check_options, listen_address, round_config
+from p2ptrain.trainer.options import check_model_and_optimizer, check_options, listen_address, round_config
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.cluster.rings import KEEP_RESULTS
@@ -195,6 +195,7 @@ class AsyncPeer:
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
                       duration=duration, cluster=cluster, sync_every=sync_every, outer_lr=outer_lr,
                       outer_momentum=outer_momentum, overlap=overlap)
+        check_model_and_optimizer(model, optimizer)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
