@@ -97,6 +97,29 @@ def test_a_model_and_optimizer_that_do_not_belong_together_are_refused_at_once()
     AsyncPeer(model, torch.optim.SGD([next(model.parameters())], lr=0.1), discovery=False)  # a part is the user's choice
 
 
+def test_a_state_that_does_not_fit_is_refused_before_anything_loads():
+    """torch's own loads copy every tensor that fits and then raise: a state with one wrong
+    shape left the others loaded and a bare RuntimeError (a KeyError or TypeError for others)."""
+    model, opt = model_and_optimizer()
+    peer = AsyncPeer(model, opt, discovery=False)
+    good = peer.state_dict()
+    before = [p.detach().clone() for p in model.parameters()]
+    shifted = {name: t + 1 for name, t in good["model"].items()}
+    lone = torch.zeros(1, requires_grad=True)
+    for state, match in [("ckpt.pt", "got a str without 'model' and 'optimizer'"),
+                         ({"x": 1}, "got a dict without"),
+                         ({**good, "model": {**shifted, "2.bias": torch.zeros(4)}}, r"'2.bias' is torch.Size\(\[4\]\)"),
+                         ({**good, "model": {**shifted, "extra": torch.zeros(1)}}, "'extra' is in the state only"),
+                         ({**good, "optimizer": torch.optim.SGD([lone], lr=1).state_dict()}, "other parameter groups"),
+                         ({**good, "version": -5}, "version -5 is not an int"),
+                         ({**good, "sync": ["x", b"", 0, 0]}, "'sync' entry is malformed")]:
+        with pytest.raises(ConfigError, match=match):
+            peer.load_state_dict(state)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # nothing loaded
+    peer.load_state_dict({**good, "model": shifted, "version": 7})
+    assert all(torch.equal(p, q + 1) for p, q in zip(model.parameters(), before)) and peer.version == 7
+
+
 def test_async_example_trains_with_two_processes():
     import os
     import sys

@@ -63,6 +63,37 @@ def _point(sync) -> SyncPoint | None:
     return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
 
 
+def _checked_state(model: torch.nn.Module, optimizer, state) -> tuple[int, SyncPoint | None]:
+    """``load_state_dict``'s argument checked before anything is loaded, so that a wrong one
+    changes nothing (torch's own loads copy what fits and then raise): its version and point."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"load_state_dict: {what}: pass what state_dict() returned on a peer of this model")
+
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), dict) for k in ("model", "optimizer")):
+        raise bad(f"got a {type(state).__name__} without 'model' and 'optimizer' dicts")
+    mine, theirs = model.state_dict(), state["model"]
+    name = next((k for k in mine if k not in theirs), None) or next((k for k in theirs if k not in mine), None)
+    if name is not None:
+        raise bad(f"{name!r} is in {'this model only' if name in mine else 'the state only'}")
+    for name, t in mine.items():
+        if not isinstance(theirs[name], torch.Tensor) or theirs[name].shape != t.shape:
+            raise bad(f"{name!r} is {getattr(theirs[name], 'shape', type(theirs[name]).__name__)} in the state "
+                      f"and {t.shape} here")
+    groups = state["optimizer"].get("param_groups")
+    if not isinstance(groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] \
+            != [len(g["params"]) for g in optimizer.param_groups]:
+        raise bad("its optimizer holds other parameter groups than this peer's")
+    if not isinstance(state.get("scheduler") or {}, dict):
+        raise bad("its 'scheduler' is not a scheduler's state_dict()")
+    version = state.get("version", 0)
+    if type(version) is not int or version < 0:
+        raise bad(f"its version {version!r} is not an int >= 0")
+    try:
+        return version, _point(state.get("sync"))
+    except (TypeError, ValueError, IndexError):
+        raise bad("its 'sync' entry is malformed") from None
+
+
 class Updater:
     """Applying committed updates and loading states, and what they give (see the module
     docstring). Its methods without an underscore are what the peer and ``Contributor`` call."""
@@ -298,10 +329,11 @@ class Updater:
         peer = self.peer
         if peer._lifetime.thread is not None:
             raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
+        version, point = _checked_state(peer.model, peer.optimizer, state)
         peer.model.load_state_dict(state["model"])
         peer.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
         if peer._local is not None:
             peer._local.reset((state.get("outer") or {}).get("momentum"))
-        peer.version = peer._committed = peer._computing_on = int(state.get("version", 0))
-        peer._start = _point(state.get("sync"))
+        peer.version = peer._committed = peer._computing_on = version
+        peer._start = point
