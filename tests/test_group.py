@@ -107,9 +107,16 @@ async def test_integer_tensors_are_refused_clearly():
             await g.allreduce([torch.ones(2), torch.ones(2, dtype=torch.int64)])
         with pytest.raises(ConfigError, match="op must be"):
             await g.allreduce(torch.ones(2), op="max")
-        return True
+        # (an array went by its scalars, refused as "item 0 is float32: convert it with .float()")
+        with pytest.raises(ConfigError, match=r"got a ndarray: wrap it with torch.from_numpy\(array\)"):
+            await g.allreduce(np.ones(4, np.float32))
+        with pytest.raises(ConfigError, match="item 1 is a float: make it one with torch.as_tensor"):
+            await g.allreduce([torch.ones(2), 2.0])
+        x = torch.ones(3)
+        await g.allreduce(t for t in [x])  # any iterable of tensors
+        return x.tolist()
 
-    assert all(await run_group(2, body))
+    assert await run_group(2, body) == [[2.0] * 3] * 2
 
 
 async def test_error_feedback_conserves_mass_over_rounds():

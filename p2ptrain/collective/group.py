@@ -185,11 +185,18 @@ class Group:
         if op not in ("sum", "mean"):
             raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
         single = isinstance(tensors, torch.Tensor)
+        if not single and (isinstance(tensors, np.ndarray) or not hasattr(tensors, "__iter__")):
+            # (an array would be taken apart into its scalars)
+            raise ConfigError(f"allreduce takes a torch.Tensor or a list of them, got a {type(tensors).__name__}"
+                              + (": wrap it with torch.from_numpy(array) (the sum lands in the array)"
+                                 if isinstance(tensors, np.ndarray) else ""))
         items = [tensors] if single else list(tensors)
         for i, t in enumerate(items):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ConfigError(f"allreduce takes floating-point tensors; item {i} is {what}: "
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"allreduce takes torch tensors; item {i} is a {type(t).__name__}: "
+                                  "make it one with torch.as_tensor")
+            if not t.is_floating_point():
+                raise ConfigError(f"allreduce takes floating-point tensors; item {i} is {t.dtype}: "
                                   "convert it with .float()")
         codec = self.codec if compression is None else parse_codec(compression)
         async with self._lock:
