@@ -111,6 +111,10 @@ def test_secret_from_env_and_empty():
     assert auth.secret_from("x") == b"x"
     with pytest.raises(ConfigError):
         auth.secret_from(b"")
+    assert auth.secret_from(bytearray(b"k")) == b"k"
+    for bad in (123, ["a"]):  # (123 became 123 zero bytes: a secret nobody chose)
+        with pytest.raises(ConfigError, match="must be a str or bytes"):
+            auth.secret_from(bad)
 
 
 def test_beacon_tags_differ_from_handshake_keys():

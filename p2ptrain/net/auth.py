@@ -63,6 +63,8 @@ def secret_from(secret: str | bytes | None, env: dict | None = None) -> bytes | 
         secret = (os.environ if env is None else env).get("P2PTRAIN_SECRET") or None
     if secret is None:
         return None
+    if not isinstance(secret, (str, bytes, bytearray, memoryview)):  # (bytes(123) is 123 zero bytes)
+        raise ConfigError(f"the secret must be a str or bytes, got {type(secret).__name__}: pass it as a string")
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     if not raw:
         raise ConfigError("the secret is empty: give a non-empty secret, or none at all")
