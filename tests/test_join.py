@@ -109,13 +109,16 @@ def test_bad_options_exit_2_with_one_line(args, message):
 
 
 def test_missing_peer_exits_3_naming_it():
-    a, b = ports(2)
-    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--peers", f"127.0.0.1:{b}", "--no-discovery",
-                        "--port", str(a), "--min-peers", "2", "--connect-timeout", "2", "--max-rounds", "1",
-                        "--task", "synthetic", "--model-size", "100k"],  # (the default task takes seconds to build)
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 3, p.stderr[-800:]
-    assert f"127.0.0.1:{b}" in p.stderr and "Traceback" not in p.stderr
+    """And one whose --peers names only itself says so (it said "not reached: " its own address)."""
+    a, b, c = ports(3)
+    procs = [join("--peers", peers, "--no-discovery", "--port", str(port), "--min-peers", "2", "--connect-timeout",
+                  "2", "--max-rounds", "1", "--task", "synthetic", "--model-size", "100k")  # (not the default
+             for peers, port in ((f"127.0.0.1:{b}", a), (f"127.0.0.1:{c}", c))]     # task: seconds to build)
+    (_, missing), (_, itself) = finish(procs)
+    assert [p.returncode for p in procs] == [3, 3], (missing[-800:], itself[-800:])
+    assert f"not reached: 127.0.0.1:{b}" in missing and "Traceback" not in missing
+    last = itself.strip().splitlines()[-1]
+    assert last.endswith("--peers lists only this peer's own address: add the other peers' addresses"), last
 
 
 def test_an_empty_secret_file_is_refused_not_an_open_cluster(tmp_path):

@@ -403,13 +403,16 @@ class _Join:
         while peer.members < a.min_peers:
             peer.cluster.check()  # (a peer with other settings, another model: said at once)
             if loop.time() > deadline:
-                linked = peer.cluster.mesh.addresses
-                missing = [f"{h}:{p}" for h, p in peer.discovery.static_addresses if (h, p) not in linked]
-                raise GroupError(f"only {peer.members} of --min-peers "
-                                 f"{a.min_peers} members after {a.connect_timeout:.0f} s"
-                                 + (f"; not reached: {', '.join(missing)}" if missing else "")
-                                 + "; check that every peer runs with the same --cluster and --secret, "
-                                 "and that the port is open")
+                mesh, listed = peer.cluster.mesh, peer.discovery.static_addresses
+                others = [(h, p) for h, p in listed if not mesh.is_own(h, p)]
+                missing = [f"{h}:{p}" for h, p in others if (h, p) not in mesh.addresses]
+                if listed and not others and a.no_discovery:
+                    fix = "--peers lists only this peer's own address: add the other peers' addresses"
+                else:
+                    fix = ((f"not reached: {', '.join(missing)}; " if missing else "") + "check that every peer "
+                           "runs with the same --cluster and --secret, and that the port is open")
+                raise GroupError(f"only {peer.members} of --min-peers {a.min_peers} members after "
+                                 f"{a.connect_timeout:.0f} s; {fix}")
             await asyncio.sleep(0.1)
 
     def _share_cores(self, local_peers: int) -> None:

@@ -118,6 +118,7 @@ class Mesh:
         self._dialing: dict[tuple[str, int], asyncio.Task] = {}
         self._failed_at: dict[tuple[str, int], float] = {}
         self._proposed: set[tuple[str, int]] = set()  # every address proposed (not our own)
+        self._answered_by_us: set[tuple[str, int]] = set()  # dialed, and this peer answered (REASON_SELF)
         # Addresses whose peer refuses our handshake for a setting (``auth.advice``): the reason,
         # and since when; said once per address and reason (the dial is retried every few seconds).
         self.refused: dict[tuple[str, int], tuple[str, float]] = {}
@@ -174,7 +175,7 @@ class Mesh:
         key = (host, port)
         loop = asyncio.get_running_loop()
         now = loop.time() if now is None else now
-        if port == self.port and host in self._own_hosts:
+        if self.is_own(host, port):
             return
         self._proposed.add(key)
         if (self._closed or key in self._dialing or key in self._addr.values()
@@ -183,6 +184,11 @@ class Mesh:
         task = self._tasks.spawn(self._dial(host, port))
         self._dialing[key] = task
         task.add_done_callback(lambda t, k=key: self._dialing.pop(k, None))
+
+    def is_own(self, host: str, port: int) -> bool:
+        """Whether ``host:port`` is this peer's own listening address (``--peers`` may list it:
+        the same list on every machine)."""
+        return (port == self.port and host in self._own_hosts) or (host, port) in self._answered_by_us
 
     async def send(self, peer_id: str, header: dict, payload=(), timeout: float | None = 10.0) -> None:
         link = self._links.get(peer_id)
@@ -219,6 +225,7 @@ class Mesh:
         self._failed_at[key] = now
         reason = exc.reason  # (the same whichever end refused: said once)
         if reason == auth.REASON_SELF:
+            self._answered_by_us.add(key)
             return
         fix = auth.advice(reason)
         if (key, reason) in self._said:
