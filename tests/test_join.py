@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -97,6 +98,9 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     (["--overlap", "--staleness", "1"], "--overlap is for --staleness 0 in gradient mode"),
     (["--overlap", "--sync-every", "8"], "--overlap is for --staleness 0 in gradient mode"),
     (["--reconcile-every", "-1"], "at least 0"),
+    # (a folder: a traceback at the start for --metrics, and for --trace at the end, the trace lost)
+    (["--metrics", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),
+    (["--trace", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):
     p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--max-rounds", "1", *args],

@@ -175,6 +175,9 @@ def _check_where(args: argparse.Namespace) -> None:
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             raise ConfigError(f"{flag} {path}: cannot write there (no such folder, or no permission); give a "
                               "file in a folder that exists")
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{flag} {path}: a folder, not a file; give a file's path in it (e.g. "
+                              f"{os.path.join(path, 'run.jsonl' if flag == '--metrics' else 'trace.json')})")
     if args.checkpoint_dir:
         try:
             os.makedirs(args.checkpoint_dir, exist_ok=True)
