@@ -275,6 +275,11 @@ def test_task_file_errors_are_one_line(tmp_path):
     message = one_line_error(crash, validate=True)
     assert message.startswith(f"{crash}: loss(model, batch, device) raised RuntimeError: ")
 
+    # torch's allocation failure (its text, on CPU) is the batch's size, not a bug to fix in the task
+    short = write(tmp_path, "short.py", GOOD_TASK.replace(
+        "LOSS", "(_ for _ in ()).throw(RuntimeError(\"DefaultCPUAllocator: can't allocate memory: you tried\"))"))
+    assert one_line_error(short, validate=True).endswith("): give a smaller --batch-size")
+
 
 def test_module_function_form(tmp_path, monkeypatch):
     write(tmp_path, "my_tasks_mod.py", GOOD_TASK.replace("LOSS", SCALAR_LOSS).replace("make_task", "build"))

@@ -122,8 +122,8 @@ def validate_task(task: Any, device: str | torch.device = "cpu") -> None:
         raise ConfigError(f"{where}: got {type(task).__name__}, not p2ptrain.tasks.Task: "
                           f"return Task(name=..., model=..., ...) ({TEMPLATE_HINT})")
 
-    def bad(what: str, fix: str) -> ConfigError:
-        return ConfigError(f"{where}: {what}: {fix} ({TEMPLATE_HINT})")
+    def bad(what: str, fix: str, hint: bool = True) -> ConfigError:
+        return ConfigError(f"{where}: {what}: {fix}" + (f" ({TEMPLATE_HINT})" if hint else ""))
 
     def call(piece: str, fn: Callable, *args: Any) -> Any:
         try:
@@ -132,6 +132,12 @@ def validate_task(task: Any, device: str | torch.device = "cpu") -> None:
             raise
         except Exception as exc:
             text = " ".join(str(exc).split())
+            # (torch says so in its text only: a RuntimeError on CPU and MPS, its own type on CUDA)
+            short = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in text.lower() \
+                or "can't allocate memory" in text
+            if short:
+                raise bad(f"{piece} ran out of memory ({type(exc).__name__}: {text})", "give a smaller --batch-size",
+                          hint=False) from exc
             raise bad(f"{piece} raised {type(exc).__name__}: {text}", f"fix {piece}") from exc
 
     if not isinstance(task.model, torch.nn.Module):
