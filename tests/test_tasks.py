@@ -57,6 +57,11 @@ def test_synthetic_validates_and_learns():
     assert "accuracy" in task.sample(task.model, CPU)
 
 
+def test_synthetic_refuses_data_it_would_ignore():
+    with pytest.raises(ConfigError, match="synthetic: data=notes.txt: this task makes its own data"):
+        load_task("synthetic", {"data": "notes.txt"})
+
+
 @pytest.mark.parametrize("name", ["charlm", "synthetic"])
 def test_batches_are_seeded_per_peer(name):
     task = load_task(name, {"model_size": "tiny" if name == "charlm" else "10k", "batch_size": 8})
