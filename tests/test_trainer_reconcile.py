@@ -82,7 +82,7 @@ def test_replicas_of_different_arithmetic_stay_within_tolerance_for_1000_rounds_
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_a_drift_beyond_the_tolerance_loads_the_leaders_parameters(staleness):
+def test_a_drift_beyond_the_tolerance_loads_the_leaders_parameters(staleness, caplog):
     """The tolerance check can fail: a member whose first layer moves by 1e-3 of itself is
     corrected with the leader's parameters (not its optimizer state), keeps its place in the
     rounds and every sample, and is bit-identical to the leader again."""
@@ -91,8 +91,9 @@ def test_a_drift_beyond_the_tolerance_loads_the_leaders_parameters(staleness):
     try:
         # (100 updates: at staleness 1 they take ~0.5 s here, and under a loaded CI machine the
         # drifter's download of the leader's parameters once took longer than 22 updates)
-        run_threads([lambda r=r: loop(peers[r], r, 100, nudge_at=8, nudged=nudged, nudge=lambda w: w.mul_(1 + 1e-3))
-                     for r in range(2)])
+        with caplog.at_level("WARNING", logger="p2ptrain.cluster.cluster"):
+            run_threads([lambda r=r: loop(peers[r], r, 100, nudge_at=8, nudged=nudged,
+                                          nudge=lambda w: w.mul_(1 + 1e-3)) for r in range(2)])
     finally:
         close_all(peers)
     assert len(nudged) == 1
@@ -109,6 +110,27 @@ def test_a_drift_beyond_the_tolerance_loads_the_leaders_parameters(staleness):
     assert before and all(mine[v] == theirs[v] != "" for v in before)  # equal up to the nudge
     assert any(mine[v] != theirs[v] for v in mine.keys() & theirs.keys())  # seen to differ
     assert mine[100] == theirs[100] != ""  # and equal again at the end
+    assert not [r for r in caplog.records if "again" in r.getMessage()]  # corrected for good: no warning
+
+
+def test_a_member_that_steps_otherwise_drifts_again_and_is_told_why(caplog):
+    """Peers started together with another learning rate each (the README said --lr may differ):
+    every reload is followed by a drift as large, for the whole run. The member says once, as a
+    warning, what to make equal; a single nudge (above) is corrected for good and says nothing."""
+    def slower():
+        model, _ = make_adam()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    peers = open_peers([make_adam, slower], staleness=0, reconcile_every=2)
+    try:
+        with caplog.at_level("WARNING", logger="p2ptrain.cluster.cluster"):
+            run_threads([lambda r=r: loop(peers[r], r, 40) for r in range(2)])
+    finally:
+        close_all(peers)
+    member = next(p for p in peers if p.cluster.reconciled)
+    assert member.cluster.reconciled >= 2
+    said = [r.getMessage() for r in caplog.records if "drifted past the tolerance again" in r.getMessage()]
+    assert len(said) == 1 and "same optimizer settings (--lr)" in said[0], said
 
 
 def test_a_drift_within_the_tolerance_is_seen_and_left_alone():

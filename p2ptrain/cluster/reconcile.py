@@ -11,7 +11,9 @@ the chain (version, digest):
   (the largest seen is ``drift_max``; the first is logged);
 - beyond it: the member downloads the leader's *parameters* (never its optimizer state) while
   it goes on taking part in rounds, and the trainer loads them when its own parameters reach
-  that point (``trainer.reconcile``): nothing it computed is voided.
+  that point (``trainer.reconcile``): nothing it computed is voided. A drift past the tolerance
+  again after such a load is no rounding: the member steps its parameters otherwise (another
+  learning rate, other model code); it reloads each time, and says so once, as a warning.
 
 ``Reconciler`` runs on the cluster's loop, called by its actor between events.
 """
@@ -51,6 +53,8 @@ class Reconciler:
         self._own: collections.OrderedDict = collections.OrderedDict()  # (version, digest) -> sketch
         self._leader: collections.OrderedDict = collections.OrderedDict()  # ... -> (leader, sketch)
         self._said_within = False
+        self._loaded_at: int | None = None  # the version of the leader's parameters last downloaded
+        self._said_again = False
         self.task: asyncio.Task | None = None  # the download in progress, if any
 
     def forget(self) -> None:
@@ -84,6 +88,12 @@ class Reconciler:
         except ValueError as exc:
             raise RemoteProtocolError(f"a PARAMS sketch that does not match ours: {exc}") from None
         self._count(d, theirs[0], version)
+        if d.beyond and self._loaded_at is not None and version > self._loaded_at and not self._said_again:
+            self._said_again = True  # (rounding stays within the tolerance: this is another update rule)
+            log.warning("parameters drifted past the tolerance again after loading the leader's (relative L2 "
+                        "%.1e at update %d): this peer steps them otherwise than the leader, so it reloads them "
+                        "every few updates; start every peer with the same optimizer settings (--lr) and the same "
+                        "model code", d.relative, version)
         if d.beyond and (self.task is None or self.task.done()):
             log.info("parameters drifted from the leader %s's after update %d: relative L2 %.1e in group %d, "
                      "beyond the tolerance %.0e; loading its parameters", theirs[0], version, d.relative, d.group,
@@ -109,6 +119,7 @@ class Reconciler:
             log.warning("could not load the leader's parameters to reconcile: %s", exc)
             return
         self.reconciled += 1
+        self._loaded_at = point.version
         self.trainer.reconcile(state, point)
 
 

@@ -24,8 +24,11 @@ whose flag was overridden would train otherwise than its command line says.
 - ``sync_every``, ``outer_lr``, ``outer_momentum`` (local-steps mode): a ring of pseudo-gradients
   summed with gradients means nothing, and every peer must take the same outer step.
 
-The rest may differ per machine: batch size, device, ``min_peers``, learning rate (the
-optimizer's state travels with the cluster's state), ``reconcile_every``, ``weight_prediction``.
+The rest may differ per machine: batch size, device, ``min_peers``, ``reconcile_every``,
+``weight_prediction``. The optimizer's settings (the learning rate) are not compared, since a
+scheduler or a checkpoint may have moved them before the peer was built; a joiner takes them
+with the cluster's state, and a member started with others on different ones drifts, which
+``reconcile`` corrects and names.
 """
 
 from __future__ import annotations
