@@ -201,6 +201,38 @@ def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
         assert torch.equal(a, b)  # replicas bit-identical at the end
 
 
+def test_a_batch_whose_gradient_is_nan_is_left_out_and_the_cluster_trains_on(caplog):
+    """int8 cannot carry NaN: the round with it fails. The failed round's contribution used to be
+    put back for the next round, which failed too, every round, until every peer's step timed out.
+    Now that contribution is dropped (counted, and said) and both peers reach the end, finite and
+    identical."""
+    peers = open_peers([make_adam] * 2, staleness=0, compression="int8", max_rounds=12)
+
+    spoiled = []
+
+    def loop(r):
+        g = torch.Generator().manual_seed(100 + r)
+        while not peers[r].finished:
+            x = torch.randn(32, 16, generator=g)
+            if r == 0 and peers[r].version >= 3 and not spoiled:
+                spoiled.append(peers[r].version)
+                x[0, 0] = float("nan")  # (one bad sample: the whole batch's gradient is NaN)
+            F.cross_entropy(peers[r].model(x), label(x)).backward()
+            peers[r].step(batch_size=32)
+
+    try:
+        with caplog.at_level("WARNING", logger="p2ptrain.trainer.peer"):
+            run_threads([lambda r=r: loop(r) for r in range(2)])
+    finally:
+        close_all(peers)
+    assert [p.version for p in peers] == [12, 12]
+    assert all(torch.isfinite(q).all() for p in peers for q in p.model.parameters())
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)
+    assert peers[0].dropped >= 32 and peers[1].dropped == 0
+    assert any("holds NaN or inf: its" in r.getMessage() for r in caplog.records)
+
+
 def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():
     """Two peers train at staleness 1; a third, started later from other parameters, downloads
     a snapshot (``Contributor.snapshot``/``restore``), joins the view, and all end bit-identical."""

@@ -253,6 +253,14 @@ class Contributor:
             peer._out = None
             if out.filling is not None and not out.filling.complete:  # (step adds the batch from the gradients)
                 out.filling.withdraw("its round aborted while backward ran")
+            elif not np.isfinite(contribution).all():  # (checked on an abort only: no pass in a round)
+                # A lossy codec cannot carry NaN or inf (the ring fails on it); carried on, it would
+                # abort every round after. Left out, as torch's GradScaler skips such a step.
+                peer.dropped += out.samples
+                peer._acc.release(out)
+                log.warning("this peer's gradient sum holds NaN or inf: its %d samples are left out (the "
+                            "round could not carry them); if it recurs, lower the learning rate or check the data",
+                            out.samples)
             else:
                 peer._acc.merge(out)
         self._changed.set()
