@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from p2ptrain.codecs import CODEC_CHOICES, Codec, Encoded, parse_codec, residual_of
+from p2ptrain.codecs import CODEC_CHOICES, Codec, Encoded, encodable, parse_codec, residual_of
 from p2ptrain.errors import CodecError, ConfigError
 
 LOSSY = ["fp16", "bf16", "int8", "topk:0.01", "topk:0.3", "topk:1"]
@@ -354,6 +354,10 @@ def test_lossy_codecs_refuse_nonfinite_input(spec, bad):
     x[617] = bad
     with pytest.raises(ConfigError, match="NaN, inf"):
         parse_codec(spec).encode(x)
+    assert not encodable(x)  # (what the trainer asks of an aborted round's contribution)
+    x[617] = 2.0**127
+    assert encodable(x) and encodable(x[:0])
+    parse_codec(spec).encode(x)  # (the edge itself is carried)
 
 
 @pytest.mark.parametrize(

@@ -37,8 +37,8 @@ nothing else; a bad spec, or a bad ``x``/``out`` from our own caller, ``ConfigEr
 
 from __future__ import annotations
 
-from p2ptrain.codecs._codec import Codec, Encoded
+from p2ptrain.codecs._codec import Codec, Encoded, encodable
 from p2ptrain.codecs._spec import CODEC_CHOICES, parse_codec
 from p2ptrain.codecs.feedback import residual_of
 
-__all__ = ["CODEC_CHOICES", "Codec", "Encoded", "parse_codec", "residual_of"]
+__all__ = ["CODEC_CHOICES", "Codec", "Encoded", "encodable", "parse_codec", "residual_of"]

@@ -75,6 +75,12 @@ class Transform(Protocol):
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None: ...
 
 
+def encodable(x: np.ndarray) -> bool:
+    """Whether every codec can carry ``x``: no NaN or inf, nothing above 2**127 in magnitude
+    (one pass and a copy: for the rare check, not for every chunk)."""
+    return x.size == 0 or bool(np.abs(x).max() <= MAX_ABS)
+
+
 def check_domain(name: str, absmax: float) -> None:
     """Refuse a chunk a lossy codec cannot carry (NaN compares false, so it is refused too)."""
     if not absmax <= MAX_ABS:

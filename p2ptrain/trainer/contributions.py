@@ -48,6 +48,7 @@ import numpy as np
 from p2ptrain.collective.allreduce import Ready
 from p2ptrain.trainer.accumulator import CommittedUpdate
 from p2ptrain.cluster import snapshot
+from p2ptrain.codecs import encodable
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.errors import ClosedError, GroupError
 
@@ -253,12 +254,12 @@ class Contributor:
             peer._out = None
             if out.filling is not None and not out.filling.complete:  # (step adds the batch from the gradients)
                 out.filling.withdraw("its round aborted while backward ran")
-            elif not np.isfinite(contribution).all():  # (checked on an abort only: no pass in a round)
-                # A lossy codec cannot carry NaN or inf (the ring fails on it); carried on, it would
-                # abort every round after. Left out, as torch's GradScaler skips such a step.
+            elif not encodable(contribution):  # (checked on an abort only: no pass in a round)
+                # A lossy codec cannot carry NaN, inf or |x| > 2**127 (the ring fails on it); carried
+                # on, it would abort every round after. Left out, as torch's GradScaler skips such a step.
                 peer.dropped += out.samples
                 peer._acc.release(out)
-                log.warning("this peer's gradient sum holds NaN or inf: its %d samples are left out (the "
+                log.warning("this peer's gradient sum holds NaN, inf or a value past 2**127: its %d samples are left out (the "
                             "round could not carry them); if it recurs, lower the learning rate or check the data",
                             out.samples)
             else:
