@@ -46,6 +46,27 @@ def test_the_outer_step_is_torch_sgd_with_nesterov_and_progress_made_since_a_con
             p.sub_(torch.tensor([0.01, 0.02]))  # (the next contribution would carry it; cancel it here)
 
 
+def test_inner_steps_that_diverge_are_left_out_and_start_again_from_the_outer_parameters(caplog):
+    """A NaN batch made the parameters NaN, so every pseudo-gradient after it was NaN: int8 could
+    not carry one, and each round failed in turn (two peers: version 1 after 60 s). Now the
+    contribution is refused where it is formed, and the model and its optimizer start again."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    adam = torch.optim.Adam([p], lr=0.1)
+    local = LocalSteps([p], every=2, lr=0.7, momentum=0.9, inner=adam)
+    p.grad = torch.tensor([float("nan"), 1.0])
+    adam.step()  # (NaN in the parameters and in Adam's moments)
+    local.stepped(16)
+    with caplog.at_level("WARNING", logger="p2ptrain.trainer.peer"):
+        delta, samples = local.contribute()
+    assert delta is None and samples == 16 and "the inner steps diverged" in caplog.text
+    assert torch.equal(p.detach(), torch.tensor([1.0, 2.0])) and not adam.state  # started again
+    with torch.no_grad():
+        p.sub_(torch.tensor([0.5, 0.5]))
+    local.stepped(16)
+    delta, samples = local.contribute()  # the next steps contribute as ever
+    assert torch.equal(delta[0], torch.tensor([0.5, 0.5])) and samples == 16
+
+
 def train_pair(steps, compute_s=0.0, **options):
     peers = open_peers([options.pop("maker", make_sgd)] * 2, **options)
     try:

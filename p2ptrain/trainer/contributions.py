@@ -429,5 +429,8 @@ class Contributor:
                 if peer._finished or peer._acc.samples or peer._out is not None or not peer._local.samples:
                     return
                 delta, samples = peer._local.contribute()
+                if delta is None:  # (diverged: left out, started again)
+                    peer.dropped += samples
+                    return
                 peer._acc.add_weighted(delta, samples, peer.version)
         peer._notify()

@@ -27,16 +27,22 @@ Calls come from the peer with its ``_params_lock`` held (no forward or backward 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from p2ptrain.trainer.accumulator import param_views
+
+log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
 
 class LocalSteps:
     """The outer state: ``outer`` parameters, their Nesterov ``velocity``, and ``base``."""
 
-    def __init__(self, params: list[torch.Tensor], every: int, lr: float, momentum: float):
+    def __init__(self, params: list[torch.Tensor], every: int, lr: float, momentum: float,
+                 inner: torch.optim.Optimizer | None = None):
         self.params, self.every, self.lr, self.momentum = params, every, lr, momentum
+        self.inner = inner  # the user's optimizer: its state is cleared where the inner steps diverge
         numel = sum(p.numel() for p in params)
         device = params[0].device
         self._outer = torch.empty(numel, dtype=torch.float32, device=device)
@@ -69,14 +75,29 @@ class LocalSteps:
     def due(self) -> bool:
         return self.steps >= self.every
 
-    def contribute(self) -> tuple[list[torch.Tensor], int]:
+    def contribute(self) -> tuple[list[torch.Tensor] | None, int]:
         """The pseudo-gradient owed (``base - params``, one tensor per parameter) and its samples;
-        the contributed point becomes ``base``."""
+        the contributed point becomes ``base``. None for the pseudo-gradient where the inner steps
+        diverged (NaN or inf): no codec carries it, and every later change would carry it on, so
+        the model starts again from the outer parameters and the inner optimizer from no state
+        (one flag read back a contribution, once per round)."""
         live = self._live()
         with torch.no_grad():
             delta = torch._foreach_sub([b for b in self.base], live)
-            torch._foreach_copy_(self.base, live)
+            finite = bool(torch.stack([torch.isfinite(d).all() for d in delta]).all())
+            if finite:
+                torch._foreach_copy_(self.base, live)
+            else:
+                torch._foreach_copy_(live, self.outer)
+                self._base.copy_(self._outer)
+                if self.inner is not None:
+                    self.inner.state.clear()
         samples, self.steps, self.samples = self.samples, 0, 0
+        if not finite:
+            log.warning("the inner steps diverged (NaN or inf in the parameters after %d samples): they are left "
+                        "out, and this peer starts again from the outer parameters with its optimizer's state "
+                        "cleared; if it recurs, lower the learning rate or check the data", samples)
+            return None, samples
         return delta, samples
 
     def apply(self, mean_delta: torch.Tensor) -> None:

@@ -238,7 +238,7 @@ class AsyncPeer:
         self._params_lock = threading.Lock()
         self._acc = Accumulator(self.params, self.device)
         self._predictor = WeightPredictor(self.params) if weight_prediction else None
-        self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum) if sync_every else None
+        self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum, optimizer) if sync_every else None
         # Overlap: the hooks that write each gradient into the round's buffer as backward makes it.
         self._feed = BackwardFeed(self) if overlap else None
         self._leaving = False  # closing: a round asking for our contribution gets what we have
@@ -473,6 +473,9 @@ class AsyncPeer:
             if not self._local.due() or self._acc.samples or self._out is not None:
                 return False
             delta, samples = self._local.contribute()
+            if delta is None:  # (diverged: left out, started again)
+                self.dropped += samples
+                return False
             self._acc.add_weighted(delta, samples, self.version)
             return True
 
