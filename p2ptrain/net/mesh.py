@@ -317,6 +317,10 @@ class Mesh:
                     continue
                 if frame.type == wire.BYE:  # the link's own farewell (round GOODBYEs pass on)
                     why = "said goodbye"
+                    if pid in self._links and self._links[pid] is not link:
+                        # (sent on the link it kept while we kept a duplicate: it leaves all the same,
+                        # and our link to it would only report a closed connection, a crash's words)
+                        self._drop(pid, why)
                     return
                 if frame.type == wire.REJECT:  # it closes the link: a frame of ours broke its decoder
                     why = f"closed by the peer: {str(frame.header.get('reason'))[:100]}"
