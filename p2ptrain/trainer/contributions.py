@@ -428,9 +428,18 @@ class Contributor:
             with peer._lock:
                 if peer._finished or peer._acc.samples or peer._out is not None or not peer._local.samples:
                     return
-                delta, samples = peer._local.contribute()
-                if delta is None:  # (diverged: left out, started again)
-                    peer.dropped += samples
+                if not self.add_local():
                     return
-                peer._acc.add_weighted(delta, samples, peer.version)
         peer._notify()
+
+    def add_local(self) -> bool:
+        """(Both locks held) Local-steps mode: the pseudo-gradient owed goes to the accumulator.
+        False where the inner steps diverged: left out, counted as dropped (``LocalSteps.contribute``
+        started the model again)."""
+        peer = self.peer
+        delta, samples = peer._local.contribute()
+        if delta is None:
+            peer.dropped += samples
+            return False
+        peer._acc.add_weighted(delta, samples, peer.version)
+        return True

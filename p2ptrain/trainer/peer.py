@@ -472,12 +472,7 @@ class AsyncPeer:
         with self._lock:
             if not self._local.due() or self._acc.samples or self._out is not None:
                 return False
-            delta, samples = self._local.contribute()
-            if delta is None:  # (diverged: left out, started again)
-                self.dropped += samples
-                return False
-            self._acc.add_weighted(delta, samples, self.version)
-            return True
+            return self._contributor.add_local()
 
     def _must_wait(self) -> bool:  # (under _lock) the rule is ``pacing.must_wait``
         if self._solo.flush and not self._finished:  # (the run's last version, applied alone: until it ends)
