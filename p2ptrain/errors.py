@@ -2,6 +2,7 @@
 
     P2PTrainError
     ├── ConfigError            a bad option or argument from our own caller (also a ValueError)
+    │   └── NotFiniteError     values a lossy codec cannot carry (NaN, inf, past 2**127)
     ├── RemoteProtocolError    a peer sent something we refuse; the peer's fault, not ours
     │   ├── FrameError         bytes that are not a valid frame (magic, version, lengths, header);
     │   │                      ``peer_version`` set when the frame is of another protocol version
@@ -31,6 +32,11 @@ class P2PTrainError(Exception):
 
 class ConfigError(P2PTrainError, ValueError):
     """An option or argument given to p2ptrain is invalid."""
+
+
+class NotFiniteError(ConfigError):
+    """Values a lossy codec cannot carry: NaN, inf, or past 2**127 in magnitude (a gradient that
+    overflowed). In a cluster the round aborts at once and the contribution holding them is left out."""
 
 
 class RemoteProtocolError(P2PTrainError):

@@ -213,11 +213,11 @@ class Net:
                 return r, view, True
         return None
 
-    def finish_ring(self, p, ok=None, withdrawn=False):
+    def finish_ring(self, p, ok=None, void=None):
         r, view, good = self.ring_ready(p)
         self.running[p].remove((r, view))
         self.handle(p, self.m[p].on_ring_done(r, good if ok is None else ok, self.now, checksum=b"\x07",
-                                              withdrawn=withdrawn))
+                                              void=void))
 
     def live(self):
         return [p for p in sorted(self.m) if p not in self.crashed and not self.m[p]._left]

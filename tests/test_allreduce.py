@@ -15,7 +15,7 @@ from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
 from p2ptrain.collective.linkpace import LinkPace
 from p2ptrain.collective.ring import split
-from p2ptrain.errors import ConfigError, FrameError, GroupError, LinkError, RemoteProtocolError
+from p2ptrain.errors import ConfigError, FrameError, GroupError, LinkError, NotFiniteError, RemoteProtocolError
 from p2ptrain.net import wire
 from p2ptrain.net.mesh import ChunkChannel, Mesh
 
@@ -399,6 +399,22 @@ async def test_a_raw_chunk_refuses_nan_and_inf_as_the_codec_would(monkeypatch):
             await run.run()
     assert own_tasks() == []
 
+
+
+@pytest.mark.parametrize("at", [100, 15_000, 25_000])  # rank 0's values: sent at step 0, added at step 1, final
+async def test_nan_anywhere_fails_the_call_when_every_chunk_goes_raw(monkeypatch, at):
+    """A NaN that entered a partial sum went on raw and unchecked: every peer ended with it, and
+    the call succeeded. Now the segment's final sum is checked too: the call fails, as encoded."""
+    monkeypatch.setattr(LinkPace, "send_raw", lambda self, *args: True)
+    ids, ms = await meshes(3)
+    data = [np.ones(30_000, np.float32) for _ in range(3)]
+    data[0][at] = np.nan
+    try:
+        with pytest.raises(NotFiniteError, match="cannot encode with int8: the chunk holds NaN"):
+            await allreduce(ms, ids, data, "int8", chunk_elems=5000)
+    finally:
+        for m in ms:
+            await m.close()
 
 async def test_a_raw_mark_where_none_can_come_is_refused_naming_the_peer():
     ids, ms = await meshes(2)

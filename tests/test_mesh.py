@@ -66,7 +66,8 @@ async def test_a_ring_that_took_its_channels_before_a_duplicate_won_runs_over_th
         channels = {"a": a.mesh.channel("b"), "b": b.mesh.channel("a")}
         dropped = a.mesh._links["b"]
         await a.mesh._dial("127.0.0.1", b.mesh.port)  # (propose skips an address already linked)
-        await until(lambda: a.mesh._links["b"] is not dropped and b.mesh._links["a"] is not dropped)
+        # (both ends on the link a dialed: b's own ``dropped`` is another object, so ask who dialed)
+        await until(lambda: a.mesh._links["b"] is not dropped and a.mesh._dialer["b"] == b.mesh._dialer["a"] == "a")
         assert a.mesh.channel("b") is channels["a"] and b.mesh.channel("a") is channels["b"]
 
         data = {"a": np.arange(5_000, dtype=np.float32), "b": np.ones(5_000, np.float32)}

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(10)
 
 def rings_alone(done):
     return Rings("a", mesh=None, codec=parse_codec("none"), timeout=1.0, tasks=TaskSet(),
-                 on_done=lambda r, ok, checksum, withdrawn: done.append((r, ok)))
+                 on_done=lambda r, ok, checksum, void: done.append((r, ok)))
 
 
 async def test_a_ring_alone_leaves_its_sum_in_the_round_and_commit_hands_it_over():

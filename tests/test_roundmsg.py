@@ -42,7 +42,7 @@ VALID = {
     M.PROPOSE: {"t": M.PROPOSE, "r": 1, "b": [1, "a"], "view": ["a", "b"], "end": [30, 12.5]},
     M.READY: {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 3, "version": 0, "digest": b"d"},
     M.START: {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 3},
-    M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None, "withdrawn": False},
+    M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None, "void": None},
     M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"]},
     M.ABORT: {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x", "drop": ["c"]},
     M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x", "missing": ["c"]},
@@ -56,7 +56,7 @@ CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: 
            M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
 FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7}}  # every field of each type
 OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end"), M.PROPOSE: ("end",),
-           M.DONE: ("checksum", "withdrawn"), M.NACK: ("missing",), M.GOODBYE: ("end",)}  # what an older peer may leave out
+           M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",)}  # what an older peer may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -80,7 +80,8 @@ def test_parsed_fields_are_typed():
     assert M.parse(FULL[M.READY]) == M.Ready(r=1, b=(1, "a"), samples=3, version=0, digest=b"d")
     assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3)
     assert M.parse({**FULL[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
-                                                                 withdrawn=False)
+                                                                 void=None)
+    assert M.parse({**FULL[M.DONE], "ok": False, "void": M.NOT_FINITE}).void == "nonfinite"
     assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"))
     assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",))
     assert M.parse(FULL[M.NACK]) == M.Nack(r=-1, b=(1, "a"), reason="x", missing=("c",))
@@ -137,7 +138,8 @@ def test_parse_accepts_or_raises_remote_protocol_error_only(t, data):
      "window": [[0, b""]] * 9, "log": [], "pending": None, "promised": None, "b": None, "re": False},
     {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 1.5, "version": 0, "digest": b""},
     {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": 1, "checksum": None},
-    {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": False, "checksum": None, "withdrawn": "yes"},
+    {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": False, "checksum": None, "void": "tired"},
+    {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": False, "checksum": None, "void": True},
     {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x" * 1000, "drop": []},
     {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": [1]},
     {"t": M.NACK, "r": 1, "b": [1, "a"], "reason": "x", "missing": "c"},

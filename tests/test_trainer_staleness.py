@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from p2ptrain import Peer
+from p2ptrain.collective.linkpace import LinkPace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -231,6 +232,45 @@ def test_a_batch_whose_gradient_is_nan_is_left_out_and_the_cluster_trains_on(cap
         assert torch.equal(a, b)
     assert peers[0].dropped >= 32 and peers[1].dropped == 0
     assert any("holds NaN, inf or a value past 2**127: its" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("chunks", ["encoded", "raw"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_gradient_with_nan_in_one_place_is_left_out_at_once_however_chunks_travel(caplog, monkeypatch, chunks,
+                                                                                  where):
+    """One NaN in one parameter's gradient (as an overflow leaves), int8. Chunks that went raw (a
+    fast link: ``linkpace``) carried it past every check: the round committed NaN into every
+    replica. Encoded, the round waited out its deadline (5 s). Now, either way, the peer whose
+    sum holds it says so in its DONE and the leader aborts at once; the NaN batch is left out."""
+    if chunks == "raw":
+        monkeypatch.setattr(LinkPace, "send_raw", lambda self, *args: True)
+    peers = open_peers([make_adam] * 2, staleness=0, compression="int8", max_rounds=8)
+    spoiled = []
+
+    def loop(r):
+        g = torch.Generator().manual_seed(100 + r)
+        while not peers[r].finished:
+            x = torch.randn(32, 16, generator=g)
+            F.cross_entropy(peers[r].model(x), label(x)).backward()
+            if r == 0 and peers[r].version >= 3 and not spoiled:
+                spoiled.append(peers[r].version)
+                grad = peers[r].model[0 if where == "first" else 2].bias.grad
+                grad[0 if where == "first" else -1] = float("nan")
+            peers[r].step(batch_size=32)
+
+    try:
+        with caplog.at_level("INFO"):
+            run_threads([lambda r=r: loop(r) for r in range(2)])
+    finally:
+        close_all(peers)
+    assert [p.version for p in peers] == [8, 8]
+    assert all(torch.isfinite(q).all() for p in peers for q in p.model.parameters())
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)
+    assert peers[0].dropped == 32 and peers[1].dropped == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any("aborted: " in m and "NaN or inf" in m for m in said), said
+    assert not [m for m in said if "waits" in m or "timed out" in m]  # (no deadline waited out)
 
 
 def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():

@@ -113,7 +113,7 @@ class Cluster:
         self.trace = NO_TRACE  # or a p2ptrain.trace.Tracer: rounds, rings and applies as spans
         self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
         self.rings = Rings(peer_id, self.mesh, self.codec, ring_timeout, self._tasks,
-                           on_done=lambda *done: self._post("ring_done", *done))  # (r, ok, checksum, withdrawn)
+                           on_done=lambda *done: self._post("ring_done", *done))  # (r, ok, checksum, void)
         self.applied = 0  # rounds applied here
         self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
         self.reconciler = Reconciler(peer_id, self.machine, self.transfer, trainer, self._tasks)

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.refusals import Refusals
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, Done, Log, Nack,
-                                       Ready, Stall, Status, beats, move, parse)
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, VOID, WITHDRAWN,
+                                       Done, Log, Nack, Ready, Stall, Status, beats, move, parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
 USUAL_SLACK = 1.5  # a round first says it stalls once it waits this many times the usual wait (if past half its deadline)
@@ -367,10 +367,11 @@ class Leader:
         if lead is None:
             return
         machine.table.report(sender, message.r, message.checksum)
-        if not message.ok and message.withdrawn:  # (no fault: nobody to wait for or drop; the others'
-            #       rings wait for its chunks: abort now, and every member's batch goes in the next round)
-            return self.abort(now, f"{sender} withdrew its batch (it changed after backward began)", drop=[],
-                              routine=True)
+        if not message.ok and message.void is not None:  # (no fault: nobody to wait for or drop; the
+            #       others' rings wait for its chunks: abort now; the batches go in the next round, bar one
+            #       that is not finite, which its peer leaves out)
+            why = VOID[message.void].format(peer=sender)
+            return self.abort(now, why, drop=[], routine=message.void == WITHDRAWN)
         if not message.ok:
             lead.failed.add(sender)
         if lead.waiting:

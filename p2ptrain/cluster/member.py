@@ -181,8 +181,8 @@ class Member:
         pending.total, pending.since, pending.mark = message.total, now, 1.0
         machine._emit(StartRing(pending.r, pending.view))
 
-    def ring_done(self, r, ok, now, checksum, withdrawn=False) -> None:
-        """The host's answer to StartRing(r); ``withdrawn``: not ok, as we withdrew our batch."""
+    def ring_done(self, r, ok, now, checksum, void=None) -> None:
+        """The host's answer to StartRing(r); ``void``: not ok, with no peer at fault (``roundmsg.VOID``)."""
         machine = self.machine
         pending = self.pending
         if pending is None or pending.r != r or pending.phase != RING:
@@ -191,8 +191,8 @@ class Member:
         pending.phase, pending.ok = move(_MEMBER, pending.phase, "ring_done"), ok
         if self.promised and self.promised[1] == pending.b[1]:  # else a newer leader resolves it
             done = {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum}
-            if withdrawn:
-                done["withdrawn"] = True
+            if void is not None:
+                done["void"] = void
             machine._send(pending.b[1], done)
 
     def on_decision(self, sender: str, message: Commit | Abort, now: float) -> None:

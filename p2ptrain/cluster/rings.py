@@ -30,11 +30,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from p2ptrain.cluster.roundmsg import NOT_FINITE, WITHDRAWN
 from p2ptrain.codecs import Codec
 from p2ptrain.collective.allreduce import AllreduceStats, Ready, RingAllreduce
 from p2ptrain.collective.pool import shared_pool
 from p2ptrain.collective.ring import bucket_bounds, chunk_elems_for
-from p2ptrain.errors import P2PTrainError, WithdrawnError
+from p2ptrain.errors import NotFiniteError, P2PTrainError, WithdrawnError
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
@@ -81,11 +82,12 @@ class _PlusOwed:
 
 class Rings:
     """One peer's rings. ``start`` a round's ring (a task in the owner's ``tasks``, which
-    closing cancels; ``on_done(r, ok, checksum, withdrawn)`` when it ends), then ``commit`` (its sum, for
-    the trainer) or ``cancel`` it. What a ring leaves (its sum, residual, stats) is the ``Round``'s."""
+    closing cancels; ``on_done(r, ok, checksum, void)`` when it ends), then ``commit`` (its sum, for
+    the trainer) or ``cancel`` it. ``void``: why a ring failed with no peer or link at fault (a
+    ``roundmsg.VOID`` reason), else None. What a ring leaves (its sum, residual, stats) is the ``Round``'s."""
 
     def __init__(self, peer_id: str, mesh: Mesh, codec: Codec, timeout: float, tasks: TaskSet,
-                 on_done: Callable[[int, bool, bytes | None, bool], None]):
+                 on_done: Callable[[int, bool, bytes | None, str | None], None]):
         self.peer_id, self.mesh, self.codec, self.timeout = peer_id, mesh, codec, timeout
         self._tasks, self._on_done = tasks, on_done
         # Error feedback (lossy codecs): what our encodes dropped in the rounds applied so far,
@@ -104,17 +106,20 @@ class Rings:
         rnd.ring = self._tasks.spawn(self._ring(rnd, view, rnd.taken[0], trace))
 
     async def _ring(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> None:
-        r, ok, withdrawn, checksum = rnd.r, True, False, None
+        r, ok, void, checksum = rnd.r, True, None, None
         try:
             checksum = await self._sum(rnd, view, vector, trace)
         except WithdrawnError as exc:  # (not a fault: the batch changed after backward began)
             log.info("round %d: %s", r, exc)
-            ok, withdrawn = False, True
+            ok, void = False, WITHDRAWN
+        except NotFiniteError:  # (nor this: a gradient overflowed, ours or one summed through us)
+            log.info("round %d: the sum holds NaN or inf, which %s cannot carry", r, self.codec.name)
+            ok, void = False, NOT_FINITE
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok = False
         rnd.ring = None
-        self._on_done(r, ok, checksum, withdrawn)
+        self._on_done(r, ok, checksum, void)
 
     async def _sum(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> bytes | None:
         """The round's sum into ``rnd`` (and its stats and residual); the digest of it (None alone)."""

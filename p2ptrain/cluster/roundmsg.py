@@ -23,6 +23,12 @@ from p2ptrain.cluster.membership import STATUS_WINDOW, valid_id
 # -- round messages: their types on the wire ("t"), and what parse returns for each ------------
 QUERY, STATUS, PROPOSE, READY, START = "query", "status", "propose", "ready", "start"
 DONE, COMMIT, ABORT, NACK, GOODBYE, END = "done", "commit", "abort", "nack", "goodbye", "end"
+# Why a member's ring failed with no peer or link at fault (DONE's ``void``), and the leader's words
+# for its abort: the others' rings wait for chunks that will not come, so it aborts at once.
+WITHDRAWN, NOT_FINITE = "withdrawn", "nonfinite"
+VOID = {WITHDRAWN: "{peer} withdrew its batch (it changed after backward began)",
+        NOT_FINITE: "{peer} holds a sum with NaN or inf, which a lossy codec cannot carry: "
+                    "the batch that overflowed is left out"}
 
 # Every message class: frozen, built by field name. A field a peer may leave out (an older one:
 # a NACK's ``missing``, a PROPOSE's ``end``...) defaults to None, as parse reads it; the others
@@ -104,11 +110,11 @@ class Start(RoundMessage):
 @_message
 class Done(RoundMessage):
     """Member -> leader: our ring of round ``r`` ended (``ok``), with our parameters' checksum;
-    ``withdrawn``: not ok because we withdrew our batch (overlap), not for a fault."""
+    ``void``: not ok for no fault of any peer or link (a ``VOID`` reason): the leader aborts at once."""
     t: ClassVar[str] = DONE
     ok: bool
     checksum: bytes | None = None
-    withdrawn: bool | None = None
+    void: str | None = None
 
 
 @_message
@@ -217,6 +223,13 @@ def _of(kind, n=None):
     return check
 
 
+def _one_of(allowed):
+    def check(v):
+        _need(type(v) is str and v in allowed, "an unknown value")
+        return v
+    return check
+
+
 def _seconds(v):
     _need(type(v) in (int, float) and 0 <= v <= 3600, "a bad number of seconds")  # (NaN fails too)
     return float(v)
@@ -258,7 +271,7 @@ _SCHEMA = {m[0].t: m for m in (
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
     _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
-    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), withdrawn=_opt(_of(bool))),
+    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID))),
     _checked(Commit, **_RB),
     _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids),
     _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),

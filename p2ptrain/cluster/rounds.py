@@ -163,8 +163,8 @@ class RoundMachine:
         return self._run(now, self.member.contributed, r, samples, now)
 
     def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None,
-                     withdrawn: bool = False) -> list:
-        return self._run(now, self.member.ring_done, r, bool(ok), now, checksum, withdrawn)
+                     void: str | None = None) -> list:
+        return self._run(now, self.member.ring_done, r, bool(ok), now, checksum, void)
 
     def on_synced(self, point: SyncPoint, now: float, donor: str | None = None) -> list:
         """Our state is now the one ``point`` describes (a snapshot from ``donor``, or a

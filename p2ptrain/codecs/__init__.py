@@ -25,7 +25,7 @@ of 256), each stated again in its transform's docstring and checked as such by t
     int8   |x - y| <= (1 + 2**-12) max(absmax_b / 254, 2**-127)   (float32 scale per block)
     topk   kept values exact, the rest 0; no dropped |x| exceeds a kept one
 
-Lossy codecs take finite input with |x| <= 2**127 and raise ConfigError otherwise.
+Lossy codecs take finite input with |x| <= 2**127 and raise NotFiniteError (a ConfigError) otherwise.
 ``residual_of`` gives the error-feedback residual.
 
 Decoders validate structure (params, lengths, scales, indices, zstd frame sizes), not

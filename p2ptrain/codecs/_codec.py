@@ -8,7 +8,7 @@ what they share: input checks, the strict params schema, the zstd layer and its 
 Failure behaviour: a payload or params that a peer sent and that do not validate raise
 ``CodecError`` and nothing else. A bad argument from our own caller (``x`` or ``out`` of
 the wrong dtype or shape, or a chunk a lossy codec cannot represent: NaN, inf or
-``|x| > 2**127``) raises ``ConfigError``.
+``|x| > 2**127``) raises ``ConfigError`` (that last, its ``NotFiniteError``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import zstandard
 
-from p2ptrain.errors import CodecError, ConfigError
+from p2ptrain.errors import CodecError, ConfigError, NotFiniteError
 
 F32 = np.dtype("<f4")
 # Largest |x| a lossy codec accepts. Keeping a power of two of headroom below float32's
@@ -84,7 +84,7 @@ def encodable(x: np.ndarray) -> bool:
 def check_domain(name: str, absmax: float) -> None:
     """Refuse a chunk a lossy codec cannot carry (NaN compares false, so it is refused too)."""
     if not absmax <= MAX_ABS:
-        raise ConfigError(
+        raise NotFiniteError(
             f"cannot encode with {name}: the chunk holds NaN, inf or a value above 2**127 "
             "in magnitude; skip this step's gradient or use compression 'none'"
         )

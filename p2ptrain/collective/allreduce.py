@@ -15,6 +15,10 @@ Chunks pass through a codec (``p2ptrain.codecs``):
   codec would turn them out: loopback, a fast LAN, CPUs too busy to encode in time. Measured
   per link as the ring runs (what the link still holds of ours counted at its rate). Every
   peer takes the bytes that came, so replicas stay bit-identical whichever way each chunk went.
+  A raw chunk is refused what the codec would refuse (NaN, inf: ``NotFiniteError``) where our
+  own values go out (step 0) and where a segment's sum is final, which holds every peer's values:
+  so a NaN anywhere fails the call, however its chunks travelled (a partial sum going raw is not
+  looked at).
 - zstd (the codec's lossless layer) only where the send link is behind: it still holds more
   of our bytes than the chunk would take raw (``Link.queued_bytes``). Elsewhere the link
   keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). The
@@ -117,8 +121,8 @@ def pace_of(link: Link) -> LinkPace:
 
 
 def _check_finite(name: str, values: np.ndarray) -> None:
-    """A raw chunk carries what the codec would have refused: refuse NaN and inf the same way
-    (max and min propagate NaN; two passes of ~25 us per 256 K values)."""
+    """Refuse NaN and inf in a raw chunk, as the codec would have (max and min propagate NaN;
+    two passes of ~25 us per 256 K values)."""
     if len(values) and not (np.isfinite(values.max()) and np.isfinite(values.min())):
         check_domain(name, float(np.max(np.abs(values))))
 
@@ -213,8 +217,10 @@ class RingAllreduce:
         try:
             sender, receiver = tasks.spawn(self._send_all()), tasks.spawn(self._recv_all())
             done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()  # raises the first failure (the other task is cancelled below)
+            failures = [task.exception() for task in done]  # (each looked at: none left unretrieved)
+            for failure in failures:
+                if failure is not None:
+                    raise failure  # the first (a task still running is cancelled below)
         finally:
             await tasks.close()
             self.recv_link.set_allocator(wire.default_allocate)
@@ -268,8 +274,8 @@ class RingAllreduce:
     def _raw(self, src: np.ndarray, t: Transfer) -> tuple[dict, list]:
         """Our values as they are (``linkpace``): nothing dropped, so no residual; the owner's
         final sum stays as it is."""
-        if t.step == 0:
-            _check_finite(self.codec.name, src)  # (sums of finite values stay finite)
+        if t.step == 0 or not t.reduce:  # our own values, or a final sum (of everyone's)
+            _check_finite(self.codec.name, src)
         self._raw_spans.append((t.start, t.stop))
         if not t.reduce:
             self._finished(t.start, src)

@@ -34,6 +34,7 @@ from typing import Awaitable, Callable
 from p2ptrain.net import auth, transport, wire
 from p2ptrain.errors import ConfigError, LinkError, P2PTrainError
 from p2ptrain.taskset import TaskSet
+from p2ptrain.waiting import wait_set
 
 log = logging.getLogger("p2ptrain.net.mesh")
 
@@ -78,10 +79,8 @@ class ChunkChannel:
             if self._error is not None:
                 raise self._error
             self._ready.clear()
-            try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
-                raise LinkError(f"{self.name}: no ring chunk for {timeout:.0f} s") from None
+            if not await wait_set(self._ready, timeout):  # (cancelled: the frame stays for the next ring)
+                raise LinkError(f"{self.name}: no ring chunk for {timeout:.0f} s")
         return self._frames.popleft()
 
     def _put(self, frame: wire.Frame) -> None:

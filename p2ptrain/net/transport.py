@@ -36,6 +36,7 @@ from p2ptrain.net.reader import ThreadReader
 from p2ptrain.net.sender import DirectSender, direct_sender, queued_reader
 from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
 from p2ptrain.taskset import TaskSet
+from p2ptrain.waiting import wait_set
 
 log = logging.getLogger("p2ptrain.net.transport")
 
@@ -198,10 +199,8 @@ class Link:
         while not self._frames:
             self._raise_if_failed()
             self._frame_ready.clear()
-            try:
-                await asyncio.wait_for(self._frame_ready.wait(), timeout)
-            except asyncio.TimeoutError:
-                raise LinkError(f"{self.name}: nothing received for {timeout:.0f} s") from None
+            if not await wait_set(self._frame_ready, timeout):  # (cancelled: the frame stays queued)
+                raise LinkError(f"{self.name}: nothing received for {timeout:.0f} s")
         frame = self._frames.popleft()
         if self._reader is not None and len(self._frames) <= MAX_QUEUED_FRAMES // 2:
             self._reader.room.set()
