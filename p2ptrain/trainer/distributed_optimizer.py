@@ -53,6 +53,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               f"{type(model).__name__}")
         self.optimizer = optimizer
         self.peer = Peer(model, optimizer, **peer_options)
+        self._overlap = peer_options.get("overlap", False) is True
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """With ``overlap``, torch's ``GradScaler.step`` is told to hand ``step`` its scale
+        (``grad_scale``, ``found_inf``) rather than unscale the gradients in place, which the
+        overlap's hooks, having read them during backward, would not see: the cluster would
+        average gradients ``scale`` times too large (65536 by default). ``step`` refuses it."""
+        return self._overlap
 
     # -- the optimizer's face: its own objects, so that schedulers change the real learning rate
     @property
@@ -78,6 +87,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """After ``loss.backward()`` (or with a ``closure`` that does it): contribute this batch
         of ``batch_size`` samples and apply the updates committed since the last call. Returns
         the closure's loss, if any."""
+        if getattr(self, "found_inf", None) is not None:  # (GradScaler.step: ``_step_supports_amp_scaling``)
+            raise ConfigError("GradScaler cannot be used with overlap=True: overlap reads each gradient as backward "
+                              "makes it, still scaled, before the scaler unscales it; drop overlap=True")
         loss = None
         if closure is not None:
             with torch.enable_grad():
