@@ -177,7 +177,7 @@ def test_amp_grad_scaler_steps_it_and_skips_a_step_whose_gradient_overflowed():
 
 def test_amp_grad_scaler_with_overlap_is_refused_at_its_first_step():
     """Overlap reads the gradients during backward, before the scaler unscales them: the cluster
-    averaged them 65536 times too large (measured: SGD's loss from 0.3 to 500 in 30 steps)."""
+    averaged them 65536 times too large (measured: SGD, 30 steps: last losses 572 and 447 against 0.27 and 0.35)."""
     model, opt = alone(overlap=True)
     scaler = torch.amp.GradScaler("cpu")
     with opt:
