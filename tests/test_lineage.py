@@ -7,7 +7,7 @@ import pytest
 from roundnet import GENESIS, Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
-from p2ptrain.cluster.membership import SYNCED
+from p2ptrain.cluster.membership import SYNCED, genesis
 from p2ptrain.cluster.roundmsg import Broadcast, Resync, Send, StartRing
 from p2ptrain.cluster.rounds import SyncPoint
 
@@ -143,6 +143,35 @@ def test_split_and_heal_smaller_side_resyncs():
     assert len({net.m[p].history.digest for p in "abcde"}) == 1
     net.check_safety()
 
+
+
+def test_peers_started_from_other_weights_take_one_side_s_and_say_so_as_routine():
+    """Two fresh peers whose models were initialised apart (no common seed, the usual library
+    start): one takes the other's parameters before any round, as DDP broadcasts rank 0's. It
+    used to say so as a WARNING, "loading state again: split: ..." (again, at the first load)."""
+    net = Net("ab", min_peers=2)
+    for p in "ab":
+        net.handle(p, net.m[p].on_synced(SyncPoint(0, genesis(p.encode()), -1, 0), net.now))
+    net.settle()
+    loaded = [p for p in "ab" if net.resyncs[p]]
+    assert len(loaded) == 1
+    said = [(x.level, x.text) for x in net.of(loaded[0], M.Log)]
+    assert [level for level, text in said if "initial parameters" in text] == ["info"]
+    assert not [text for level, text in said if level == "warning"]
+    net.run(2.0)
+    assert len({net.m[p].history.digest for p in "ab"}) == 1 and net.applied("a")
+
+
+def test_a_split_after_rounds_is_still_a_warning():
+    net = Net("ab", min_peers=1)
+    net.found()
+    net.cut("a", "b")
+    net.run(3.0)  # (each side trains alone)
+    net.reconnect("a", "b")
+    net.settle()
+    loaded = [p for p in "ab" if net.resyncs[p]]
+    assert len(loaded) == 1
+    assert [x.level for x in net.of(loaded[0], M.Log) if "loading state again: split" in x.text] == ["warning"]
 
 def test_sides_founded_apart_heal_to_the_one_far_ahead_without_flip_flopping():
     """Start-up: {a, d} and {b, c} found apart (links still forming), and {b, c} trains far

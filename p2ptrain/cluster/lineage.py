@@ -170,8 +170,9 @@ class LineageKeeper:
                     if not self.load_later:  # one a moment (only a leader holds its rounds while we
                         self._load_at = now + LEADER_WAIT  # load; from another, we would end behind)
                     self.load_later = (reason, donor, leader)
-                else:
-                    return self._resync(reason, donor, now, leader)
+                else:  # (a split before any round: peers that started from other weights)
+                    fresh = why == "split" and their_version == machine.history.version == 0
+                    return self._resync(reason, donor, now, leader, fresh)
         if not m.re:
             machine._send(s, self.status(re=True, their=their_version, to=s))
 
@@ -189,9 +190,10 @@ class LineageKeeper:
         since = {q for q in machine._last_view if q not in self._elsewhere and machine.table.is_live(q)}
         return sorted(set(machine.table.live_synced()) | since)
 
-    def _resync(self, reason: str, donor: str, now: float, leader: str = "") -> None:
+    def _resync(self, reason: str, donor: str, now: float, leader: str = "", fresh: bool = False) -> None:
         """Load state from ``donor``, of the side that ``leader`` leads (``on_synced`` backs
-        off from leading while that leader is not seen synced: the side has one)."""
+        off from leading while that leader is not seen synced: the side has one). ``fresh``: no
+        round has run on either side (said at info, not as a fault)."""
         machine = self.machine
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
         if machine.leader.lead:
@@ -200,7 +202,11 @@ class LineageKeeper:
         machine.synced = False
         machine._set_self()
         machine._emit(Resync(reason, donor))
-        machine._emit(Log("warning", f"loading state again: {reason}"))
+        if fresh:  # (peers started with other random weights: routine, as DDP's broadcast of rank 0's)
+            machine._emit(Log("info", f"taking the cluster's initial parameters from {donor}: this peer's own "
+                                      "differ (give every peer's model the same seed to skip this load)"))
+        else:
+            machine._emit(Log("warning", f"loading state again: {reason}"))
         machine._broadcast(self.status(), machine._peers())
 
     def tick(self, now: float) -> None:
