@@ -263,7 +263,7 @@ class AsyncPeer:
         self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
         self._step_end = time.perf_counter()
         self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
-        self._said_finished = False  # (the caller's thread only)
+        self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
         self._checksum = b""
         # The parts; each owns its own state (the module docstring).
         self._lifetime = Lifetime(self)  # the loop thread, open or closed: what both front ends drive
@@ -407,8 +407,10 @@ class AsyncPeer:
         if type(batch_size) is not int or batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.cluster.check()
-        if self.finished and not self._said_finished:  # (a loop that counts its own steps spins here)
-            self._said_finished = True
+        # A loop that counts its own steps spins here once the run is over: say so, at its second
+        # step (``while not peer.finished`` may begin one: the end can come while its batch computes).
+        self._steps_past_end += self.finished
+        if self._steps_past_end == 2:
             log.warning("the cluster's run is over: step() applies nothing more; leave the loop "
                         "(while not peer.finished)")
         began = time.perf_counter()
