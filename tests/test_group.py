@@ -14,7 +14,7 @@ from helpers import finish, pending_tasks
 import torch
 
 from p2ptrain import ConfigError, Group, GroupError
-from p2ptrain.errors import ClosedError, P2PTrainError
+from p2ptrain.errors import ClosedError, NotFiniteError, P2PTrainError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -351,3 +351,24 @@ async def test_reduce_scatter_buffers_outlive_the_call(monkeypatch):
 
     await run_group(2, body, chunk_bytes=16384)
     assert all(k > 0 for k in kept)  # a second call finds the first one's buffers
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_a_nan_under_a_lossy_codec_fails_the_call_everywhere_and_the_next_peer_hears_why(n):
+    """The peer holding the NaN raises NotFiniteError; the peer it sends to used to hear only
+    "connection closed by peer" (a crash's words). It now hears why; every peer's group is closed."""
+    async def body(g, r):
+        x = torch.ones(100_000)
+        if r == 0:
+            x[123] = float("nan")
+        try:
+            await g.allreduce(x, compression="int8")
+        except P2PTrainError as exc:
+            return exc
+        return None
+
+    errors = await run_group(n, body)
+    assert isinstance(errors[0], NotFiniteError)
+    assert isinstance(errors[1], GroupError)
+    assert "closed the link: it left the allreduce: its values held NaN or inf" in str(errors[1])
+    assert all(e is not None for e in errors)

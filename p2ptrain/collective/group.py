@@ -32,7 +32,7 @@ from p2ptrain.codecs import parse_codec
 from p2ptrain.net.discovery import parse_host_port
 from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
 from p2ptrain.device import HostStaging
-from p2ptrain.errors import ClosedError, ConfigError, GroupError, P2PTrainError
+from p2ptrain.errors import ClosedError, ConfigError, GroupError, NotFiniteError, P2PTrainError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.collective.pool import default_threads
@@ -160,10 +160,14 @@ class Group:
 
     async def close(self) -> None:
         """Close every link and the listener. Idempotent."""
+        await self._close()
+
+    async def _close(self, reason: str | None = None) -> None:
+        """``close``, telling the peers ``reason`` (one of ``auth``'s fixed reasons) if given."""
         self._closed = True
         await self._dialers.close()
         for link in self._links.values():
-            link.close()
+            link.close(reason)
         if self._server is not None:
             await self._server.close()
             self._server = None
@@ -223,7 +227,7 @@ class Group:
                     self.last_stats = await run.run()
                 except (P2PTrainError, OSError) as exc:
                     self._failure = exc
-                    await self.close()
+                    await self._close(auth.REASON_NOT_FINITE if isinstance(exc, NotFiniteError) else None)
                     raise
                 if feedback is not None and not run.residual_owed:
                     feedback.fill(0)  # (every chunk went exact: nothing dropped, nothing owed)

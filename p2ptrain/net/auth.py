@@ -41,6 +41,7 @@ REASON_MALFORMED = "malformed handshake"
 REASON_VERSION = "protocol version mismatch"
 REASON_UNEXPECTED = "unexpected peer"
 REASON_TIMEOUT = "handshake timed out"
+REASON_NOT_FINITE = "it left the allreduce: its values held NaN or inf, which a lossy codec cannot carry"  # (Group)
 
 # What to do about a refusal that is a setting, not a fault: said with the refusal, once.
 ADVICE = {
@@ -84,7 +85,8 @@ def beacon_tag_ok(secret: bytes, body: bytes, tag: bytes) -> bool:
     return hmac.compare_digest(beacon_tag(secret, body), tag)
 
 
-def _sanitise(text: object, limit: int = 200) -> str:
+def sanitise(text: object, limit: int = 200) -> str:
+    """A peer's words, fit for our log: one printable line of at most ``limit`` characters."""
     s = str(text)[:limit]
     return "".join(c if c.isprintable() else "?" for c in s)
 
@@ -135,7 +137,7 @@ class Handshake:
         ``reject(err.reason)`` unless ``err.by_peer``, then close)."""
         t = header.get("t")
         if t == wire.REJECT:
-            raise HandshakeError(_sanitise(header.get("reason", "no reason")), by_peer=True)
+            raise HandshakeError(sanitise(header.get("reason", "no reason")), by_peer=True)
         if t == wire.HELLO and self._their is None:
             return self._on_hello(header)
         if t == wire.PROOF and self._their is not None and not self._verified:
