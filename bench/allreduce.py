@@ -54,17 +54,18 @@ async def _worker(a) -> None:
                 rng = np.random.default_rng(a.rank)
                 base = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
                 x = base.clone()
-                times, cpus = [], []
+                times, cpus, kernel = [], [], []
                 for rep in range(a.reps + 1):
                     x.copy_(base)
                     await g.allreduce(barrier)
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    t0, c0, k0 = time.perf_counter(), time.process_time(), os.times().system
                     await g.allreduce(x, compression=codec)
                     if rep:
                         times.append(time.perf_counter() - t0)
                         cpus.append(time.process_time() - c0)
+                        kernel.append(os.times().system - k0)  # (clock ticks: 10 ms; medians of sums)
                 stats = g.last_stats
-                rows.append({"codec": codec, "size_bytes": n * 4, "times": times, "cpus": cpus,
+                rows.append({"codec": codec, "size_bytes": n * 4, "times": times, "cpus": cpus, "kernel": kernel,
                              "wire_bytes": stats.wire_bytes, "raw_bytes": stats.raw_bytes,
                              "checksum": float(x[:: max(1, n // 4096)].double().sum())})
     print(MARK + json.dumps(rows), flush=True)
@@ -93,11 +94,13 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
         checks = {r[i]["checksum"] for r in per_rank}
         cpus = [r[i].get("cpus") for r in per_rank]  # (absent from an older worker)
         cpu = _common.median([sum(c[k] for c in cpus) / n for k in range(len(cpus[0]))]) if all(cpus) else None
+        kernel = [r[i].get("kernel") for r in per_rank]  # (absent from an older worker)
+        kernel = _common.median([sum(c[k] for c in kernel) / n for k in range(len(kernel[0]))]) if all(kernel) else None
         rows.append({"impl": "p2ptrain", "codec": first["codec"], "n": n, "size_bytes": first["size_bytes"],
                      "median_s": t, "algbw_Bps": algbw, "busbw_Bps": _common.busbw(algbw, n),
                      "ratio": first["raw_bytes"] / max(1, first["wire_bytes"]) if first["wire_bytes"] else None,
                      "identical": len(checks) == 1, "link_bps": link_bps, "rep_times_s": slowest,
-                     "cpu_per_peer_s": cpu})
+                     "cpu_per_peer_s": cpu, "kernel_per_peer_s": kernel})
     return rows
 
 
@@ -152,8 +155,16 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
     return rows
 
 
+def _cpu(r: dict) -> str:
+    """CPU a peer a call, and the part of it in the kernel (the sockets: a CPU-bound ring's other cost)."""
+    if r.get("cpu_per_peer_s") is None:
+        return "-"
+    k = r.get("kernel_per_peer_s")
+    return f"{r['cpu_per_peer_s'] * 1e3:.1f} ms" + (f" (kernel {k * 1e3:.0f})" if k is not None else "")
+
+
 def _print(rows: list[dict], gloo: dict) -> None:
-    head = ["N", "size", "impl", "codec", "median", "cpu / peer", "algbw", "busbw", "of link", "wire ratio", "identical",
+    head = ["N", "size", "impl", "codec", "median", "cpu / peer (kernel)", "algbw", "busbw", "of link", "wire ratio", "identical",
             "busbw / gloo"]
     out = []
     for r in rows:
@@ -163,7 +174,7 @@ def _print(rows: list[dict], gloo: dict) -> None:
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
         out.append([r["n"], _common.fmt_size(r["size_bytes"]), r["impl"], r.get("codec", "fp32"),
                     f"{r['median_s'] * 1e3:.1f} ms",
-                    f"{r['cpu_per_peer_s'] * 1e3:.1f} ms" if r.get("cpu_per_peer_s") is not None else "-",
+                    _cpu(r),
                     _common.fmt_rate(r["algbw_Bps"]),
                     _common.fmt_rate(r["busbw_Bps"]), frac, ratio, r.get("identical", "-"), vs])
     print(_common.table(out, head))
