@@ -12,6 +12,7 @@
     ├── LinkError              a connection that failed, closed or timed out
     ├── GroupError             a group that cannot form, or a collective that cannot complete
     ├── WithdrawnError         (internal) a contribution withdrawn while its ring ran (overlap)
+    ├── DivergedError          the model's parameters hold NaN or inf: training cannot go on from them
     ├── FingerprintError       this model is not the cluster's (names the first difference)
     ├── SettingsError          this peer's shared settings (compression, staleness, ...) are not the cluster's
     ├── CheckpointError        a checkpoint file that cannot be written or read
@@ -79,6 +80,12 @@ class WithdrawnError(P2PTrainError):
     """This peer withdrew a contribution its round already held: backward was still writing it
     and the batch turned out otherwise (another size, a second backward). Its round aborts and
     the batch goes in the next one; nobody need act."""
+
+
+class DivergedError(P2PTrainError):
+    """This peer's parameters hold NaN or inf (a learning rate too high, an overflow): no gradient
+    computed from them can be carried (a lossy codec) or mean anything, and every member holds
+    the same parameters. Training stops; resume from a checkpoint with a lower learning rate."""
 
 
 class FingerprintError(P2PTrainError):

@@ -11,7 +11,7 @@ def test_exports_are_pinned():
         "__version__", "Group", "AsyncPeer", "Peer", "DistributedOptimizer",
         "P2PTrainError", "ConfigError", "RemoteProtocolError", "FrameError", "CodecError",
         "HandshakeError", "LinkError", "GroupError", "ClosedError", "FingerprintError", "SettingsError",
-        "CheckpointError",
+        "CheckpointError", "NotFiniteError", "DivergedError",
     ])
     for name in p2ptrain.__all__:
         assert getattr(p2ptrain, name) is not None
@@ -24,6 +24,7 @@ def test_every_error_has_one_root():
             assert issubclass(obj, p2ptrain.P2PTrainError)
     assert issubclass(p2ptrain.ConfigError, ValueError)
     assert issubclass(p2ptrain.CodecError, p2ptrain.RemoteProtocolError)
+    assert issubclass(p2ptrain.NotFiniteError, p2ptrain.ConfigError)  # (a value the caller gave)
 
 
 def test_import_does_not_load_torch():

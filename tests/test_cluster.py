@@ -35,7 +35,7 @@ class FakeTrainer:
         self.params += summed / total
         self.applied.append((float(summed[0]), total))
 
-    def put_back(self, contribution, samples):  # (staleness 0: the next take re-contributes)
+    def put_back(self, contribution, samples, not_finite=False):  # (staleness 0: the next take re-contributes)
         self.given -= float(contribution[0])
         self.samples_given -= samples
         self.put_backs += 1
@@ -118,7 +118,7 @@ class QueuedTrainer:
     def apply(self, summed, total):
         self.applied.append(summed.copy())
 
-    def put_back(self, contribution, samples):
+    def put_back(self, contribution, samples, not_finite=False):
         self.queue.insert(0, contribution.copy())
         self.put_backs += 1
 
@@ -189,7 +189,7 @@ class IdleEveryOther(QueuedTrainer):
         else:
             self.idle += 1
 
-    def put_back(self, contribution, samples):
+    def put_back(self, contribution, samples, not_finite=False):
         if samples:
             super().put_back(contribution, samples)
 

@@ -54,9 +54,10 @@ VALID = {
 }
 CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: M.Ready, M.START: M.Start,
            M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
-FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7}}  # every field of each type
+FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7},
+        M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}}  # every field of each type
 OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end"), M.PROPOSE: ("end",),
-           M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",)}  # what an older peer may leave out
+           M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",)}  # what an older peer may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -83,7 +84,7 @@ def test_parsed_fields_are_typed():
                                                                  void=None)
     assert M.parse({**FULL[M.DONE], "ok": False, "void": M.NOT_FINITE}).void == "nonfinite"
     assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"))
-    assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",))
+    assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",), void="nonfinite")
     assert M.parse(FULL[M.NACK]) == M.Nack(r=-1, b=(1, "a"), reason="x", missing=("c",))
     assert M.parse(FULL[M.GOODBYE]) == M.Goodbye(end=30)
     assert M.parse(FULL[M.END]) == M.End(b=(1, "a"), version=30, digest=b"d", why="x")

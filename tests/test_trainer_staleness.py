@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from p2ptrain import Peer
+from p2ptrain import DivergedError, Peer
 from p2ptrain.collective.linkpace import LinkPace
 
 pytestmark = pytest.mark.timeout(120)
@@ -211,7 +211,8 @@ def test_a_gradient_with_nan_is_left_out_at_once_however_chunks_travel(caplog, m
     mended that). Chunks that went raw (a fast link: ``linkpace``) could carry a NaN past every
     check: the round committed it into every replica. Encoded, the round waited out its deadline
     (5 s). Now, either way, the peer whose sum holds it says so in its DONE and the leader aborts
-    at once; the NaN batch is left out (counted, and said), and both replicas end identical."""
+    at once; that round's batches are left out on every member (counted, and said), as DDP with
+    GradScaler skips the step on every rank, and both replicas end identical."""
     if chunks == "raw":
         monkeypatch.setattr(LinkPace, "send_raw", lambda self, *args: True)
     peers = open_peers([make_adam] * 2, staleness=0, compression="int8", max_rounds=8)
@@ -241,11 +242,14 @@ def test_a_gradient_with_nan_is_left_out_at_once_however_chunks_travel(caplog, m
     assert all(torch.isfinite(q).all() for p in peers for q in p.model.parameters())
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)
-    assert peers[0].dropped == 32 and peers[1].dropped == 0
+    assert peers[0].dropped == peers[1].dropped == 32
     said = [r.getMessage() for r in caplog.records]
     assert any("aborted: " in m and "NaN or inf" in m for m in said), said
     assert not [m for m in said if "waits" in m or "timed out" in m]  # (no deadline waited out)
-    assert any("holds NaN, inf or a value past 2**127: its 32 samples are left out" in m for m in said)
+    assert any("this peer's gradient sum holds NaN, inf or a value past 2**127: this peer's 32 samples are left out"
+               in m for m in said)
+    assert any("the round's sum held NaN or inf (another peer's batch, or an overflow): this peer's 32 samples" in m
+               for m in said)
 
 
 def test_a_peer_joining_a_running_cluster_loads_its_state_and_ends_identical():
@@ -342,3 +346,40 @@ def test_target_batch_size_bounds_every_update_and_splits_it_among_the_members()
         assert p.dropped == 0
     assert [m.samples for m in peers[0].history] == [m.samples for m in peers[1].history]
     assert sum(m.local_samples for m in peers[1].history) == 320  # the slow one's samples are all in
+
+
+def test_a_model_whose_parameters_went_inf_stops_every_peer_with_one_clear_error(caplog):
+    """A learning rate far too high: one update takes the parameters to inf (or near it), every
+    gradient after is NaN or its sum overflows, and int8 cannot carry it. Each round aborted at
+    once and the loop spun: 8,577 warnings a peer in 2 minutes of `join --lr 1e30`, and the run
+    never reached its end; or, where each batch was finite and only their sum was not, every
+    round aborted and was tried again with the same batches, and step waited (this test timed
+    out). Now every member leaves such a round's batch out, and a peer's step stops with
+    DivergedError where the parameters are not finite or the sums stay NaN round after round."""
+    def make_sgd():
+        model, _ = make_adam()
+        return model, torch.optim.SGD(model.parameters(), lr=1e38)
+
+    peers = open_peers([make_sgd] * 2, staleness=0, compression="int8", max_rounds=50)
+    raised = [None, None]
+
+    def loop(r):
+        g = torch.Generator().manual_seed(100 + r)
+        try:
+            while not peers[r].finished:
+                x = torch.randn(32, 16, generator=g)
+                F.cross_entropy(peers[r].model(x), label(x)).backward()
+                peers[r].step(batch_size=32)
+        except DivergedError as exc:
+            raised[r] = exc
+
+    try:
+        with caplog.at_level("WARNING", logger="p2ptrain.trainer.peer"):
+            run_threads([lambda r=r: loop(r) for r in range(2)])
+    finally:
+        close_all(peers)
+    for exc in raised:  # (the parameters went inf, or only huge: NaN gradients 10 rounds in a row)
+        assert exc is not None and "NaN or inf" in str(exc) and "the model diverged" in str(exc)
+        assert "lower the learning rate and resume from a checkpoint written before" in str(exc)
+    trainer_lines = [r for r in caplog.records if r.name == "p2ptrain.trainer.peer" and "left out" in r.getMessage()]
+    assert 2 <= len(trainer_lines) <= 4  # (said at the first and the tenth, not every round)

@@ -9,7 +9,7 @@ returns, in order:
     Contribute(r)     -> trainer.take(): this round's gradient sum and sample count
     StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (``rings``)
     Apply(r, total)   -> trainer.apply(summed, total)
-    PutBack(r)        -> cancel the ring if it runs; trainer.put_back(contribution)
+    PutBack(r)        -> cancel the ring if it runs; trainer.put_back(contribution) (left out: not finite)
     Resync(donor)     -> fetch a snapshot from it (``statesync``), ``trainer.restore`` it, then
                          ``on_synced`` with its SyncPoint; another synced member if that fails
     Stall / Log       -> logging
@@ -328,7 +328,7 @@ class Cluster:
                 if not rnd.waiting:  # (one still waiting is answered at the next take, late: the machine asked)
                     self._rounds.pop(action.r, None)
             elif isinstance(action, msg.PutBack):
-                self._put_back(action.r)
+                self._put_back(action.r, action.not_finite)
             elif isinstance(action, msg.Resync):
                 if self._fetcher is None or self._fetcher.done():
                     self._fetcher = self._tasks.spawn(self._fetch_state(action.donor))
@@ -394,12 +394,12 @@ class Cluster:
             self.trainer.apply(summed, total)
         self.applied += 1
 
-    def _put_back(self, r: int) -> None:
+    def _put_back(self, r: int, not_finite: bool = False) -> None:
         rnd = self._rounds.pop(r, None) or Round(r)
         log.debug("round %d: putting back %s", r, "our contribution" if rnd.taken is not None else "nothing")
         self.rings.cancel(rnd)  # (and its residual: the one owed before it is still owed)
         if rnd.taken is not None:
-            self.trainer.put_back(*rnd.taken)
+            self.trainer.put_back(*rnd.taken, not_finite=not_finite)
 
     # -- state transfer -------------------------------------------------------------------
     def _serve(self, peer: str, ask_id: int, waited: float, parameters_only: bool = False) -> list:

@@ -371,7 +371,7 @@ class Leader:
             #       others' rings wait for its chunks: abort now; the batches go in the next round, bar one
             #       that is not finite, which its peer leaves out)
             why = VOID[message.void].format(peer=sender)
-            return self.abort(now, why, drop=[], routine=message.void == WITHDRAWN)
+            return self.abort(now, why, drop=[], routine=message.void == WITHDRAWN, void=message.void)
         if not message.ok:
             lead.failed.add(sender)
         if lead.waiting:
@@ -389,9 +389,9 @@ class Leader:
         machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b)}, sorted(set(lead.view) | set(out)))
         lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
 
-    def abort(self, now: float, reason: str, drop, tell=True, routine=False) -> None:
+    def abort(self, now: float, reason: str, drop, tell=True, routine=False, void: str | None = None) -> None:
         """Abort the round we lead, for ``reason`` (one line); ``routine`` (a goodbye, not a
-        fault) logs it at info."""
+        fault) logs it at info; ``void``: a member's DONE gave that reason (``Abort.void``)."""
         machine = self.machine
         lead, drop = self.lead, sorted(set(drop))
         if lead.phase == RUNNING:
@@ -400,8 +400,10 @@ class Leader:
             machine.table.unsynced(q)
             if tell:  # it may be alive: our STATUS lets it show its own and come back
                 machine._tell.add(q)
-        machine._broadcast({"t": ABORT, "r": lead.r, "b": list(lead.b), "reason": reason[:MAX_REASON], "drop": drop},
-                           sorted(set(lead.view) | set(drop)))
+        abort = {"t": ABORT, "r": lead.r, "b": list(lead.b), "reason": reason[:MAX_REASON], "drop": drop}
+        if void is not None:
+            abort["void"] = void
+        machine._broadcast(abort, sorted(set(lead.view) | set(drop)))
         machine._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
         lead.phase, lead.r = move(_LEADER, lead.phase, ABORT), lead.r + 1
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, PROPOSE, PROPOSED, READIED, READY, RING, RINGED,
-                                       START, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query, Stall,
-                                       Start, StartRing, beats, move)
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, NOT_FINITE, PROPOSE, PROPOSED, READIED, READY, RING,
+                                       RINGED, START, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query,
+                                       Stall, Start, StartRing, beats, move)
 
 # (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
 _MEMBER = {
@@ -207,7 +207,8 @@ class Member:
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
         move(_MEMBER, pending.phase, message.t)
         if pending.started:
-            self._finish(pending, type(message) is Commit, now)
+            self._finish(pending, type(message) is Commit, now,
+                         not_finite=type(message) is Abort and message.void == NOT_FINITE)
         else:
             self.withdraw(pending)
         if type(message) is Abort and sender != machine.id:  # (a leader logged its own abort)
@@ -239,7 +240,7 @@ class Member:
             self.machine._emit(PutBack(self.pending.r))
         self.pending = None
 
-    def _finish(self, pending: _Pending, committed: bool, now: float) -> None:
+    def _finish(self, pending: _Pending, committed: bool, now: float, not_finite: bool = False) -> None:
         machine = self.machine
         table = machine.table
         self.pending = None
@@ -247,7 +248,7 @@ class Member:
         table.mark_served(pending.view)
         machine._attempt_ended(pending.r, pending.b, pending.view, pending.total, committed)
         if not committed:
-            machine._emit(PutBack(pending.r))
+            machine._emit(PutBack(pending.r, not_finite))
         else:
             for q in table.live_synced() if pending.total else ():  # synced, not in the view: behind us now
                 if q not in pending.view and table.unsynced(q) and machine.leader.hold_for_behind(q, now):

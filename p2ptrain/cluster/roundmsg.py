@@ -125,10 +125,12 @@ class Commit(RoundMessage):
 
 @_message
 class Abort(RoundMessage):
-    """Leader -> view and the dropped: round ``r`` will not be applied; ``drop``: peers it dropped."""
+    """Leader -> view and the dropped: round ``r`` will not be applied; ``drop``: peers it dropped;
+    ``void``: a member's DONE said so (``VOID``): ``NOT_FINITE``, every member leaves its batch out."""
     t: ClassVar[str] = ABORT
     reason: str
     drop: tuple
+    void: str | None = None
 
 
 @_message
@@ -273,7 +275,7 @@ _SCHEMA = {m[0].t: m for m in (
     _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
     _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID))),
     _checked(Commit, **_RB),
-    _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids),
+    _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids, void=_opt(_one_of(VOID))),
     _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
     _checked(Goodbye, end=_opt(_int)),
     _checked(End, b=_ballot, version=_int, digest=_of(bytes, 64), why=_of(str, MAX_REASON)),
@@ -329,8 +331,12 @@ class Apply:
 
 @dataclass(frozen=True)
 class PutBack:
-    """Round r will not be applied: cancel its ring if it runs, add the contribution back."""
+    """Round r will not be applied: cancel its ring if it runs, add the contribution back; but
+    ``not_finite`` (its sum held NaN or inf): leave it out, as DDP with GradScaler skips such a
+    step on every rank (put back, a batch whose sum overflows with the others' would abort
+    every round after)."""
     r: int
+    not_finite: bool = False
 
 
 @dataclass(frozen=True)

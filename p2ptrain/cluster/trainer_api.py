@@ -23,7 +23,7 @@ class Contributions(Protocol):
     #                           ring awaits each range of it: ``collective.allreduce.Ready``)
     def apply(self, summed: np.ndarray, total_samples: int) -> None: ...  # committed: summed / total, in
     #                                                   round order; total 0 (nothing to apply) still counts
-    def put_back(self, contribution: np.ndarray, samples: int) -> None: ...
+    def put_back(self, contribution: np.ndarray, samples: int, not_finite: bool = False) -> None: ...  # ``PutBack``
     def snapshot(self, parameters_only: bool = False) -> dict | None: ...  # {"model": {name: tensor}, ...} as of
     #                                                   the last apply(); None: not now
     def restore(self, state: dict) -> None: ...  # a snapshot from a member: load it, drop what was accumulated

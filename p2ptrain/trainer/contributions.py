@@ -44,13 +44,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from p2ptrain.collective.allreduce import Ready
 from p2ptrain.trainer.accumulator import CommittedUpdate
 from p2ptrain.cluster import snapshot
 from p2ptrain.codecs import encodable
 from p2ptrain.cluster.rounds import SyncPoint
-from p2ptrain.errors import ClosedError, GroupError
+from p2ptrain.errors import ClosedError, DivergedError, GroupError
 
 if TYPE_CHECKING:
     from p2ptrain.trainer.peer import AsyncPeer
@@ -61,6 +62,10 @@ LINGER_S = 0.02  # a member with nothing yet waits this long for its batch befor
 LINGER_MAX_S = 2.0  # ... doubling after each round in which no member had anything (an idle cluster:
 #                    a round every 2 s, under the leader's first stall warning, half its 5 s floor)
 PATIENCE_S, PATIENCE_STEPS = 2.0, 4.0  # a batch later than both (and than that many mean steps) is not waited for
+# Rounds in a row whose sum was NaN or inf after which a peer stops (``check_diverged``): its own
+# gradients so often, or anyone's so much longer (a peer with bad data leaves first, and the
+# others go on without it).
+OWN_NAN_LIMIT, SUM_NAN_LIMIT = 10, 30
 FLUSH_S = 10.0  # on a normal close, how long to wait for this peer's last samples to be applied
 
 
@@ -76,6 +81,7 @@ class Contributor:
         self._idle_rounds = 0  # consecutive rounds in which nobody had anything
         self._rounds_seen = 0  # rounds committed with this peer in them
         self._scheduler_unsent = False  # the scheduler's state could not go in a snapshot (said once)
+        self._not_finite = [0, 0]  # rounds in a row whose sum was NaN or inf: any, and ours was (``put_back``)
 
     def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, Ready] | None:
         peer = self.peer
@@ -222,6 +228,8 @@ class Contributor:
             out, peer._out = peer._out, None
             ours = out if out is not None and total_samples and (
                 summed is out.array or np.may_share_memory(summed, out.array)) else None
+            if out is not None and total_samples:
+                self._not_finite = [0, 0]  # (ours went in: finite)
             if out is not None and ours is None:
                 peer._acc.release(out)
             took = peer.cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
@@ -245,7 +253,7 @@ class Contributor:
                 peer._queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare))
         self._changed.set()
 
-    def put_back(self, contribution: np.ndarray, samples: int) -> None:
+    def put_back(self, contribution: np.ndarray, samples: int, not_finite: bool = False) -> None:
         peer = self.peer
         with peer._lock:
             out = peer._out
@@ -254,17 +262,42 @@ class Contributor:
             peer._out = None
             if out.filling is not None and not out.filling.complete:  # (step adds the batch from the gradients)
                 out.filling.withdraw("its round aborted while backward ran")
-            elif not encodable(contribution):  # (checked on an abort only: no pass in a round)
+            elif not_finite or not encodable(contribution):  # (checked on an abort only: no pass in a round)
                 # A lossy codec cannot carry NaN, inf or |x| > 2**127 (the ring fails on it); carried
-                # on, it would abort every round after. Left out, as torch's GradScaler skips such a step.
+                # on, it would abort every round after. Left out, as torch's GradScaler skips such a step;
+                # by every member where the round's sum was (``not_finite``), as on every rank under DDP.
+                ours = not encodable(contribution)
                 peer.dropped += out.samples
                 peer._acc.release(out)
-                log.warning("this peer's gradient sum holds NaN, inf or a value past 2**127: its %d samples are left out (the "
-                            "round could not carry them); if it recurs, lower the learning rate or check the data",
-                            out.samples)
+                peer.not_finite = True  # (step looks whether the model diverged: ``check_diverged``)
+                self._not_finite[0] += 1
+                self._not_finite[1] += ours
+                n = self._not_finite[0]
+                if n in (1, 10, 100) or n % 1000 == 0:  # (not one line a round)
+                    log.warning("%s: this peer's %d samples are left out (%d rounds in a row); if it recurs, lower the "
+                                "learning rate or check the data", "this peer's gradient sum holds NaN, inf or a value "
+                                "past 2**127" if ours else "the round's sum held NaN or inf (another peer's batch, or "
+                                "an overflow)", out.samples, n)
             else:
                 peer._acc.merge(out)
         self._changed.set()
+
+    def check_diverged(self) -> None:
+        """(``step``, ``_params_lock`` held, after a contribution was left out as not finite) Raise
+        DivergedError where training cannot go on: the parameters hold NaN or inf; or our own
+        gradients were not finite OWN_NAN_LIMIT rounds in a row (this peer's data, or its model:
+        it leaves, and the others can go on); or no round's sum was, SUM_NAN_LIMIT in a row."""
+        peer, (any_, own) = self.peer, self._not_finite
+        if not all(bool(torch.isfinite(p).all()) for p in peer.params):  # (a pass, on this path only)
+            raise DivergedError(f"the model diverged: its parameters hold NaN or inf at update {peer.version} (every "
+                                "peer's do); lower the learning rate and resume from a checkpoint written before")
+        if own >= OWN_NAN_LIMIT:
+            raise DivergedError(f"this peer's gradients held NaN or inf {own} rounds in a row: the model diverged "
+                                "(lower the learning rate and resume from a checkpoint written before), or this "
+                                "peer's data holds NaN or inf (check it)")
+        if any_ >= SUM_NAN_LIMIT:
+            raise DivergedError(f"the rounds' gradient sums held NaN or inf {any_} rounds in a row: the model "
+                                "diverged (lower the learning rate and resume from a checkpoint written before)")
 
     def finish(self) -> None:
         """The cluster's run is over: ``step`` waits for no round any more, and ``finished`` is
