@@ -262,11 +262,10 @@ class Contributor:
             peer._out = None
             if out.filling is not None and not out.filling.complete:  # (step adds the batch from the gradients)
                 out.filling.withdraw("its round aborted while backward ran")
-            elif not_finite or not encodable(contribution):  # (checked on an abort only: no pass in a round)
+            elif (ours := not encodable(contribution)) or not_finite:  # (an abort only: no pass in a round)
                 # A lossy codec cannot carry NaN, inf or |x| > 2**127 (the ring fails on it); carried
                 # on, it would abort every round after. Left out, as torch's GradScaler skips such a step;
                 # by every member where the round's sum was (``not_finite``), as on every rank under DDP.
-                ours = not encodable(contribution)
                 peer.dropped += out.samples
                 peer._acc.release(out)
                 peer.not_finite = True  # (step looks whether the model diverged: ``check_diverged``)
@@ -286,7 +285,8 @@ class Contributor:
         """(``step``, ``_params_lock`` held, after a contribution was left out as not finite) Raise
         DivergedError where training cannot go on: the parameters hold NaN or inf; or our own
         gradients were not finite OWN_NAN_LIMIT rounds in a row (this peer's data, or its model:
-        it leaves, and the others can go on); or no round's sum was, SUM_NAN_LIMIT in a row."""
+        it leaves, and the others can go on); or the rounds' sums were not, SUM_NAN_LIMIT rounds in
+        a row."""
         peer, (any_, own) = self.peer, self._not_finite
         if not all(bool(torch.isfinite(p).all()) for p in peer.params):  # (a pass, on this path only)
             raise DivergedError(f"the model diverged: its parameters hold NaN or inf at update {peer.version} (every "
