@@ -82,6 +82,7 @@ class Contributor:
         self._rounds_seen = 0  # rounds committed with this peer in them
         self._scheduler_unsent = False  # the scheduler's state could not go in a snapshot (said once)
         self._not_finite = [0, 0]  # rounds in a row whose sum was NaN or inf: any, and ours was (``put_back``)
+        self._look = False  # one was left out since step last looked (``check_diverged``)
 
     def take(self, members: int, alone: bool) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, Ready] | None:
         peer = self.peer
@@ -268,7 +269,7 @@ class Contributor:
                 # by every member where the round's sum was (``not_finite``), as on every rank under DDP.
                 peer.dropped += out.samples
                 peer._acc.release(out)
-                peer.not_finite = True  # (step looks whether the model diverged: ``check_diverged``)
+                self._look = True  # (step looks whether the model diverged: ``check_diverged``)
                 self._not_finite[0] += 1
                 self._not_finite[1] += ours
                 n = self._not_finite[0]
@@ -282,11 +283,14 @@ class Contributor:
         self._changed.set()
 
     def check_diverged(self) -> None:
-        """(``step``, ``_params_lock`` held, after a contribution was left out as not finite) Raise
-        DivergedError where training cannot go on: the parameters hold NaN or inf; or our own
-        gradients were not finite OWN_NAN_LIMIT rounds in a row (this peer's data, or its model:
-        it leaves, and the others can go on); or the rounds' sums were not, SUM_NAN_LIMIT rounds in
-        a row."""
+        """(``step``, ``_params_lock`` held) Once a contribution was left out as not finite since the
+        last look, raise DivergedError where training cannot go on: the parameters hold NaN or inf;
+        or our own gradients were not finite OWN_NAN_LIMIT rounds in a row (this peer's data, or
+        its model: it leaves, and the others can go on); or the rounds' sums were not,
+        SUM_NAN_LIMIT rounds in a row."""
+        if not self._look:
+            return
+        self._look = False
         peer, (any_, own) = self.peer, self._not_finite
         if not all(bool(torch.isfinite(p).all()) for p in peer.params):  # (a pass, on this path only)
             raise DivergedError(f"the model diverged: its parameters hold NaN or inf at update {peer.version} (every "

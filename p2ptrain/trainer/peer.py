@@ -255,7 +255,6 @@ class AsyncPeer:
         self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
         self._params_point: SyncPoint | None = None  # the cluster's point of the parameters here
         self.dropped = 0  # samples dropped (too stale, or void after a state load)
-        self.not_finite = False  # a contribution of ours was left out as NaN or inf: step looks (``Contributor``)
         self.unapplied = 0  # samples stepped that no round took before this peer left (set on closing)
         self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
         self.staleness_max = 0
@@ -416,9 +415,7 @@ class AsyncPeer:
                         "(while not peer.finished)")
         began = time.perf_counter()
         with self._params_lock:
-            if self.not_finite:
-                self.not_finite = False
-                self._contributor.check_diverged()
+            self._contributor.check_diverged()  # (after a batch left out as NaN or inf only)
             void = self._updater.load_restore()
             with self._lock:
                 self._compute_s += began - self._step_end
