@@ -436,3 +436,64 @@ async def test_a_raw_mark_where_none_can_come_is_refused_naming_the_peer():
     finally:
         for m in ms:
             await m.close()
+
+
+class _Reordering:
+    """Swaps a channel's first two ring chunks, as two links to one peer may deliver them while
+    a duplicate link closes (each link has its own reader)."""
+
+    def __init__(self, channel: ChunkChannel):
+        self.put, self.held = channel._put, None
+        channel._put = self
+
+    def __call__(self, frame):
+        if self.held is None and frame.header.get("g") == 0 and frame.header.get("c") == 0:
+            self.held = frame
+            return
+        self.put(frame)
+        if self.held is not None and self.held is not True:
+            self.put(self.held)
+            self.held = True
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_chunks_that_come_out_of_order_are_taken_in_their_turn(codec):
+    ids, ms = await meshes(2)
+    try:
+        swap = _Reordering(ms[1].channel(ids[0]))
+        rng = np.random.default_rng(1)
+        data = [rng.standard_normal(10_000).astype(np.float32) for _ in range(2)]
+        expected = data[0] + data[1]
+        await allreduce(ms, ids, data, codec)
+        assert swap.held is True  # (the swap happened)
+        assert np.array_equal(data[0], data[1])
+        assert np.allclose(data[0], expected, atol=0.1 if codec != "none" else 1e-6)
+    finally:
+        for m in ms:
+            await m.close()
+
+
+async def test_a_chunk_of_a_later_call_fails_this_one_and_waits_for_its_own():
+    """A neighbour already on the next call (this peer has not yet heard that its call was
+    aborted): its first chunk fails this call at once and stays for the next one, which
+    succeeds (it was taken and lost, and the next call waited out its timeout)."""
+    ids, ms = await meshes(2)
+    try:
+        data = [np.full(10_000, float(r + 1), np.float32) for r in range(2)]
+
+        def ring(rank, op_id):
+            return RingAllreduce(data[rank], rank=rank, size=2, send_link=ms[rank].channel(ids[1 - rank]),
+                                 recv_link=ms[rank].channel(ids[1 - rank]), codec=parse_codec("none"),
+                                 op_id=op_id, chunk_elems=1000, timeout=10)
+        ahead = asyncio.ensure_future(ring(0, 2).run())
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(RemoteProtocolError, match="a is already on call 2, past this one.*out of step"):
+            await ring(1, 1).run()
+        await ring(1, 2).run()
+        await ahead
+        assert loop.time() - began < 5
+        assert np.array_equal(data[0], data[1]) and data[0][0] == 3
+    finally:
+        for m in ms:
+            await m.close()

@@ -378,11 +378,10 @@ class RingAllreduce:
         return self._pool.take(nbytes)
 
     async def _recv_all(self) -> None:
+        early: dict[tuple, wire.Frame] = {}
         for t in self.plan.recvs:
             began = self.trace.now()
-            frame = await self.recv_link.recv(timeout=self.timeout)
-            while isinstance(frame.header.get("op"), int) and frame.header["op"] < self.op_id:
-                frame = await self.recv_link.recv(timeout=self.timeout)  # left by an aborted earlier call
+            frame = early.pop((t.g, t.chunk), None) or await self._recv_chunk(t, early)
             arrived = self.trace.now()
             self.trace.span("receive", "receive", began, arrived, round=self.op_id, step=t.g, chunk=t.chunk)
             params, raw = self._check(frame, t)
@@ -399,6 +398,28 @@ class RingAllreduce:
                 raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
             self._arrived.add((t.g, t.chunk))
             self._progress.set()
+
+    async def _recv_chunk(self, t: Transfer, early: dict[tuple, wire.Frame]) -> wire.Frame:
+        """The next frame for ``t``, or one that ``_check`` refuses. Chunks of this call that
+        come ahead of their turn wait in ``early``: while a duplicate link to the peer closes,
+        each of the two links has its own reader, so the peer's chunks may arrive out of order.
+        A chunk of a later call goes back to the link for that call (the peer is past this
+        one, which must have been aborted), and this call fails now."""
+        while True:
+            frame = await self.recv_link.recv(timeout=self.timeout)
+            h = frame.header
+            op, key = h.get("op"), (h.get("g"), h.get("c"))
+            if h.get("t") != wire.CHUNK or not isinstance(op, int) or (op == self.op_id and key == (t.g, t.chunk)):
+                return frame
+            if op < self.op_id:
+                continue  # left by an aborted earlier call
+            if op > self.op_id:
+                self.recv_link.put_back(frame)
+                raise RemoteProtocolError(f"{self.recv_link.name} is already on call {op}, past this one "
+                                          f"({self.op_id}): peers out of step")
+            if key not in self._recv_index or key in early or key in self._arrived:
+                return frame  # (``_check`` says what is wrong with it)
+            early[key] = frame
 
     def _check(self, frame: wire.Frame, t: Transfer) -> tuple[dict, bool]:
         """The chunk's codec parameters, and whether it came raw (``linkpace``)."""

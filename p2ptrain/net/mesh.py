@@ -83,6 +83,11 @@ class ChunkChannel:
                 raise LinkError(f"{self.name}: no ring chunk for {timeout:.0f} s")
         return self._frames.popleft()
 
+    def put_back(self, frame: wire.Frame) -> None:
+        """Leave ``frame`` first in line again (a ring received it ahead of its call)."""
+        self._frames.appendleft(frame)
+        self._ready.set()
+
     def _put(self, frame: wire.Frame) -> None:
         self._frames.append(frame)
         self._ready.set()

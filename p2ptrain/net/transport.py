@@ -209,6 +209,11 @@ class Link:
             self._transport.resume_reading()
         return frame
 
+    def put_back(self, frame: wire.Frame) -> None:
+        """Leave ``frame`` first in line again (a ring received it ahead of its call)."""
+        self._frames.appendleft(frame)
+        self._frame_ready.set()
+
     # -- life cycle -----------------------------------------------------------------------
     def close(self, reason: str | None = None) -> None:
         """Close. With ``reason`` (one of auth's fixed strings), tell the peer first, and
