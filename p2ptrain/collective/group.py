@@ -227,7 +227,7 @@ class Group:
                     self.last_stats = await run.run()
                 except (P2PTrainError, OSError) as exc:
                     self._failure = exc
-                    await self._close(auth.REASON_NOT_FINITE if isinstance(exc, NotFiniteError) else None)
+                    await self._close(auth.REASON_NOT_FINITE if isinstance(exc, NotFiniteError) else auth.REASON_FAILED)
                     raise
                 if feedback is not None and not run.residual_owed:
                     feedback.fill(0)  # (every chunk went exact: nothing dropped, nothing owed)

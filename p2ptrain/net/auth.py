@@ -42,6 +42,7 @@ REASON_VERSION = "protocol version mismatch"
 REASON_UNEXPECTED = "unexpected peer"
 REASON_TIMEOUT = "handshake timed out"
 REASON_NOT_FINITE = "it left the allreduce: its values held NaN or inf, which a lossy codec cannot carry"  # (Group)
+REASON_FAILED = "it left the allreduce after a failure (that peer's own error says which)"  # (Group)
 
 # What to do about a refusal that is a setting, not a fault: said with the refusal, once.
 ADVICE = {

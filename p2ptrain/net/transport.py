@@ -300,7 +300,11 @@ class Link:
 
     def _on_lost(self, exc: BaseException | None) -> None:
         self._close_io()
-        if self._error is None:
+        refusal = next((f for f in self._frames if f.type == wire.REJECT), None)
+        if self._error is None and refusal is not None:  # (so a peer that only sends here hears why too)
+            reason = auth.sanitise(refusal.header.get("reason", "no reason"))
+            self._fail(LinkError(f"{self.name} closed the link: {reason}"))
+        elif self._error is None:
             where = "" if self._decoder.idle else " in the middle of a frame"
             why = f": {exc}" if exc else ""
             self._fail(LinkError(f"{self.name}: connection closed by peer{where}{why}"))
