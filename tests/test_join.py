@@ -163,6 +163,27 @@ def test_resumes_from_the_newest_checkpoint_after_kill_9(tmp_path):
     assert len(list(ckpt.glob("ckpt-r*.pt"))) <= 3 and not list(ckpt.glob(".ckpt-*"))  # kept 3; no temp left
 
 
+def test_a_diverged_run_writes_no_checkpoint_over_the_good_ones(tmp_path):
+    """Alone (no replica to compare a sketch with), with a learning rate that takes the model to
+    NaN: each checkpoint written pushed out a good one, until a resume had nothing but NaN to
+    resume from. Now the run stops with exit 3 at its first checkpoint, and the good ones stay.
+    (And ``--lr`` given on resuming is the learning rate: the checkpoint's optimizer state had
+    set its own, silently, so the advice to resume at a lower one could not be followed.)"""
+    ckpt, port = tmp_path / "ckpt", str(ports(1)[0])
+    args = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k", "--port", port,
+            "--no-discovery", "--eval-every", "0", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
+    good = subprocess.run([*args, "--max-rounds", "30"], capture_output=True, text=True, timeout=150)
+    assert good.returncode == 0, good.stderr[-1500:]
+    kept = {f.name: f.read_bytes() for f in ckpt.glob("ckpt-r*.pt")}
+    assert len(kept) >= 2
+    bad = subprocess.run([*args, "--max-rounds", "20", "--lr", "1e30"], capture_output=True, text=True, timeout=150)
+    assert bad.returncode == 3, bad.stderr[-1500:]
+    assert "learning rate 1e+30 from --lr (the checkpoint's was " in bad.stderr
+    last = bad.stderr.strip().splitlines()[-1]
+    assert "the model diverged:" in last and "holds NaN or inf at update" in last and "Traceback" not in bad.stderr
+    assert {f.name: f.read_bytes() for f in ckpt.glob("ckpt-r*.pt")} == kept
+
+
 def wait_for_rounds(path, n, alive, timeout=60.0):
     """Until ``n`` round records are in the metrics file at ``path`` (that peer trains)."""
     deadline = time.monotonic() + timeout

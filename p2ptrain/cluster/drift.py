@@ -248,6 +248,12 @@ def compare(mine: bytes, theirs: bytes) -> Drift:
     return Drift(False, float(rel[g]), g)
 
 
+def sketch_finite(sketch: bytes) -> bool:
+    """Whether the sketched parameters are all finite: a group's sum of squares (float64, which
+    no float32 value's square overflows) is NaN or inf where one of its values is."""
+    return not sketch or bool(np.isfinite(decode(sketch)[:, 2]).all())
+
+
 def sketch_checksum(sketch: bytes) -> str:
     """A hex digest of a sketch's bit sums: equal for bit-identical parameters on any device
     (the metrics' ``param_checksum`` once compared), and different for almost any change."""

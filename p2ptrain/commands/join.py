@@ -302,6 +302,13 @@ class _Join:
                               "--task/--model-size it was written with")
         peer.load_state_dict(state["peer"])
         log.info("resuming from %s: the cluster's update %d, round %d", path, peer.version, state.get("round", -1))
+        if a.lr is not None:  # (the optimizer's state brought the checkpoint's own: the command line wins)
+            saved = {group["lr"] for group in peer.optimizer.param_groups}
+            for group in peer.optimizer.param_groups:
+                group["lr"] = a.lr
+            if saved != {a.lr}:
+                log.info("learning rate %g from --lr (the checkpoint's was %s)", a.lr,
+                         ", ".join(f"{lr:g}" for lr in sorted(saved)))
 
     def _checkpoint(self, peer, task, final: bool = False) -> None:
         from p2ptrain.trainer.checkpoint import save_checkpoint
@@ -314,6 +321,7 @@ class _Join:
         last = latest.round if latest is not None else -1
         state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.model), "round": last,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
+        _refuse_diverged(peer, state["peer"]["model"], a.checkpoint_dir)
         path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
         log.log(logging.INFO if final else logging.DEBUG, "checkpoint written: %s", path)
 
@@ -429,3 +437,17 @@ class _Join:
             torch.set_num_threads(threads)
             self._threads = threads
             log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
+
+
+def _refuse_diverged(peer, model_state: dict, directory: str) -> None:
+    """A checkpoint of parameters that hold NaN or inf is never written: with ``keep``, it would
+    push out the good ones a diverged run has to resume from (a pass over the parameters, a
+    checkpoint's worth of work; a lossless codec carries NaN into every replica, as DDP does)."""
+    import torch
+
+    from p2ptrain.errors import DivergedError
+
+    for key, _ in peer.model.named_parameters():
+        if key in model_state and not bool(torch.isfinite(model_state[key]).all()):
+            raise DivergedError(f"the model diverged: {key} holds NaN or inf at update {peer.version}; no checkpoint "
+                                f"written over those in {directory} (lower the learning rate and resume from there)")

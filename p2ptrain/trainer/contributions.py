@@ -282,9 +282,14 @@ class Contributor:
                 peer._acc.merge(out)
         self._changed.set()
 
+    def look(self) -> None:
+        """(``Updater``) A sketch of the parameters held NaN or inf: the next step looks at them."""
+        self._look = True
+
     def check_diverged(self) -> None:
-        """(``step``, ``_params_lock`` held) Once a contribution was left out as not finite since the
-        last look, raise DivergedError where training cannot go on: the parameters hold NaN or inf;
+        """(``step``, ``_params_lock`` held) Once a contribution was left out as not finite, or a
+        sketch of the parameters was not (``look``), since the last look, raise DivergedError where
+        training cannot go on: the parameters (the outer ones in local-steps mode) hold NaN or inf;
         or our own gradients were not finite OWN_NAN_LIMIT rounds in a row (this peer's data, or
         its model: it leaves, and the others can go on); or the rounds' sums were not,
         SUM_NAN_LIMIT rounds in a row."""
@@ -292,7 +297,8 @@ class Contributor:
             return
         self._look = False
         peer, (any_, own) = self.peer, self._not_finite
-        if not all(bool(torch.isfinite(p).all()) for p in peer.params):  # (a pass, on this path only)
+        params = peer._local.outer if peer._local is not None else peer.params
+        if not all(bool(torch.isfinite(p).all()) for p in params):  # (a pass, on this path only)
             raise DivergedError(f"the model diverged: its parameters hold NaN or inf at update {peer.version} (every "
                                 "peer's do); lower the learning rate and resume from a checkpoint written before")
         if own >= OWN_NAN_LIMIT:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p2ptrain.cluster.drift import sketch_checksum, start_sketch
+from p2ptrain.cluster.drift import sketch_checksum, sketch_finite, start_sketch
 from p2ptrain.cluster.fingerprint import param_checksum
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.snapshot import tensors_checksum
@@ -160,6 +160,8 @@ class Updater:
         point, metrics, read = pending
         sketch = read.result()
         peer = self.peer
+        if not sketch_finite(sketch):  # (a codec that carries NaN, ``none``, averages it into every replica)
+            peer._contributor.look()
         peer._lifetime.loop.call_soon_threadsafe(peer.cluster.parameters_at, point, sketch)
         if metrics is not None:
             self._publish(replace(metrics, param_checksum=sketch_checksum(sketch)))
