@@ -7,7 +7,7 @@ from roundnet import GENESIS, Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.leader import COLLECTING, RUNNING
-from p2ptrain.cluster.roundmsg import Log
+from p2ptrain.cluster.roundmsg import Log, Waiting
 from p2ptrain.cluster.refusals import LEAVE_OUT, REFUSAL_BACKOFF
 
 
@@ -252,17 +252,26 @@ def test_rival_that_stepped_us_down_is_lost_we_take_over_at_once(how):
     net.check_safety()
 
 
-def test_min_peers_no_proposal_and_one_clear_log():
+def test_min_peers_no_proposal_one_clear_log_and_reminders_at_10_60_and_every_300_s():
+    """A step that waits for the missing peer waits in silence but for these (the first is
+    info, which a library's default logging does not show; the reminders are warnings)."""
     net = Net("ab", min_peers=3)
     net.found()
     net.run(2.0)
     assert not net.sent("a", M.PROPOSE)
     logs = [x.text for x in net.of("a", Log) if "waiting for" in x.text]
     assert logs == ["waiting for 1 more peer(s): 2 of 3 synced"]
+    assert not net.of("a", Waiting)
+    net.run(700.0, dt=0.5)
+    said = net.of("a", Waiting)
+    assert [round(w.seconds) for w in said] == [10, 60, 360, 660]
+    assert {w.why for w in said} == {"waiting for 1 more peer(s): 2 of 3 synced"}
+    assert not net.of("b", Waiting)  # (the coordinator says it)
     net.add("c")
     net.sync_from("c", "a")
     net.run(1.0)
     assert net.applied("c")
+    assert len(net.of("a", Waiting)) == 4
 
 
 # -- a READY sent again: a START or ABORT lost with a link is told again ------------------------

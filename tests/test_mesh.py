@@ -182,3 +182,28 @@ async def test_close_leaves_no_task_behind_not_even_a_ping_stuck_in_a_send(monke
         for p in peers:
             await p.mesh.close()
     assert pending_tasks() == []
+
+
+async def test_the_reach_hint_names_addresses_no_dial_reached_until_one_does():
+    import socket
+
+    (a,) = await started("a")
+    spare = socket.socket()
+    spare.bind(("127.0.0.1", 0))
+    port = spare.getsockname()[1]  # (bound, not listening: a dial to it is refused)
+    try:
+        assert "no other peer found" in a.mesh.reach_hint() and "--peers" in a.mesh.reach_hint()
+        a.mesh.propose("127.0.0.1", port)
+        await until(lambda: "cannot connect" in a.mesh.reach_hint())
+        assert a.mesh.reach_hint().startswith(f"cannot connect to 127.0.0.1:{port}: Connection refused: check the address")
+        spare.close()
+        (b,) = [Peer("b")]
+        b.mesh.port = port
+        await b.mesh.start()
+        a.mesh.propose("127.0.0.1", port, now=1e9)  # (past the retry pause)
+        await until(lambda: a.mesh.peers == ["b"])
+        assert "cannot connect" not in a.mesh.reach_hint()
+        await b.mesh.close()
+    finally:
+        spare.close()
+        await a.mesh.close()

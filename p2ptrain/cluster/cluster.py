@@ -12,7 +12,7 @@ returns, in order:
     PutBack(r)        -> cancel the ring if it runs; trainer.put_back(contribution) (left out: not finite)
     Resync(donor)     -> fetch a snapshot from it (``statesync``), ``trainer.restore`` it, then
                          ``on_synced`` with its SyncPoint; another synced member if that fails
-    Stall / Log       -> logging
+    Stall / Waiting / Log -> logging
     Finish(version)   -> ``finished``; trainer.finish(): the cluster's run is over (``ending``)
 
 What one round holds here (our contribution, when its ring began, the ring, its sum) is a
@@ -335,6 +335,8 @@ class Cluster:
             elif isinstance(action, msg.Stall):
                 log.warning("round %d waits %.0f s for %s (%s)", action.r, action.seconds,
                             ", ".join(action.waiting_for), action.phase)
+            elif isinstance(action, msg.Waiting):
+                log.warning("%s, for %.0f s now; %s", action.why, action.seconds, self.mesh.reach_hint())
             elif isinstance(action, msg.Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.text)
             elif isinstance(action, msg.Finish):

@@ -53,9 +53,10 @@ from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.refusals import Refusals
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, VOID, WITHDRAWN,
-                                       Done, Log, Nack, Ready, Stall, Status, beats, move, parse)
+                                       Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
+WAIT_REMINDERS, WAIT_REPEAT = (10.0, 60.0), 300.0  # seconds too few peers to train at which it is said again
 USUAL_SLACK = 1.5  # a round first says it stalls once it waits this many times the usual wait (if past half its deadline)
 
 # (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
@@ -96,7 +97,8 @@ class Leader:
         self._held: dict = {}  # the version a joiner had when we last held for it
         self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
         self.refusals = Refusals(machine)  # peers our views leave out: a member could not reach them
-        self._said_waiting = False
+        self._waiting_since: float | None = None  # too few synced peers to train since then
+        self._remind_at = WAIT_REMINDERS[0]  # seconds of it at which the next Waiting is said
 
     # -- what the machine and the other parts tell us ------------------------------------------
     def back_off(self, rival: str, now: float) -> None:
@@ -275,11 +277,15 @@ class Leader:
             return
         ok, why = machine.table.can_train(machine.config.min_peers)
         if not ok:
-            if not self._said_waiting:
-                self._said_waiting = True
+            if self._waiting_since is None:
+                self._waiting_since, self._remind_at = now, WAIT_REMINDERS[0]
                 machine._emit(Log("info", why))
+            elif now - self._waiting_since >= self._remind_at:  # (a step that waits on it would wait in silence)
+                machine._emit(Waiting(now - self._waiting_since, why))
+                later = [t for t in WAIT_REMINDERS if t > self._remind_at]
+                self._remind_at = later[0] if later else self._remind_at + WAIT_REPEAT
             return
-        self._said_waiting = False
+        self._waiting_since = None
         if not self.refusals.may_propose(now):
             return
         self._admit = {p: t for p, t in self._admit.items() if t > now and machine.table.is_live(p)}

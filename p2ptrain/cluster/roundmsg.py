@@ -366,6 +366,13 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """Too few synced peers to train, this long (said at WAIT_REMINDERS, then every WAIT_REPEAT)."""
+    seconds: float
+    why: str  # ``can_train``'s words: "waiting for K more peer(s): n of m synced"
+
+
+@dataclass(frozen=True)
 class Log:
     level: str
     text: str

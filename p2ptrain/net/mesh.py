@@ -121,6 +121,7 @@ class Mesh:
         self._readers: dict[str, asyncio.Task] = {}
         self._dialing: dict[tuple[str, int], asyncio.Task] = {}
         self._failed_at: dict[tuple[str, int], float] = {}
+        self._unreached: dict[tuple[str, int], str] = {}  # address -> why its last dial failed
         self._proposed: set[tuple[str, int]] = set()  # every address proposed (not our own)
         self._answered_by_us: set[tuple[str, int]] = set()  # dialed, and this peer answered (REASON_SELF)
         # Addresses whose peer refuses our handshake for a setting (``auth.advice``): the reason,
@@ -207,6 +208,20 @@ class Mesh:
             log.info("closing the link to %s: %s", peer_id, why)
             self._drop(peer_id, why)
 
+    def reach_hint(self) -> str:
+        """What to check while too few peers are linked to train: the addresses proposed that
+        no dial reached (and why), or, with none proposed, that no peer was found."""
+        linked = set(self._addr.values())
+        unreached = [why for key, why in sorted(self._unreached.items())
+                     if key in self._proposed and key not in linked and key not in self.refused]
+        if unreached:
+            return (f"{'; '.join(unreached)}: check the address, that the peer runs, and that its port is "
+                    "open to this machine")
+        if not self._links and not self._proposed:
+            return ("no other peer found: start them; where they run, discovery is blocked: give their "
+                    "addresses (--peers, peers=)")
+        return "a peer that is loading the cluster's state counts once it has loaded"
+
     # -- admission ------------------------------------------------------------------------
     def _handshake(self) -> auth.Handshake:
         return auth.Handshake(cluster=self.cluster, peer_id=self.peer_id, secret=self._secret, info=self.info)
@@ -220,6 +235,7 @@ class Mesh:
         except P2PTrainError as exc:
             log.debug("dial %s:%d failed: %s", host, port, exc)
             self._failed_at[(host, port)] = asyncio.get_running_loop().time()
+            self._unreached[(host, port)] = str(exc)
             self.refused.pop((host, port), None)  # (unreachable now, not refusing)
             return
         self._adopt(link, dialed_by=self.peer_id, addr=(host, port))
@@ -276,6 +292,7 @@ class Mesh:
         if addr is not None:
             self._addr[pid] = addr
             self.refused.pop(addr, None)
+            self._unreached.pop(addr, None)
             self._said = {said for said in self._said if said[0] != addr}  # (a later refusal is news)
         if pid not in self._channels:
             self._channels[pid] = ChunkChannel(link)

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import ipaddress
 import logging
+import os
 import socket
 from typing import Awaitable, Callable
 
@@ -357,7 +358,9 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
     try:
         await asyncio.wait_for(loop.create_connection(lambda: _FrameProtocol(link), host, port), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
-        raise LinkError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
+        errno = getattr(exc, "errno", None)  # (asyncio's own words name the address again: the errno's)
+        why = os.strerror(errno) if errno and errno > 0 else getattr(exc, "strerror", None) or str(exc) or "timed out"
+        raise LinkError(f"cannot connect to {host}:{port}: {why}") from None
     await _admit(link, hs, timeout, expect)
     return link
 
