@@ -70,6 +70,21 @@ def test_sync_peer_trains_alone_and_reports_each_update():
         peer.step(batch_size=8)
 
 
+def test_a_step_without_backward_is_refused_and_counts_no_samples():
+    """A loop that forgot loss.backward() (or stepped twice for one) contributed its
+    batch_size samples as a zero gradient: the cluster's average shrank, silently (DDP hangs
+    there instead)."""
+    with alone(make()) as peer:
+        with pytest.raises(ConfigError, match=r"no gradient on any parameter: call loss.backward\(\)"):
+            peer.step(batch_size=8)
+        x, y = batch(0)
+        F.cross_entropy(peer.model(x), y).backward()
+        assert peer.step(batch_size=len(x)) == 1
+        with pytest.raises(ConfigError, match="no gradient"):  # (step took this batch's gradients)
+            peer.step(batch_size=len(x))
+        assert peer.version == 1 and [h.samples for h in peer.history] == [8]
+
+
 def test_errors_reach_the_caller_with_their_own_type():
     peer = alone(make(), min_peers=2, step_timeout=0.5)
     with pytest.raises(ClosedError, match="not open yet"):

@@ -406,6 +406,8 @@ class AsyncPeer:
             raise ClosedError("this peer is not open yet: enter it first (with peer: / async with peer:)")
         if type(batch_size) is not int or batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if all(p.grad is None for p in self.params):  # (its samples would count as a zero gradient)
+            raise ConfigError("step() found no gradient on any parameter: call loss.backward() on this batch first")
         self.cluster.check()
         # A loop that counts its own steps spins here once the run is over: say so, at its second
         # step (``while not peer.finished`` may begin one: the end can come while its batch computes).
