@@ -365,3 +365,11 @@ async def test_reading_stops_at_the_high_water_mark_and_goes_on_as_frames_are_ta
         got = [(await server_side.recv(timeout=5)).header["i"] for _ in range(frames)]
         assert got == list(range(frames))
         client.close()
+
+
+def test_addresses_are_shown_as_a_user_would_type_them_back():
+    from p2ptrain.net.transport import hostport
+
+    assert hostport("10.0.0.2", 7000) == "10.0.0.2:7000"
+    assert hostport("::1", 7000) == "[::1]:7000"  # (not "::1:7000", which reads as an address)
+    assert hostport("fe80::1%eth0", 7000) == "[fe80::1%eth0]:7000"

@@ -58,6 +58,7 @@ from p2ptrain.cluster import settings as shared_settings
 from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
+from p2ptrain.net.transport import hostport
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.records import RoundLog, RoundRecord
@@ -479,7 +480,7 @@ class Cluster:
         since, reasons = refusing
         if now - since >= REFUSED_GIVE_UP:
             fixes = sorted({fix for reason in reasons if (fix := auth.advice(reason))})
-            where = ", ".join(f"{h}:{p}" for h, p in sorted(self.mesh.refused))
+            where = ", ".join(hostport(h, p) for h, p in sorted(self.mesh.refused))
             self.failure = GroupError(f"every peer this one knows ({where}) refused it for {REFUSED_GIVE_UP:.0f} s "
                                       f"({'; '.join(reasons)}): {'; '.join(fixes)}")
 

@@ -405,6 +405,7 @@ class _Join:
     async def _wait_for_members(self, peer) -> None:
         """With --connect-timeout: exit 3 if --min-peers members have not formed by then."""
         from p2ptrain.errors import GroupError
+        from p2ptrain.net.transport import hostport
 
         a = self.args
         if a.connect_timeout is None or a.min_peers <= 1:
@@ -416,7 +417,7 @@ class _Join:
             if loop.time() > deadline:
                 mesh, listed = peer.cluster.mesh, peer.discovery.static_addresses
                 others = [(h, p) for h, p in listed if not mesh.is_own(h, p)]
-                missing = [f"{h}:{p}" for h, p in others if (h, p) not in mesh.addresses]
+                missing = [hostport(h, p) for h, p in others if (h, p) not in mesh.addresses]
                 if listed and not others and a.no_discovery:
                     fix = "--peers lists only this peer's own address: add the other peers' addresses"
                 else:

@@ -249,10 +249,10 @@ class Mesh:
             return
         fix = auth.advice(reason)
         if (key, reason) in self._said:
-            log.debug("peer at %s:%d refused this peer again: %s", *key, exc)
+            log.debug("peer at %s refused this peer again: %s", transport.hostport(*key), exc)
         else:
             self._said.add((key, reason))
-            log.warning("peer at %s:%d refused this peer: %s%s", *key, exc, f"; {fix}" if fix else "")
+            log.warning("peer at %s refused this peer: %s%s", transport.hostport(*key), exc, f"; {fix}" if fix else "")
         if fix is not None:
             before = self.refused.get(key)
             self.refused[key] = (reason, before[1] if before and before[0] == reason else now)

@@ -47,6 +47,11 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_SAID = 1024  # (remote host, reason) pairs a listener remembers having logged
 
 
+def hostport(host: str, port: int) -> str:
+    """``host:port`` as a user would type it back: ``[::1]:7000`` for an IPv6 address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def install_uvloop() -> bool:
     """Use uvloop's event loop policy when it is installed (never on Windows). True if used."""
     try:
@@ -354,13 +359,13 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
                     max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> Link:
     """Connect to ``host:port`` and pass the handshake. Raises LinkError or HandshakeError."""
     loop = asyncio.get_running_loop()
-    link = Link(f"{host}:{port}", max_payload)
+    link = Link(hostport(host, port), max_payload)
     try:
         await asyncio.wait_for(loop.create_connection(lambda: _FrameProtocol(link), host, port), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
         errno = getattr(exc, "errno", None)  # (asyncio's own words name the address again: the errno's)
         why = os.strerror(errno) if errno and errno > 0 else getattr(exc, "strerror", None) or str(exc) or "timed out"
-        raise LinkError(f"cannot connect to {host}:{port}: {why}") from None
+        raise LinkError(f"cannot connect to {hostport(host, port)}: {why}") from None
     await _admit(link, hs, timeout, expect)
     return link
 
