@@ -101,6 +101,7 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     # (a folder: a traceback at the start for --metrics, and for --trace at the end, the trace lost)
     (["--metrics", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),
     (["--trace", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),
+    (["--checkpoint-dir", __file__], "a file, not a folder; give a folder's path"),  # (it said "File exists")
 ])
 def test_bad_options_exit_2_with_one_line(args, message):
     p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--max-rounds", "1", *args],

@@ -105,6 +105,8 @@ def test_charlm_data_option(tmp_path):
     validate_task(task, CPU)
     with pytest.raises(ConfigError, match="data=.*no such file or folder"):
         load_task("charlm", {"data": str(tmp_path / "missing.txt")})
+    with pytest.raises(ConfigError, match="b.bin: not a text file"):  # (it trained on the bytes of a binary)
+        load_task("charlm", {"data": str(folder / "b.bin")})
     (tmp_path / "short.txt").write_text("too short")
     with pytest.raises(ConfigError, match="too little.*at least"):
         load_task("charlm", {"data": str(tmp_path / "short.txt")})

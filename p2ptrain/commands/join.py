@@ -179,6 +179,9 @@ def _check_where(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {path}: a folder, not a file; give a file's path in it (e.g. "
                               f"{os.path.join(path, 'run.jsonl' if flag == '--metrics' else 'trace.json')})")
     if args.checkpoint_dir:
+        if os.path.isfile(args.checkpoint_dir):
+            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: a file, not a folder; give a folder's path "
+                              "(it is created if missing)")
         try:
             os.makedirs(args.checkpoint_dir, exist_ok=True)
         except OSError as exc:

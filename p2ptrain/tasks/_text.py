@@ -79,7 +79,10 @@ def load_corpus(data: str | None) -> Corpus:
         return Corpus(text, f"Python {sysconfig.get_python_version()} standard library", truncated)
     path = Path(data).expanduser()
     if path.is_file():
-        text, truncated = _read_bounded([path], USER_BYTES, skip_binary=False)
+        text, truncated = _read_bounded([path], USER_BYTES, skip_binary=True)
+        if not text and path.stat().st_size:
+            raise ConfigError(f"data={data}: not a text file (it holds NUL bytes: an executable, an archive?); "
+                              "give a text file or a folder of text files")
     elif path.is_dir():
         text, truncated = _read_bounded(_sorted_files(path, None, {"__pycache__"}), USER_BYTES, skip_binary=True)
     else:
