@@ -207,3 +207,33 @@ async def test_the_reach_hint_names_addresses_no_dial_reached_until_one_does():
     finally:
         spare.close()
         await a.mesh.close()
+
+
+async def test_a_duplicate_that_wins_in_the_middle_of_a_ring_leaves_its_sum_whole():
+    """The swap lands while both rings stream chunks: each end's chunks come over two links
+    for a moment, read by two readers, so some arrive out of order; the ring takes them in
+    their turn (it failed "peers out of step")."""
+    a, b = await started("a", "b")
+    try:
+        b.mesh.propose("127.0.0.1", a.mesh.port)  # b's dial first: the link both will drop
+        await until(lambda: a.mesh.peers == ["b"] and b.mesh.peers == ["a"])
+        channels = {"a": a.mesh.channel("b"), "b": b.mesh.channel("a")}
+        rng = np.random.default_rng(3)
+        data = {p: rng.standard_normal(400_000).astype(np.float32) for p in "ab"}
+        want = data["a"] + data["b"]
+
+        async def ring(rank, pid):
+            run = RingAllreduce(data[pid], rank=rank, size=2, send_link=channels[pid], recv_link=channels[pid],
+                                codec=parse_codec("none"), op_id=1, chunk_elems=256, timeout=10)
+            await run.run()
+
+        rings = asyncio.gather(ring(0, "a"), ring(1, "b"))
+        await asyncio.sleep(0.005)
+        assert not rings.done()
+        await a.mesh._dial("127.0.0.1", b.mesh.port)  # (the link a dials wins, mid-ring)
+        await rings
+        assert np.array_equal(data["a"], want) and np.array_equal(data["b"], want)
+        assert a.mesh._dialer["b"] == "a" and a.lost == b.lost == []
+    finally:
+        await a.mesh.close()
+        await b.mesh.close()
