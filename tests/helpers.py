@@ -8,6 +8,32 @@ import signal
 import subprocess
 
 
+# TCP ports for peers that must know each other's before they listen. Each xdist worker takes a
+# block of its own, below the range Linux hands out to outgoing connections (32768 up): bases
+# derived from each file's pid overlapped across workers, and two files running at once took the
+# same port now and then ("address already in use").
+PORT_FIRST, PORT_BLOCK, PORT_BLOCKS = 12000, 4000, 5
+
+
+def _worker_block() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    return PORT_FIRST + (int(worker) if worker.isdigit() else 0) % PORT_BLOCKS * PORT_BLOCK
+
+
+_next_port = [_worker_block()]
+
+
+def ports(n: int) -> list[int]:
+    """``n`` consecutive ports of this worker's block, not handed out before in this process
+    (until the block wraps round, long after the tests that had them ended)."""
+    block = _worker_block()
+    if _next_port[0] + n >= block + PORT_BLOCK:
+        _next_port[0] = block
+    first = _next_port[0]
+    _next_port[0] += n + 1
+    return list(range(first, first + n))
+
+
 async def until(cond, timeout=10.0, every=0.02):
     """Poll ``cond()`` until true; fail the test after ``timeout`` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -3,24 +3,18 @@
 mathematics, and every misuse is refused with a line that says what to do."""
 
 import io
-import os
 import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ports
 from test_trainer_staleness import close_all, run_threads
 
 from p2ptrain import ConfigError, DistributedOptimizer
 from p2ptrain.tasks import param_checksum
 
 pytestmark = pytest.mark.timeout(60)
-_port = [23000 + (os.getpid() * 37) % 9000]
-
-
-def ports(n):
-    _port[0] += n + 1
-    return [_port[0] + i for i in range(n)]
 
 
 def make(seed=0):

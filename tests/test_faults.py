@@ -6,18 +6,17 @@ which are counted), and their parameters agree."""
 
 import datetime
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers import ports
 from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
-_port = [26000 + (os.getpid() * 37) % 4000]
 
 
 class Peers:
@@ -28,8 +27,7 @@ class Peers:
 
     def start(self, name, *, seed=0, max_rounds=100_000, host=None, args=("--secret", "s"), task="synthetic"):
         """On loopback with --peers (the peers started so far), or on ``lan`` host ``host`` by discovery."""
-        _port[0] += 1
-        port = _port[0] if host is None else 7000
+        port = ports(1)[0] if host is None else 7000
         others = ",".join(f"127.0.0.1:{q}" for n, q in self.ports.items() if n != name)
         self.ports[name] = port
         where = ["--no-discovery", *(["--peers", others] if others else [])] if host is None else []

@@ -3,14 +3,13 @@ in one process and in separate processes; and the errors a user can make."""
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
-from helpers import finish, pending_tasks
+from helpers import finish, pending_tasks, ports
 import torch
 
 from p2ptrain import ConfigError, Group, GroupError
@@ -18,13 +17,8 @@ from p2ptrain.errors import ClosedError, NotFiniteError, P2PTrainError
 
 pytestmark = pytest.mark.timeout(60)
 
-# Below 32768: Linux hands out ephemeral ports (outgoing connections) from 32768 up.
-_port = [12000 + (os.getpid() * 37) % 8000]
-
-
 def addrs(n):
-    _port[0] += n + 1
-    return [f"127.0.0.1:{_port[0] + i}" for i in range(n)]
+    return [f"127.0.0.1:{port}" for port in ports(n)]
 
 
 async def run_group(n, body, **kw):

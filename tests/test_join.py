@@ -9,18 +9,9 @@ import tempfile
 import time
 
 import pytest
-from helpers import finish
+from helpers import finish, ports
 
 pytestmark = pytest.mark.timeout(180)
-
-# Below 32768: Linux hands out ephemeral ports (outgoing connections) from 32768 up.
-_port = [22000 + (os.getpid() * 53) % 8000]
-
-
-def ports(n):
-    _port[0] += n + 1
-    return [_port[0] + i for i in range(n)]
-
 
 # Peers sharing this machine's cores get one torch thread each, as on machines of their own:
 # torch's thread pools spin while they wait, and join divides the cores among its local peers

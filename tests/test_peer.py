@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import async_peers_on_loopback, finish
+from helpers import async_peers_on_loopback, finish, ports
 from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
 from p2ptrain.errors import ConfigError
@@ -125,7 +125,7 @@ def test_async_example_trains_with_two_processes():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = 12000 + (os.getpid() * 41) % 8000 + 9000  # below the ephemeral range, apart from other tests
+    base = ports(2)[0]
     cmd = [sys.executable, os.path.join(repo, "examples", "async_loop.py"), "--min-peers", "2", "--updates", "30",
            "--no-discovery"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # a torch thread each, as on two machines (not two spinning pools)

@@ -3,12 +3,11 @@ however often it dials again; one that cannot train and whom every peer it knows
 (``GroupError``) instead of dialing forever. Loopback only."""
 
 import logging
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import until
+from helpers import ports, until
 
 from p2ptrain import AsyncPeer, GroupError
 from p2ptrain.cluster import cluster as cluster_module
@@ -16,12 +15,6 @@ from p2ptrain.net import auth, mesh as mesh_module
 from p2ptrain.net.mesh import Mesh
 
 pytestmark = pytest.mark.timeout(30)
-_port = [26000 + (os.getpid() * 41) % 6000]
-
-
-def ports(n):
-    _port[0] += n + 1
-    return [_port[0] + i for i in range(n)]
 
 
 def test_advice_names_the_setting_to_fix():

@@ -13,17 +13,12 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ports
 
 from p2ptrain import AsyncPeer, SettingsError
 from p2ptrain.cluster.settings import differences, refusal, shared
 
 pytestmark = pytest.mark.timeout(60)
-_port = [24000 + (os.getpid() * 37) % 7000]  # below the ephemeral range, apart from other tests
-
-
-def ports(n):
-    _port[0] += n + 1
-    return [_port[0] + i for i in range(n)]
 
 
 # -- the rule -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finish, until
+from helpers import finish, ports, until
 
 from p2ptrain import (
     AsyncPeer,
@@ -28,12 +28,6 @@ from p2ptrain.tasks import param_checksum
 
 pytestmark = pytest.mark.timeout(90)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_port = [14000 + (os.getpid() * 31) % 9000]  # below the ephemeral range, apart from other tests
-
-
-def ports(n):
-    _port[0] += n + 1
-    return [_port[0] + i for i in range(n)]
 
 
 def make(seed=0, width=16, opt="sgd"):

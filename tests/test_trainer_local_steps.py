@@ -7,13 +7,12 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from p2ptrain import Peer
 from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.local_steps import LocalSteps
 
-from test_trainer_staleness import (close_all, eval_loss, joining_late, label, make_adam, make_other_start, open_peers,
+from test_trainer_staleness import (close_all, eval_loss, joining_late, make_adam, make_other_start, open_peers,
                                     run_threads, train_at_speeds, train_loop)
 
 pytestmark = pytest.mark.timeout(120)

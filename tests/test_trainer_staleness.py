@@ -2,31 +2,27 @@
 convergence against synchronous fp32 in the same number of samples, and a peer 5x slower
 than the other, which must neither stall it nor lose work."""
 
-import os
 import threading
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ports
 
 from p2ptrain import DivergedError, Peer
 from p2ptrain.collective.linkpace import LinkPace
 
 pytestmark = pytest.mark.timeout(120)
 
-_port = [12000 + (os.getpid() * 29) % 9000]  # below the ephemeral range, apart from other tests
-
-
 def open_peers(makers, start=None, min_peers=None, **options):
     """A peer per model maker, each knowing the others' addresses; the first ``start`` (all by
     default) started; ``min_peers`` 2 unless given. The caller closes them (close_all)."""
     n = len(makers)
-    _port[0] += n + 1
-    ports = [_port[0] + i for i in range(n)]
-    peers = [Peer(*make(), listen=f"127.0.0.1:{port}", peers=[f"127.0.0.1:{q}" for q in ports if q != port],
+    mine = ports(n)
+    peers = [Peer(*make(), listen=f"127.0.0.1:{port}", peers=[f"127.0.0.1:{q}" for q in mine if q != port],
                   discovery=False, min_peers=min(n, 2) if min_peers is None else min_peers, secret="s",
-                  **options) for make, port in zip(makers, ports)]
+                  **options) for make, port in zip(makers, mine)]
     started = []
     try:
         for p in peers[:start]:
