@@ -94,7 +94,9 @@ def test_a_failed_opening_stops_the_thread_and_raises_its_own_type():
     with pytest.raises(GroupError, match="no"):
         with peer.lifetime.opening() as opened:
             peer.lifetime.wait(opened)
-    assert stopped(peer.lifetime) and not peer.lifetime.closed
+    assert stopped(peer.lifetime) and peer.lifetime.closed  # (so a close after it has nothing to do)
+    with peer.lifetime.closing(flush=True) as left:
+        assert left is None
     with pytest.raises(ClosedError, match="entered once already"):
         with peer.lifetime.opening():
             pass

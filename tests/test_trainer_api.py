@@ -79,6 +79,29 @@ def test_a_step_without_backward_is_refused_and_counts_no_samples():
         assert peer.version == 1 and [h.samples for h in peer.history] == [8]
 
 
+def test_a_peer_whose_opening_failed_closes_quietly():
+    """A port taken: ``start`` raises ConfigError; a ``close`` after it (a ``finally``) raised a
+    bare RuntimeError, "Event loop is closed", and left a coroutine never awaited."""
+    import socket
+    import warnings
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        peer = Peer(*make(), listen=f"127.0.0.1:{taken.getsockname()[1]}", discovery=False)
+        with pytest.raises(ConfigError, match="cannot listen on"):
+            peer.start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            peer.close()
+            peer.close()
+        with pytest.raises(ClosedError, match="entered once already"):
+            peer.start()
+    finally:
+        taken.close()
+
+
 def test_errors_reach_the_caller_with_their_own_type():
     peer = alone(make(), min_peers=2, step_timeout=0.5)
     with pytest.raises(ClosedError, match="not open yet"):

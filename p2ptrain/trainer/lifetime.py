@@ -66,6 +66,7 @@ class Lifetime:
             yield thread.submit(peer._open())
         except BaseException:
             thread.stop()
+            self.closed = True  # (a close after a failed opening has nothing to do)
             raise
 
     @contextmanager
