@@ -24,7 +24,7 @@ import pytest
 
 from p2ptrain.net import discovery as discovery_mod
 from p2ptrain.net import wire
-from p2ptrain.net.discovery import Discovery, parse_host_port, resolve_static_peers
+from p2ptrain.net.discovery import Discovery, parse_host_port, peer_list, resolve_static_peers
 from p2ptrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -539,3 +539,15 @@ def test_peers_command_lists_a_namespaced_sender(lan):
 
 def test_default_port_is_outside_ephemeral_ranges():
     assert discovery_mod.DEFAULT_UDP_PORT < 32768
+
+
+def test_peers_as_one_string_are_comma_separated_not_read_a_character_at_a_time():
+    """``Peer(..., peers="10.0.0.2:7000")`` said "peer address '1' is not host:port"."""
+    assert peer_list("10.0.0.2:7000") == ["10.0.0.2:7000"]
+    assert peer_list("10.0.0.2:7000, [::1]:7001,") == ["10.0.0.2:7000", "[::1]:7001"]
+    assert peer_list(["a:1", " b:2 ", ""]) == ["a:1", "b:2"]
+    with pytest.raises(ConfigError, match="peers holds 7000, a int: give 'host:port' strings"):
+        peer_list(["a:1", 7000])
+    with pytest.raises(ConfigError, match="'nonsense' is not host:port"):
+        peer_list("a:1,nonsense")
+

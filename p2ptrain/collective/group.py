@@ -29,7 +29,7 @@ import torch
 
 from p2ptrain.net import auth, transport
 from p2ptrain.codecs import parse_codec
-from p2ptrain.net.discovery import parse_host_port
+from p2ptrain.net.discovery import parse_host_port, peer_list
 from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
 from p2ptrain.device import HostStaging
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, NotFiniteError, P2PTrainError
@@ -45,13 +45,11 @@ class Group:
     def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
                  cluster: str = "default", compression: str = "none", connect_timeout: float = 60.0,
                  timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int | None = None):
-        self.peers = [str(p).strip() for p in peers]
+        self.peers = peer_list(peers)
         if not self.peers:
             raise ConfigError("peers is empty: list every peer of the group, this one included")
         if len(set(self.peers)) != len(self.peers):
             raise ConfigError(f"peers lists an address twice: {self.peers}")
-        for p in self.peers:
-            parse_host_port(p)
         self.listen = str(listen).strip()
         if self.listen not in self.peers:
             raise ConfigError(f"listen={self.listen!r} is not in peers {self.peers}: "

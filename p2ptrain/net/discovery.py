@@ -74,6 +74,19 @@ def parse_host_port(entry: str) -> tuple[str, int]:
     return m.group(1), port
 
 
+def peer_list(peers: str | Iterable[str]) -> list[str]:
+    """``peers=`` as given: a list of ``host:port``, or one string of them comma-separated (as
+    ``--peers``; a plain string was read a character at a time). Each entry checked."""
+    entries = peers.split(",") if isinstance(peers, str) else list(peers)
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(f"peers holds {entry!r}, a {type(entry).__name__}: give 'host:port' strings")
+    out = [entry.strip() for entry in entries if entry.strip()]
+    for entry in out:
+        parse_host_port(entry)
+    return out
+
+
 async def resolve_static_peers(entries: str | Iterable[str]) -> list[tuple[str, int]]:
     """Every address of every ``host:port`` (a comma-separated string or a list), DNS names
     resolved to all their records, in order, without duplicates. ConfigError names a bad entry."""

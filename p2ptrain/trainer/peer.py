@@ -133,7 +133,7 @@ from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import Contributor
 from p2ptrain.trainer.updates import Updater
 from p2ptrain.device import device_kind, pick_device
-from p2ptrain.net.discovery import Discovery, parse_host_port
+from p2ptrain.net.discovery import Discovery, peer_list
 from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
@@ -220,9 +220,7 @@ class AsyncPeer:
         self.reconcile_every = reconcile_every
         self.target_batch_size = target_batch_size
         self.max_rounds, self.duration = max_rounds, duration
-        self._peers = [p.strip() for p in peers if p.strip()]
-        for p in self._peers:
-            parse_host_port(p)
+        self._peers = peer_list(peers)
         self._cluster_name, self._secret, self._compression = cluster, auth.secret_from(secret), compression
         self._discovery_on, self._interface = discovery, interface
         self._host, self._port = listen_address(listen)
