@@ -71,7 +71,7 @@ import numpy as np
 import xxhash
 
 from p2ptrain.net import wire
-from p2ptrain.net.auth import sanitise
+from p2ptrain.net.auth import refusal_reason
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.codecs._codec import check_domain
 from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
@@ -426,7 +426,7 @@ class RingAllreduce:
         h = frame.header
         who = self.recv_link.name
         if h.get("t") == wire.REJECT:  # (it closes the link, and may say why: ``Group``)
-            raise GroupError(f"{who} closed the link: {sanitise(h.get('reason', 'no reason'))}")
+            raise GroupError(f"{who} closed the link: {refusal_reason(h)}")
         if h.get("t") != wire.CHUNK:
             raise RemoteProtocolError(f"{who} sent a {h.get('t')!r} frame in the middle of an allreduce")
         if h.get("n") != self.plan.length:

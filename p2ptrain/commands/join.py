@@ -137,12 +137,10 @@ def run(args: argparse.Namespace) -> int:
                           "parameters it is applied to)")
     # Cheap checks first: a typo is reported before torch and the task load.
     from p2ptrain.codecs import parse_codec
-    from p2ptrain.net.discovery import parse_host_port
+    from p2ptrain.net.discovery import peer_list
 
     parse_codec(args.compression)
-    for entry in (args.peers or "").split(","):
-        if entry.strip():
-            parse_host_port(entry)
+    peer_list(args.peers or "")
     secret = secret_option(args.secret, args.secret_file)
     _check_where(args)
     install_uvloop()
@@ -223,12 +221,12 @@ class _Join:
 
     async def run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
-        from p2ptrain.net.discovery import parse_host_port
+        from p2ptrain.net.discovery import parse_host_port, peer_list
         from p2ptrain.trainer.peer import AsyncPeer
         from p2ptrain.tasks import load_task, validate_task
 
         a = self.args
-        peers = [p.strip() for p in a.peers.split(",") if p.strip()] if a.peers else []
+        peers = peer_list(a.peers or "")
         local = _local_hosts()  # (lists the interfaces: once)
         ours = {(h, a.port) for h in local}
         # Before the task is built: torch's thread pools spin while they wait, and several

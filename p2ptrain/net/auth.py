@@ -92,6 +92,11 @@ def sanitise(text: object, limit: int = 200) -> str:
     return "".join(c if c.isprintable() else "?" for c in s)
 
 
+def refusal_reason(header: dict, limit: int = 200) -> str:
+    """Why a peer refused or closed a link (a REJECT's ``reason``), fit for our log."""
+    return sanitise(header.get("reason", "no reason"), limit)
+
+
 @dataclass(frozen=True)
 class PeerHello:
     """What the other end said about itself, once the handshake is done."""
@@ -138,7 +143,7 @@ class Handshake:
         ``reject(err.reason)`` unless ``err.by_peer``, then close)."""
         t = header.get("t")
         if t == wire.REJECT:
-            raise HandshakeError(sanitise(header.get("reason", "no reason")), by_peer=True)
+            raise HandshakeError(refusal_reason(header), by_peer=True)
         if t == wire.HELLO and self._their is None:
             return self._on_hello(header)
         if t == wire.PROOF and self._their is not None and not self._verified:

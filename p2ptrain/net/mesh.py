@@ -211,7 +211,7 @@ class Mesh:
     def reach_hint(self) -> str:
         """What to check while too few peers are linked to train: the addresses proposed that
         no dial reached (and why), or, with none proposed, that no peer was found."""
-        linked = set(self._addr.values())
+        linked = self.addresses
         unreached = [why for key, why in sorted(self._unreached.items())
                      if key in self._proposed and key not in linked and key not in self.refused]
         if unreached:
@@ -344,7 +344,7 @@ class Mesh:
                         self._drop(pid, why)
                     return
                 if frame.type == wire.REJECT:  # it closes the link: a frame of ours broke its decoder
-                    why = f"closed by the peer: {str(frame.header.get('reason'))[:100]}"
+                    why = f"closed by the peer: {auth.refusal_reason(frame.header, 100)}"
                     return
                 result = self._on_message(pid, frame.header)
                 if asyncio.iscoroutine(result):

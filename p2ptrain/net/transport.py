@@ -308,8 +308,7 @@ class Link:
         self._close_io()
         refusal = next((f for f in self._frames if f.type == wire.REJECT), None)
         if self._error is None and refusal is not None:  # (so a peer that only sends here hears why too)
-            reason = auth.sanitise(refusal.header.get("reason", "no reason"))
-            self._fail(LinkError(f"{self.name} closed the link: {reason}"))
+            self._fail(LinkError(f"{self.name} closed the link: {auth.refusal_reason(refusal.header)}"))
         elif self._error is None:
             where = "" if self._decoder.idle else " in the middle of a frame"
             why = f": {exc}" if exc else ""
