@@ -56,6 +56,52 @@ async def test_staleness_0_equals_one_process_on_the_union(n):
         assert torch.equal(a, b)  # replicas bit-identical
 
 
+async def test_a_compiled_peer_trains_beside_one_that_is_not():
+    """``torch.compile`` (a CUDA peer) adds ``_orig_mod.`` to every name; a peer that does not
+    compile (MPS, CPU) was refused as "another model". Both now sum as one process would."""
+    rounds, n = 3, 2
+    data = [batches(r, rounds) for r in range(n)]
+    made = [model_and_optimizer() for _ in range(n)]
+    made[1] = (torch.compile(made[1][0], backend="eager"), made[1][1])
+    assert next(iter(made[1][0].state_dict())).startswith("_orig_mod.")
+    async with async_peers_on_loopback(made) as peers:
+        async def train(rank):
+            for x, y in data[rank]:
+                F.cross_entropy(peers[rank].model(x), y).backward()
+                await peers[rank].step(batch_size=len(x))
+
+        await asyncio.gather(*[train(r) for r in range(n)])
+        states = [p.state_dict()["model"] for p in peers]
+
+    reference, opt = model_and_optimizer()
+    for k in range(rounds):
+        opt.zero_grad()
+        F.cross_entropy(reference(torch.cat([d[k][0] for d in data])), torch.cat([d[k][1] for d in data])).backward()
+        opt.step()
+    for a, b, ref in zip(peers[0].model.parameters(), peers[1].model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-6)
+    assert list(states[0]) == list(states[1]) == list(reference.state_dict())  # the model's own names
+
+
+def test_a_compiled_models_state_loads_into_a_model_that_is_not_and_back():
+    """Checkpoints travel between a compiled run and one that is not, either way, including a
+    state whose names carry the compiled wrapper's prefix."""
+    model, opt = model_and_optimizer()
+    compiled = torch.compile(model, backend="eager")
+    state = AsyncPeer(compiled, opt, discovery=False).state_dict()
+    shifted = {**state, "model": {name: t + 1 for name, t in state["model"].items()}, "version": 3}
+    plain, plain_opt = model_and_optimizer()
+    peer = AsyncPeer(plain, plain_opt, discovery=False)
+    peer.load_state_dict(shifted)
+    assert all(torch.equal(p, q + 1) for p, q in zip(plain.parameters(), model.parameters())) and peer.version == 3
+    again, again_opt = model_and_optimizer()
+    prefixed = {**state, "model": compiled.state_dict()}
+    AsyncPeer(torch.compile(again, backend="eager"), again_opt, discovery=False).load_state_dict(
+        {**prefixed, "model": {k: v * 2 for k, v in prefixed["model"].items()}})
+    assert all(torch.equal(p, q * 2) for p, q in zip(again.parameters(), model.parameters()))
+
+
 async def test_a_peer_that_left_leaves_no_task_on_its_loop():
     model, opt = model_and_optimizer()
     peer = AsyncPeer(model, opt, listen="127.0.0.1:0", min_peers=1, secret="s", discovery=False,

@@ -297,7 +297,7 @@ class _Join:
         if found is None:
             return
         path, state = found
-        diff = fingerprint_diff(model_fingerprint(peer.model), state.get("fingerprint", []))
+        diff = fingerprint_diff(model_fingerprint(peer.module), state.get("fingerprint", []))
         if diff:
             raise ConfigError(f"{path} holds another model ({diff}): use another --checkpoint-dir, or the "
                               "--task/--model-size it was written with")
@@ -320,7 +320,7 @@ class _Join:
             return
         latest = peer.cluster.rounds.last()
         last = latest.round if latest is not None else -1
-        state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.model), "round": last,
+        state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.module), "round": last,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
         _refuse_diverged(peer, state["peer"]["model"], a.checkpoint_dir)
         path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
@@ -449,7 +449,7 @@ def _refuse_diverged(peer, model_state: dict, directory: str) -> None:
 
     from p2ptrain.errors import DivergedError
 
-    for key, _ in peer.model.named_parameters():
+    for key, _ in peer.module.named_parameters():
         if key in model_state and not bool(torch.isfinite(model_state[key]).all()):
             raise DivergedError(f"the model diverged: {key} holds NaN or inf at update {peer.version}; no checkpoint "
                                 f"written over those in {directory} (lower the learning rate and resume from there)")

@@ -54,7 +54,7 @@ class JoinOutput:
         from p2ptrain.tasks import param_checksum
 
         if self.sync_every is None:
-            return param_checksum(peer.model)
+            return param_checksum(peer.module)
         return peer.metrics.param_checksum if peer.metrics is not None else ""
 
     def report(self, peer, count, now: float) -> None:

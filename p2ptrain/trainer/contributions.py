@@ -370,7 +370,7 @@ class Contributor:
                     return None
                 version, p = peer.version, peer.cluster.machine.sync_point()
             if parameters_only:
-                names = {name for name, q in peer.model.named_parameters() if q.requires_grad}
+                names = {name for name, q in peer.module.named_parameters() if q.requires_grad}
                 return {"model": {k: v.detach().clone() for k, v in peer._updater.true_state_dict().items()
                                   if k in names},
                         "sync": [p.version, p.digest, p.round, p.epoch]}

@@ -71,6 +71,18 @@ def check_model_and_optimizer(model, optimizer) -> None:
                           f"gradients no peer would average: build it over model.parameters()")
 
 
+def own_module(model):
+    """The module that names the parameters as the model itself does. ``torch.compile`` wraps a
+    model in one that adds ``_orig_mod.`` to every name: a compiled peer (CUDA) beside one that
+    is not (MPS, CPU) must still name them alike, and a state or checkpoint load into either."""
+    import torch
+
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
+                                                                    torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None, duration: float | None,
                  now: float) -> RoundConfig:
     """The round machine's settings; the run's limits (``cluster.ending``): the version this peer

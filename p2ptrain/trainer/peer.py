@@ -142,7 +142,8 @@ from p2ptrain.trainer.lifetime import Lifetime
 from p2ptrain.trainer.overlap import BackwardFeed
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
-from p2ptrain.trainer.options import check_model_and_optimizer, check_options, listen_address, round_config
+from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, listen_address, own_module,
+                                      round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.cluster.rings import KEEP_RESULTS
@@ -205,6 +206,7 @@ class AsyncPeer:
         if device is not None:
             model.to(pick_device(device))
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.module = own_module(model)  # (names and states: the model's own, compiled or not)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require gradients")
@@ -329,7 +331,7 @@ class AsyncPeer:
 
     def _prepare(self) -> None:
         """(``Lifetime.opening``, the caller's thread) The point the parameters start from."""
-        checksum = hashlib.blake2b(param_checksum(self.model).encode(), digest_size=16).digest()
+        checksum = hashlib.blake2b(param_checksum(self.module).encode(), digest_size=16).digest()
         self._params_point = self._start or SyncPoint(0, genesis(checksum), -1, 0)
         self._checksum = checksum
 
@@ -338,7 +340,7 @@ class AsyncPeer:
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
                                                    asyncio.get_running_loop().time()),
-                               start=self._params_point, fingerprint=model_fingerprint(self.model),
+                               start=self._params_point, fingerprint=model_fingerprint(self.module),
                                settings=self._settings)
         await self.cluster.__aenter__()
         for array in self._acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)

@@ -91,6 +91,10 @@ class Peer:
         return self._peer.model
 
     @property
+    def module(self) -> torch.nn.Module:
+        return self._peer.module
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._peer.optimizer
 

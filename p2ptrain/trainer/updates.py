@@ -58,6 +58,10 @@ SOLO_COMMIT_S = 10.0  # how long a checkpoint waits for the cluster to commit wh
 HISTORY = 1000  # updates kept in ``history``
 
 
+# What ``torch.compile``'s wrapper adds to every name of a model's ``state_dict()``.
+COMPILED_PREFIX = "_orig_mod."
+
+
 def _point(sync) -> SyncPoint | None:
     """A ``state_dict``'s or snapshot's ``sync`` list as a ``SyncPoint`` (None: none)."""
     return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
@@ -185,9 +189,9 @@ class Updater:
         the true ones where the model holds predicted ones, the outer ones in local-steps mode."""
         peer = self.peer
         if peer._local is None and peer._predictor is None:
-            return param_checksum(peer.model)
+            return param_checksum(peer.module)
         state = self.true_state_dict()
-        return tensors_checksum((name, state[name]) for name, _ in peer.model.named_parameters())
+        return tensors_checksum((name, state[name]) for name, _ in peer.module.named_parameters())
 
     def apply_alone(self, batch_size: int) -> bool:
         """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
@@ -257,12 +261,12 @@ class Updater:
             log.debug("the leader's parameters for version %d came after ours passed it", point.version)
             return
         if peer._local is not None:  # the outer parameters: everything here moves by the difference
-            names = dict(peer.model.named_parameters())
-            peer._local.shift([state["model"][n] for n, _ in peer._local.named_outer(peer.model)
+            names = dict(peer.module.named_parameters())
+            peer._local.shift([state["model"][n] for n, _ in peer._local.named_outer(peer.module)
                                if names[n].requires_grad], (state.get("outer") or {}).get("momentum"))
         else:
             with torch.no_grad():
-                for name, p in peer.model.named_parameters():
+                for name, p in peer.module.named_parameters():
                     if name in state["model"]:
                         p.copy_(state["model"][name])
         if peer._predictor is not None:
@@ -273,7 +277,7 @@ class Updater:
         """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot (in
         local-steps mode the outer state: the model starts over on it, with its momentum)."""
         peer = self.peer
-        peer.model.load_state_dict(state["model"])
+        peer.module.load_state_dict(state["model"])
         if peer._local is not None:
             peer._local.reset((state.get("outer") or {}).get("momentum"))
         peer.optimizer.load_state_dict(state["optimizer"])
@@ -323,16 +327,18 @@ class Updater:
         and the outer ones in local-steps mode (the model holds this peer's local ones)."""
         peer = self.peer
         if peer._local is not None:
-            return peer._local.state_dict(peer.model)
-        return peer.model.state_dict() if peer._predictor is None else peer._predictor.true_state_dict(peer.model)
+            return peer._local.state_dict(peer.module)
+        return peer.module.state_dict() if peer._predictor is None else peer._predictor.true_state_dict(peer.module)
 
     def load_state_dict(self, state: dict) -> None:
         """``AsyncPeer.load_state_dict``: before entering."""
         peer = self.peer
         if peer._lifetime.thread is not None:
             raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
-        version, point = _checked_state(peer.model, peer.optimizer, state)
-        peer.model.load_state_dict(state["model"])
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):  # (a compiled model's own)
+            state = {**state, "model": {k.removeprefix(COMPILED_PREFIX): v for k, v in state["model"].items()}}
+        version, point = _checked_state(peer.module, peer.optimizer, state)
+        peer.module.load_state_dict(state["model"])
         peer.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
         if peer._local is not None:
