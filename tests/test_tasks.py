@@ -147,17 +147,24 @@ def test_fingerprint_diff_names_the_first_difference():
     small = load_task("synthetic", {"model_size": "100k"}).model
     smaller = load_task("synthetic", {"model_size": "10k"}).model
     here = model_fingerprint(small)
-    assert here[0] == ("0.weight", (295, 32), "float32")
+    assert here[0] == ("0.weight", (295, 32), "float32", True)
     assert fingerprint_diff(here, model_fingerprint(small)) is None
-    as_sent = [[name, list(shape), dtype] for name, shape, dtype in here]  # what msgpack gives back
+    as_sent = [[name, list(shape), dtype, trainable] for name, shape, dtype, trainable in here]  # (msgpack's)
     assert fingerprint_diff(here, as_sent) is None
+    old_checkpoints = [[name, list(shape), dtype] for name, shape, dtype, _ in here]  # (trainable not said)
+    assert fingerprint_diff(here, old_checkpoints) is None
+    small[0].weight.requires_grad_(False)
+    assert fingerprint_diff(here, model_fingerprint(small)) == \
+        "parameter '0.weight' is trained here and frozen on the other peer (requires_grad): freeze the same " \
+        "parameters on every peer"
+    small[0].weight.requires_grad_(True)
     assert fingerprint_diff(here, model_fingerprint(smaller)) == \
         "parameter '0.weight' has shape (295, 32) here and (80, 32) on the other peer"
     assert fingerprint_diff(here, model_fingerprint(small.half())) == \
         "parameter '0.weight' has dtype float32 here and float16 on the other peer"
     assert fingerprint_diff(here, here[:-1]) == "parameter '4.bias' exists here but not on the other peer"
     assert fingerprint_diff(here[:-1], here) == "parameter '4.bias' exists on the other peer but not here"
-    renamed = [("extra.weight", (1,), "float32")] + here[1:]
+    renamed = [("extra.weight", (1,), "float32", True)] + here[1:]
     assert fingerprint_diff(here, renamed) == "parameter '0.weight' exists here but not on the other peer"
     assert fingerprint_diff(renamed, here) == "parameter 'extra.weight' exists here but not on the other peer"
     swapped = [here[1], here[0]] + here[2:]

@@ -466,7 +466,8 @@ class Cluster:
             if not fresh:
                 log.error("%s; this peer keeps training with the others", text)
             elif self.failure is None:
-                self.failure = FingerprintError(f"{text}: start every peer with the same task and model size")
+                self.failure = FingerprintError(f"{text}: start every peer with the same model (join: the same "
+                                                "--task and --model-size)")
                 log.error("%s", self.failure)
 
     def _give_up_if_refused(self, now: float) -> None:

@@ -9,30 +9,35 @@ import torch
 
 from p2ptrain.cluster.snapshot import tensors_checksum
 
-Fingerprint = list[tuple[str, tuple[int, ...], str]]
+# (name, shape, dtype, trainable): a checkpoint written before trainable was recorded has three.
+Fingerprint = list[tuple[str, tuple[int, ...], str, bool]]
 
 
 def model_fingerprint(model: torch.nn.Module) -> Fingerprint:
-    """``[(name, shape, dtype), ...]`` of every parameter, in registration order.
+    """``[(name, shape, dtype, trainable), ...]`` of every parameter, in registration order.
+    ``trainable`` (``requires_grad``) too: the gradients travel as one buffer of the trainable
+    ones, so a peer that froze other layers cannot sum with this one.
 
-    Plain strings, ints and tuples, so it travels in a msgpack header (as lists)."""
-    return [(name, tuple(int(n) for n in p.shape), str(p.dtype).removeprefix("torch."))
+    Plain strings, ints, bools and tuples, so it travels in a msgpack header (as lists)."""
+    return [(name, tuple(int(n) for n in p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad))
             for name, p in model.named_parameters()]
 
 
 def _normalized(fingerprint: Any) -> Fingerprint | None:
-    """The fingerprint with shapes as tuples, or None if it is not one (e.g. from a bad peer)."""
+    """The fingerprint with shapes as tuples (``trainable`` None where a checkpoint's does not
+    say), or None if it is not one (e.g. from a bad peer)."""
     if not isinstance(fingerprint, (list, tuple)):
         return None
     out = []
     for entry in fingerprint:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+        if not isinstance(entry, (list, tuple)) or len(entry) not in (3, 4):
             return None
-        name, shape, dtype = entry
+        name, shape, dtype, trainable = (*entry, None)[:4]
         if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(shape, (list, tuple)) \
-                or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape) \
+                or not isinstance(trainable, (bool, type(None))):
             return None
-        out.append((name, tuple(shape), dtype))
+        out.append((name, tuple(shape), dtype, trainable))
     return out
 
 
@@ -46,11 +51,11 @@ def fingerprint_diff(here: Sequence, there: Sequence) -> str | None:
         raise TypeError("fingerprint_diff: 'here' is not a model_fingerprint() list")
     if theirs is None:
         return "the other peer's model fingerprint is malformed"
-    their_names = {name for name, _, _ in theirs}
-    my_names = {name for name, _, _ in mine}
+    their_names = {entry[0] for entry in theirs}
+    my_names = {entry[0] for entry in mine}
     for index, (mine_entry, their_entry) in enumerate(zip(mine, theirs)):
-        name, shape, dtype = mine_entry
-        other_name, other_shape, other_dtype = their_entry
+        name, shape, dtype, trainable = mine_entry
+        other_name, other_shape, other_dtype, other_trainable = their_entry
         if name != other_name:
             if name not in their_names:
                 return f"parameter {name!r} exists here but not on the other peer"
@@ -62,6 +67,10 @@ def fingerprint_diff(here: Sequence, there: Sequence) -> str | None:
             return f"parameter {name!r} has shape {shape} here and {other_shape} on the other peer"
         if dtype != other_dtype:
             return f"parameter {name!r} has dtype {dtype} here and {other_dtype} on the other peer"
+        if None not in (trainable, other_trainable) and trainable != other_trainable:
+            return (f"parameter {name!r} is {'trained' if trainable else 'frozen'} here and "
+                    f"{'trained' if other_trainable else 'frozen'} on the other peer (requires_grad): freeze the "
+                    "same parameters on every peer")
     if len(mine) > len(theirs):
         return f"parameter {mine[len(theirs)][0]!r} exists here but not on the other peer"
     if len(theirs) > len(mine):

@@ -55,12 +55,12 @@ def fingerprint_digest(fingerprint) -> str:
 
 
 def _fp_bytes(fingerprint) -> bytes:
-    return msgpack.packb([[n, list(s), d] for n, s, d in fingerprint])
+    return msgpack.packb([[name, list(shape), *rest] for name, shape, *rest in fingerprint])
 
 
 def state_limit(fingerprint) -> int:
     """The largest snapshot we accept: parameters, optimizer moments and buffers several times over."""
-    nbytes = sum(getattr(torch, d).itemsize * math.prod(s) for _, s, d in fingerprint)
+    nbytes = sum(getattr(torch, d).itemsize * math.prod(s) for _, s, d, *_ in fingerprint)
     return 8 * nbytes + (64 << 20)
 
 
@@ -101,7 +101,7 @@ class StateTransfer:
     ``on_foreign(peer, diff)`` hears what differs in a peer of another model."""
 
     def __init__(self, mesh, fingerprint, on_ask: Callable, on_foreign: Callable[[str, str], None]):
-        self.mesh, self.fingerprint = mesh, [(n, tuple(s), d) for n, s, d in fingerprint]
+        self.mesh, self.fingerprint = mesh, [(n, tuple(s), *rest) for n, s, *rest in fingerprint]
         self.digest, self.limit = fingerprint_digest(self.fingerprint), state_limit(self.fingerprint)
         self._on_ask, self._on_foreign = on_ask, on_foreign
         self._ids = itertools.count(1)
@@ -220,10 +220,11 @@ class StateTransfer:
         """The decoded state is our model's, and its parameters are the ones the member holds."""
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise RemoteProtocolError(f"malformed snapshot from {peer}: no model")
-        model, names = state["model"], {name for name, _, _ in self.fingerprint}
+        model, names = state["model"], {entry[0] for entry in self.fingerprint}
         if not all(isinstance(t, torch.Tensor) for t in model.values()):
             raise RemoteProtocolError(f"malformed snapshot from {peer}: a parameter that is not a tensor")
-        theirs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))  # (buffers are not parameters)
+        theirs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))  # (buffers are not parameters;
+                  # a tensor does not say whether it is trained)
                   for name, t in model.items() if name in names]
         diff = fingerprint_diff(self.fingerprint, theirs)
         if diff:
