@@ -151,7 +151,7 @@ async def test_a_fresh_peer_that_meets_the_odd_one_out_before_its_partner_goes_o
         assert a.failure is None
         link([a, b])
         await until(lambda: c.failure is not None, timeout=20)
-        with pytest.raises(FingerprintError, match="start every peer with the same task"):
+        with pytest.raises(FingerprintError, match="start every peer with the same model"):
             c.check()
         await until(lambda: trainers[0].version >= 3 and trainers[1].version >= 3, timeout=20)
         assert a.failure is None and b.failure is None
