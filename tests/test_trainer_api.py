@@ -79,6 +79,40 @@ def test_a_step_without_backward_is_refused_and_counts_no_samples():
         assert peer.version == 1 and [h.samples for h in peer.history] == [8]
 
 
+def test_step_takes_any_integer_batch_size_and_refuses_the_rest():
+    """``batch_size=mask.sum()`` or a numpy count was refused as "not an int"; a bool, a float,
+    a string or a count below 1 still is, and the batch's gradients stay for the next try."""
+    import numpy as np
+
+    with alone(make()) as peer:
+        x, y = batch(0)
+        for good in (np.int64(3), torch.tensor(5), 8):
+            F.cross_entropy(peer.model(x), y).backward()
+            for bad in (0, -2, 2.5, True, "8", None, torch.tensor(2.0)):
+                with pytest.raises(ConfigError, match="batch_size must be an int >= 1"):
+                    peer.step(batch_size=bad)
+            assert peer.step(batch_size=good) == 1
+        assert [h.samples for h in peer.history] == [3, 5, 8]
+
+
+def test_the_loops_own_optimizer_step_is_refused_while_the_peer_is_open():
+    """A DDP habit, ``optimizer.step()`` beside ``peer.step()``: it applied this peer's own
+    gradients alone, and two replicas parted without a word. Refused before it changes
+    anything; the peer goes on; closed, the optimizer is the loop's own again."""
+    peer = alone(make())
+    with peer:
+        x, y = batch(0)
+        F.cross_entropy(peer.model(x), y).backward()
+        before = [p.detach().clone() for p in peer.model.parameters()]
+        with pytest.raises(ConfigError, match=r"optimizer.step\(\) was called while its peer is open"):
+            peer.optimizer.step()
+        assert all(torch.equal(p, q) for p, q in zip(peer.model.parameters(), before))  # nothing applied
+        assert peer.step(batch_size=len(x)) == 1 and peer.version == 1
+    F.cross_entropy(peer.model(x), y).backward()
+    peer.optimizer.step()  # (alone again: the loop's to call)
+    assert not all(torch.equal(p, q) for p, q in zip(peer.model.parameters(), before))
+
+
 def test_a_peer_whose_opening_failed_closes_quietly():
     """A port taken: ``start`` raises ConfigError; a ``close`` after it (a ``finally``) raised a
     bare RuntimeError, "Event loop is closed", and left a coroutine never awaited."""

@@ -118,6 +118,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -127,7 +128,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import optimizer_step
+from p2ptrain.trainer.apply import StepGuard, optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import Contributor
@@ -157,6 +158,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2ptrain.trainer.peer")
 
 RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
+
+
+def _sample_count(batch_size) -> int:
+    """``step``'s ``batch_size`` as an int: any integer, numpy's or a 0-d integer tensor's too
+    (``mask.sum()``), but not a bool, a float or a string."""
+    try:
+        count = None if isinstance(batch_size, bool) else operator.index(batch_size)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ConfigError(f"batch_size must be an int >= 1 (the samples in this batch), got {batch_size!r}")
+    return count
 
 
 class AsyncPeer:
@@ -356,9 +369,11 @@ class AsyncPeer:
             raise
         self._tasks.spawn(self._propose())
         self._step_end = time.perf_counter()
+        self._step_guard = StepGuard(self.optimizer)  # (last: nothing after it can fail the opening)
 
     async def _leave(self) -> None:
         """(``Lifetime.closing``, the loop thread) After the flush, if any, and ``closed`` is set."""
+        self._step_guard.close()  # (the optimizer is the caller's own again)
         self._contributor.cancel_linger()
         if self._feed is not None:
             self._feed.close()
@@ -404,8 +419,7 @@ class AsyncPeer:
             raise ClosedError("this peer is closed: create a new one to train again")
         if self.cluster is None:
             raise ClosedError("this peer is not open yet: enter it first (with peer: / async with peer:)")
-        if type(batch_size) is not int or batch_size < 1:
-            raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        batch_size = _sample_count(batch_size)
         if all(p.grad is None for p in self.params):  # (its samples would count as a zero gradient)
             raise ConfigError("step() found no gradient on any parameter: call loss.backward() on this batch first")
         self.cluster.check()
