@@ -134,10 +134,12 @@ def test_a_model_and_optimizer_that_do_not_belong_together_are_refused_at_once()
     model, opt = model_and_optimizer()
     other, other_opt = model_and_optimizer()
     extra = torch.zeros(3, requires_grad=True)
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))  # (torch's error at numel() before)
     for args, match in [(("model", opt), "model must be a torch.nn.Module, got str"),
                         ((model, "sgd"), "optimizer must be a torch.optim.Optimizer over the model's parameters"),
                         ((model, other_opt), r"steps \d+ tensor\(s\) that are not the model's parameters"),
-                        ((model, torch.optim.SGD([*model.parameters(), extra], lr=0.1)), "steps 1 tensor")]:
+                        ((model, torch.optim.SGD([*model.parameters(), extra], lr=0.1)), "steps 1 tensor"),
+                        ((lazy, torch.optim.SGD(lazy.parameters(), lr=0.1)), "lazy parameters .* run one forward")]:
         with pytest.raises(ConfigError, match=match):
             AsyncPeer(*args, discovery=False)
     AsyncPeer(model, torch.optim.SGD([next(model.parameters())], lr=0.1), discovery=False)  # a part is the user's choice

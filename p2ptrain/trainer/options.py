@@ -64,6 +64,9 @@ def check_model_and_optimizer(model, optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, got "
                           f"{type(optimizer).__name__}")
+    if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+        raise ConfigError("the model has lazy parameters (LazyLinear, ...) that are not made yet: run one forward "
+                          "pass on a sample batch before giving it to the peer")
     owned = {id(p) for p in model.parameters()}
     foreign = sum(id(p) not in owned for g in optimizer.param_groups for p in g["params"])
     if foreign:
