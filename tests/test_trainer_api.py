@@ -95,6 +95,25 @@ def test_step_takes_any_integer_batch_size_and_refuses_the_rest():
         assert [h.samples for h in peer.history] == [3, 5, 8]
 
 
+@pytest.mark.parametrize("change, said", [("unfreeze", "unfrozen"), ("freeze", "frozen")])
+def test_a_parameter_frozen_or_unfrozen_after_the_peer_was_made_is_refused(change, said):
+    """Fine-tuning's unfreezing mid-run: the unfrozen layer stepped on this peer's gradient
+    alone (two peers' replicas of it parted, every other parameter equal), and one frozen
+    went on stepping on the others' average. Refused at the step, naming it."""
+    model, opt = make()
+    if change == "unfreeze":
+        model[0].weight.requires_grad_(False)
+    with alone((model, opt)) as peer:
+        x, y = batch(0)
+        F.cross_entropy(model(x), y).backward()
+        assert peer.step(batch_size=len(x)) == 1
+        model[0].weight.requires_grad_(change == "unfreeze")
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(ConfigError, match=f"parameter '0.weight' was {said} after the peer was made"):
+            peer.step(batch_size=len(x))
+        assert peer.version == 1
+
+
 def test_the_loops_own_optimizer_step_is_refused_while_the_peer_is_open():
     """A DDP habit, ``optimizer.step()`` beside ``peer.step()``: it applied this peer's own
     gradients alone, and two replicas parted without a word. Refused before it changes

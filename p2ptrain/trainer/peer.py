@@ -221,6 +221,7 @@ class AsyncPeer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.module = own_module(model)  # (names and states: the model's own, compiled or not)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # (``_check_trainable``)
         if not self.params:
             raise ConfigError("the model has no parameters that require gradients")
         self.device = self.params[0].device
@@ -413,6 +414,21 @@ class AsyncPeer:
             await asyncio.sleep(0)  # caller's other tasks, and its signal handlers (Ctrl-C) with them
         return self._lifetime.end_step()
 
+    def _check_trainable(self) -> None:
+        """The parameters that train are those that did when the peer was made: every peer's
+        gradients travel as one buffer of them. One unfrozen since (fine-tuning's unfreezing)
+        stepped on this peer's own gradient, one frozen since on the others' average, and the
+        replicas parted without a word."""
+        if all(p.requires_grad for p in self.params) and not any(p.requires_grad for p in self._frozen):
+            return
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        thawed = [names[id(p)] for p in self._frozen if p.requires_grad]
+        what = (f"parameter {thawed[0]!r} was unfrozen" if thawed else
+                f"parameter {next(names[id(p)] for p in self.params if not p.requires_grad)!r} was frozen")
+        raise ConfigError(f"{what} after the peer was made, and the peers train the parameters that required "
+                          "gradients then: to change which train, save peer.state_dict(), close the peer, set "
+                          "requires_grad, and make a new one that loads it (on every peer)")
+
     def _begin_step(self, batch_size: int) -> bool:
         """(``Lifetime.begin_step``) Accumulate this batch, apply what is queued. True: step must wait."""
         if self._lifetime.closed:
@@ -422,6 +438,7 @@ class AsyncPeer:
         batch_size = _sample_count(batch_size)
         if all(p.grad is None for p in self.params):  # (its samples would count as a zero gradient)
             raise ConfigError("step() found no gradient on any parameter: call loss.backward() on this batch first")
+        self._check_trainable()
         self.cluster.check()
         # A loop that counts its own steps spins here once the run is over: say so, at its second
         # step (``while not peer.finished`` may begin one: the end can come while its batch computes).
