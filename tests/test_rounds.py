@@ -108,6 +108,36 @@ def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
     assert net.applied("a")[-1][1] == ("a", "b")  # the next round ran at once, without c
 
 
+class EveryRing:
+    """``Net.ring_bad`` for a fault that stays: every ring fails."""
+
+    def __contains__(self, key):
+        return True
+
+    def add(self, key):
+        pass
+
+
+def test_rings_that_keep_failing_are_proposed_again_ever_more_slowly_until_one_commits():
+    """Peers whose rings cannot sum (a fault that stays) had the leader propose again at once
+    after every abort: 26,000 aborts and log lines in 30 s on loopback, a core spinning. The
+    first failure is retried at once; then waits double to RING_BACKOFF_MAX."""
+    from p2ptrain.cluster.refusals import RING_BACKOFF_MAX
+
+    net = cluster("ab", run=0.5)
+    committed = len(net.applied("a"))
+    net.ring_bad = EveryRing()
+    net.run(12.0)
+    aborts = [m for m in net.sent("a", M.ABORT) if "the ring failed" in m["reason"]]
+    assert 5 <= len(aborts) <= 2 + 12.0 / RING_BACKOFF_MAX + 5, len(aborts)  # (0, .25, .5, 1, 2, 4, 4, ...)
+    assert len(net.applied("a")) == committed
+    net.ring_bad = set()
+    net.run(RING_BACKOFF_MAX + 0.5)
+    assert len(net.applied("a")) > committed + 3  # a round commits, and the pace is the usual again
+    net.check_safety()
+    net.check_same_outcomes()
+
+
 def test_goodbye_reforms_at_once():
     net = cluster("abc", run=0.3)
     t0 = net.now

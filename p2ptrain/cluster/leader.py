@@ -383,6 +383,7 @@ class Leader:
         if lead.waiting:
             return
         if lead.failed:
+            self.refusals.ring_failed(now)
             return self.abort(now, f"the ring failed at {', '.join(sorted(lead.failed))}", drop=[])
         machine._record_ring(now - lead.since, lead.view)
         sums = {machine.table.get(p).checksum for p in lead.view if machine.table.get(p)} - {None}
