@@ -33,7 +33,9 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path):
     n = 3  # (three, not two: a ring of three routes chunks through a peer that neither made nor keeps them)
     rounds = 15  # (the loss falls by more than 1 in 15 rounds; the test asks for 0.5)
     mine = ports(n)
-    procs = [join("--peers", ",".join(f"127.0.0.1:{q}" for q in mine if q != port), "--no-discovery",
+    # Each is given one address, as DDP's users give one: the third links to the second only
+    # through what the first tells it (``mesh``: keepalives carry the peers' addresses).
+    procs = [join("--peers", f"127.0.0.1:{mine[1] if port == mine[0] else mine[0]}", "--no-discovery",
                   "--port", str(port), "--min-peers", str(n), "--max-rounds", str(rounds), "--compression", "int8",
                   "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"),
                   "--trace", str(tmp_path / f"t{port}.json"), env={"P2PTRAIN_RAW_CHUNKS": "0"})

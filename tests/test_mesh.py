@@ -86,6 +86,35 @@ async def test_a_ring_that_took_its_channels_before_a_duplicate_won_runs_over_th
         await b.mesh.close()
 
 
+async def test_a_peer_given_one_address_links_to_every_peer_of_the_mesh():
+    """DDP's habit, one known address: ``c`` proposed only ``a``. Before, it never linked to
+    ``b``; a round naming all three failed, and the round machine left ``b``, an old member,
+    out while ``c`` stayed (loading state every few seconds, never training)."""
+    peers = await started("a", "b", "c")
+    a, b, c = peers
+    try:
+        a.mesh.propose("127.0.0.1", b.mesh.port)
+        await until(lambda: a.mesh.peers == ["b"] and b.mesh.peers == ["a"])
+        c.mesh.propose("127.0.0.1", a.mesh.port)
+        await until(lambda: c.mesh.peers == ["a", "b"] and b.mesh.peers == ["a", "c"], timeout=5)
+        assert all(p.lost == [] for p in peers)
+    finally:
+        for p in peers:
+            await p.mesh.close()
+
+
+def test_keepalives_share_addresses_without_loopback_ones_for_a_peer_elsewhere_and_read_only_sound_ones():
+    mesh = Mesh(cluster="lab", peer_id="a", secret=b"s")
+    mesh._addr = {"b": ("127.0.0.1", 7001), "c": ("192.168.1.20", 7000), "d": ("192.168.1.30", 7000)}
+    assert mesh._shared_with("b") == [["192.168.1.20", 7000], ["192.168.1.30", 7000]]
+    assert mesh._shared_with("c") == [["192.168.1.30", 7000]]  # (127.0.0.1 there is c's own machine)
+    proposed = []
+    mesh.propose = lambda host, port: proposed.append((host, port))
+    mesh._heard_of([["10.0.0.5", 7000], ["x", 0], ["y", 70000], ["z", True], [1, 2], "h:1", ["", 1], ["ok", 9, 9]])
+    mesh._heard_of({"not": "a list"})
+    assert proposed == [("10.0.0.5", 7000)]
+
+
 async def test_messages_are_routed_and_a_ring_runs_over_the_channels():
     peers = await started("a", "b", "c")
     try:

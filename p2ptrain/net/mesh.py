@@ -8,7 +8,11 @@ which routes what arrives:
   like a link (``recv``/``send``/``set_allocator``), so a ring runs over mesh links unchanged;
 - state transfer (``wire.STATE``: snapshots, model fingerprints) to ``on_state(peer_id, frame)``;
 - the link's own farewell (``wire.BYE``, sent by ``close``) ends the link;
-- keepalives (``wire.PING``, every KEEPALIVE seconds on every link) only refresh ``heard_at``;
+- keepalives (``wire.PING``, every KEEPALIVE seconds on every link, and once on a new link)
+  refresh ``heard_at`` and carry where our other linked peers listen (``at``): a peer given
+  one address (``--peers``, DDP's habit of one master address) dials the rest. Before, a
+  newcomer that knew one member could never reach the others, and the round machine left
+  an old member out, loading state every few seconds, for as long as the newcomer stayed;
 - everything else (round messages, the round machine's GOODBYE too) to ``on_message(peer_id, header)``.
 
 Every task the mesh runs (dials, readers, keepalives) is in one ``TaskSet``, which ``close``
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 from typing import Awaitable, Callable
 
@@ -41,6 +46,7 @@ log = logging.getLogger("p2ptrain.net.mesh")
 RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
 KEEPALIVE = 2.0  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
 DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
+MAX_SHARED = 64  # addresses a keepalive carries at most (``at``)
 
 
 class ChunkChannel:
@@ -297,6 +303,7 @@ class Mesh:
         if pid not in self._channels:
             self._channels[pid] = ChunkChannel(link)
         self._readers[pid] = self._tasks.spawn(self._read(pid, link))
+        self._tasks.spawn(self._ping_one(link, self._shared_with(pid)))  # (a newcomer dials the rest now)
         self._on_admitted(pid, link.peer.info)
 
     def _linger(self, pid: str, link: transport.Link) -> None:
@@ -308,16 +315,34 @@ class Mesh:
     async def _ping(self) -> None:
         while True:
             await asyncio.sleep(KEEPALIVE)
-            for link in list(self._links.values()):
+            for pid, link in list(self._links.items()):
                 if not link.closed:
-                    self._tasks.spawn(self._ping_one(link))
+                    self._tasks.spawn(self._ping_one(link, self._shared_with(pid)))
 
     @staticmethod
-    async def _ping_one(link: transport.Link) -> None:
+    async def _ping_one(link: transport.Link, addresses: list) -> None:
         try:
-            await link.send({"t": wire.PING}, timeout=KEEPALIVE * 5)
+            await link.send({"t": wire.PING, "at": addresses}, timeout=KEEPALIVE * 5)
         except P2PTrainError:
             pass  # the reader reports the loss
+
+    def _shared_with(self, pid: str) -> list[list]:
+        """Where our other linked peers listen, for ``pid`` to dial; a loopback address only to a
+        peer itself on loopback (elsewhere it names that machine, not ours)."""
+        theirs = self._addr.get(pid)
+        local = theirs is not None and _is_loopback(theirs[0])
+        return [[host, port] for q, (host, port) in sorted(self._addr.items())
+                if q != pid and (local or not _is_loopback(host))][:MAX_SHARED]
+
+    def _heard_of(self, addresses) -> None:
+        """A linked peer's keepalive named where its peers listen: dial those we lack. (From an
+        authenticated peer; anything malformed in it is passed over.)"""
+        if not isinstance(addresses, list):
+            return
+        for entry in addresses[:MAX_SHARED]:
+            if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and 0 < len(entry[0]) <= 255
+                    and type(entry[1]) is int and 0 < entry[1] < 65536):
+                self.propose(entry[0], entry[1])
 
     # -- routing --------------------------------------------------------------------------
     async def _read(self, pid: str, link: transport.Link) -> None:
@@ -328,6 +353,7 @@ class Mesh:
                 if self._links.get(pid) is link:
                     self.heard_at[pid] = asyncio.get_running_loop().time()
                 if frame.type == wire.PING:
+                    self._heard_of(frame.header.get("at"))
                     continue
                 if frame.type == wire.CHUNK:
                     if pid in self._channels:
@@ -370,3 +396,10 @@ class Mesh:
             link.close()
         if report and not self._closed:
             self._on_lost(pid, why)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -27,10 +27,11 @@ import msgpack
 from p2ptrain.errors import FrameError
 
 MAGIC = b"P2PT"
-PROTOCOL_VERSION = 5  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings;
+PROTOCOL_VERSION = 6  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings;
 #                     3: small segments are cut into fewer chunks (ring.MIN_CHUNK_ELEMS 128 K values, was 16 K);
 #                     4: a lossy codec's chunk may come raw (header "raw": collective.linkpace);
 #                     5: DONE says why a ring failed with nobody at fault ("void", was "withdrawn")
+#                     6: model fingerprints say which parameters train (four fields, were three)
 PREFIX = struct.Struct("<4sBBHQ")
 PREFIX_SIZE = PREFIX.size  # 16
 
