@@ -185,6 +185,23 @@ def test_a_malicious_pickle_is_refused_not_run(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_checkpoint_an_older_torchs_safe_load_refuses_says_so(tmp_path, monkeypatch):
+    """torch 2.4's safe loader refuses what a newer torch wrote with bytes in it (measured: a
+    join checkpoint of torch 2.13 read on torch 2.4.1); it was called truncated or corrupt."""
+    import pickle
+
+    path = save_checkpoint(tmp_path, {"x": 1}, round=1)
+
+    def refuse(*args, **kwargs):
+        raise pickle.UnpicklingError("Weights only load failed. This file can still be loaded, ...\n\tWeightsUnpickler "
+                                     "error: Unsupported global: GLOBAL _codecs.encode was not an allowed global")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(CheckpointError, match=r"cannot be read safely by this torch .*_codecs.encode.*install the "
+                                              r"torch that wrote it, or a newer one"):
+        load_checkpoint(path)
+
+
 def test_temp_leftovers_are_ignored_and_cleaned(tmp_path):
     save_checkpoint(tmp_path, {}, 1)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,

@@ -73,7 +73,7 @@ async def test_a_peer_alone_applies_each_batch_in_step_and_its_rounds_are_those_
         assert peer.cluster.machine.history.digest == digest
         assert [r.round for r in records] == list(range(start.round + 1, start.round + 13))
         state = peer.state_dict()
-        assert state["version"] == state["sync"][0] == 12 and state["sync"][1] == digest
+        assert state["version"] == state["sync"][0] == 12 and state["sync"][1] == digest.hex()
 
 
 async def test_a_checkpoint_taken_alone_is_at_its_own_version():
@@ -82,7 +82,7 @@ async def test_a_checkpoint_taken_alone_is_at_its_own_version():
         await train(peer, 3)
         state = peer.state_dict()  # (the rounds of those batches are committed first)
         point = peer.cluster.machine.sync_point()
-        assert state["version"] == 3 and state["sync"] == [point.version, point.digest, point.round, point.epoch]
+        assert state["version"] == 3 and state["sync"] == [point.version, point.digest.hex(), point.round, point.epoch]
 
 
 async def test_a_peer_alone_ends_at_the_runs_last_round_exactly():

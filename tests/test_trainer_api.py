@@ -253,6 +253,31 @@ def test_a_checkpoint_resumes_the_same_parameters_optimizer_and_lineage():
         torch.testing.assert_close(a, b)
 
 
+def test_a_peers_state_pickles_nothing_an_older_torchs_safe_load_refuses():
+    """``torch.save`` pickles bytes through ``_codecs.encode``, a global torch before 2.5 will
+    not load with ``weights_only``: the lineage's digest was bytes, so a checkpoint written by a
+    CUDA desktop's torch 2.13 did not resume on a Mac's torch 2.4 (measured). It is hex now."""
+    import pickletools
+    import zipfile
+
+    with alone(make()) as peer:
+        x, y = batch(0)
+        F.cross_entropy(peer.model(x), y).backward()
+        peer.step(batch_size=len(x))
+        state = peer.state_dict()
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    with zipfile.ZipFile(saved) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    globals_ = {str(arg) for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+    assert not [g for g in globals_ if g.startswith("_codecs")], globals_
+    resumed = alone(make(seed=3))
+    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert resumed.version == 1 and param_checksum(resumed.model) == param_checksum(peer.model)
+    resumed.load_state_dict({**state, "sync": [state["sync"][0], bytes.fromhex(state["sync"][1]),
+                                               *state["sync"][2:]]})  # (as a state saved before)
+
+
 async def on_cluster_thread(peer, fn, *args):
     """Call ``fn`` where the cluster calls it: on the peer's own event loop."""
     async def call():

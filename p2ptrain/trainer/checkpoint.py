@@ -137,7 +137,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"cannot read checkpoint {name!r} ({exc.strerror or exc}): "
                               "check its permissions") from None
     except Exception as exc:  # noqa: BLE001 - torch raises many types (zip, pickle, EOF, Runtime) for a bad file
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        refused = [line.strip() for line in lines if "WeightsUnpickler error" in line]
+        if refused:  # (readable, but not by this torch's safe loader: a newer torch wrote it)
+            raise CheckpointError(f"checkpoint {name!r} cannot be read safely by this torch {torch.__version__} "
+                                  f"({refused[0][:160]}): install the torch that wrote it, or a newer one") from None
+        why = lines[0][:160]
         raise CheckpointError(f"checkpoint {name!r} is truncated or corrupt ({why}): "
                               "delete it to resume from the one before") from None
     fmt = state.get(FORMAT_KEY) if isinstance(state, dict) else None

@@ -63,8 +63,14 @@ COMPILED_PREFIX = "_orig_mod."
 
 
 def _point(sync) -> SyncPoint | None:
-    """A ``state_dict``'s or snapshot's ``sync`` list as a ``SyncPoint`` (None: none)."""
-    return SyncPoint(int(sync[0]), bytes(sync[1]), int(sync[2]), int(sync[3])) if sync else None
+    """A ``state_dict``'s or snapshot's ``sync`` list as a ``SyncPoint`` (None: none). A
+    ``state_dict`` holds the digest as hex: ``torch.save`` pickles bytes through a global that
+    torch before 2.5 refuses to load with ``weights_only`` (a Mac's older torch could not
+    resume a checkpoint the CUDA desktop wrote); a snapshot, and a state saved before, as bytes."""
+    if not sync:
+        return None
+    digest = bytes.fromhex(sync[1]) if isinstance(sync[1], str) else bytes(sync[1])
+    return SyncPoint(int(sync[0]), digest, int(sync[2]), int(sync[3]))
 
 
 def _checked_state(model: torch.nn.Module, optimizer, state) -> tuple[int, SyncPoint | None]:
@@ -299,7 +305,7 @@ class Updater:
             p = peer._params_point
             return {"model": self.true_state_dict(), "optimizer": peer.optimizer.state_dict(),
                     "scheduler": peer.scheduler.state_dict() if peer.scheduler is not None else None,
-                    "version": peer.version, "sync": p and [p.version, p.digest, p.round, p.epoch],
+                    "version": peer.version, "sync": p and [p.version, p.digest.hex(), p.round, p.epoch],
                     **self.outer_state()}
 
     def _commit_solo(self) -> None:
