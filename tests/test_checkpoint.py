@@ -153,6 +153,11 @@ def test_a_truncated_or_garbage_file_is_named_and_skipped(tmp_path, caplog):
     assert path.name == "ckpt-r00000001.pt" and state["round"] == 1
     assert "ckpt-r00000003.pt" in caplog.text and "ckpt-r00000002.pt" in caplog.text
     assert garbage.exists() and p2.exists()  # left for a human to look at
+    (tmp_path / "ckpt-r00000001.pt").write_bytes(b"\0" * 100)  # none loads now: no start over
+    with pytest.raises(CheckpointError, match=r"none of the 3 checkpoint\(s\) in .* loads, the newest because "
+                                              r"checkpoint .*ckpt-r00000003.pt.*use another directory"):
+        load_latest(tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
 
 
 def test_a_file_that_is_not_a_p2ptrain_checkpoint(tmp_path):

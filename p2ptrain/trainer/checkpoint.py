@@ -141,7 +141,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         refused = [line.strip() for line in lines if "WeightsUnpickler error" in line]
         if refused:  # (readable, but not by this torch's safe loader: a newer torch wrote it)
             raise CheckpointError(f"checkpoint {name!r} cannot be read safely by this torch {torch.__version__} "
-                                  f"({refused[0][:160]}): install the torch that wrote it, or a newer one") from None
+                                  f"({refused[0].split(' was not')[0][:120]}): install the torch that wrote it, or a "
+                                  "newer one") from None
         why = lines[0][:160]
         raise CheckpointError(f"checkpoint {name!r} is truncated or corrupt ({why}): "
                               "delete it to resume from the one before") from None
@@ -156,13 +157,22 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
 
 
 def load_latest(directory: str | os.PathLike) -> tuple[Path, dict] | None:
-    """(path, state) of the newest checkpoint in ``directory`` that loads, or None. A newer
-    one that does not load is skipped with a warning (it stays on disk for a human to see)."""
-    for _, path in reversed(list_checkpoints(directory)):
+    """(path, state) of the newest checkpoint in ``directory`` that loads, or None where it
+    holds none. A newer one that does not load is skipped with a warning (it stays on disk for
+    a human to see). Where none loads, ``CheckpointError``: a run that started over there
+    would prune them, the work of the run that wrote them (measured: a torch too old to read
+    them started over and deleted the oldest)."""
+    found = list_checkpoints(directory)
+    first: CheckpointError | None = None
+    for _, path in reversed(found):
         try:
             return path, load_checkpoint(path)
         except CheckpointError as exc:
             log.warning("skipping a checkpoint: %s", exc)
+            first = first or exc
+    if first is not None:
+        raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {str(directory)!r} loads, the newest "
+                              f"because {first}; left as they are: to start over, use another directory")
     return None
 
 
