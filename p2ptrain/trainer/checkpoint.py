@@ -50,11 +50,12 @@ STALE_TEMP_SECONDS = 3600.0  # a temporary file this old is a dead writer's, wha
 _NAME = re.compile(r"^ckpt-r(\d+)\.pt$")
 _TEMP = re.compile(r"^\.ckpt-r\d+\.pt\.tmp-(\d+)-[0-9a-f]+$")
 # What torch.load(weights_only=True) rebuilds (torch/_weights_only_unpickler.py), by exact type:
-# a subclass (a namedtuple, a defaultdict, a tensor subclass) is refused there, so here too.
+# a subclass (a namedtuple, a defaultdict, a tensor subclass) is refused there, so here too. The
+# types torch 2.4 rebuilds, not only this torch's: a checkpoint moves between machines (a Mac's
+# older torch); 2.4.1 refuses bytes, bytearray, set and complex, which torch 2.13 takes (measured).
 _MAPPINGS = (dict, OrderedDict, Counter)
-_SEQUENCES = (list, tuple, set)
-_PLAIN = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size,
-          torch.Tensor, torch.nn.Parameter)
+_SEQUENCES = (list, tuple)
+_PLAIN = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size, torch.Tensor, torch.nn.Parameter)
 
 
 def checkpoint_name(round: int) -> str:
@@ -192,7 +193,8 @@ def _check_loadable(value: Any, where: str, depth: int = 0) -> None:
             _check_loadable(v, f"{where}[{i}]", depth + 1)
     elif kind not in _PLAIN:
         raise ConfigError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a safe "
-                          "load (weights_only) refuses: store it as a tensor, str, bytes, int, float or bool")
+                          "load (weights_only) refuses, in torch 2.4 at least: store it as a tensor, str, int, "
+                          "float, bool, list or dict (bytes as hex)")
 
 
 def _fsync_file(fd: int) -> None:
