@@ -5,36 +5,12 @@ step once (in local-steps mode they step on each batch's own gradient instead:
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
-from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.accumulator import CommittedUpdate, ViewCache
-
-_stepping = threading.local()  # ``on``: this thread is inside ``optimizer_step`` (the peer's own step)
-
-
-class StepGuard:
-    """While a peer is open, ``optimizer.step()`` is the peer's to call (``optimizer_step``): a
-    step of the training loop's own (the habit of a plain or DDP loop) would apply this peer's
-    gradients alone, and the replicas would part without a word. Refused before anything
-    changes, with what to do instead."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self._handle = optimizer.register_step_pre_hook(self._check)
-
-    @staticmethod
-    def _check(optimizer, args, kwargs) -> None:
-        if not getattr(_stepping, "on", False):
-            raise ConfigError("optimizer.step() was called while its peer is open: peer.step(batch_size=...) "
-                              "averages the gradients and steps the optimizer itself, so drop your "
-                              "optimizer.step() (close the peer first to train alone)")
-
-    def close(self) -> None:
-        self._handle.remove()
-
+from p2ptrain.trainer.step_checks import peer_steps
 
 class AveragedGradient:
     """A committed round's mean, ``update.summed / update.total``, on the model's device, flat
@@ -68,11 +44,8 @@ def optimizer_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     """The gradients in ``p.grad`` clipped, the optimizer and scheduler step; ``p.grad`` is None after."""
     if clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-    _stepping.on = True
-    try:
+    with peer_steps():
         optimizer.step()
-    finally:
-        _stepping.on = False
     if scheduler is not None:
         scheduler.step()
     for p in params:

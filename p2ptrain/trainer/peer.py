@@ -118,7 +118,6 @@ import asyncio
 import collections
 import hashlib
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -128,7 +127,7 @@ import torch
 
 from p2ptrain.net import auth
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
-from p2ptrain.trainer.apply import StepGuard, optimizer_step
+from p2ptrain.trainer.apply import optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import Contributor
@@ -147,6 +146,7 @@ from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, 
                                       round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
+from p2ptrain.trainer.step_checks import StepGuard, Trainable, sample_count
 from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.cluster.settings import shared
@@ -158,18 +158,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2ptrain.trainer.peer")
 
 RECONCILE_EVERY = 10  # updates between two comparisons of the parameters with the leader's (``drift``)
-
-
-def _sample_count(batch_size) -> int:
-    """``step``'s ``batch_size`` as an int: any integer, numpy's or a 0-d integer tensor's too
-    (``mask.sum()``), but not a bool, a float or a string."""
-    try:
-        count = None if isinstance(batch_size, bool) else operator.index(batch_size)
-    except TypeError:
-        count = None
-    if count is None or count < 1:
-        raise ConfigError(f"batch_size must be an int >= 1 (the samples in this batch), got {batch_size!r}")
-    return count
 
 
 class AsyncPeer:
@@ -220,8 +208,8 @@ class AsyncPeer:
             model.to(pick_device(device))
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.module = own_module(model)  # (names and states: the model's own, compiled or not)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # (``_check_trainable``)
+        self._trainable = Trainable(self.module)  # (what step refuses: ``step_checks``)
+        self.params = self._trainable.params
         if not self.params:
             raise ConfigError("the model has no parameters that require gradients")
         self.device = self.params[0].device
@@ -414,31 +402,14 @@ class AsyncPeer:
             await asyncio.sleep(0)  # caller's other tasks, and its signal handlers (Ctrl-C) with them
         return self._lifetime.end_step()
 
-    def _check_trainable(self) -> None:
-        """The parameters that train are those that did when the peer was made: every peer's
-        gradients travel as one buffer of them. One unfrozen since (fine-tuning's unfreezing)
-        stepped on this peer's own gradient, one frozen since on the others' average, and the
-        replicas parted without a word."""
-        if all(p.requires_grad for p in self.params) and not any(p.requires_grad for p in self._frozen):
-            return
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        thawed = [names[id(p)] for p in self._frozen if p.requires_grad]
-        what = (f"parameter {thawed[0]!r} was unfrozen" if thawed else
-                f"parameter {next(names[id(p)] for p in self.params if not p.requires_grad)!r} was frozen")
-        raise ConfigError(f"{what} after the peer was made, and the peers train the parameters that required "
-                          "gradients then: to change which train, save peer.state_dict(), close the peer, set "
-                          "requires_grad, and make a new one that loads it (on every peer)")
-
     def _begin_step(self, batch_size: int) -> bool:
         """(``Lifetime.begin_step``) Accumulate this batch, apply what is queued. True: step must wait."""
         if self._lifetime.closed:
             raise ClosedError("this peer is closed: create a new one to train again")
         if self.cluster is None:
             raise ClosedError("this peer is not open yet: enter it first (with peer: / async with peer:)")
-        batch_size = _sample_count(batch_size)
-        if all(p.grad is None for p in self.params):  # (its samples would count as a zero gradient)
-            raise ConfigError("step() found no gradient on any parameter: call loss.backward() on this batch first")
-        self._check_trainable()
+        batch_size = sample_count(batch_size)
+        self._trainable.check()
         self.cluster.check()
         # A loop that counts its own steps spins here once the run is over: say so, at its second
         # step (``while not peer.finished`` may begin one: the end can come while its batch computes).
