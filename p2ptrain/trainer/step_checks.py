@@ -70,7 +70,8 @@ class StepGuard:
         if not getattr(_stepping, "on", False):
             raise ConfigError("optimizer.step() was called while its peer is open: peer.step(batch_size=...) "
                               "averages the gradients and steps the optimizer itself, so drop your "
-                              "optimizer.step() (close the peer first to train alone)")
+                              "optimizer.step() (AMP's scaler.step calls it too: give GradScaler a "
+                              "p2ptrain.DistributedOptimizer instead; close the peer first to train alone)")
 
     def close(self) -> None:
         self._handle.remove()
