@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -89,9 +89,9 @@ def test_resuming_from_a_checkpoint_continues_bit_for_bit(tmp_path, opt_name):
 
 
 def test_every_type_a_safe_load_accepts_round_trips(tmp_path):
-    state = {"od": OrderedDict(a=1), "counter": Counter("aab"), "list": [1, 2.5, "x", None, True],
-             "tuple": (1, (2, 3)), "big": 2 ** 70, "dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
-             "param": torch.nn.Parameter(torch.ones(2)), "int8": torch.arange(4, dtype=torch.int8), 3: "int key"}
+    state = {"od": OrderedDict(a=1), "list": [1, 2.5, "x", None, True], "tuple": (1, (2, 3)), "big": 2 ** 70,
+             "size": torch.Size([2, 3]), "param": torch.nn.Parameter(torch.ones(2)),
+             "int8": torch.arange(4, dtype=torch.int8), "bf16": torch.ones(3, dtype=torch.bfloat16), 3: "int key"}
     assert same(state, load_checkpoint(save_checkpoint(tmp_path, state, 1)))
 
 
@@ -99,12 +99,15 @@ def test_every_type_a_safe_load_accepts_round_trips(tmp_path):
     ({"config": {"lr": np.float64(0.1)}}, "state['config']['lr'] is a numpy.float64"),
     ({"p": __import__("collections").namedtuple("P", "a")(1)}, "state['p'] is a"),
     ({"f": len}, "state['f'] is a builtins.builtin_function_or_method"),
-    # (this torch loads these; torch 2.4 does not: a checkpoint moves to a Mac's older torch)
+    # (this torch loads these; torch 2.2 or 2.4 does not: a checkpoint moves to a Mac's older torch)
     ({"digest": b"\x00\xff"}, "state['digest'] is a builtins.bytes, which a safe load (weights_only) refuses, in "
-                               "torch 2.4 at least"),
+                               "torch 2.2 at least"),
     ({"ids": {1, 2}}, "state['ids'] is a builtins.set"),
     ({"z": [bytearray(b"a")]}, "state['z'][0] is a builtins.bytearray"),
     ({"c": 1j}, "state['c'] is a builtins.complex"),
+    ({"n": __import__("collections").Counter("ab")}, "state['n'] is a collections.Counter"),
+    ({"where": torch.device("cpu")}, "state['where'] is a torch.device"),
+    ({"dtype": torch.bfloat16}, "state['dtype'] is a torch.dtype"),
 ])
 def test_a_state_a_safe_load_would_refuse_is_not_written(tmp_path, bad, where):
     with pytest.raises(ConfigError, match=__import__("re").escape(where)):
@@ -207,8 +210,19 @@ def test_a_checkpoint_an_older_torchs_safe_load_refuses_says_so(tmp_path, monkey
                                      "error: Unsupported global: GLOBAL _codecs.encode was not an allowed global")
 
     monkeypatch.setattr(torch, "load", refuse)
-    with pytest.raises(CheckpointError, match=r"cannot be read safely by this torch .*_codecs.encode.*install the "
+    with pytest.raises(CheckpointError, match=r"cannot be read safely by this torch .*_codecs.encode\): install the "
                                               r"torch that wrote it, or a newer one"):
+        load_checkpoint(path)
+
+    def refuse_as_torch_2_2(*args, **kwargs):  # (one line, the reason at its end)
+        raise pickle.UnpicklingError("Weights only load failed. Re-running `torch.load` with `weights_only` set to "
+                                     "`False` will likely succeed, but it can result in arbitrary code execution."
+                                     "Do it only if you get the file from a trusted source. WeightsUnpickler error: "
+                                     "Unsupported class _codecs.encode")
+
+    monkeypatch.setattr(torch, "load", refuse_as_torch_2_2)
+    with pytest.raises(CheckpointError, match=r"this torch .* \(WeightsUnpickler error: Unsupported class "
+                                              r"_codecs.encode\): install"):
         load_checkpoint(path)
 
 

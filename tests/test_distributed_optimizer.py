@@ -131,6 +131,11 @@ def test_misuse_is_refused_with_a_line_that_says_what_to_do():
             opt.load_state_dict(inner.state_dict())
 
 
+needs_cpu_grad_scaler = pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"),
+                                           reason="GradScaler on the CPU (torch.amp.GradScaler) needs torch 2.3 or newer")
+
+
+@needs_cpu_grad_scaler
 def test_amp_grad_scaler_steps_it_and_skips_a_step_whose_gradient_overflowed():
     """The README's promise: ``scaler.step(optimizer, batch_size=...)``. An inf gradient (a scale
     too high) makes the scaler skip that peer's step and halve its scale; the cluster trains on,
@@ -169,6 +174,7 @@ def test_amp_grad_scaler_steps_it_and_skips_a_step_whose_gradient_overflowed():
     assert all(torch.isfinite(p).all() for model, _ in pairs for p in model.parameters())
 
 
+@needs_cpu_grad_scaler
 def test_amp_grad_scaler_with_overlap_is_refused_at_its_first_step():
     """Overlap reads the gradients during backward, before the scaler unscales them: the cluster
     averaged them 65536 times too large (measured: SGD, 30 steps: last losses 572 and 447 against 0.27 and 0.35)."""

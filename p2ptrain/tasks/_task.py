@@ -133,7 +133,7 @@ def validate_task(task: Any, device: str | torch.device = "cpu") -> None:
         except Exception as exc:
             text = " ".join(str(exc).split())
             # (torch says so in its text only: a RuntimeError on CPU and MPS, its own type on CUDA)
-            short = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in text.lower() \
+            short = isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or "out of memory" in text.lower() \
                 or "can't allocate memory" in text
             if short:
                 raise bad(f"{piece} ran out of memory ({type(exc).__name__}: {text})", "give a smaller --batch-size",

@@ -51,11 +51,13 @@ _NAME = re.compile(r"^ckpt-r(\d+)\.pt$")
 _TEMP = re.compile(r"^\.ckpt-r\d+\.pt\.tmp-(\d+)-[0-9a-f]+$")
 # What torch.load(weights_only=True) rebuilds (torch/_weights_only_unpickler.py), by exact type:
 # a subclass (a namedtuple, a defaultdict, a tensor subclass) is refused there, so here too. The
-# types torch 2.4 rebuilds, not only this torch's: a checkpoint moves between machines (a Mac's
-# older torch); 2.4.1 refuses bytes, bytearray, set and complex, which torch 2.13 takes (measured).
-_MAPPINGS = (dict, OrderedDict, Counter)
+# types torch 2.2 rebuilds (the last torch for Intel Macs), not only this torch's: a checkpoint
+# moves between machines. Measured type by type: 2.2.2 refuses Counter, set, bytes, bytearray,
+# complex, torch.device and a torch.bfloat16 value (not a bfloat16 tensor), 2.4.1 the first five
+# less Counter; torch 2.13 takes them all. (Dtypes are left out whole: none of ours is saved.)
+_MAPPINGS = (dict, OrderedDict)
 _SEQUENCES = (list, tuple)
-_PLAIN = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size, torch.Tensor, torch.nn.Parameter)
+_PLAIN = (str, int, float, bool, type(None), torch.Size, torch.Tensor, torch.nn.Parameter)
 
 
 def checkpoint_name(round: int) -> str:
@@ -139,7 +141,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
                               "check its permissions") from None
     except Exception as exc:  # noqa: BLE001 - torch raises many types (zip, pickle, EOF, Runtime) for a bad file
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        refused = [line.strip() for line in lines if "WeightsUnpickler error" in line]
+        refused = [line[line.index("WeightsUnpickler error"):] for line in lines if "WeightsUnpickler error" in line]
         if refused:  # (readable, but not by this torch's safe loader: a newer torch wrote it)
             raise CheckpointError(f"checkpoint {name!r} cannot be read safely by this torch {torch.__version__} "
                                   f"({refused[0].split(' was not')[0][:120]}): install the torch that wrote it, or a "
@@ -193,7 +195,7 @@ def _check_loadable(value: Any, where: str, depth: int = 0) -> None:
             _check_loadable(v, f"{where}[{i}]", depth + 1)
     elif kind not in _PLAIN:
         raise ConfigError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a safe "
-                          "load (weights_only) refuses, in torch 2.4 at least: store it as a tensor, str, int, "
+                          "load (weights_only) refuses, in torch 2.2 at least: store it as a tensor, str, int, "
                           "float, bool, list or dict (bytes as hex)")
 
 
