@@ -45,6 +45,43 @@ def test_joiner_that_is_behind_is_told_and_loads_again():
     assert net.applied("a") and net.m["b"].table.state("a") == SYNCED
 
 
+@pytest.mark.parametrize("leader_link", ["up", "late"])
+def test_a_fresh_joiner_says_it_joins_at_info_and_a_peer_back_behind_still_warns(leader_link):
+    """Every joiner loads the cluster's state: that is joining, not a fault. It was said as a
+    WARNING, "loading state again: behind: ..." (again, at its first load), on every join,
+    whether it loaded at once or waited for a link to the leader first."""
+    from p2ptrain.cluster.lineage import LEADER_WAIT
+
+    net = cluster("bc", run=0.5, min_peers=2)
+    net.manual_sync.add("z")
+    net.add("z")
+    if leader_link == "late":
+        net.cut("z", "b")  # (c's STATUS names b: z waits a moment for a link to it)
+    net.handle("z", net.m["z"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(0.3 if leader_link == "up" else LEADER_WAIT + 0.3)
+    assert len(net.resyncs["z"]) == 1
+    said = [(x.level, x.text) for x in net.of("z", M.Log)]
+    assert [level for level, text in said if text.startswith("joining: loading the cluster's state")] == ["info"]
+    assert not [text for level, text in said if level == "warning"], said
+    net.manual_sync.discard("z")
+    net.sync_from("z", net.needs_sync["z"])
+    if leader_link == "late":
+        net.reconnect("z", "b")
+    net.run(1.0)
+    assert net.applied("z"), (net.resyncs["z"], said)
+    # z is cut off while the others go on (too few to train alone), and comes back behind: that
+    # load is again, after a fault, and warns
+    loads, logs = len(net.resyncs["z"]), len(net.of("z", M.Log))
+    net.cut("z", "b"), net.cut("z", "c")
+    net.run(2.0)
+    net.reconnect("z", "b"), net.reconnect("z", "c")
+    net.run(1.0)
+    again = net.resyncs["z"][loads:]
+    assert again and all(why.startswith("behind") for why in again)
+    said = [(x.level, x.text) for x in net.of("z", M.Log)[logs:]]
+    assert [level for level, text in said if text.startswith("loading state again: behind")] == ["warning"] * len(again)
+
+
 def test_leader_holds_the_boundary_while_a_joiner_catches_up():
     net = cluster("bc", run=0.5)
     net.manual_sync.add("a")

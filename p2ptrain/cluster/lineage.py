@@ -51,19 +51,22 @@ class LineageKeeper:
     def __init__(self, machine) -> None:
         self.machine = machine  # the RoundMachine that holds us
         self.out_until = float("-inf")  # a leader leaves us out of its views until then
-        self.load_later: tuple = ()  # (reason, donor, leader): a load put off, until _load_at (or left out)
+        self.load_later: tuple = ()  # (reason, donor, leader, what): a load put off, until _load_at (or left out)
         self._load_at = float("-inf")
         self.side_leader = ""  # the leader of the side whose state we load
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
         self.hello: set = set()  # after on_synced: peers whose STATUS we still await (we do not lead before)
         self.hello_until = 0.0
         self._deferred: dict[str, Status] = {}  # STATUS that arrived while our own version was in flight
+        self._start: tuple | None = None  # (version, digest) we started from, until our first load
 
     def on_synced(self, peers, now: float) -> None:
         """We loaded state: our side is the one we loaded (see ``_side``), and we await the
         STATUS of ``peers`` for ``query_timeout``."""
         self._elsewhere = set()
         self.hello, self.hello_until = set(peers), now + self.machine.config.query_timeout
+        if self._start is None:  # (the first is our start: genesis or a checkpoint)
+            self._start = (self.machine.history.version, self.machine.history.digest)
 
     def shared_round(self, view) -> None:
         """The peers of ``view`` committed a round with us: they hold our state again."""
@@ -163,16 +166,16 @@ class LineageKeeper:
                 leader = (m.promised or (0, s))[1]  # load from the leader: it holds while we load
                 donor = leader if leader != machine.id and machine.table.is_live(leader) else s
                 reason = f"{why}: {s} has version {their_version}, its side {m.members} peer(s)"
+                what = (why, their_version, m.members)  # (for ``_routine``)
                 if rel == "ahead" and now < self.out_until:  # stale again before we are in a view:
                     machine.counters["behind_left_out"] += 1  # load once our time left out is over
-                    self.load_later = (reason, donor, leader)
+                    self.load_later = (reason, donor, leader, what)
                 elif rel == "ahead" and donor != leader != machine.id:  # no link to its leader yet: wait for
                     if not self.load_later:  # one a moment (only a leader holds its rounds while we
                         self._load_at = now + LEADER_WAIT  # load; from another, we would end behind)
-                    self.load_later = (reason, donor, leader)
-                else:  # (a split before any round: peers that started from other weights)
-                    fresh = why == "split" and their_version == machine.history.version == 0
-                    return self._resync(reason, donor, now, leader, fresh)
+                    self.load_later = (reason, donor, leader, what)
+                else:
+                    return self._resync(reason, donor, now, leader, self._routine(*what))
         if not m.re:
             machine._send(s, self.status(re=True, their=their_version, to=s))
 
@@ -190,11 +193,26 @@ class LineageKeeper:
         since = {q for q in machine._last_view if q not in self._elsewhere and machine.table.is_live(q)}
         return sorted(set(machine.table.live_synced()) | since)
 
-    def _resync(self, reason: str, donor: str, now: float, leader: str = "", fresh: bool = False) -> None:
+    def _routine(self, why: str, their_version: int, members: int) -> str:
+        """What to say at info where a load is routine, not a fault: a peer that still holds
+        the state it started from joins a cluster ahead of it (every joiner does), or takes
+        its initial parameters (a split before any round: peers that started from other
+        random weights, as DDP broadcasts rank 0's). A load after rounds is a warning."""
+        history = self.machine.history
+        if self._start != (history.version, history.digest):
+            return ""
+        if why == "behind":
+            return f"joining: loading the cluster's state (version {their_version}, {members} peer(s)) from "
+        if why == "split" and their_version == history.version == 0:
+            return "taking the cluster's initial parameters from "
+        return ""
+
+    def _resync(self, reason: str, donor: str, now: float, leader: str = "", routine: str = "") -> None:
         """Load state from ``donor``, of the side that ``leader`` leads (``on_synced`` backs
-        off from leading while that leader is not seen synced: the side has one). ``fresh``: no
-        round has run on either side (said at info, not as a fault)."""
+        off from leading while that leader is not seen synced: the side has one). ``routine``:
+        said at info instead of a warning (``_routine``)."""
         machine = self.machine
+        self._start = ()  # (loaded: a later load is "again")
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
         if machine.leader.lead:
             machine.leader.step_down(now, "loading state")
@@ -202,9 +220,11 @@ class LineageKeeper:
         machine.synced = False
         machine._set_self()
         machine._emit(Resync(reason, donor))
-        if fresh:  # (peers started with other random weights: routine, as DDP's broadcast of rank 0's)
-            machine._emit(Log("info", f"taking the cluster's initial parameters from {donor}: this peer's own "
-                                      "differ (give every peer's model the same seed to skip this load)"))
+        if routine.startswith("taking"):
+            machine._emit(Log("info", f"{routine}{donor}: this peer's own differ (give every peer's model "
+                                      "the same seed to skip this load)"))
+        elif routine:
+            machine._emit(Log("info", f"{routine}{donor}"))
         else:
             machine._emit(Log("warning", f"loading state again: {reason}"))
         machine._broadcast(self.status(), machine._peers())
@@ -215,11 +235,11 @@ class LineageKeeper:
         machine = self.machine
         if not (self.load_later and now >= self.out_until and machine.synced):
             return
-        reason, donor, leader = self.load_later
+        reason, donor, leader, what = self.load_later
         if leader != machine.id and machine.table.is_live(leader):
             donor = leader
         elif now < self._load_at:
             return
         if machine.table.is_live(donor):
-            self._resync(reason, donor, now, leader)
+            self._resync(reason, donor, now, leader, self._routine(*what))
         self.load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
