@@ -166,7 +166,9 @@ def test_a_diverged_run_writes_no_checkpoint_over_the_good_ones(tmp_path):
     ckpt, port = tmp_path / "ckpt", str(ports(1)[0])
     args = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k", "--port", port,
             "--no-discovery", "--eval-every", "0", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
-    good = subprocess.run([*args, "--max-rounds", "30"], capture_output=True, text=True, timeout=150)
+    # (a step of 20 ms: alone, a peer commits its rounds a tick at a time, and 30 fast rounds are one tick)
+    good = subprocess.run([*args, "--max-rounds", "30", "--step-delay", "0.02"], capture_output=True, text=True,
+                          timeout=150)
     assert good.returncode == 0, good.stderr[-1500:]
     kept = {f.name: f.read_bytes() for f in ckpt.glob("ckpt-r*.pt")}
     assert len(kept) >= 2

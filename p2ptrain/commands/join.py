@@ -316,11 +316,12 @@ class _Join:
         from p2ptrain.tasks import model_fingerprint
 
         a = self.args
-        if not a.checkpoint_dir or (not final and self.count.rounds % a.checkpoint_every):
+        if not a.checkpoint_dir:
             return
+        held = peer.state_dict()  # (first: alone, it commits the rounds of the batches applied so far)
         latest = peer.cluster.rounds.last()
         last = latest.round if latest is not None else -1
-        state = {"peer": peer.state_dict(), "fingerprint": model_fingerprint(peer.module), "round": last,
+        state = {"peer": held, "fingerprint": model_fingerprint(peer.module), "round": last,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
         _refuse_diverged(peer, state["peer"]["model"], a.checkpoint_dir)
         path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
@@ -382,12 +383,15 @@ class _Join:
                 metrics.write(json.dumps({"event": "loaded", "time": time.time(), "round": point.round,
                                           "version": point.version}) + "\n")
             self._loads_seen = len(peer.cluster.loads)
+        due = False  # (one checkpoint for the rounds seen at once: a peer alone commits a tick's worth)
         for record in self._new_records(peer):
             self.count.applied(record, time.monotonic())
             if metrics:
                 self.output.write_metrics(metrics, peer, record)
-            if record.samples:  # (an idle round is no update: nothing new to save)
-                self._checkpoint(peer, task)
+            # (an idle round is no update: nothing new to save)
+            due = due or bool(record.samples and self.count.rounds % a.checkpoint_every == 0)
+        if due:
+            self._checkpoint(peer, task)
         # At the cluster's updates N, 2N, ... (every peer at the same ones; a joiner or a resumed
         # peer counting its own rounds evaluated wherever it happened to be).
         if a.eval_every and task.evaluate and peer.version // a.eval_every > self._evaluated // a.eval_every:
