@@ -388,8 +388,8 @@ class _Join:
             self.count.applied(record, time.monotonic())
             if metrics:
                 self.output.write_metrics(metrics, peer, record)
-            # (an idle round is no update: nothing new to save)
-            due = due or bool(record.samples and self.count.rounds % a.checkpoint_every == 0)
+            if a.checkpoint_dir and record.samples:  # (an idle round is no update: nothing new to save)
+                due = due or self.count.rounds % a.checkpoint_every == 0
         if due:
             self._checkpoint(peer, task)
         # At the cluster's updates N, 2N, ... (every peer at the same ones; a joiner or a resumed
