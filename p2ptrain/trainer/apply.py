@@ -12,6 +12,7 @@ import torch
 from p2ptrain.trainer.accumulator import CommittedUpdate, ViewCache
 from p2ptrain.trainer.step_checks import peer_steps
 
+
 class AveragedGradient:
     """A committed round's mean, ``update.summed / update.total``, on the model's device, flat
     and as one view per parameter, made without new tensors each round: on the CPU the ring's

@@ -33,7 +33,7 @@ import os
 import re
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
