@@ -257,6 +257,8 @@ SEPARATE = {"asyncio": [(2, "none"), (3, "int8")], "uvloop": [(4, "none"), (5, "
 
 @pytest.mark.parametrize("loop", sorted(SEPARATE))
 def test_separate_processes(loop, tmp_path):
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop is not installed (optional: never on Windows)")
     cases = [(addrs(n), codec) for n, codec in SEPARATE[loop]]
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
