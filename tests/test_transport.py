@@ -182,6 +182,19 @@ async def test_wrong_secret_is_refused_both_sides(caplog):
         client.close()
 
 
+async def test_a_peer_that_dials_itself_is_refused_without_a_warning(caplog):
+    """The same --peers list on every machine lists each peer's own address (README: "is
+    fine"): its one dial to itself was refused with a WARNING "refused connection from ...:
+    connected to itself" on every peer at start."""
+    caplog.set_level(logging.DEBUG, "p2ptrain.net.transport")
+    async with Server() as srv:
+        with pytest.raises(HandshakeError) as refused:
+            await transport.open_link("127.0.0.1", srv.port, hs("srv0"))  # (the server's own id)
+        assert refused.value.reason == auth.REASON_SELF
+        await until(lambda: any("connected to itself" in r.message for r in caplog.records))
+        assert not [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 async def test_silent_peer_times_out(caplog):
     caplog.set_level(logging.WARNING, "p2ptrain.net.transport")
     async with Server(timeout=0.3) as srv:

@@ -406,6 +406,9 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
 
     def refused(remote: str, exc: P2PTrainError) -> None:
         key = (remote.rpartition(":")[0], str(exc))
+        if isinstance(exc, HandshakeError) and exc.reason == auth.REASON_SELF:
+            log.debug("refused connection from %s: %s", remote, exc)  # (our own --peers entry: no fault)
+            return
         if key in said:
             log.debug("refused connection from %s again: %s", remote, exc)
             return
