@@ -69,6 +69,9 @@ def test_a_fresh_joiner_says_it_joins_at_info_and_a_peer_back_behind_still_warns
         net.reconnect("z", "b")
     net.run(1.0)
     assert net.applied("z"), (net.resyncs["z"], said)
+    # (loaded from c, not the leader, it may be behind once more: catching up, said at info too)
+    said = [(x.level, x.text) for x in net.of("z", M.Log)]
+    assert not [text for level, text in said if level == "warning"], said
     # z is cut off while the others go on (too few to train alone), and comes back behind: that
     # load is again, after a fault, and warns
     loads, logs = len(net.resyncs["z"]), len(net.of("z", M.Log))
@@ -80,6 +83,29 @@ def test_a_fresh_joiner_says_it_joins_at_info_and_a_peer_back_behind_still_warns
     assert again and all(why.startswith("behind") for why in again)
     said = [(x.level, x.text) for x in net.of("z", M.Log)[logs:]]
     assert [level for level, text in said if text.startswith("loading state again: behind")] == ["warning"] * len(again)
+
+
+def test_a_peer_that_trained_alone_until_it_met_the_cluster_says_what_the_load_drops():
+    """Beacons take a moment: a peer started without --min-peers trains alone until it meets
+    the others, and its updates are dropped where the cluster is the bigger side. That is
+    said as a warning with the count and the way to avoid it, not as "loading state again"."""
+    net = cluster("bc", run=0.5, min_peers=1)
+    net.add("z")
+    net.cut("z", "b"), net.cut("z", "c")
+    net.handle("z", net.m["z"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(1.0)
+    alone = net.m["z"].history.version
+    assert alone > 0 and net.applied("z")
+    net.reconnect("z", "b"), net.reconnect("z", "c")
+    net.settle()
+    assert net.resyncs["z"] and net.resyncs["z"][0].startswith("split")
+    said = [(x.level, x.text) for x in net.of("z", M.Log) if "the cluster's state" in x.text]
+    assert said[0] == ("warning", said[0][1]) and said[0][1].startswith("joining: loading the cluster's state")
+    assert f"the {alone} update(s) this peer made alone before it met them are dropped" in said[0][1]
+    assert "--min-peers" in said[0][1] and not [t for _, t in said if "again" in t]
+    # (the round it led alone aborts as it loads: no fault, said at info)
+    assert [x.level for x in net.of("z", M.Log) if "aborted: loading state" in x.text] in ([], ["info"])
+    assert len([x for x in net.of("z", M.Log) if x.level == "warning"]) == 1
 
 
 def test_leader_holds_the_boundary_while_a_joiner_catches_up():
@@ -202,6 +228,8 @@ def test_peers_started_from_other_weights_take_one_side_s_and_say_so_as_routine(
 def test_a_split_after_rounds_is_still_a_warning():
     net = Net("ab", min_peers=1)
     net.found()
+    net.run(1.0)
+    assert any(len(view) == 2 for _, view, _ in net.applied("a"))  # (rounds together first)
     net.cut("a", "b")
     net.run(3.0)  # (each side trains alone)
     net.reconnect("a", "b")

@@ -460,10 +460,11 @@ class Leader:
         lead = self.lead
         lead.phase, lead.since = move(_LEADER, lead.phase, "solo_end"), now  # (the next step: PROPOSE)
 
-    def step_down(self, now: float, why: str, rival: str = "") -> None:
+    def step_down(self, now: float, why: str, rival: str = "", routine: bool = False) -> None:
+        """No longer lead: the round we lead aborts (``routine``: said at info, as ``abort``)."""
         machine = self.machine
         if self.lead.phase in (COLLECTING, RUNNING):
-            self.abort(now, why, drop=[])
+            self.abort(now, why, drop=[], routine=routine)
         move(_LEADER, self.lead.phase, "step_down")
         self.lead = None
         if rival:

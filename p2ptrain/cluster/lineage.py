@@ -58,7 +58,9 @@ class LineageKeeper:
         self.hello: set = set()  # after on_synced: peers whose STATUS we still await (we do not lead before)
         self.hello_until = 0.0
         self._deferred: dict[str, Status] = {}  # STATUS that arrived while our own version was in flight
-        self._start: tuple | None = None  # (version, digest) we started from, until our first load
+        self._start: int | None = None  # the version we started from (genesis: 0, or a checkpoint's)
+        self._alone = True  # no round with another peer yet, and no load: a first load is joining
+        self._loads_in_a_row = 0  # loads since our last round with another peer (one: behind is catching up)
 
     def on_synced(self, peers, now: float) -> None:
         """We loaded state: our side is the one we loaded (see ``_side``), and we await the
@@ -66,11 +68,13 @@ class LineageKeeper:
         self._elsewhere = set()
         self.hello, self.hello_until = set(peers), now + self.machine.config.query_timeout
         if self._start is None:  # (the first is our start: genesis or a checkpoint)
-            self._start = (self.machine.history.version, self.machine.history.digest)
+            self._start = self.machine.history.version
 
     def shared_round(self, view) -> None:
         """The peers of ``view`` committed a round with us: they hold our state again."""
         self._elsewhere.difference_update(view)
+        if any(p != self.machine.id for p in view):
+            self._alone, self._loads_in_a_row = False, 0
 
     def compare_deferred(self, now: float) -> None:
         """The STATUS put off while a round of ours was in flight, once none is."""
@@ -166,7 +170,7 @@ class LineageKeeper:
                 leader = (m.promised or (0, s))[1]  # load from the leader: it holds while we load
                 donor = leader if leader != machine.id and machine.table.is_live(leader) else s
                 reason = f"{why}: {s} has version {their_version}, its side {m.members} peer(s)"
-                what = (why, their_version, m.members)  # (for ``_routine``)
+                what = (why, their_version, m.members)  # (for ``_said``)
                 if rel == "ahead" and now < self.out_until:  # stale again before we are in a view:
                     machine.counters["behind_left_out"] += 1  # load once our time left out is over
                     self.load_later = (reason, donor, leader, what)
@@ -175,7 +179,7 @@ class LineageKeeper:
                         self._load_at = now + LEADER_WAIT  # load; from another, we would end behind)
                     self.load_later = (reason, donor, leader, what)
                 else:
-                    return self._resync(reason, donor, now, leader, self._routine(*what))
+                    return self._resync(reason, donor, now, leader, what)
         if not m.re:
             machine._send(s, self.status(re=True, their=their_version, to=s))
 
@@ -193,40 +197,49 @@ class LineageKeeper:
         since = {q for q in machine._last_view if q not in self._elsewhere and machine.table.is_live(q)}
         return sorted(set(machine.table.live_synced()) | since)
 
-    def _routine(self, why: str, their_version: int, members: int) -> str:
-        """What to say at info where a load is routine, not a fault: a peer that still holds
-        the state it started from joins a cluster ahead of it (every joiner does), or takes
-        its initial parameters (a split before any round: peers that started from other
-        random weights, as DDP broadcasts rank 0's). A load after rounds is a warning."""
-        history = self.machine.history
-        if self._start != (history.version, history.digest):
-            return ""
-        if why == "behind":
-            return f"joining: loading the cluster's state (version {their_version}, {members} peer(s)) from "
-        if why == "split" and their_version == history.version == 0:
-            return "taking the cluster's initial parameters from "
-        return ""
+    def _said(self, reason: str, donor: str, why: str, their_version: int, members: int) -> Log:
+        """What a load says. Joining is no fault: a peer that has had no round with another
+        and loaded nothing yet (it starts, or trained alone until it met the others: beacons
+        take a moment) loads the cluster's state as every joiner does, or takes its initial
+        parameters (peers that started from other random weights, as DDP broadcasts rank 0's).
+        Said as a warning: the updates it made alone that the load drops, and any load after
+        rounds with others ("again": it fell behind, or a split healed). Behind again after a load,
+        before any round with others, it catches up once: the cluster moved on while it loaded (a
+        LAN commits rounds faster than a snapshot loads), no fault either; a third load in a row is."""
+        if self._catching_up(why):
+            return Log("info", f"catching up: loading the cluster's state again (version {their_version}) from "
+                               f"{donor}: it moved on while this peer loaded")
+        if not self._alone:
+            return Log("warning", f"loading state again: {reason}")
+        ours = self.machine.history.version
+        if why == "split" and their_version == ours == 0:
+            return Log("info", f"taking the cluster's initial parameters from {donor}: this peer's own differ "
+                               "(give every peer's model the same seed to skip this load)")
+        joining = f"joining: loading the cluster's state (version {their_version}, {members} peer(s)) from {donor}"
+        dropped = ours - (self._start or 0)
+        if why == "behind" or dropped <= 0:  # (behind: our updates are the first of theirs)
+            return Log("info", joining)
+        return Log("warning", f"{joining}; the {dropped} update(s) this peer made alone before it met them are "
+                              "dropped (give every peer --min-peers, min_peers=, to wait for the others first)")
 
-    def _resync(self, reason: str, donor: str, now: float, leader: str = "", routine: str = "") -> None:
+    def _catching_up(self, why: str) -> bool:
+        return why == "behind" and self._loads_in_a_row == 1
+
+    def _resync(self, reason: str, donor: str, now: float, leader: str, what: tuple) -> None:
         """Load state from ``donor``, of the side that ``leader`` leads (``on_synced`` backs
-        off from leading while that leader is not seen synced: the side has one). ``routine``:
-        said at info instead of a warning (``_routine``)."""
+        off from leading while that leader is not seen synced: the side has one). ``what``:
+        (why, their version, their side's size), for what the load says (``_said``)."""
         machine = self.machine
-        self._start = ()  # (loaded: a later load is "again")
+        said, joining = self._said(reason, donor, *what), self._alone or self._catching_up(what[0])
+        self._alone, self._loads_in_a_row = False, self._loads_in_a_row + 1
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
-        if machine.leader.lead:
-            machine.leader.step_down(now, "loading state")
+        if machine.leader.lead:  # (joining, the round it aborts is no fault: the load says what it drops)
+            machine.leader.step_down(now, "loading state", routine=joining)
         machine.member.forget()  # (an in-doubt contribution is void: Resync says so)
         machine.synced = False
         machine._set_self()
         machine._emit(Resync(reason, donor))
-        if routine.startswith("taking"):
-            machine._emit(Log("info", f"{routine}{donor}: this peer's own differ (give every peer's model "
-                                      "the same seed to skip this load)"))
-        elif routine:
-            machine._emit(Log("info", f"{routine}{donor}"))
-        else:
-            machine._emit(Log("warning", f"loading state again: {reason}"))
+        machine._emit(said)
         machine._broadcast(self.status(), machine._peers())
 
     def tick(self, now: float) -> None:
@@ -241,5 +254,5 @@ class LineageKeeper:
         elif now < self._load_at:
             return
         if machine.table.is_live(donor):
-            self._resync(reason, donor, now, leader, self._routine(*what))
+            self._resync(reason, donor, now, leader, what)
         self.load_later = ()  # (gone: the STATUS of whoever is ahead tells us again)
