@@ -65,6 +65,24 @@ def test_every_check_has_a_line_and_exit_code_follows_them():
     assert "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("torch_v, numpy_v, expect", [
+    ("2.13.0+cpu", "2.4.6", {}),
+    ("2.2.2+cu121", "1.26.4", {}),
+    ("2.2.2", "2.1.0", {"numpy": "FAIL"}),  # (torch before 2.3 cannot hand tensors to numpy 2)
+    ("2.1.0", "1.26.4", {"torch": "warn"}),
+    ("2.3.0", "2.0.0", {}),
+])
+def test_a_torch_older_than_any_tried_or_beside_a_numpy_it_cannot_use_is_said(monkeypatch, torch_v, numpy_v, expect):
+    from p2ptrain.commands import doctor as doctor_module
+
+    installed = {"torch": torch_v, "numpy": numpy_v, "msgpack": "1.0", "zstandard": "0.25", "uvloop": "0.19"}
+    monkeypatch.setattr(doctor_module, "_version", installed.get)
+    found = {c.name: c for c in doctor_module.check_versions()}
+    assert {name: c.status for name, c in found.items() if name != "versions"} == expect
+    for name in expect:
+        assert "pip install" in found[name].detail and torch_v in found[name].detail
+
+
 def test_a_port_in_use_fails_naming_it_and_what_to_do():
     taken = socket.socket()
     try:

@@ -23,6 +23,7 @@ import errno
 import importlib.metadata
 import importlib.util
 import ipaddress
+import itertools
 import os
 import platform
 import select
@@ -111,7 +112,29 @@ def check_versions() -> list[Check]:
     for name, v in found.items():
         if v is None:
             checks.append(Check(FAIL, name, f"not installed: pip install {name}"))
+    torch_v, numpy_v = _release(found["torch"]), _release(found["numpy"])
+    if torch_v and torch_v < OLDEST_TORCH:
+        checks.append(Check(WARN, "torch", f"{found['torch']} is older than any torch p2ptrain was tried with "
+                                           f"({'.'.join(map(str, OLDEST_TORCH))}): pip install -U torch"))
+    if torch_v and numpy_v and torch_v < (2, 3) and numpy_v >= (2,):
+        checks.append(Check(FAIL, "numpy", f"{found['numpy']} beside torch {found['torch']}, which was built "
+                                           "against numpy 1 and cannot hand tensors to numpy 2: "
+                                           "pip install \"numpy<2\" (or a torch of 2.3 or newer)"))
     return checks
+
+
+OLDEST_TORCH = (2, 2)  # (pyproject's floor: the oldest torch the suite ran on)
+
+
+def _release(version: str | None) -> tuple[int, ...] | None:
+    """The leading numbers of a version ('2.2.2+cu121' -> (2, 2, 2)); None if it has none."""
+    numbers = []
+    for part in (version or "").split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers) or None
 
 
 # -- interfaces -------------------------------------------------------------------------------
