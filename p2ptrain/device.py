@@ -11,10 +11,12 @@ machine with an XPU) never touches a backend it lacks.
   with ``to_host(tensors)`` / ``from_host(tensors)``; both return only when the copies
   are complete, so the caller may read or overwrite the buffer at once.
 - ``synchronize(device)``, ``device_kind(device)``, ``quick_speed(device)``.
+- ``check_numpy_bridge()``: that torch hands tensors to numpy (a torch built for numpy 1 beside 2 cannot).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Sequence
 
@@ -52,10 +54,24 @@ def available_devices() -> list[str]:
     return found + ["cpu"]
 
 
+@functools.cache
+def check_numpy_bridge() -> None:
+    """Raise ConfigError if this torch cannot hand tensors to numpy, which every round's data
+    path does: a torch before 2.3 was built against numpy 1 and, beside numpy 2, fails the
+    first ``tensor.numpy()`` with "Numpy is not available" (a traceback deep in a round)."""
+    try:
+        torch.zeros(1).numpy()
+    except RuntimeError as exc:
+        raise ConfigError(f"this torch {torch.__version__} cannot hand tensors to numpy {np.__version__} ({exc}): "
+                          "pip install \"numpy<2\", or a torch of 2.3 or newer") from None
+
+
 def pick_device(spec: str | torch.device = "auto") -> torch.device:
     """The device to train on: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``, ``xpu``, ``xpu:N``.
 
-    Raises ConfigError, listing what is available, for an unknown or absent device."""
+    Raises ConfigError, listing what is available, for an unknown or absent device (and where
+    torch and numpy do not work together: ``check_numpy_bridge``)."""
+    check_numpy_bridge()
     text = str(spec).strip().lower() or "auto"
     if text == "auto":
         if _cuda_available():

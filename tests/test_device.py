@@ -115,3 +115,27 @@ def test_synchronize_and_quick_speed():
     synchronize(pick_device())
     speed = quick_speed("cpu", seconds=0.05)
     assert 0.01 < speed < 1e6
+
+
+def test_a_torch_that_cannot_hand_tensors_to_numpy_is_refused_in_one_line(monkeypatch):
+    """torch 2.2 (built against numpy 1) beside numpy 2 fails every ``tensor.numpy()`` with
+    "Numpy is not available": `join` ended in that traceback from deep in a checksum. Now
+    `join` (``pick_device``), ``Peer`` and ``Group`` refuse it at once, with the pip line."""
+    import p2ptrain
+    from p2ptrain import device
+
+    def broken(self):
+        raise RuntimeError("Numpy is not available")
+
+    device.check_numpy_bridge.cache_clear()
+    monkeypatch.setattr(torch.Tensor, "numpy", broken)
+    try:
+        model = torch.nn.Linear(2, 2)
+        for make in (lambda: pick_device("cpu"), lambda: p2ptrain.Peer(model, torch.optim.SGD(model.parameters(), 0.1)),
+                     lambda: p2ptrain.Group(listen="127.0.0.1:1", peers=["127.0.0.1:1"])):
+            with pytest.raises(ConfigError, match=r'cannot hand tensors to numpy .*pip install "numpy<2"'):
+                make()
+    finally:
+        monkeypatch.undo()
+        device.check_numpy_bridge.cache_clear()
+    device.check_numpy_bridge()  # (as it was: no error)

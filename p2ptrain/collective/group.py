@@ -31,7 +31,7 @@ from p2ptrain.net import auth, transport
 from p2ptrain.codecs import parse_codec
 from p2ptrain.net.discovery import parse_host_port, peer_list
 from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
-from p2ptrain.device import HostStaging
+from p2ptrain.device import HostStaging, check_numpy_bridge
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, NotFiniteError, P2PTrainError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
@@ -45,6 +45,7 @@ class Group:
     def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
                  cluster: str = "default", compression: str = "none", connect_timeout: float = 60.0,
                  timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int | None = None):
+        check_numpy_bridge()
         self.peers = peer_list(peers)
         if not self.peers:
             raise ConfigError("peers is empty: list every peer of the group, this one included")

@@ -132,7 +132,7 @@ from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
 from p2ptrain.trainer.contributions import Contributor
 from p2ptrain.trainer.updates import Updater
-from p2ptrain.device import device_kind, pick_device
+from p2ptrain.device import check_numpy_bridge, device_kind, pick_device
 from p2ptrain.net.discovery import Discovery, peer_list
 from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
@@ -198,6 +198,7 @@ class AsyncPeer:
                       duration=duration, cluster=cluster, sync_every=sync_every, outer_lr=outer_lr,
                       outer_momentum=outer_momentum, overlap=overlap)
         check_model_and_optimizer(model, optimizer)
+        check_numpy_bridge()
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
