@@ -76,10 +76,10 @@ class Outgoing:  # this peer's contribution, with the cluster until applied or p
     filling: Filling | None = None  # backward still writes it (``overlap``)
 
 
-def write_scaled(view: torch.Tensor, grad: torch.Tensor | None, batch_size: int) -> None:
+def write_scaled(view: torch.Tensor, grad: torch.Tensor | None, batch_size: float) -> None:
     """``view = batch_size * grad`` (zeros for no gradient): one parameter's share of a sum,
     written where nothing was added yet (``Accumulator``; overlap's hooks, ``overlap.Filling``:
-    the same multiplication, so the same bits)."""
+    the same multiplication, so the same bits; there also divided by a loss scale)."""
     if grad is None:
         view.zero_()
         return

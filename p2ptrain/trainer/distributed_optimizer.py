@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.trainer.overlap import ScaledStep
 from p2ptrain.trainer.sync_peer import Peer
 
 if TYPE_CHECKING:
@@ -59,8 +60,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         """With ``overlap``, torch's ``GradScaler.step`` is told to hand ``step`` its scale
         (``grad_scale``, ``found_inf``) rather than unscale the gradients in place, which the
-        overlap's hooks, having read them during backward, would not see: the cluster would
-        average gradients ``scale`` times too large (65536 by default). ``step`` refuses it."""
+        overlap's hooks, having read them during backward, would not see: the cluster averaged
+        gradients ``scale`` times too large (65536 by default). The hooks divide by the scale
+        they guess (the last step's: GradScaler changes it only after an overflow or every
+        ``growth_interval`` steps), and ``step`` confirms it (``overlap.ScaledStep``)."""
         return self._overlap
 
     # -- the optimizer's face: its own objects, so that schedulers change the real learning rate
@@ -87,14 +90,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """After ``loss.backward()`` (or with a ``closure`` that does it): contribute this batch
         of ``batch_size`` samples and apply the updates committed since the last call. Returns
         the closure's loss, if any."""
-        if getattr(self, "found_inf", None) is not None:  # (GradScaler.step: ``_step_supports_amp_scaling``)
-            raise ConfigError("GradScaler cannot be used with overlap=True: overlap reads each gradient as backward "
-                              "makes it, still scaled, before the scaler unscales it; drop overlap=True")
+        scaled = None
+        found_inf = getattr(self, "found_inf", None)  # (GradScaler.step: ``_step_supports_amp_scaling``)
+        if found_inf is not None:
+            scale = getattr(self, "grad_scale", None)  # (None: the loop called scaler.unscale_ itself)
+            scaled = ScaledStep(None if scale is None else float(scale), bool(float(found_inf)))
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.peer.step(batch_size=batch_size)
+        self.peer._step(batch_size, scaled)
         return loss
 
     def register_step_pre_hook(self, hook):

@@ -91,12 +91,12 @@ class Lifetime:
             self.closed = True
             await self.peer._leave()
 
-    def begin_step(self, batch_size: int) -> concurrent.futures.Future | None:
-        """The step's work on the caller's thread (``AsyncPeer._begin_step``); the future of
-        its wait on the loop thread if it must wait (until the staleness bound lets it go),
-        else None. Then wait for it, then ``end_step``."""
+    def begin_step(self, batch_size: int, scaled=None) -> concurrent.futures.Future | None:
+        """The step's work on the caller's thread (``AsyncPeer._begin_step``; ``scaled``: its
+        ``overlap.ScaledStep``); the future of its wait on the loop thread if it must wait (until
+        the staleness bound lets it go), else None. Then wait for it, then ``end_step``."""
         peer = self.peer
-        if peer._begin_step(batch_size):
+        if peer._begin_step(batch_size, scaled):
             return self.thread.submit(peer._contributor.wait(peer._must_wait, peer.step_timeout))
         return None
 

@@ -24,7 +24,12 @@ what ``step`` computes without overlap (``batch x grad``, the same multiplicatio
 
 What the user must know (as with DDP): the gradients are read as backward makes them, so a
 change made to them between ``backward`` and ``step`` (clipping them yourself) is not seen:
-use ``clip_grad_norm=``, which clips the averaged gradient.
+use ``clip_grad_norm=``, which clips the averaged gradient. AMP's ``GradScaler`` unscales
+after backward too: through ``DistributedOptimizer`` it hands ``step`` its scale instead, the
+hooks divide by the last step's (``Filling.scale``; GradScaler's are powers of two, so the same
+bits as unscaling first), and ``step`` confirms it, withdraws the batch where the scale changed
+(it goes in unscaled, as without overlap), or skips it where the scaler found an overflow
+(``ScaledStep``).
 
 On CUDA each hook also copies its range to the pinned host buffer the ring reads (an
 asynchronous copy on the stream backward used, with an event the ring waits on).
@@ -35,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +55,26 @@ if TYPE_CHECKING:
 POLL_S = 0.0005  # how often the ring looks again at a CUDA copy that has not finished
 
 
+class ScaledStep(NamedTuple):
+    """A step under AMP's ``GradScaler`` with overlap (``DistributedOptimizer``, which the scaler
+    hands its scale instead of unscaling the gradients the hooks already read): the loss scale
+    the gradients carry (None: the loop unscaled them itself, ``scaler.unscale_``), and whether
+    the scaler found inf or NaN in them (the batch is skipped, as GradScaler skips the step)."""
+
+    scale: float | None
+    skip: bool
+
+
+def unscale(params: list[torch.Tensor], scale: float) -> None:
+    """The gradients divided by the loss scale in place, as ``GradScaler.unscale_`` does (where
+    the batch does not go in as the hooks wrote it: ``step`` adds it as without overlap)."""
+    inverse = 1.0 / scale
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inverse)
+
+
 class Filling:
     """One batch's gradients being written into a contribution (``collective.allreduce.Ready``).
     The hooks (backward's thread) write and ``mark``; ``step`` (the caller's) ``complete``s or
@@ -57,9 +82,12 @@ class Filling:
     hooks multiply by; ``version``: the parameters' version the batch is computed on."""
 
     def __init__(self, views: list[torch.Tensor], offsets: list[int], guess: int, version: int,
-                 loop: asyncio.AbstractEventLoop, host: list[torch.Tensor] | None = None, ring_from: int = 0):
+                 loop: asyncio.AbstractEventLoop, host: list[torch.Tensor] | None = None, ring_from: int = 0,
+                 scale: float | None = None):
         self.views, self.host = views, host
         self.guess, self.version = guess, version
+        self.scale = scale  # the loss scale guessed (AMP's GradScaler: the last step's), or None
+        self._factor = guess if scale is None else guess / scale  # (a power of two: the same bits as unscaling first)
         self._starts = offsets  # where each parameter's range starts, in order
         self._marked = bytearray(len(views))
         self._events: list = [None] * len(views)  # (CUDA: the copy to ``host``)
@@ -77,7 +105,7 @@ class Filling:
         that made it takeable (the hook offers it to a round waiting)."""
         view = self.views[i]
         with torch.no_grad():
-            write_scaled(view, grad, self.guess)  # (as ``Accumulator.add`` writes it: the same bits)
+            write_scaled(view, grad, self._factor)  # (as ``Accumulator.add`` writes it: the same bits)
             if self.host is not None:
                 self.host[i].copy_(view, non_blocking=True)
                 self._events[i] = event = torch.cuda.Event()
@@ -147,6 +175,7 @@ class BackwardFeed:
         self._ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1) if len(buckets) > 1 else None
         self.filling: Filling | None = None
         self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
+        self.last_scale: float | None = None  # ... and its loss scale (``DistributedOptimizer`` under GradScaler)
         self._decided = False  # this backward's first hook has run
         self._lock = threading.Lock()  # (the first hooks of a backward on several device threads)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
@@ -187,7 +216,7 @@ class BackwardFeed:
                 return None
             views, host = peer._acc.begin_filling()
             self.filling = Filling(views, self._offsets, self.last_batch, peer.version, peer._lifetime.loop, host,
-                                   self._ring_from)
+                                   self._ring_from, self.last_scale)
             return self.filling
 
     def _offer(self) -> None:
@@ -199,11 +228,14 @@ class BackwardFeed:
         if notify:
             peer._notify()
 
-    def filled(self, filling: Filling, batch_size: int) -> bool:
+    def filled(self, filling: Filling, batch_size: int, scale: float | None = None) -> bool:
         """(``step``, under the peer's _lock) An overlapped backward ends: True if its batch went in
-        whole; False: withdrawn (``step`` adds it as without overlap)."""
+        whole; False: withdrawn (``step`` adds it as without overlap). ``scale``: the loss scale
+        its gradients carry (GradScaler's), which the hooks guessed."""
         if batch_size != filling.guess:
             self.withdraw(filling, f"a batch of {batch_size} samples after one of {filling.guess}")
+        elif scale != filling.scale:
+            self.withdraw(filling, f"the loss scale is {scale} after {filling.scale} (GradScaler)")
         if filling.withdrawn is not None:
             return False
         for i in filling.unmarked():  # (no gradient from this backward: what add() would write)
@@ -222,12 +254,12 @@ class BackwardFeed:
         if not filling.taken:
             self.peer._acc.abandon_filling()
 
-    def confirm(self, batch_size: int) -> Filling | None:
+    def confirm(self, batch_size: int, scale: float | None = None) -> Filling | None:
         """(``step``, under the peer's ``_lock``) The filling of the backward just done, if any;
-        the next backward decides again, and guesses ``batch_size``."""
+        the next backward decides again, and guesses ``batch_size`` and ``scale``."""
         with self._lock:
             f, self.filling, self._decided = self.filling, None, False
-        self.last_batch = batch_size
+        self.last_batch, self.last_scale = batch_size, scale
         return f
 
     def close(self) -> None:

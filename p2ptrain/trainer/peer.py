@@ -139,7 +139,7 @@ from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
 from p2ptrain.trainer.lifetime import Lifetime
-from p2ptrain.trainer.overlap import BackwardFeed
+from p2ptrain.trainer.overlap import BackwardFeed, ScaledStep, unscale
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
 from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, listen_address, own_module,
@@ -403,8 +403,9 @@ class AsyncPeer:
             await asyncio.sleep(0)  # caller's other tasks, and its signal handlers (Ctrl-C) with them
         return self._lifetime.end_step()
 
-    def _begin_step(self, batch_size: int) -> bool:
-        """(``Lifetime.begin_step``) Accumulate this batch, apply what is queued. True: step must wait."""
+    def _begin_step(self, batch_size: int, scaled: ScaledStep | None = None) -> bool:
+        """(``Lifetime.begin_step``) Accumulate this batch, apply what is queued. True: step must wait.
+        ``scaled``: the gradients carry GradScaler's loss scale (``overlap.ScaledStep``)."""
         if self._lifetime.closed:
             raise ClosedError("this peer is closed: create a new one to train again")
         if self.cluster is None:
@@ -426,21 +427,26 @@ class AsyncPeer:
                 self._compute_s += began - self._step_end
                 self._compute_n += 1
                 self._pacing.computed(began - self._step_end)
-                alone = self._solo.on and not void
-                filling = self._feed.confirm(batch_size) if self._feed is not None else None
-                if void:  # computed on parameters just replaced
+                skip, scale = (False, None) if scaled is None else (scaled.skip, scaled.scale)
+                alone = self._solo.on and not void and not skip
+                filling = self._feed.confirm(batch_size, scale) if self._feed is not None else None
+                if void or skip:  # computed on parameters just replaced; or GradScaler skips it
                     if filling is not None:
-                        self._feed.withdraw(filling, "the parameters were replaced (a state load)")
+                        self._feed.withdraw(filling, "the parameters were replaced (a state load)" if void else
+                                            "GradScaler found inf or NaN in its gradients")
                     for p in self.params:
                         p.grad = None
-                    self.dropped += batch_size
-                elif filling is not None and alone:  # (solo began while backward ran: the batch applies as it is)
-                    self._feed.withdraw(filling, "this peer is alone now")
-                elif filling is not None and self._feed.filled(filling, batch_size):
+                    self.dropped += batch_size * void
+                elif filling is not None and not alone and self._feed.filled(filling, batch_size, scale):
                     pass  # (backward wrote it into the round's buffer: ``overlap``)
-                elif self._local is None and not alone:  # (kept as it is until a round needs a vector:
-                    #                  ``Accumulator``; not while a next batch computes beside it, but alone)
-                    self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
+                else:
+                    if filling is not None and alone:  # (solo began while backward ran: it applies as it is)
+                        self._feed.withdraw(filling, "this peer is alone now")
+                    if scale is not None:  # (the gradients as GradScaler would have unscaled them)
+                        unscale(self.params, scale)
+                    if self._local is None and not alone:  # (kept as it is until a round needs a vector:
+                        #              ``Accumulator``; not while a next batch computes beside it, but alone)
+                        self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
                 self._batch = batch_size
                 self._computing = False
                 notify, self._want_step = self._want_step, False

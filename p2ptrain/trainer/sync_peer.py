@@ -75,7 +75,12 @@ class Peer:
     def step(self, batch_size: int) -> int:
         """After ``loss.backward()``: contribute this batch, apply the updates committed since
         the last call (returns how many). Blocks only as the staleness bound requires."""
-        waiting = self._lifetime.begin_step(batch_size)
+        return self._step(batch_size)
+
+    def _step(self, batch_size: int, scaled=None) -> int:
+        """``step``; ``scaled``: the gradients carry GradScaler's loss scale (``DistributedOptimizer``
+        with overlap, ``overlap.ScaledStep``)."""
+        waiting = self._lifetime.begin_step(batch_size, scaled)
         if waiting is not None:
             self._lifetime.wait(waiting)
         return self._lifetime.end_step()
