@@ -174,9 +174,10 @@ def test_amp_grad_scaler_steps_it_and_skips_a_step_whose_gradient_overflowed():
     assert all(torch.isfinite(p).all() for model, _ in pairs for p in model.parameters())
 
 
-def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None, steps=12):
+def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None, clip=False, steps=12):
     """Two peers, a GradScaler each (bf16 autocast, a scale that grows every 4 steps); rank 0's
-    gradient overflows at its step ``overflow_at``. Returns the parameters, the scales and the
+    gradient overflows at its step ``overflow_at``; ``clip``: the loop unscales the gradients
+    itself to clip them (``scaler.unscale_``). Returns the parameters, the scales and the
     versions of both."""
     from p2ptrain.collective import ring
     from p2ptrain.trainer import overlap as overlap_module, peer as peer_module
@@ -205,6 +206,9 @@ def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None,
             scaler.scale(loss).backward()
             if rank == 0 and k == overflow_at:
                 model[0].weight.grad[0, 0] = float("inf")
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             scaler.step(opt, batch_size=len(x))
             scaler.update()
             k += 1
@@ -215,24 +219,27 @@ def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None,
         run_threads([lambda r=r: train(r) for r in range(2)])
     finally:
         close_all([opt.peer for opt in opts])
-    assert overlap == any(taken)  # (overlapped, bar the steps whose scale changed)
+    assert any(taken) == (overlap and not clip)  # (overlapped, bar the steps whose scale changed)
     return ([torch.cat([p.detach().flatten() for p in model.parameters()]) for model, _ in pairs],
             [s.get_scale() for s in scalers], [opt.peer.version for opt in opts])
 
 
 @needs_cpu_grad_scaler
-@pytest.mark.parametrize("compression, overflow_at", [("none", 5), ("int8", None)])
-def test_amp_grad_scaler_with_overlap_ends_with_the_bits_of_the_run_without(monkeypatch, compression, overflow_at):
+@pytest.mark.parametrize("compression, overflow_at, clip", [("none", 5, False), ("int8", None, False),
+                                                          ("none", 5, True)], ids=["none", "int8", "unscale_"])
+def test_amp_grad_scaler_with_overlap_ends_with_the_bits_of_the_run_without(monkeypatch, compression, overflow_at,
+                                                                             clip):
     """Overlap reads the gradients during backward, before the scaler unscales them: the cluster
     averaged them 65536 times too large (measured: SGD, 30 steps: last losses 572 and 447 against
     0.27 and 0.35), and then refused GradScaler. The hooks now divide by the scale they guess (the
     last step's) and ``step`` confirms it, or adds the batch unscaled as without overlap where the
     scale changed (it grows every 4 steps here) or skips it where the scaler found an overflow: the
-    same bits as the run without overlap (GradScaler's scales are powers of two)."""
+    same bits as the run without overlap (GradScaler's scales are powers of two). A loop that
+    unscales them itself to clip them is not overlapped (the hooks cannot know the scale)."""
     without, scales, versions = run_with_grad_scaler(monkeypatch, overlap=False, compression=compression,
-                                                     overflow_at=overflow_at)
+                                                     overflow_at=overflow_at, clip=clip)
     with_overlap, scales_o, versions_o = run_with_grad_scaler(monkeypatch, overlap=True, compression=compression,
-                                                              overflow_at=overflow_at)
+                                                              overflow_at=overflow_at, clip=clip)
     assert versions == versions_o == [12, 12] and scales == scales_o
     assert scales[1] > 2.0**10 and (overflow_at is None or scales[0] < scales[1])  # (grown; rank 0's halved once)
     assert torch.equal(without[0], without[1]) and torch.equal(with_overlap[0], with_overlap[1])

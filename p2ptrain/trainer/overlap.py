@@ -254,12 +254,15 @@ class BackwardFeed:
         if not filling.taken:
             self.peer._acc.abandon_filling()
 
-    def confirm(self, batch_size: int, scale: float | None = None) -> Filling | None:
+    def confirm(self, batch_size: int, scaled: ScaledStep | None = None) -> Filling | None:
         """(``step``, under the peer's ``_lock``) The filling of the backward just done, if any;
-        the next backward decides again, and guesses ``batch_size`` and ``scale``."""
+        the next backward decides again, and guesses ``batch_size`` and the loss scale. Where
+        the loop unscaled the gradients itself (``scaler.unscale_``, to clip them), the hooks
+        cannot know the scale to divide by: the next backward is not overlapped."""
         with self._lock:
             f, self.filling, self._decided = self.filling, None, False
-        self.last_batch, self.last_scale = batch_size, scale
+        guessable = scaled is None or scaled.scale is not None
+        self.last_batch, self.last_scale = (batch_size if guessable else None), (scaled and scaled.scale)
         return f
 
     def close(self) -> None:

@@ -429,7 +429,7 @@ class AsyncPeer:
                 self._pacing.computed(began - self._step_end)
                 skip, scale = (False, None) if scaled is None else (scaled.skip, scaled.scale)
                 alone = self._solo.on and not void and not skip
-                filling = self._feed.confirm(batch_size, scale) if self._feed is not None else None
+                filling = self._feed.confirm(batch_size, scaled) if self._feed is not None else None
                 if void or skip:  # computed on parameters just replaced; or GradScaler skips it
                     if filling is not None:
                         self._feed.withdraw(filling, "the parameters were replaced (a state load)" if void else
