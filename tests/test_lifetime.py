@@ -46,7 +46,7 @@ class StubPeer:
     async def _leave(self) -> None:
         self._note(f"leave closed={self.lifetime.closed}")
 
-    def _begin_step(self, batch_size: int) -> bool:
+    def _begin_step(self, batch_size: int, scaled=None) -> bool:
         self._note(f"begin {batch_size}")
         return self.must_wait
 
