@@ -136,45 +136,19 @@ needs_cpu_grad_scaler = pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"),
 
 
 @needs_cpu_grad_scaler
-def test_amp_grad_scaler_steps_it_and_skips_a_step_whose_gradient_overflowed():
+def test_amp_grad_scaler_steps_it_and_skips_a_step_whose_gradient_overflowed(monkeypatch):
     """The README's promise: ``scaler.step(optimizer, batch_size=...)``. An inf gradient (a scale
     too high) makes the scaler skip that peer's step and halve its scale; the cluster trains on,
     and both replicas end bit-identical."""
-    pairs = [make(seed=0) for _ in range(2)]
-    a, b = ports(2)
-    opts = [DistributedOptimizer(inner, model, listen=f"127.0.0.1:{port}", peers=[f"127.0.0.1:{other}"],
-                                 discovery=False, min_peers=2, step_timeout=30, compression="int8", max_rounds=8)
-            for (model, inner), port, other in zip(pairs, (a, b), (b, a))]
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**16) for _ in range(2)]
-
-    def train(rank):
-        (model, _), opt, scaler = pairs[rank], opts[rank], scalers[rank]
-        k = 0
-        while not opt.peer.finished:
-            x, y = batch(100 * rank + k, 8)
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            if rank == 0 and k == 3:
-                model[0].weight.grad[0, 0] = float("inf")
-            scaler.step(opt, batch_size=len(x))
-            scaler.update()
-            k += 1
-
-    try:
-        for opt in opts:
-            opt.__enter__()
-        run_threads([lambda r=r: train(r) for r in range(2)])
-    finally:
-        close_all([opt.peer for opt in opts])
-    assert [opt.peer.version for opt in opts] == [8, 8]
-    assert [s.get_scale() for s in scalers] == [2.0**15, 2.0**16]  # (the skipped step halved rank 0's)
-    assert param_checksum(pairs[0][0]) == param_checksum(pairs[1][0])
-    assert all(torch.isfinite(p).all() for model, _ in pairs for p in model.parameters())
+    params, scales, versions = run_with_grad_scaler(monkeypatch, overlap=False, compression="int8", overflow_at=3,
+                                                    steps=8, scale=2.0**16, growth_interval=2000)
+    assert versions == [8, 8]
+    assert scales == [2.0**15, 2.0**16]  # (the skipped step halved rank 0's)
+    assert torch.equal(params[0], params[1]) and bool(torch.isfinite(params[0]).all())
 
 
-def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None, clip=False, steps=12):
+def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None, clip=False, steps=12,
+                         scale=2.0**10, growth_interval=4):
     """Two peers, a GradScaler each (bf16 autocast, a scale that grows every 4 steps); rank 0's
     gradient overflows at its step ``overflow_at``; ``clip``: the loop unscales the gradients
     itself to clip them (``scaler.unscale_``). Returns the parameters, the scales and the
@@ -193,7 +167,7 @@ def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None,
                                  discovery=False, min_peers=2, step_timeout=30, compression=compression,
                                  max_rounds=steps, overlap=overlap)
             for (model, inner), port, other in zip(pairs, (a, b), (b, a))]
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4) for _ in range(2)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=growth_interval) for _ in range(2)]
 
     def train(rank):
         (model, _), opt, scaler = pairs[rank], opts[rank], scalers[rank]
