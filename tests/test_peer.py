@@ -56,14 +56,17 @@ async def test_staleness_0_equals_one_process_on_the_union(n):
         assert torch.equal(a, b)  # replicas bit-identical
 
 
-async def test_a_compiled_peer_trains_beside_one_that_is_not():
-    """``torch.compile`` (a CUDA peer) adds ``_orig_mod.`` to every name; a peer that does not
-    compile (MPS, CPU) was refused as "another model". Both now sum as one process would."""
+@pytest.mark.parametrize("wrap, prefix", [(lambda m: torch.compile(m, backend="eager"), "_orig_mod."),
+                                          (torch.nn.DataParallel, "module.")], ids=["compile", "DataParallel"])
+async def test_a_compiled_peer_trains_beside_one_that_is_not(wrap, prefix):
+    """``torch.compile`` (a CUDA peer) adds ``_orig_mod.`` to every name, ``nn.DataParallel`` (a
+    desktop's two GPUs) ``module.``; a peer that does not wrap its model (MPS, CPU) was refused as
+    "another model". Both now sum as one process would."""
     rounds, n = 3, 2
     data = [batches(r, rounds) for r in range(n)]
     made = [model_and_optimizer() for _ in range(n)]
-    made[1] = (torch.compile(made[1][0], backend="eager"), made[1][1])
-    assert next(iter(made[1][0].state_dict())).startswith("_orig_mod.")
+    made[1] = (wrap(made[1][0]), made[1][1])
+    assert next(iter(made[1][0].state_dict())).startswith(prefix)
     async with async_peers_on_loopback(made) as peers:
         async def train(rank):
             for x, y in data[rank]:

@@ -76,14 +76,21 @@ def check_model_and_optimizer(model, optimizer) -> None:
 
 def own_module(model):
     """The module that names the parameters as the model itself does. ``torch.compile`` wraps a
-    model in one that adds ``_orig_mod.`` to every name: a compiled peer (CUDA) beside one that
-    is not (MPS, CPU) must still name them alike, and a state or checkpoint load into either."""
+    model in one that adds ``_orig_mod.`` to every name, ``nn.DataParallel`` (a desktop's two
+    GPUs) in one that adds ``module.``: a wrapped peer beside one that is not (MPS, CPU) must
+    still name them alike, and a state or checkpoint load into either. (The wrappers train the
+    module's own parameters, so its gradients are theirs.)"""
     import torch
 
-    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while True:
+        if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
                                                                     torch.nn.Module):
-        model = model._orig_mod
-    return model
+            model = model._orig_mod
+        elif isinstance(model, wrappers) and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return model
 
 
 def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None, duration: float | None,
