@@ -177,9 +177,9 @@ def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None,
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = F.cross_entropy(model(x), y)
+            if rank == 0 and k == overflow_at:  # (an overflow in backward itself: overlap's hooks read it)
+                loss = loss * 3e38
             scaler.scale(loss).backward()
-            if rank == 0 and k == overflow_at:
-                model[0].weight.grad[0, 0] = float("inf")
             if clip:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -221,11 +221,22 @@ def test_amp_grad_scaler_with_overlap_ends_with_the_bits_of_the_run_without(monk
 
 
 @needs_cpu_grad_scaler
-def test_amp_grad_scaler_with_overlap_and_int8_skips_an_overflow_and_trains_on(monkeypatch):
+def test_amp_grad_scaler_with_overlap_and_int8_skips_an_overflow_and_trains_on(monkeypatch, caplog):
     """Under int8 a chunk holding the overflow's inf may fail the ring as backward runs: that
     round's batches are then left out on every peer, as every rank skips the step under DDP with
     GradScaler. The replicas stay bit-identical and finite; only the overflowing peer's scale is
     halved (and grows again from there)."""
+    import time
+
+    step = DistributedOptimizer.step
+
+    def late_after_an_overflow(self, closure=None, *, batch_size=1):  # (the ring meets the inf before step)
+        if float(getattr(self, "found_inf", 0.0)) > 0:
+            time.sleep(0.3)
+        return step(self, closure, batch_size=batch_size)
+
+    monkeypatch.setattr(DistributedOptimizer, "step", late_after_an_overflow)
     params, scales, versions = run_with_grad_scaler(monkeypatch, overlap=True, compression="int8", overflow_at=5)
+    assert any("holds a sum with NaN or inf" in r.getMessage() for r in caplog.records)  # (the ring met it)
     assert versions == [12, 12] and scales[0] < scales[1]  # (halved, and its growth started over)
     assert torch.equal(params[0], params[1]) and bool(torch.isfinite(params[0]).all())

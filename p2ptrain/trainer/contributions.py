@@ -275,7 +275,8 @@ class Contributor:
                 n = self._not_finite[0]
                 if n in (1, 10, 100) or n % 1000 == 0:  # (not one line a round)
                     log.warning("%s: this peer's %d samples are left out (%d rounds in a row); if it recurs, lower the "
-                                "learning rate or check the data", "this peer's gradient sum holds NaN, inf or a value "
+                                "learning rate or check the data (under AMP's GradScaler an overflow now and then is "
+                                "routine)", "this peer's gradient sum holds NaN, inf or a value "
                                 "past 2**127" if ours else "the round's sum held NaN or inf (another peer's batch, or "
                                 "an overflow)", out.samples, n)
             else:
