@@ -211,3 +211,21 @@ def test_a_peer_whose_partner_leaves_trains_on_alone_as_without_overlap(monkeypa
     ids = iter(["00000000000000a1", "00000000000000b2"] * 2)  # (the same ring order in both runs)
     monkeypatch.setattr(peer_module, "new_peer_id", lambda: next(ids))
     assert same(partner_leaves(True), partner_leaves(False))
+
+
+def test_overlap_asked_for_a_model_of_one_bucket_says_it_does_nothing(monkeypatch, caplog):
+    """``join --overlap`` on a model under 4 M parameters (the built-in tasks' sizes) changed
+    nothing, without a word: such a model is one bucket of the ring, never overlapped."""
+    import logging
+
+    caplog.set_level(logging.INFO, "p2ptrain.trainer.overlap")
+    said = lambda: [r.getMessage() for r in caplog.records if "not overlapped" in r.getMessage()]  # noqa: E731
+    model, opt = make()
+    Peer(model, opt, overlap=True, discovery=False).close()
+    assert said() == ["overlap: this model's 1,368 parameters are one bucket of the ring (up to 4,194,304): its "
+                      "ring is short, and backward is not overlapped with it"]
+    caplog.clear()
+    monkeypatch.setattr(ring, "BUCKET_ELEMS", 512)  # (several buckets: overlapped, nothing said)
+    model, opt = make()
+    Peer(model, opt, overlap=True, discovery=False).close()
+    assert said() == []

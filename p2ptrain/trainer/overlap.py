@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from p2ptrain.collective import ring
 from p2ptrain.collective.ring import bucket_bounds
 from p2ptrain.errors import WithdrawnError
 from p2ptrain.trainer.accumulator import write_scaled
@@ -52,6 +54,7 @@ from p2ptrain.trainer.accumulator import write_scaled
 if TYPE_CHECKING:
     from p2ptrain.trainer.peer import AsyncPeer
 
+log = logging.getLogger(__name__)
 POLL_S = 0.0005  # how often the ring looks again at a CUDA copy that has not finished
 
 
@@ -173,6 +176,9 @@ class BackwardFeed:
         buckets = bucket_bounds(sum(p.numel() for p in self.params))  # (the rounds' rings: ``cluster.rings``)
         # The first parameter in the ring's first bucket; None: one bucket, never overlapped.
         self._ring_from = max(0, bisect.bisect_right(self._offsets, buckets[0][0]) - 1) if len(buckets) > 1 else None
+        if self._ring_from is None:  # (asked for, and it does nothing: say so once)
+            log.info("overlap: this model's %s parameters are one bucket of the ring (up to %s): its ring is short, "
+                     "and backward is not overlapped with it", f"{buckets[0][1]:,}", f"{ring.BUCKET_ELEMS:,}")
         self.filling: Filling | None = None
         self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
         self.last_scale: float | None = None  # ... and its loss scale (``DistributedOptimizer`` under GradScaler)
