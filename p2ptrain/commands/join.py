@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
     g.add_argument("--overlap", action="store_true", default=_flag("overlap"),
                    help="with --staleness 0: start each round's ring on the gradients backward makes first, "
-                   "during backward, as DDP does (pays where the cores are free during backward: a GPU)")
+                   "during backward, as DDP does (pays where the cores are free during backward: a GPU; models "
+                   "over 4 M parameters)")
     g.add_argument("--reconcile-every", type=integer(0), default=_env("reconcile_every", "10"),
                    help="compare a sketch of the parameters with the coordinator's every N updates; a peer "
                    "whose drift passes the tolerance (1e-5 relative; rounding alone stays far below) loads "
