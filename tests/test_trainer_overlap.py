@@ -42,7 +42,7 @@ def batches(rank, steps):
     return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(steps)]
 
 
-def train(overlap: bool, plan, monkeypatch, steps=12, compression="none", device="cpu"):
+def train(overlap: bool, plan, monkeypatch, steps=12, compression="none", device="cpu", between=None):
     """Two peers take ``steps`` steps; ``plan(i, x)`` gives step i's list of (x, skip) backwards
     (several: accumulated) and its batch size. Returns each peer's parameters, and whether a round
     was withdrawn anywhere."""
@@ -60,6 +60,8 @@ def train(overlap: bool, plan, monkeypatch, steps=12, compression="none", device
                     F.cross_entropy(peer.model(part.to(device), skip), y[:len(part)].to(device)).backward()
                 if plan is awkward:  # (time for a ring to end before step, were the guess not held)
                     time.sleep(0.03)
+                if between is not None:  # (the loop's own work on the gradients, before step)
+                    between(peer.model)
                 peer.step(batch_size=size)
         run_threads([lambda r=r: loop(r) for r in range(2)])
         return [[p.detach().cpu().clone() for p in peer.model.parameters()] for peer in peers]
@@ -98,6 +100,25 @@ def test_overlapped_peers_end_with_the_bits_of_peers_without_overlap(plan, compr
     with_overlap = train(True, plan, monkeypatch, compression=compression, device=device)
     assert same(without[0], without[1]) and same(with_overlap[0], with_overlap[1])
     assert same(with_overlap[0], without[0])
+
+
+def test_gradients_the_loop_changes_before_step_go_in_as_changed(monkeypatch, caplog):
+    """Overlap's hooks read each gradient as backward makes it: a loop that clipped them itself
+    before ``step`` (or unscaled them, ``GradScaler.unscale_``) had its change lost without a
+    word, and trained on other numbers than without overlap. Such a step now goes in without
+    overlap, as changed (the same bits as without overlap), and a warning says so once."""
+    import logging
+
+    def clip(model):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+    caplog.set_level(logging.WARNING, "p2ptrain.trainer.overlap")
+    without = train(False, plain, monkeypatch, between=clip)
+    assert not caplog.records
+    with_overlap = train(True, plain, monkeypatch, between=clip)
+    assert same(with_overlap[0], with_overlap[1]) and same(with_overlap[0], without[0])
+    said = [r.getMessage() for r in caplog.records if "changed them before step()" in r.getMessage()]
+    assert len(said) == 2  # (once on each peer)
 
 
 def make_deep():

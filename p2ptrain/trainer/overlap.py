@@ -22,9 +22,11 @@ the round aborts and is tried again), and ``step`` adds the batch as it would ha
 overlap: the parameters' gradients are left in place until ``step``. The result is bit for bit
 what ``step`` computes without overlap (``batch x grad``, the same multiplication).
 
-What the user must know (as with DDP): the gradients are read as backward makes them, so a
-change made to them between ``backward`` and ``step`` (clipping them yourself) is not seen:
-use ``clip_grad_norm=``, which clips the averaged gradient. AMP's ``GradScaler`` unscales
+What the user must know: the gradients are read as backward makes them, so a change made to
+them between ``backward`` and ``step`` (clipping them yourself) is one the hooks did not see:
+``step`` tells by the gradients' versions (torch counts in-place changes) and adds that batch
+as changed, without overlap (``Filling.changed_since``; said once); ``clip_grad_norm=``, which
+clips the averaged gradient, keeps overlap. AMP's ``GradScaler`` unscales
 after backward too: through ``DistributedOptimizer`` it hands ``step`` its scale instead, the
 hooks divide by the last step's (``Filling.scale``; GradScaler's are powers of two, so the same
 bits as unscaling first), and ``step`` confirms it, withdraws the batch where the scale changed
@@ -41,6 +43,7 @@ import asyncio
 import bisect
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -93,6 +96,7 @@ class Filling:
         self._factor = guess if scale is None else guess / scale  # (a power of two: the same bits as unscaling first)
         self._starts = offsets  # where each parameter's range starts, in order
         self._marked = bytearray(len(views))
+        self._read: list = [None] * len(views)  # (a weak reference to each gradient the hook read, its version)
         self._events: list = [None] * len(views)  # (CUDA: the copy to ``host``)
         self._loop = loop
         self._waits: list[tuple[int, int]] = []  # the parameter ranges rings await (``until``)
@@ -109,6 +113,7 @@ class Filling:
         view = self.views[i]
         with torch.no_grad():
             write_scaled(view, grad, self._factor)  # (as ``Accumulator.add`` writes it: the same bits)
+            self._read[i] = None if grad is None else (weakref.ref(grad), grad._version)
             if self.host is not None:
                 self.host[i].copy_(view, non_blocking=True)
                 self._events[i] = event = torch.cuda.Event()
@@ -123,6 +128,15 @@ class Filling:
 
     def marked(self, i: int) -> bool:
         return bool(self._marked[i])
+
+    def changed_since(self, params: list[torch.Tensor]) -> bool:
+        """(``step``) Whether the loop changed the gradients the hooks read before ``step`` (clipped
+        them, or ``GradScaler.unscale_``, in place; or replaced them): torch counts a tensor's
+        in-place changes (its version), so this costs nothing on the device."""
+        for p, read in zip(params, self._read):
+            if read is not None and (read[0]() is not p.grad or p.grad._version != read[1]):
+                return True
+        return False
 
     def unmarked(self) -> list[int]:
         return [i for i, m in enumerate(self._marked) if not m]
@@ -183,6 +197,7 @@ class BackwardFeed:
         self.last_batch: int | None = None  # what the last ``step`` was given: the next filling's guess
         self.last_scale: float | None = None  # ... and its loss scale (``DistributedOptimizer`` under GradScaler)
         self._decided = False  # this backward's first hook has run
+        self._said_changed = False  # (the warning that the loop changes gradients before step: once)
         self._lock = threading.Lock()  # (the first hooks of a backward on several device threads)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
@@ -242,6 +257,15 @@ class BackwardFeed:
             self.withdraw(filling, f"a batch of {batch_size} samples after one of {filling.guess}")
         elif scale != filling.scale:
             self.withdraw(filling, f"the loss scale is {scale} after {filling.scale} (GradScaler)")
+        elif filling.withdrawn is None and scale is None and filling.changed_since(self.params):
+            # (under GradScaler, its inf check runs over the gradients in place, multiplying by 1: not a change)
+            self.withdraw(filling, "the loop changed the gradients between backward and step()")
+            if not self._said_changed:
+                self._said_changed = True
+                log.warning("overlap reads the gradients as backward makes them, and this loop changed them before "
+                            "step() (clipped them, or GradScaler.unscale_): such a step goes in without overlap, "
+                            "as changed; to keep overlap, use clip_grad_norm= (and, for AMP's GradScaler, "
+                            "p2ptrain.DistributedOptimizer, which needs no unscale_)")
         if filling.withdrawn is not None:
             return False
         for i in filling.unmarked():  # (no gradient from this backward: what add() would write)
