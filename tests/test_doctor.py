@@ -68,11 +68,10 @@ def test_every_check_has_a_line_and_exit_code_follows_them():
 @pytest.mark.parametrize("torch_v, numpy_v, expect", [
     ("2.13.0+cpu", "2.4.6", {}),
     ("2.2.2+cu121", "1.26.4", {}),
-    ("2.2.2", "2.1.0", {"numpy": "FAIL"}),  # (torch before 2.3 cannot hand tensors to numpy 2)
     ("2.1.0", "1.26.4", {"torch": "warn"}),
     ("2.3.0", "2.0.0", {}),
 ])
-def test_a_torch_older_than_any_tried_or_beside_a_numpy_it_cannot_use_is_said(monkeypatch, torch_v, numpy_v, expect):
+def test_a_torch_older_than_any_tried_is_said(monkeypatch, torch_v, numpy_v, expect):
     from p2ptrain.commands import doctor as doctor_module
 
     installed = {"torch": torch_v, "numpy": numpy_v, "msgpack": "1.0", "zstandard": "0.25", "uvloop": "0.19"}
@@ -81,6 +80,28 @@ def test_a_torch_older_than_any_tried_or_beside_a_numpy_it_cannot_use_is_said(mo
     assert {name: c.status for name, c in found.items() if name != "versions"} == expect
     for name in expect:
         assert "pip install" in found[name].detail and torch_v in found[name].detail
+
+
+def test_a_torch_that_cannot_hand_tensors_to_numpy_fails_the_accelerator_line(monkeypatch):
+    """torch 2.2 (built against numpy 1) beside numpy 2: the check ``join``, ``Peer`` and
+    ``Group`` make (``device.check_numpy_bridge``) is the doctor's too, with the pip line."""
+    import torch
+
+    from p2ptrain import device
+    from p2ptrain.commands import doctor as doctor_module
+
+    def broken(self):
+        raise RuntimeError("Numpy is not available")
+
+    device.check_numpy_bridge.cache_clear()
+    monkeypatch.setattr(torch.Tensor, "numpy", broken)
+    try:
+        [check] = doctor_module.check_accelerator("auto")
+    finally:
+        monkeypatch.undo()
+        device.check_numpy_bridge.cache_clear()
+    assert check.status == "FAIL" and 'cannot hand tensors to numpy' in check.detail
+    assert 'pip install "numpy<2"' in check.detail
 
 
 def test_a_port_in_use_fails_naming_it_and_what_to_do():

@@ -436,7 +436,8 @@ class AsyncPeer:
                                             "GradScaler found inf or NaN in its gradients")
                     for p in self.params:
                         p.grad = None
-                    self.dropped += batch_size * void
+                    if void:  # (GradScaler's skipped batch is no sample of any round)
+                        self.dropped += batch_size
                 elif filling is not None and not alone and self._feed.filled(filling, batch_size, scale):
                     pass  # (backward wrote it into the round's buffer: ``overlap``)
                 else:
