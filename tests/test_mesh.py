@@ -56,6 +56,26 @@ async def test_simultaneous_dials_leave_one_link_per_pair():
             await p.mesh.close()
 
 
+async def test_a_mesh_closed_while_a_duplicate_lingers_leaves_no_connection_open(monkeypatch):
+    """A losing duplicate is read a grace period, then closed by a timer; a peer that left within
+    it (a short run, a notebook's cell) left that connection open, unseen, until the process ended."""
+    lingered = []
+    linger = Mesh._linger
+    monkeypatch.setattr(Mesh, "_linger", lambda self, pid, link: (lingered.append(link), linger(self, pid, link)))
+    for _ in range(10):  # simultaneous dials make duplicates most of the time, not always
+        peers = await started("a", "b", "c")
+        try:
+            await everyone_proposes_everyone(peers)
+            await until(lambda: all(len(p.mesh.peers) == 2 for p in peers))
+        finally:
+            for p in peers:
+                await p.mesh.close()
+        if lingered:
+            break
+    assert lingered, "no duplicate link in ten tries"
+    assert all(link._transport.is_closing() for link in lingered)
+
+
 async def test_a_ring_that_took_its_channels_before_a_duplicate_won_runs_over_the_kept_link():
     """Both ends dialed at once and the link both keep (the smaller id's) came second: the
     channels a ring took before the swap move to it, and nothing waits for a dropped link."""

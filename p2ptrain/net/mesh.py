@@ -125,6 +125,7 @@ class Mesh:
         self._channels: dict[str, ChunkChannel] = {}
         self._tasks = TaskSet()  # owns every task below, readers of losing duplicates and pings too
         self._readers: dict[str, asyncio.Task] = {}
+        self._lingering: set[transport.Link] = set()  # losing duplicates, closed at their grace or ours
         self._dialing: dict[tuple[str, int], asyncio.Task] = {}
         self._failed_at: dict[tuple[str, int], float] = {}
         self._unreached: dict[tuple[str, int], str] = {}  # address -> why its last dial failed
@@ -160,9 +161,10 @@ class Mesh:
             except P2PTrainError:
                 pass
         await self._tasks.close()
-        for link in self._links.values():
+        for link in [*self._links.values(), *self._lingering]:
             link.close()
         self._links.clear()
+        self._lingering.clear()
         if self._listener is not None:
             await self._listener.close()
 
@@ -310,7 +312,12 @@ class Mesh:
         """Stop sending on a losing duplicate but read it a while: the other end may still
         send on it until it sees the link we keep."""
         self._tasks.spawn(self._read(pid, link))
-        asyncio.get_running_loop().call_later(DUPLICATE_GRACE, link.close)
+        self._lingering.add(link)
+        asyncio.get_running_loop().call_later(DUPLICATE_GRACE, self._end_linger, link)
+
+    def _end_linger(self, link: transport.Link) -> None:
+        self._lingering.discard(link)
+        link.close()
 
     async def _ping(self) -> None:
         while True:
