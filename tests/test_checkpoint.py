@@ -267,6 +267,40 @@ def test_a_failing_disk_raises_checkpoint_error_and_leaves_no_temp(tmp_path, mon
         save_checkpoint(blocker / "ckpts", {}, 1)
 
 
+def test_a_disk_that_fills_while_torch_writes_raises_checkpoint_error(tmp_path, monkeypatch):
+    """torch's zip writer turns the disk's ENOSPC into ``RuntimeError: [enforce fail ...]
+    unexpected pos`` as it closes the archive; ``join`` ended in that traceback (a real full
+    tmpfs, by hand). It is the disk's error, said as one."""
+    import builtins
+    import io
+
+    from p2ptrain.trainer import checkpoint as module
+
+    class Filling(io.RawIOBase):
+        def __init__(self, f):
+            self.f = f
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if self.f.tell() + len(data) > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def close(self):
+            self.f.close()
+            super().close()
+
+    monkeypatch.setattr(module, "open", lambda path, mode: Filling(builtins.open(path, mode)), raising=False)
+    with pytest.raises(CheckpointError, match="No space left on device.*free some disk space"):
+        save_checkpoint(tmp_path, {"model": {"w": torch.zeros(100_000)}}, 1)
+    assert os.listdir(tmp_path) == []  # no temporary file left
+
+
 # The writer: imports torch once, then forks a child per "start ROUND" line that saves a
 # ~5 MB state every round until it is killed; "reap PID" waits for a killed child.
 WRITER = r"""

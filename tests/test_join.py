@@ -1,5 +1,6 @@
 """``python -m p2ptrain join`` as a user runs it: real subprocesses on loopback."""
 
+import errno
 import json
 import os
 import re
@@ -178,6 +179,45 @@ def test_a_diverged_run_writes_no_checkpoint_over_the_good_ones(tmp_path):
     last = bad.stderr.strip().splitlines()[-1]
     assert "the model diverged:" in last and "holds NaN or inf at update" in last and "Traceback" not in bad.stderr
     assert {f.name: f.read_bytes() for f in ckpt.glob("ckpt-r*.pt")} == kept
+
+
+def test_a_disk_full_during_the_run_stops_no_training(tmp_path, monkeypatch, caplog, capfd):
+    """A checkpoint the disk refuses mid-run (full, by hand on a small tmpfs: a traceback then,
+    and the run's state gone with the process) is said once; training goes on, the next
+    checkpoints try again, and the last one lands once there is room."""
+    import torch
+
+    from p2ptrain.commands import cli
+    from p2ptrain.net import transport
+
+    monkeypatch.setattr(transport, "install_uvloop", lambda: False)  # (no process-wide loop policy)
+    save, refused = torch.save, []
+
+    def full_for_a_while(obj, f):
+        if len(refused) < 3:
+            refused.append(obj["round"])
+            try:  # (as torch's zip writer reports it: its own error, the disk's as its context)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        save(obj, f)
+
+    monkeypatch.setattr(torch, "save", full_for_a_while)
+    ckpt = tmp_path / "ckpt"
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(["join", "--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", "0",
+                         "--max-rounds", "40", "--step-delay", "0.02", "--eval-every", "0", "--log-level", "warning",
+                         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, capfd.readouterr().err[-1500:]
+    assert len(refused) == 3
+    said = [r.getMessage() for r in caplog.records if "cannot write checkpoint" in r.getMessage()]
+    assert [r.levelname for r in caplog.records if "cannot write checkpoint" in r.getMessage()][0] == "WARNING"
+    assert "No space left on device" in said[0] and "training goes on" in said[0]
+    assert sum(r.levelname == "WARNING" for r in caplog.records if "cannot write checkpoint" in r.getMessage()) == 1
+    assert (ckpt / "ckpt-r00000039.pt").exists()  # the run's end is on disk
 
 
 def wait_for_rounds(path, n, alive, timeout=60.0):

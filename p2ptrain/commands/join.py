@@ -24,7 +24,7 @@ from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
@@ -217,6 +217,7 @@ class _Join:
         self._threads = 0
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
+        self._unsaved: str | None = None  # why the last checkpoint during the run was not written
         self.output: JoinOutput | None = None  # (made when the run starts: its status line is the terminal's then)
         self.trace = NO_TRACE
 
@@ -325,7 +326,20 @@ class _Join:
         state = {"peer": held, "fingerprint": model_fingerprint(peer.module), "round": last,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
         _refuse_diverged(peer, state["peer"]["model"], a.checkpoint_dir)
-        path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
+        try:
+            path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
+        except CheckpointError as exc:
+            if final:  # (the run is over: its state is only here now)
+                raise
+            # A full disk during the run stops no training: the state is in memory (and on the
+            # other peers); the next checkpoints try again, and the last one at the end must land.
+            log.log(logging.DEBUG if self._unsaved else logging.WARNING, "%s; training goes on, and tries "
+                    "again every --checkpoint-every rounds", exc)
+            self._unsaved = str(exc)
+            return
+        if self._unsaved and not final:
+            log.info("checkpoint written again: %s", path)
+        self._unsaved = None
         log.log(logging.INFO if final else logging.DEBUG, "checkpoint written: %s", path)
 
     def _install_signals(self) -> None:

@@ -107,7 +107,7 @@ def save_checkpoint(directory: str | os.PathLike, state: dict, round: int, keep:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(directory)
         with open(temp, "wb") as f:
-            torch.save({**state, FORMAT_KEY: FORMAT}, f)
+            _torch_save({**state, FORMAT_KEY: FORMAT}, f)
             f.flush()
             _fsync_file(f.fileno())
         os.replace(temp, path)
@@ -254,6 +254,19 @@ def _remove_stale_temps(directory: Path) -> None:
         if old or not _pid_alive(int(m.group(1))):
             log.info("removing %s, left by a writer that stopped mid-save", name)
             _unlink_quietly(path)
+
+
+def _torch_save(state: dict, f) -> None:
+    """``torch.save``, with a disk's refusal raised as the ``OSError`` it is: torch's zip writer
+    reports a full disk as ``RuntimeError: [enforce fail ...] unexpected pos`` from closing the
+    archive, the ``OSError`` only its context."""
+    try:
+        torch.save(state, f)
+    except RuntimeError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError):
+            raise cause from None
+        raise
 
 
 def _unlink_quietly(path: Path) -> None:
