@@ -9,6 +9,7 @@ when no tracer is given (``NO_TRACE``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -59,11 +60,17 @@ class Tracer:
         return out
 
     def write(self) -> None:
+        """Write the file whole or not at all (an ``OSError`` leaves no partial file behind)."""
         tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms",
-                       "otherData": {"spans_not_recorded": self.dropped}}, f)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms",
+                           "otherData": {"spans_not_recorded": self.dropped}}, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 class _NoTrace:

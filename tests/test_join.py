@@ -220,6 +220,30 @@ def test_a_disk_full_during_the_run_stops_no_training(tmp_path, monkeypatch, cap
     assert (ckpt / "ckpt-r00000039.pt").exists()  # the run's end is on disk
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), a file every write to fails")
+def test_a_metrics_file_on_a_full_disk_stops_no_training(monkeypatch, caplog, capfd):
+    """``--metrics`` on a disk that fills: join ended in a traceback (a small tmpfs, by hand).
+    Now one warning, and the run goes on to its end and summary without records."""
+    import torch
+
+    from p2ptrain.commands import cli
+    from p2ptrain.net import transport
+
+    monkeypatch.setattr(transport, "install_uvloop", lambda: False)  # (no process-wide loop policy)
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(["join", "--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", "0",
+                         "--max-rounds", "10", "--eval-every", "0", "--log-level", "warning", "--metrics", "/dev/full"])
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capfd.readouterr()
+    assert code == 0 and "Traceback" not in err, err[-1500:]
+    said = [r for r in caplog.records if "--metrics" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"]
+    assert "/dev/full (No space left on device)" in said[0].getMessage()
+    assert "summary" in out and "updates 10 in this run" in out
+
+
 def wait_for_rounds(path, n, alive, timeout=60.0):
     """Until ``n`` round records are in the metrics file at ``path`` (that peer trains)."""
     deadline = time.monotonic() + timeout

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -22,7 +21,7 @@ import time
 
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
-from p2ptrain.commands.join_output import JoinOutput
+from p2ptrain.commands.join_output import JoinOutput, MetricsFile
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
@@ -255,9 +254,19 @@ class _Join:
                          step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
                          **kwargs)
         self._resume(peer, task)
-        metrics = open(a.metrics, "a", encoding="utf-8") if a.metrics else None
+        metrics = MetricsFile(a.metrics) if a.metrics else None
         self.output = JoinOutput(a.sync_every)
         self._install_signals()
+        try:
+            await self._run_peer(peer, task, model, device, metrics)
+        finally:
+            if metrics:
+                metrics.close()
+        return 0
+
+    async def _run_peer(self, peer, task, model, device, metrics: MetricsFile | None) -> None:
+        """Train until the run ends or Ctrl-C; then the last checkpoint, the trace, the summary."""
+        a = self.args
         try:
             async with peer:
                 log.info("peer %s listening on port %d (cluster %r)", peer.peer_id, peer.cluster.port, a.cluster)
@@ -278,14 +287,14 @@ class _Join:
             self._take_records(peer, task, device, metrics)
         finally:
             self.output.status.clear()
-            if metrics:
-                metrics.close()
         self._checkpoint(peer, task, final=True)
         if self.trace.enabled:
-            self.trace.write()
-            log.info("trace written to %s (open it in chrome://tracing or ui.perfetto.dev)", a.trace)
-        self.output.summary(peer, self.count, task, model, device, metrics_path=a.metrics)
-        return 0
+            try:
+                self.trace.write()
+                log.info("trace written to %s (open it in chrome://tracing or ui.perfetto.dev)", a.trace)
+            except OSError as exc:
+                log.error("cannot write --trace %s (%s)", a.trace, exc.strerror or exc)
+        self.output.summary(peer, self.count, task, model, device, metrics)
 
     # -- checkpoints --------------------------------------------------------------------------
     def _resume(self, peer, task) -> None:
@@ -395,8 +404,7 @@ class _Join:
         a = self.args
         if metrics and len(peer.cluster.loads) > self._loads_seen:
             for point in peer.cluster.loads[self._loads_seen:]:
-                metrics.write(json.dumps({"event": "loaded", "time": time.time(), "round": point.round,
-                                          "version": point.version}) + "\n")
+                metrics.write({"event": "loaded", "time": time.time(), "round": point.round, "version": point.version})
             self._loads_seen = len(peer.cluster.loads)
         due = False  # (one checkpoint for the rounds seen at once: a peer alone commits a tick's worth)
         for record in self._new_records(peer):

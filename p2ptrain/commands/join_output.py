@@ -17,6 +17,34 @@ import time
 log = logging.getLogger("p2ptrain.join")  # (join's lines, under join's name)
 
 
+class MetricsFile:
+    """``--metrics``: one JSON object a line, appended and flushed. A write the disk refuses
+    (full) is said once, and the run goes on without records: they are a report, not the work."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            log.warning("cannot write --metrics %s (%s): no more records go there; training goes on", self.path,
+                        exc.strerror or exc)
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:  # (what was left to flush: said at its write)
+                pass
+            self._file = None
+
+
 class JoinOutput:
     """The status line, metrics records and summary of one ``join`` run. ``sync_every``: the
     run's local-steps setting (its checksum is then of the outer parameters)."""
@@ -32,15 +60,14 @@ class JoinOutput:
         self.last_loss = loss
         self._losses.append(loss)
 
-    def write_metrics(self, out, peer, record) -> None:
+    def write_metrics(self, out: MetricsFile, peer, record) -> None:
         """One round's record in the metrics file (``--metrics``)."""
-        out.write(json.dumps({
+        out.write({
             "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
             "own_samples": record.own_samples,
             "loss": self._mean_loss(), "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
             "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
-            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer)}) + "\n")
-        out.flush()
+            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer)})
 
     def _mean_loss(self) -> float:
         """The mean of this peer's batch losses since the last record (several batches per round
@@ -68,7 +95,7 @@ class JoinOutput:
                 f"ratio {ratio:.1f}x  staleness {getattr(peer, 'staleness_max', 0)}")
         self.status.show(text)
 
-    def summary(self, peer, count, task, model, device, metrics_path) -> None:
+    def summary(self, peer, count, task, model, device, metrics: MetricsFile | None) -> None:
         """The summary at exit, and its record in the metrics file."""
         from p2ptrain.tasks import param_checksum
 
@@ -87,16 +114,13 @@ class JoinOutput:
                  f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
                  else "sent 0 MB", f"parameter checksum {checksum}", _drift_line(c.reconciler)]
         print("\n".join(["", "summary", *[f"  {x}" for x in lines if x]]))
-        if metrics_path:
-            with open(metrics_path, "a", encoding="utf-8") as out:
-                out.write(json.dumps({"event": "summary", "time": time.time(), "rounds": count.rounds,
-                                      "version": peer.version,
-                                      "samples": count.samples, "own_samples": count.own_samples,
-                                      "dropped": getattr(peer, "dropped", 0),
-                                      "unapplied": unapplied,
-                                      "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
-                                      "raw_bytes": c.raw_bytes, "param_checksum": checksum,
-                                      "end": end and {"round": end.r, "version": end.version}}) + "\n")
+        if metrics:
+            metrics.write({"event": "summary", "time": time.time(), "rounds": count.rounds, "version": peer.version,
+                           "samples": count.samples, "own_samples": count.own_samples,
+                           "dropped": getattr(peer, "dropped", 0), "unapplied": unapplied,
+                           "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
+                           "raw_bytes": c.raw_bytes, "param_checksum": checksum,
+                           "end": end and {"round": end.r, "version": end.version}})
         if task.sample:
             from p2ptrain.tasks import printable_text
 
