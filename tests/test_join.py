@@ -244,6 +244,34 @@ def test_a_metrics_file_on_a_full_disk_stops_no_training(monkeypatch, caplog, ca
     assert "summary" in out and "updates 10 in this run" in out
 
 
+def test_a_join_shares_the_cores_with_the_other_joins_of_its_machine(monkeypatch, caplog):
+    """Two joins on one machine that found each other by discovery (nothing says where a peer
+    runs) each ran torch on every core: a 40-round run of the default task took 44-126 s on two
+    cores, 16 s with a core each. A join counts the others running here (``neighbours``)."""
+    import torch
+
+    from p2ptrain.commands import cli
+    from p2ptrain.commands.neighbours import Neighbours
+    from p2ptrain.net import transport
+
+    monkeypatch.setattr(transport, "install_uvloop", lambda: False)  # (no process-wide loop policy)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (set, it is the user's choice: kept)
+    other = Neighbours()  # another join of this machine, as it appears to this one
+    threads = torch.get_num_threads()
+    caplog.set_level("INFO", logger="p2ptrain.join")
+    try:
+        code = cli.main(["join", "--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", "0",
+                         "--max-rounds", "5", "--eval-every", "0"])
+    finally:
+        other.close()
+        torch.set_num_threads(threads)
+    assert code == 0
+    split = [r.getMessage() for r in caplog.records if "peers run on this machine" in r.getMessage()]
+    assert split, "no split of the cores"
+    here = int(split[0].split()[0])
+    assert here >= 2 and split[0].endswith(f"{max(1, (os.cpu_count() or 1) // here)} torch thread(s) each")
+
+
 def wait_for_rounds(path, n, alive, timeout=60.0):
     """Until ``n`` round records are in the metrics file at ``path`` (that peer trains)."""
     deadline = time.monotonic() + timeout

@@ -22,12 +22,14 @@ import time
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput, MetricsFile
+from p2ptrain.commands.neighbours import Neighbours
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
+CORES_CHECK_EVERY = 5.0  # seconds between two counts of the peers on this machine (a listing and a lock try each)
 log = logging.getLogger("p2ptrain.join")
 
 
@@ -213,7 +215,8 @@ class _Join:
         self.count = RunCounters(time.monotonic())  # this run's (restarted when training starts)
         self._evaluated = 0  # the cluster's update at the last validation
         self.stopping = False
-        self._threads = 0
+        self._threads = self._own_threads = 0  # torch's threads now, and before any split
+        self._listed_here, self._cores_checked = 0, 0.0  # --peers at this machine's addresses; when counted
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
         self._unsaved: str | None = None  # why the last checkpoint during the run was not written
@@ -221,6 +224,13 @@ class _Join:
         self.trace = NO_TRACE
 
     async def run(self) -> int:
+        self._neighbours = Neighbours()
+        try:
+            return await self._run()
+        finally:
+            self._neighbours.close()
+
+    async def _run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
         from p2ptrain.net.discovery import parse_host_port, peer_list
         from p2ptrain.trainer.peer import AsyncPeer
@@ -232,8 +242,8 @@ class _Join:
         ours = {(h, a.port) for h in local}
         # Before the task is built: torch's thread pools spin while they wait, and several
         # peers of one machine building their tasks with all its cores each take ten times longer.
-        self._share_cores(sum(host in local and (host, port) not in ours
-                               for host, port in map(parse_host_port, peers)))
+        self._listed_here = sum(host in local and (host, port) not in ours for host, port in map(parse_host_port, peers))
+        self._share_cores()
         device = pick_device(a.device)
         task = load_task(a.task, {"seed": a.seed, "data": a.data, "model_size": a.model_size,
                                   "batch_size": a.batch_size, "device": str(device)})
@@ -395,6 +405,8 @@ class _Join:
                     self.count.stepped(n, time.monotonic())
             self._take_records(peer, task, device, metrics)
             now = time.monotonic()
+            if now - self._cores_checked >= CORES_CHECK_EVERY:
+                self._share_cores()
             if now - last_log >= 0.5:
                 last_log = now
                 self.output.report(peer, self.count, now)
@@ -455,17 +467,29 @@ class _Join:
                                  f"{a.connect_timeout:.0f} s; {fix}")
             await asyncio.sleep(0.1)
 
-    def _share_cores(self, local_peers: int) -> None:
+    def _share_cores(self) -> None:
         """Several peers on one machine: split its cores among them. Torch's thread pools
-        spin while they wait, and two of them on the same cores stall each other for seconds."""
+        spin while they wait, and two of them on the same cores stall each other for seconds.
+        The peers here: the ``join`` processes running (``neighbours``), or those --peers lists
+        at this machine's addresses where more (they may not have started yet). Checked again
+        every few seconds: a peer alone again gets the cores back. ``OMP_NUM_THREADS`` set is the
+        user's choice, kept (as torchrun keeps it)."""
         import torch
 
-        here = local_peers + 1
-        threads = max(1, (os.cpu_count() or 1) // here)
-        if here > 1 and threads != self._threads:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return
+        if not self._threads:
+            self._threads = self._own_threads = torch.get_num_threads()
+        here = max(self._listed_here + 1, self._neighbours.count())
+        self._cores_checked = time.monotonic()
+        threads = max(1, (os.cpu_count() or 1) // here) if here > 1 else self._own_threads
+        if threads != self._threads:
             torch.set_num_threads(threads)
             self._threads = threads
-            log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
+            if here > 1:
+                log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
+            else:
+                log.info("the only peer on this machine now: %d torch thread(s)", threads)
 
 
 def _refuse_diverged(peer, model_state: dict, directory: str) -> None:

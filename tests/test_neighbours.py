@@ -1,0 +1,51 @@
+"""The ``join`` processes of one machine count each other (``commands.neighbours``), so that they
+share its cores however they found each other (discovery says nothing of where a peer runs)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from p2ptrain.commands import neighbours
+from p2ptrain.commands.neighbours import Neighbours
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_each_counts_the_others_until_they_close(tmp_path):
+    a, b, c = Neighbours(tmp_path), Neighbours(tmp_path), Neighbours(tmp_path)
+    assert [n.count() for n in (a, b, c)] == [3, 3, 3]
+    b.close()
+    assert [a.count(), c.count()] == [2, 2] and len(os.listdir(tmp_path)) == 2
+    c.close()
+    a.close()
+    assert Neighbours(tmp_path).count() == 1 and len(os.listdir(tmp_path)) == 1
+
+
+def test_a_killed_process_is_not_counted_and_its_file_goes(tmp_path, monkeypatch):
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from p2ptrain.commands.neighbours import "
+                              f"Neighbours; n = Neighbours(__import__('pathlib').Path({str(tmp_path)!r})); "
+                              "print(n.count(), flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "1"
+        mine = Neighbours(tmp_path)
+        assert mine.count() == 2  # (another process's lock: it runs)
+        child.kill()
+        child.wait(10)
+        assert mine.count() == 1  # its lock went with it
+        assert len(os.listdir(tmp_path)) == 2  # (a file not yet STALE_AFTER old is left: its owner may be locking it)
+        monkeypatch.setattr(neighbours, "STALE_AFTER", 0.0)
+        time.sleep(0.01)
+        assert mine.count() == 1 and len(os.listdir(tmp_path)) == 1
+    finally:
+        child.kill()
+
+
+def test_a_folder_it_cannot_write_counts_this_process_alone(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    lone = Neighbours(blocker / "joins")
+    assert lone.count() == 1
+    lone.close()
