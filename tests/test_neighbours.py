@@ -49,3 +49,33 @@ def test_a_folder_it_cannot_write_counts_this_process_alone(tmp_path):
     lone = Neighbours(blocker / "joins")
     assert lone.count() == 1
     lone.close()
+
+
+def test_the_cores_are_split_while_others_run_and_taken_back_after(tmp_path, monkeypatch):
+    import torch
+
+    from p2ptrain.commands.neighbours import CoreShare
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    own = torch.get_num_threads()
+    other = Neighbours(tmp_path)
+    cores = CoreShare(Neighbours(tmp_path))
+    try:
+        cores.share()
+        assert torch.get_num_threads() == 4
+        other.close()
+        cores.share_every(time.monotonic())  # (counted less than CHECK_EVERY ago: not again)
+        assert torch.get_num_threads() == 4
+        cores.share()
+        assert torch.get_num_threads() == own  # alone again: its own threads back
+        cores.listed = 3  # --peers names three more peers at this machine's addresses
+        cores.share()
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice: kept
+        cores.listed = 0
+        cores.share()
+        assert torch.get_num_threads() == 2
+    finally:
+        cores.close()
+        torch.set_num_threads(own)

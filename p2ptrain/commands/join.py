@@ -22,14 +22,13 @@ import time
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput, MetricsFile
-from p2ptrain.commands.neighbours import Neighbours
+from p2ptrain.commands.neighbours import CoreShare
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
-CORES_CHECK_EVERY = 5.0  # seconds between two counts of the peers on this machine (a listing and a lock try each)
 log = logging.getLogger("p2ptrain.join")
 
 
@@ -215,8 +214,6 @@ class _Join:
         self.count = RunCounters(time.monotonic())  # this run's (restarted when training starts)
         self._evaluated = 0  # the cluster's update at the last validation
         self.stopping = False
-        self._threads = self._own_threads = 0  # torch's threads now, and before any split
-        self._listed_here, self._cores_checked = 0, 0.0  # --peers at this machine's addresses; when counted
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
         self._unsaved: str | None = None  # why the last checkpoint during the run was not written
@@ -224,11 +221,11 @@ class _Join:
         self.trace = NO_TRACE
 
     async def run(self) -> int:
-        self._neighbours = Neighbours()
+        self._cores = CoreShare()  # (the peers of this machine share its cores)
         try:
             return await self._run()
         finally:
-            self._neighbours.close()
+            self._cores.close()
 
     async def _run(self) -> int:
         from p2ptrain.device import device_kind, pick_device
@@ -242,8 +239,8 @@ class _Join:
         ours = {(h, a.port) for h in local}
         # Before the task is built: torch's thread pools spin while they wait, and several
         # peers of one machine building their tasks with all its cores each take ten times longer.
-        self._listed_here = sum(host in local and (host, port) not in ours for host, port in map(parse_host_port, peers))
-        self._share_cores()
+        self._cores.listed = sum(host in local and (host, port) not in ours for host, port in map(parse_host_port, peers))
+        self._cores.share()
         device = pick_device(a.device)
         task = load_task(a.task, {"seed": a.seed, "data": a.data, "model_size": a.model_size,
                                   "batch_size": a.batch_size, "device": str(device)})
@@ -405,8 +402,7 @@ class _Join:
                     self.count.stepped(n, time.monotonic())
             self._take_records(peer, task, device, metrics)
             now = time.monotonic()
-            if now - self._cores_checked >= CORES_CHECK_EVERY:
-                self._share_cores()
+            self._cores.share_every(now)
             if now - last_log >= 0.5:
                 last_log = now
                 self.output.report(peer, self.count, now)
@@ -466,30 +462,6 @@ class _Join:
                 raise GroupError(f"only {peer.members} of --min-peers {a.min_peers} members after "
                                  f"{a.connect_timeout:.0f} s; {fix}")
             await asyncio.sleep(0.1)
-
-    def _share_cores(self) -> None:
-        """Several peers on one machine: split its cores among them. Torch's thread pools
-        spin while they wait, and two of them on the same cores stall each other for seconds.
-        The peers here: the ``join`` processes running (``neighbours``), or those --peers lists
-        at this machine's addresses where more (they may not have started yet). Checked again
-        every few seconds: a peer alone again gets the cores back. ``OMP_NUM_THREADS`` set is the
-        user's choice, kept (as torchrun keeps it)."""
-        import torch
-
-        if os.environ.get("OMP_NUM_THREADS"):
-            return
-        if not self._threads:
-            self._threads = self._own_threads = torch.get_num_threads()
-        here = max(self._listed_here + 1, self._neighbours.count())
-        self._cores_checked = time.monotonic()
-        threads = max(1, (os.cpu_count() or 1) // here) if here > 1 else self._own_threads
-        if threads != self._threads:
-            torch.set_num_threads(threads)
-            self._threads = threads
-            if here > 1:
-                log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
-            else:
-                log.info("the only peer on this machine now: %d torch thread(s)", threads)
 
 
 def _refuse_diverged(peer, model_state: dict, directory: str) -> None:

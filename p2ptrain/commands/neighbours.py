@@ -1,4 +1,4 @@
-"""The ``join`` processes running on this machine, counted so that they can share its cores.
+"""The ``join`` processes running on this machine, counted so that they share its cores.
 
 Two ``join`` on one machine with discovery (no ``--peers``: nothing says that the other is
 local) each ran torch with every core: torch's thread pools spin while they wait, and a
@@ -13,6 +13,7 @@ and a lock try per file: ``join`` does it at its start and every few seconds.
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import tempfile
 import time
@@ -24,6 +25,9 @@ except ImportError:  # Windows
     fcntl = None
     import msvcrt
 
+log = logging.getLogger("p2ptrain.join")  # (join's lines, under join's name)
+
+CHECK_EVERY = 5.0  # seconds between two counts (a listing and a lock try a file)
 STALE_AFTER = 10.0  # seconds: an unlocked file younger than this may be one whose owner has not locked it yet
 
 
@@ -106,3 +110,45 @@ class Neighbours:
             os.unlink(self._path)
         except OSError:
             pass
+
+
+class CoreShare:
+    """Torch's threads for this ``join``: its share of the machine's cores. Torch's thread pools
+    spin while they wait, and two of them on the same cores stall each other for seconds.
+
+    The peers here: the ``join`` processes running (``Neighbours``), or ``listed`` (the peers
+    ``--peers`` names at this machine's addresses, which may not have started yet) and this one,
+    where more. Counted again every ``CHECK_EVERY`` seconds: a peer alone again gets its threads
+    back. An ``OMP_NUM_THREADS`` the user set is kept (as torchrun keeps it)."""
+
+    def __init__(self, neighbours: Neighbours | None = None):
+        self.neighbours = neighbours if neighbours is not None else Neighbours()
+        self.listed = 0
+        self._threads = self._own = 0  # torch's threads now, and before any split
+        self._checked = float("-inf")
+
+    def share_every(self, now: float) -> None:
+        """``share()`` if the last count is ``CHECK_EVERY`` seconds old (``now``: monotonic)."""
+        if now - self._checked >= CHECK_EVERY:
+            self.share()
+
+    def share(self) -> None:
+        import torch
+
+        self._checked = time.monotonic()
+        if os.environ.get("OMP_NUM_THREADS"):
+            return
+        if not self._threads:
+            self._threads = self._own = torch.get_num_threads()
+        here = max(self.listed + 1, self.neighbours.count())
+        threads = max(1, (os.cpu_count() or 1) // here) if here > 1 else self._own
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+            if here > 1:
+                log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
+            else:
+                log.info("the only peer on this machine now: %d torch thread(s)", threads)
+
+    def close(self) -> None:
+        self.neighbours.close()
