@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import async_peers_on_loopback, finish, ports
 from netns_util import make_lan, requires_netns  # noqa: F401  (make_lan is a fixture)
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.trainer.peer import AsyncPeer
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,6 +115,33 @@ async def test_a_peer_that_left_leaves_no_task_on_its_loop():
             await peer.step(batch_size=len(x))
     loop = peer._lifetime.loop  # the cluster's loop, stopped now: what still pends there never ends
     assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+
+
+async def test_an_opening_cut_short_closes_what_it_opened(monkeypatch, caplog):
+    """``asyncio.wait_for(peer.__aenter__(), t)``, or Ctrl-C, while the peer opens (here: a --peers
+    name slow to resolve): the loop thread was stopped under the opening, which left the
+    peer's port listening and asyncio's "Task was destroyed but it is pending!"."""
+    import gc
+    import socket
+
+    from p2ptrain.net import discovery
+
+    async def slow(entries):
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(discovery, "resolve_static_peers", slow)
+    model, opt = model_and_optimizer()
+    peer = AsyncPeer(model, opt, listen="127.0.0.1:0", secret="s", discovery=False, peers=["slow.example:7000"])
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(peer.__aenter__(), 0.5)
+    gc.collect()  # (a task left pending on the stopped loop is said as it is collected)
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+    assert peer.cluster.mesh._closed  # closed, not only dropped with its thread
+    port = peer.cluster.port
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # the port is free again: its listener was closed
+    with pytest.raises(ClosedError):  # (and the peer is done: a new one joins)
+        await peer.__aenter__()
 
 
 def test_bad_options_are_refused_clearly():

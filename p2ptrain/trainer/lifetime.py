@@ -16,7 +16,7 @@ Each operation is work on the caller's thread plus a future of the loop thread (
         if future is not None: wait for future
 
 ``opening`` stops the thread if the opening fails (or the caller is interrupted while it
-waits), ``closing`` stops it whatever happens: that logic lives here only. An exception raised
+waits: the opening is cancelled there first and undoes what it made), ``closing`` stops it whatever happens: that logic lives here only. An exception raised
 on the loop thread reaches the waiter with its own type; a waiter that is interrupted cancels
 the future (``wait`` here; ``asyncio.wrap_future`` does it for the async front end).
 
@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 from p2ptrain.errors import ClosedError
 from p2ptrain.trainer.loopthread import LoopThread
 
+ABANDON_TIMEOUT = 10.0  # seconds an interrupted opening gets to undo itself (a cluster's close takes up to ~2)
+
 if TYPE_CHECKING:
     from p2ptrain.trainer.peer import AsyncPeer
 
@@ -51,6 +53,7 @@ class Lifetime:
         self.thread: LoopThread | None = None  # set once, on opening
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False  # set once, on the loop thread, as the peer leaves
+        self._opening: asyncio.Task | None = None  # the peer's ``_open`` on the loop thread
 
     @contextmanager
     def opening(self) -> Iterator[concurrent.futures.Future]:
@@ -63,11 +66,31 @@ class Lifetime:
         thread = self.thread = LoopThread(f"p2ptrain-{peer.peer_id[:8]}")
         self.loop = thread.loop
         try:
-            yield thread.submit(peer._open())
+            yield thread.submit(self._open())
         except BaseException:
+            self._abandon(thread)
             thread.stop()
             self.closed = True  # (a close after a failed opening has nothing to do)
             raise
+
+    async def _open(self) -> None:
+        self._opening = asyncio.current_task()
+        await self.peer._open()
+
+    def _abandon(self, thread: LoopThread) -> None:
+        """An opening whose waiter was interrupted (Ctrl-C, a timeout, a cancelled task) still
+        ran there: cancel it and wait, a bounded while, for it to close what it opened (the
+        listening socket, discovery's), which the thread's stop would otherwise leave open."""
+        async def abandon() -> None:
+            task = self._opening
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=ABANDON_TIMEOUT)
+
+        try:
+            thread.call(abandon())
+        except BaseException:  # (a second interrupt: stop at once)
+            pass
 
     @contextmanager
     def closing(self, flush: bool) -> Iterator[concurrent.futures.Future | None]:

@@ -345,14 +345,14 @@ class AsyncPeer:
                                                    asyncio.get_running_loop().time()),
                                start=self._params_point, fingerprint=model_fingerprint(self.module),
                                settings=self._settings)
-        await self.cluster.__aenter__()
-        for array in self._acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)
-            self.cluster.recycle(array)
-        # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
-        self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,
-                                   device=device_kind(self.device), static_peers=self._peers,
-                                   interface=self._interface, enabled=self._discovery_on)
-        try:
+        await self.cluster.__aenter__()  # (when it fails, it has opened nothing)
+        try:  # (cancelled midway, by an interrupted waiter: what was opened is closed again)
+            for array in self._acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)
+                self.cluster.recycle(array)
+            # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
+            self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,
+                                       device=device_kind(self.device), static_peers=self._peers,
+                                       interface=self._interface, enabled=self._discovery_on)
             await self.discovery.__aenter__()
         except BaseException:
             await self.cluster.close()
