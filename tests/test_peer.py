@@ -144,6 +144,27 @@ async def test_an_opening_cut_short_closes_what_it_opened(monkeypatch, caplog):
         await peer.__aenter__()
 
 
+async def test_a_waiter_interrupted_as_the_opening_ends_leaves_the_peer_it_opened(monkeypatch):
+    """Ctrl-C in ``join`` just as its peer finished opening: the waiter saw CancelledError, the
+    opening had succeeded on the loop thread, and its thread was stopped with the cluster
+    running ("Task was destroyed but it is pending!" for its actor, ticker, pings)."""
+    from p2ptrain.trainer import peer as peer_module
+
+    wrap = asyncio.wrap_future
+
+    async def interrupted_once_opened(future):
+        monkeypatch.setattr(peer_module.asyncio, "wrap_future", wrap)
+        await asyncio.get_running_loop().run_in_executor(None, future.result)  # the opening succeeded...
+        raise asyncio.CancelledError  # ... and its waiter was interrupted before it heard so
+
+    model, opt = model_and_optimizer()
+    peer = AsyncPeer(model, opt, listen="127.0.0.1:0", secret="s", discovery=False)
+    monkeypatch.setattr(peer_module.asyncio, "wrap_future", interrupted_once_opened)
+    with pytest.raises(asyncio.CancelledError):
+        await peer.__aenter__()
+    assert peer.cluster.mesh._closed and peer.discovery._closed  # it left: nothing runs on
+
+
 def test_bad_options_are_refused_clearly():
     model, opt = model_and_optimizer()
     with pytest.raises(ConfigError, match="target_batch_size needs staleness >= 1"):

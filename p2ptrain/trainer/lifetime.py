@@ -80,12 +80,17 @@ class Lifetime:
     def _abandon(self, thread: LoopThread) -> None:
         """An opening whose waiter was interrupted (Ctrl-C, a timeout, a cancelled task) still
         ran there: cancel it and wait, a bounded while, for it to close what it opened (the
-        listening socket, discovery's), which the thread's stop would otherwise leave open."""
+        listening socket, discovery's), or leave if it had opened already; the thread's stop
+        would otherwise leave them open, their tasks pending."""
         async def abandon() -> None:
             task = self._opening
-            if task is not None and not task.done():
+            if task is None:
+                return
+            if not task.done():
                 task.cancel()
                 await asyncio.wait([task], timeout=ABANDON_TIMEOUT)
+            if task.done() and not task.cancelled() and task.exception() is None:  # (it opened after all)
+                await asyncio.wait_for(self._close(flush=False), ABANDON_TIMEOUT)
 
         try:
             thread.call(abandon())
