@@ -239,7 +239,8 @@ class _Join:
         ours = {(h, a.port) for h in local}
         # Before the task is built: torch's thread pools spin while they wait, and several
         # peers of one machine building their tasks with all its cores each take ten times longer.
-        self._cores.listed = sum(host in local and (host, port) not in ours for host, port in map(parse_host_port, peers))
+        self._cores.listed = sum(host in local and (host, port) not in ours
+                                 for host, port in map(parse_host_port, peers))
         self._cores.share()
         device = pick_device(a.device)
         task = load_task(a.task, {"seed": a.seed, "data": a.data, "model_size": a.model_size,

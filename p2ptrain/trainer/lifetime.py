@@ -16,7 +16,8 @@ Each operation is work on the caller's thread plus a future of the loop thread (
         if future is not None: wait for future
 
 ``opening`` stops the thread if the opening fails (or the caller is interrupted while it
-waits: the opening is cancelled there first and undoes what it made), ``closing`` stops it whatever happens: that logic lives here only. An exception raised
+waits: the opening is cancelled there first and undoes what it made, or leaves if it had
+opened), ``closing`` stops it whatever happens: that logic lives here only. An exception raised
 on the loop thread reaches the waiter with its own type; a waiter that is interrupted cancels
 the future (``wait`` here; ``asyncio.wrap_future`` does it for the async front end).
 
