@@ -79,3 +79,37 @@ def test_the_cores_are_split_while_others_run_and_taken_back_after(tmp_path, mon
     finally:
         cores.close()
         torch.set_num_threads(own)
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+def test_a_folder_someone_else_could_have_made_is_not_used_and_nothing_else_is_deleted(tmp_path, monkeypatch):
+    """In a shared temporary folder another user may make ours first, or make it a link to a
+    folder of our own: the count there deleted every unlocked file older than 10 s it found."""
+    monkeypatch.setattr(neighbours, "STALE_AFTER", 0.0)
+    mine = tmp_path / "documents"
+    mine.mkdir()
+    for name in ("notes.txt", "123-deadbeef"):
+        (mine / name).write_text("keep me")
+    (tmp_path / "p2ptrain-u").mkdir(mode=0o700)
+    (tmp_path / "p2ptrain-u" / "joins").symlink_to(mine)
+    linked = Neighbours(tmp_path / "p2ptrain-u" / "joins")
+    assert linked.count() == 1 and sorted(os.listdir(mine)) == ["123-deadbeef", "notes.txt"]
+    linked.close()
+
+    shared = tmp_path / "shared" / "joins"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    (shared / "123-deadbeef").write_text("")
+    open_to_all = Neighbours(shared)
+    assert open_to_all.count() == 1 and os.listdir(shared) == ["123-deadbeef"]
+    open_to_all.close()
+
+    private = tmp_path / "private" / "joins"
+    private.mkdir(parents=True)
+    (private / "notes.txt").write_text("keep me")
+    (private / "123-deadbeef").write_text("")  # a file of ours its killed process left
+    time.sleep(0.01)
+    ours = Neighbours(private)
+    assert ours.count() == 1
+    assert sorted(os.listdir(private)) == sorted(["notes.txt", os.path.basename(ours._path)])
+    ours.close()

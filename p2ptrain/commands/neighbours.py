@@ -15,6 +15,8 @@ from __future__ import annotations
 import getpass
 import logging
 import os
+import re
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +31,27 @@ log = logging.getLogger("p2ptrain.join")  # (join's lines, under join's name)
 
 CHECK_EVERY = 5.0  # seconds between two counts (a listing and a lock try a file)
 STALE_AFTER = 10.0  # seconds: an unlocked file younger than this may be one whose owner has not locked it yet
+
+
+_NAME = re.compile(r"^[0-9]+-[0-9a-f]{8}$")  # ours: "<pid>-<8 hex digits>"; nothing else is touched
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _private(folder: Path) -> bool:
+    """The folder and its parent are real folders of this user that nobody else can write: in a
+    shared temporary folder another user could have made them first, or made them links to a
+    folder of ours, where the count deletes the files it takes for left over. (Windows: its
+    temporary folder is the user's own.)"""
+    if not hasattr(os, "getuid"):
+        return True
+    for part in (folder.parent, folder):
+        try:
+            st = os.lstat(part)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
+    return True
 
 
 def _folder() -> Path:
@@ -60,9 +83,12 @@ class Neighbours:
         self._fd: int | None = None
         self._path: Path | None = None
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.parent.mkdir(mode=0o700, exist_ok=True)
+            self.folder.mkdir(mode=0o700, exist_ok=True)
+            if not _private(self.folder):
+                return
             path = self.folder / f"{os.getpid()}-{os.urandom(4).hex()}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         except OSError:
             return
         if _lock(fd):
@@ -81,10 +107,10 @@ class Neighbours:
             return 1
         for name in names:
             path = self.folder / name
-            if path == self._path:
+            if path == self._path or not _NAME.match(name):
                 continue
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | _NOFOLLOW)
             except OSError:  # (gone meanwhile)
                 continue
             try:
