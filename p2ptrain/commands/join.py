@@ -216,7 +216,7 @@ class _Join:
         self.stopping = False
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
-        self._unsaved: str | None = None  # why the last checkpoint during the run was not written
+        self._unsaved = False  # the last checkpoint during the run was refused by the disk
         self.output: JoinOutput | None = None  # (made when the run starts: its status line is the terminal's then)
         self.trace = NO_TRACE
 
@@ -352,11 +352,11 @@ class _Join:
             # other peers); the next checkpoints try again, and the last one at the end must land.
             log.log(logging.DEBUG if self._unsaved else logging.WARNING, "%s; training goes on, and tries "
                     "again every --checkpoint-every rounds", exc)
-            self._unsaved = str(exc)
+            self._unsaved = True
             return
         if self._unsaved and not final:
             log.info("checkpoint written again: %s", path)
-        self._unsaved = None
+        self._unsaved = False
         log.log(logging.INFO if final else logging.DEBUG, "checkpoint written: %s", path)
 
     def _install_signals(self) -> None:

@@ -114,17 +114,18 @@ class Neighbours:
             except OSError:  # (gone meanwhile)
                 continue
             try:
-                if not _lock(fd):
-                    alive += 1
-                elif time.time() - os.fstat(fd).st_mtime > STALE_AFTER:
-                    os.close(fd)
-                    fd = -1
-                    os.unlink(path)  # (its process ended without removing it: killed)
+                held = not _lock(fd)
+                stale = not held and time.time() - os.fstat(fd).st_mtime > STALE_AFTER
             except OSError:
-                pass
+                held = stale = False
             finally:
-                if fd >= 0:
-                    os.close(fd)  # (releases a lock taken here)
+                os.close(fd)  # (releases a lock taken here; Windows deletes no open file)
+            alive += held
+            if stale:  # its process ended without removing it: killed
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         return alive
 
     def close(self) -> None:
@@ -150,7 +151,7 @@ class CoreShare:
     def __init__(self, neighbours: Neighbours | None = None):
         self.neighbours = neighbours if neighbours is not None else Neighbours()
         self.listed = 0
-        self._threads = self._own = 0  # torch's threads now, and before any split
+        self._own = 0  # torch's threads before any split
         self._checked = float("-inf")
 
     def share_every(self, now: float) -> None:
@@ -164,13 +165,11 @@ class CoreShare:
         self._checked = time.monotonic()
         if os.environ.get("OMP_NUM_THREADS"):
             return
-        if not self._threads:
-            self._threads = self._own = torch.get_num_threads()
+        self._own = self._own or torch.get_num_threads()
         here = max(self.listed + 1, self.neighbours.count())
         threads = max(1, (os.cpu_count() or 1) // here) if here > 1 else self._own
-        if threads != self._threads:
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            self._threads = threads
             if here > 1:
                 log.info("%d peers run on this machine: %d torch thread(s) each", here, threads)
             else:
