@@ -63,8 +63,16 @@ class Peers:
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0, -9)}
             assert not dead, f"{dead} exited while waiting for {what}: {[self.log(n)[-1500:] for n in dead]}"
             assert time.monotonic() < deadline, f"timed out waiting for {what}: " + \
-                " | ".join(f"{n}: {self.log(n)[-600:]}" for n in self.procs)
+                " | ".join(f"{n}: {self.events(n)}" for n in self.procs)
             time.sleep(0.2)
+
+    def events(self, name, count=20):
+        """The last ``count`` lines of a peer's log that are not its status lines (what it did:
+        links, views, loads, warnings), then its last status line."""
+        lines = self.log(name).splitlines()
+        status = [line for line in lines if "p2ptrain.join: round " in line]
+        said = [line for line in lines if "p2ptrain.join: round " not in line]
+        return "\n".join(said[-count:] + status[-1:])
 
     def rounds(self, name, since_load=False):
         """The per-round records; ``since_load``: only those after the peer last loaded state."""
