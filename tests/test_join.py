@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from helpers import finish, ports
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 # only once it has built and checked the task (measured: 3 default-task peers on 2 cores took
 # 39 s to start with torch's default threads, 4 s with one).
 ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def join(*args, env=None):
@@ -344,6 +346,32 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
         loaded = min(r["round"] for r in run if r.get("event") == "loaded")
         shown = [int(m) for m in re.findall(r"^round (\d+)  update \d+", "\n".join(lines[f"join-{port}"]), re.M)]
         assert all(r >= loaded for r in shown), (loaded, shown)
+
+
+def test_ctrl_c_while_the_task_is_built_exits_130_at_once_saying_so(tmp_path):
+    """A Ctrl-C before the peer runs (here, while its task is built) ends the command there:
+    exit 130 and one line. It printed "leaving the cluster (Ctrl-C again to quit at once)" and
+    exited 130 with nothing more (asyncio's own Ctrl-C cancelled the start-up, and the
+    handler installed later saw the same Ctrl-C again)."""
+    task = tmp_path / "interrupted_task.py"
+    task.write_text(
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'examples')!r})\n"
+        "import task_template\n"
+        "def make_task(options):\n"
+        "    made = task_template.make_task(options)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # (the user's Ctrl-C, as the task is built)\n"
+        "    return made\n")
+    p = join("--task", str(task), "--no-discovery", "--port", str(ports(1)[0]), "--max-rounds", "50")
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err[-1500:]
+    assert err.rstrip().endswith("p2ptrain join: interrupted"), err[-1500:]
+    assert "leaving the cluster" not in err and "listening on port" not in err and "Traceback" not in err, err[-1500:]
 
 
 def test_stopped_alone_every_applied_batch_has_its_record(tmp_path):

@@ -79,5 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     except P2PTrainError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_CLUSTER
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (``join`` leaves politely on Ctrl-C once it runs: this is before, or a second one)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130

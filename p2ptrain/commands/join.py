@@ -251,6 +251,10 @@ class _Join:
         log.info("task %s (%s), %d parameters, on %s; compression %s, staleness %d, min peers %d",
                  task.name, task.info, task.num_parameters(), device_kind(device), a.compression, a.staleness,
                  a.min_peers)
+        # The start-up so far held the loop; a Ctrl-C during it was asyncio's own (it cancelled
+        # this task, which ends here: exit 130). From now on a Ctrl-C is ours: leave politely.
+        await asyncio.sleep(0)
+        self._install_signals()
         kwargs = {"target_batch_size": a.target_batch_size} if a.target_batch_size else {}
         if a.sync_every is not None:
             kwargs.update(sync_every=a.sync_every, outer_lr=0.7 if a.outer_lr is None else a.outer_lr,
@@ -264,7 +268,6 @@ class _Join:
         self._resume(peer, task)
         metrics = MetricsFile(a.metrics) if a.metrics else None
         self.output = JoinOutput(a.sync_every)
-        self._install_signals()
         try:
             await self._run_peer(peer, task, model, device, metrics)
         finally:
