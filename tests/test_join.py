@@ -374,6 +374,41 @@ def test_ctrl_c_while_the_task_is_built_exits_130_at_once_saying_so(tmp_path):
     assert "leaving the cluster" not in err and "listening on port" not in err and "Traceback" not in err, err[-1500:]
 
 
+def test_ctrl_c_while_the_peer_opens_leaves_politely(tmp_path):
+    """Once the task is built a Ctrl-C is join's own, even before the peer has opened: it
+    opens, leaves, and the run ends with its summary and exit 0."""
+    import signal
+
+    opening_slowly = (
+        "import asyncio, sys\n"
+        "from p2ptrain.trainer import peer\n"
+        "opened = peer.AsyncPeer._open\n"
+        "async def slow_open(self):\n"
+        "    print('opening', file=sys.stderr, flush=True)\n"
+        "    await asyncio.sleep(2.0)\n"
+        "    await opened(self)\n"
+        "peer.AsyncPeer._open = slow_open\n"
+        "from p2ptrain.commands import cli\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n")
+    p = subprocess.Popen([sys.executable, "-c", opening_slowly, "join", "--task", "synthetic", "--model-size", "100k",
+                          "--no-discovery", "--port", str(ports(1)[0]), "--metrics", str(tmp_path / "m.jsonl")],
+                         env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = ""
+        while "opening" not in said and p.poll() is None:
+            said += p.stderr.readline()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, (said + err)[-1500:]
+    assert "leaving the cluster" in err and "interrupted" not in err, (said + err)[-1500:]
+    assert records(tmp_path / "m.jsonl")[-1]["event"] == "summary"
+
+
 def test_stopped_alone_every_applied_batch_has_its_record(tmp_path):
     """Ctrl-C or SIGTERM: the summary's own samples are the records' (a peer alone applies each
     batch at once and its round is committed after, at the latest as it leaves: those last
