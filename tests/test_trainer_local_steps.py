@@ -159,7 +159,10 @@ def test_bad_local_steps_keywords_are_one_clear_error():
                          ({"sync_every": 4, "outer_lr": 0}, "outer_lr must be a number > 0"),
                          ({"sync_every": 4, "outer_momentum": 1.0}, r"outer_momentum must be a number in \[0, 1\)"),
                          ({"sync_every": 4, "staleness": 1, "target_batch_size": 64}, "target_batch_size bounds"),
-                         ({"sync_every": 4, "staleness": 1, "weight_prediction": True}, "weight_prediction is for")):
+                         ({"sync_every": 4, "staleness": 1, "weight_prediction": True}, "weight_prediction is for"),
+                         # (an outer step's setting without sync_every was ignored: gradient mode, silently)
+                         ({"outer_lr": 0.5}, "outer_lr and outer_momentum are for local-steps mode: give sync_every"),
+                         ({"outer_momentum": 0.0}, "are for local-steps mode")):
         with pytest.raises(ConfigError, match=text):
             Peer(model, opt, discovery=False, **kwargs)
 

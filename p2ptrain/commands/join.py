@@ -123,10 +123,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sync_every is None and (args.outer_lr is not None or args.outer_momentum is not None):
         raise ConfigError("--outer-lr and --outer-momentum need --sync-every H (local-steps mode)")
     if args.sync_every is not None:
-        from p2ptrain.trainer.options import check_local_steps
+        from p2ptrain.trainer.options import check_local_steps, local_steps_defaults
 
-        check_local_steps(args.sync_every, 0.7 if args.outer_lr is None else args.outer_lr,
-                          0.9 if args.outer_momentum is None else args.outer_momentum)
+        check_local_steps(args.sync_every, *local_steps_defaults(args.outer_lr, args.outer_momentum))
         if args.target_batch_size is not None or args.weight_prediction:
             raise ConfigError("--sync-every does not combine with --target-batch-size or --weight-prediction "
                               "(they are for gradient mode)")
@@ -257,8 +256,7 @@ class _Join:
         self._install_signals()
         kwargs = {"target_batch_size": a.target_batch_size} if a.target_batch_size else {}
         if a.sync_every is not None:
-            kwargs.update(sync_every=a.sync_every, outer_lr=0.7 if a.outer_lr is None else a.outer_lr,
-                          outer_momentum=0.9 if a.outer_momentum is None else a.outer_momentum)
+            kwargs.update(sync_every=a.sync_every, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum)
         peer = AsyncPeer(model, optimizer, cluster=a.cluster, secret=self.secret, peers=peers,
                          listen=f"{a.host}:{a.port}", discovery=not a.no_discovery, interface=a.interface,
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,

@@ -12,12 +12,15 @@ from p2ptrain.net.auth import MAX_CLUSTER_LEN
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
                   weight_prediction, max_rounds=None, duration=None, cluster="default", sync_every=None,
-                  outer_lr=0.7, outer_momentum=0.9, overlap=False) -> None:
+                  outer_lr=None, outer_momentum=None, overlap=False) -> None:
     """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
     if not isinstance(cluster, str) or not 1 <= len(cluster) <= MAX_CLUSTER_LEN or not cluster.isprintable():
         raise ConfigError(f"cluster must be a name of 1..{MAX_CLUSTER_LEN} printable characters, got {cluster!r}")
+    if sync_every is None and (outer_lr is not None or outer_momentum is not None):
+        raise ConfigError("outer_lr and outer_momentum are for local-steps mode: give sync_every=H too (or "
+                          "leave them out for gradient mode)")
     if sync_every is not None:
-        check_local_steps(sync_every, outer_lr, outer_momentum)
+        check_local_steps(sync_every, *local_steps_defaults(outer_lr, outer_momentum))
         if target_batch_size is not None:
             raise ConfigError("target_batch_size bounds the updates of gradient mode; with sync_every a round "
                               "averages what each peer did in its inner steps (drop one of the two)")
@@ -108,6 +111,11 @@ def listen_address(listen: str) -> tuple[str, int]:
     if not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"listen={listen!r}: expected host:port, e.g. 0.0.0.0:7000 (port 0: any free port)")
     return host.strip("[]"), int(port)
+
+
+def local_steps_defaults(outer_lr, outer_momentum) -> tuple:
+    """The outer step's learning rate and momentum, DiLoCo's where not given (None)."""
+    return (0.7 if outer_lr is None else outer_lr), (0.9 if outer_momentum is None else outer_momentum)
 
 
 def check_local_steps(sync_every, outer_lr, outer_momentum) -> None:

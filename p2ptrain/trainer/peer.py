@@ -142,8 +142,8 @@ from p2ptrain.trainer.lifetime import Lifetime
 from p2ptrain.trainer.overlap import BackwardFeed, ScaledStep, unscale
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
-from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, listen_address, own_module,
-                                      round_config)
+from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, listen_address,
+                                      local_steps_defaults, own_module, round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.trainer.step_checks import StepGuard, Trainable, sample_count
@@ -190,8 +190,8 @@ class AsyncPeer:
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
-                 duration: float | None = None, sync_every: int | None = None, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, overlap: bool = False):
+                 duration: float | None = None, sync_every: int | None = None, outer_lr: float | None = None,
+                 outer_momentum: float | None = None, overlap: bool = False):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
@@ -199,6 +199,7 @@ class AsyncPeer:
                       outer_momentum=outer_momentum, overlap=overlap)
         check_model_and_optimizer(model, optimizer)
         check_numpy_bridge()
+        outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
