@@ -186,11 +186,16 @@ def test_a_model_and_optimizer_that_do_not_belong_together_are_refused_at_once()
     other, other_opt = model_and_optimizer()
     extra = torch.zeros(3, requires_grad=True)
     lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))  # (torch's error at numel() before)
+    # (a complex gradient lost its imaginary part in the sum: two peers stepped on its real part alone)
+    spectral = torch.nn.Linear(2, 2, bias=False)
+    spectral.weight = torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64))
     for args, match in [(("model", opt), "model must be a torch.nn.Module, got str"),
                         ((model, "sgd"), "optimizer must be a torch.optim.Optimizer over the model's parameters"),
                         ((model, other_opt), r"steps \d+ tensor\(s\) that are not the model's parameters"),
                         ((model, torch.optim.SGD([*model.parameters(), extra], lr=0.1)), "steps 1 tensor"),
-                        ((lazy, torch.optim.SGD(lazy.parameters(), lr=0.1)), "lazy parameters .* run one forward")]:
+                        ((lazy, torch.optim.SGD(lazy.parameters(), lr=0.1)), "lazy parameters .* run one forward"),
+                        ((spectral, torch.optim.SGD(spectral.parameters(), lr=0.1)),
+                         "parameter 'weight' is complex64: peers average real tensors only; .*view_as_real")]:
         with pytest.raises(ConfigError, match=match):
             AsyncPeer(*args, discovery=False)
     AsyncPeer(model, torch.optim.SGD([next(model.parameters())], lr=0.1), discovery=False)  # a part is the user's choice

@@ -70,6 +70,12 @@ def check_model_and_optimizer(model, optimizer) -> None:
     if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
         raise ConfigError("the model has lazy parameters (LazyLinear, ...) that are not made yet: run one forward "
                           "pass on a sample batch before giving it to the peer")
+    complex_ = next(((name, p.dtype) for name, p in own_module(model).named_parameters()
+                     if p.requires_grad and p.is_complex()), None)
+    if complex_:  # (the sum is of real values: a complex gradient's imaginary part was dropped, silently)
+        raise ConfigError(f"parameter {complex_[0]!r} is {str(complex_[1]).removeprefix('torch.')}: peers average "
+                          "real tensors only; keep it real with a last dimension of 2 (torch.view_as_real) and "
+                          "use torch.view_as_complex(it) in forward")
     owned = {id(p) for p in model.parameters()}
     foreign = sum(id(p) not in owned for g in optimizer.param_groups for p in g["params"])
     if foreign:
