@@ -363,12 +363,7 @@ def test_ctrl_c_while_the_task_is_built_exits_130_at_once_saying_so(tmp_path):
         "    os.kill(os.getpid(), signal.SIGINT)  # (the user's Ctrl-C, as the task is built)\n"
         "    return made\n")
     p = join("--task", str(task), "--no-discovery", "--port", str(ports(1)[0]), "--max-rounds", "50")
-    try:
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    [(out, err)] = finish([p], timeout=120)
     assert p.returncode == 130, err[-1500:]
     assert err.rstrip().endswith("p2ptrain join: interrupted"), err[-1500:]
     assert "leaving the cluster" not in err and "listening on port" not in err and "Traceback" not in err, err[-1500:]
