@@ -185,6 +185,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small data, few repeats (a few seconds)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # (fp16 and int8 run torch's kernels: one thread, as the columns say)
     count = max(RINGS)
     if args.quick:
         n, chunks, reps = 1 << 17, [0.5], 3

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from p2ptrain.codecs._codec import check_domain
+from p2ptrain.codecs._codec import Scratch, check_domain, tensor_of
 from p2ptrain.errors import CodecError
 
 _F16 = np.dtype("<f2")
@@ -34,6 +34,9 @@ class FP16:
     name = "fp16"
     params = {"s": int}
 
+    def __init__(self) -> None:
+        self._tmp = Scratch()
+
     def max_raw(self, n: int) -> int:
         return 2 * n
 
@@ -49,13 +52,18 @@ class FP16:
         absmax = max(float(x.max()), -float(x.min()))
         check_domain(self.name, absmax)
         s = 0 if absmax == 0 else min(15 - math.frexp(absmax)[1], _S_MAX)
-        # float32 multiply by 2**s is exact here; the cast to fp16 is the one rounding.
-        np.multiply(x, np.float32(2.0**s), out=buf.view(_F16), casting="unsafe")
+        # float32 multiply by 2**s is exact here; the cast to fp16 is the one rounding. Two
+        # passes of torch's (``tensor_of``): numpy's float32 -> fp16 cast runs 10x slower.
+        # (Not torch's one multiply into fp16: it rounds x to fp16 first.)
+        import torch
+
+        scaled = torch.mul(tensor_of(x), 2.0**s, out=tensor_of(self._tmp.take(x.size)))
+        tensor_of(buf.view(_F16)).copy_(scaled)
         return {"s": s}, buf
 
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
-        h = np.frombuffer(raw, _F16, n)
-        np.multiply(h, np.float32(2.0 ** -params["s"]), out=out, dtype=np.float32)
+        # Widened (exact), then scaled in place: numpy's fp16 -> float32 cast runs 10x slower.
+        tensor_of(out).copy_(tensor_of(np.frombuffer(raw, _F16, n))).mul_(2.0 ** -params["s"])
 
 
 class BF16:
@@ -79,14 +87,11 @@ class BF16:
         if x.size == 0:
             return {}, buf
         check_domain(self.name, max(float(x.max()), -float(x.min())))
-        # Round to nearest even on the bit pattern: add 0x7fff plus the lowest kept bit.
-        # |x| <= 2**127 keeps the carry out of the exponent's all-ones (inf/NaN) pattern.
-        u = x.view(np.uint32)
-        t = np.right_shift(u, 16)
-        np.bitwise_and(t, 1, out=t)
-        t += 0x7FFF
-        t += u
-        np.right_shift(t, 16, out=buf.view(_U16), casting="unsafe")
+        # torch's cast (``tensor_of``), round to nearest even, 6x numpy's bit arithmetic. |x| <= 2**127
+        # keeps the rounding's carry out of the exponent's all-ones (inf/NaN) pattern.
+        import torch
+
+        tensor_of(buf.view(np.int16)).view(torch.bfloat16).copy_(tensor_of(x))
         return {}, buf
 
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
