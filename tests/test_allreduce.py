@@ -293,6 +293,7 @@ class FaultyLink:
     def __init__(self, name: str, send_fails: bool = False, recv_fails: bool = False):
         self.name, self.send_fails, self.recv_fails = name, send_fails, recv_fails
         self.allocator = wire.default_allocate
+        self.same_host = False
 
     def set_allocator(self, allocate) -> None:
         self.allocator = allocate

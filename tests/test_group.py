@@ -67,6 +67,33 @@ async def test_every_codec_gives_bit_identical_results(codec, threads):
         assert stats.wire_bytes < stats.raw_bytes
 
 
+@pytest.mark.parametrize("raw_chunks", ["1", "0"])
+async def test_a_lossy_codec_between_peers_on_one_machine_sends_raw_once_settled(raw_chunks, monkeypatch):
+    """Loopback's "wire" is the kernel copying on the cores the codec would use: once the
+    link has carried a few MiB, int8's chunks go as float32 (exact), unless turned off."""
+    monkeypatch.setenv("P2PTRAIN_RAW_CHUNKS", raw_chunks)
+    length = 1 << 21  # 8 MiB a call, 2 MiB of int8 sent: the link has carried SETTLED_BYTES after 4
+
+    async def body(g, r):
+        stats = []
+        for _ in range(6):
+            x = torch.from_numpy(contribution(r, length))
+            await g.allreduce(x, compression="int8")
+            stats.append(g.last_stats)
+        return x.numpy().tobytes(), stats
+
+    results = await run_group(2, body)
+    assert len({b for b, _ in results}) == 1
+    first, last = results[0][1][0], results[0][1][-1]
+    assert first.wire_bytes < first.raw_bytes / 3  # (nothing measured yet: encoded, as asked)
+    if raw_chunks == "1":
+        assert last.wire_bytes == last.raw_bytes
+        exact = contribution(0, length) + contribution(1, length)  # (float32, as the ring adds)
+        assert np.frombuffer(results[0][0], np.float32).tobytes() == exact.tobytes()
+    else:
+        assert last.wire_bytes < last.raw_bytes / 3
+
+
 async def test_several_tensors_mixed_dtypes_devices_and_layouts():
     async def body(g, r):
         a = torch.full((3, 4), float(r + 1), dtype=torch.float16)

@@ -141,3 +141,16 @@ def test_the_environment_switch(monkeypatch):
     monkeypatch.setenv("P2PTRAIN_RAW_CHUNKS", "yes")
     with pytest.raises(ConfigError, match="P2PTRAIN_RAW_CHUNKS='yes': expected 0 or 1"):
         raw_chunks_enabled()
+
+
+def test_a_peer_on_this_machine_gets_raw_chunks_once_the_link_has_carried_the_settled_bytes():
+    """Loopback: whatever the figures say (here a slow drain and a quick codec, which keep the
+    codec on a LAN link), the codec's passes only add to the cores both ends share."""
+    lan, local = LinkPace(), LinkPace(same_host=True)
+    for pace in (lan, local):
+        codec(pace, 0.5)
+        drained_at(pace, 1e8, sends=SETTLED_BYTES // (1 << 20) - 1)
+        assert not pace.send_raw(N, INT8, 0)  # (a short run: as asked)
+        drained_at(pace, 1e8, sends=1)
+    assert local.send_raw(N, INT8, None) and local.send_raw(N, INT8, 1 << 30)
+    assert not lan.send_raw(N, INT8, 0)

@@ -117,7 +117,7 @@ def pace_of(link: Link) -> LinkPace:
     """The link's ``LinkPace``, kept as long as the link: what it measured serves later calls."""
     pace = _PACES.get(link)
     if pace is None:
-        pace = _PACES[link] = LinkPace()
+        pace = _PACES[link] = LinkPace(same_host=link.same_host)
     return pace
 
 

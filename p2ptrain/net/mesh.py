@@ -66,6 +66,10 @@ class ChunkChannel:
     def queued_bytes(self) -> int | None:
         return self._link.queued_bytes()
 
+    @property
+    def same_host(self) -> bool:
+        return self._link.same_host
+
     def set_allocator(self, allocate: wire.Allocator) -> None:
         self._allocate = allocate
         self._link.set_allocator(allocate)

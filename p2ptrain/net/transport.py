@@ -163,6 +163,18 @@ class Link:
         return f"{addr[0]}:{addr[1]}" if addr else self.name
 
     @property
+    def same_host(self) -> bool:
+        """Whether the peer runs on this machine (a loopback address, or ours at both ends):
+        then the "wire" is the kernel copying between two processes on the same cores."""
+        sock = self._transport.get_extra_info("socket") if self._transport else None
+        if sock is None or _is_loopback(sock):
+            return sock is not None
+        try:
+            return sock.getpeername()[0] == sock.getsockname()[0]
+        except (OSError, IndexError):
+            return False
+
+    @property
     def closed(self) -> bool:
         return self._error is not None
 
