@@ -69,3 +69,28 @@ async def test_a_lossy_ring_whose_chunks_all_went_exact_owes_nothing_and_one_tha
     finally:
         for m in ms:
             await m.close()
+
+
+async def test_a_defect_in_the_ring_is_said_with_its_traceback_and_ends_the_round_at_once(monkeypatch, caplog):
+    """A bug (here an AttributeError, as a link missing ``same_host`` raised) used to vanish into
+    the task set: no line, and the round waited out its deadline on every member."""
+    import p2ptrain.collective.allreduce as allreduce
+
+    def broken(link):
+        raise AttributeError("'ChunkChannel' object has no attribute 'same_host'")
+
+    monkeypatch.setattr(allreduce, "pace_of", broken)
+    ids, ms = await meshes(2)
+    done = []
+    rings = [Rings(m.peer_id, mesh=m, codec=parse_codec("int8"), timeout=60.0, tasks=TaskSet(),
+                   on_done=lambda r, ok, checksum, void: done.append((r, ok))) for m in ms]
+    try:
+        rounds = [Round(5, taken=(np.ones(1000, np.float32), 1)) for _ in rings]
+        for x, rnd in zip(rings, rounds):
+            x.start(rnd, tuple(ids))
+        await asyncio.wait_for(asyncio.gather(*[rnd.ring for rnd in rounds]), 5)
+    finally:
+        await asyncio.gather(*[m.close() for m in ms])
+    assert done == [(5, False), (5, False)]
+    failed = [rec for rec in caplog.records if "ring failed on an internal error" in rec.getMessage()]
+    assert len(failed) == 2 and all("same_host" in str(rec.exc_info[1]) for rec in failed)

@@ -118,6 +118,9 @@ class Rings:
         except (P2PTrainError, KeyError, ValueError) as exc:
             log.warning("round %d: ring failed: %s", r, exc)
             ok = False
+        except Exception:  # a defect of ours: said with its traceback, and the round ends now, not at its deadline
+            log.exception("round %d: ring failed on an internal error (please report it with this traceback)", r)
+            ok = False
         rnd.ring = None
         self._on_done(r, ok, checksum, void)
 
