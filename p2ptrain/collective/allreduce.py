@@ -12,7 +12,8 @@ Chunks pass through a codec (``p2ptrain.codecs``):
   ends with bit-identical values, whatever the codec.
 - raw chunks (``linkpace``): a lossy codec's chunk goes as the float32 values themselves
   (header ``"raw": true``, exact, no residual) where the link carries them sooner than the
-  codec would turn them out: loopback, a fast LAN, CPUs too busy to encode in time. Measured
+  codec would turn them out: a fast LAN, CPUs too busy to encode in time, and always (once a
+  few MiB have gone) to a peer on this machine, where the wire is the same cores. Measured
   per link as the ring runs (what the link still holds of ours counted at its rate). Every
   peer takes the bytes that came, so replicas stay bit-identical whichever way each chunk went.
   A raw chunk is refused what the codec would refuse (NaN, inf: ``NotFiniteError``) where our

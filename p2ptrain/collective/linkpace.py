@@ -23,9 +23,9 @@ asked), whatever the figures say. Its "wire" is the kernel copying between proce
 the same cores, so the codec adds to what is already the bottleneck, and the drain rate
 there (seldom measured: the kernel takes most chunks whole) is how fast the next peer
 reads, which its own decoding slows: the figures keep choosing the codec because they
-chose it. Measured with ``bench/allreduce.py``
-on loopback (2 cores, 64 MiB, N = 4): int8 96-101 ms, fp16 102-111 ms (mostly encoded), raw
-62-68 ms.
+chose it. ``bench/allreduce.py`` on loopback (2 cores, 64 MiB), before -> after: int8 N = 2
+48-51 -> 26-28 ms, N = 4 99-101 -> 78-86 ms (``none``: 21-25 and 67-72 ms); fp16 N = 4, which
+the figures sent encoded once its codec got faster, 102-111 -> 78-85 ms.
 
 Pure: no sockets and no clock of its own; the allreduce feeds it times and queue lengths.
 ``P2PTRAIN_RAW_CHUNKS=0`` turns it off (every chunk encoded, as a user may want to keep a
