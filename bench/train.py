@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 MARK = "P2PT_TRAIN "
+_KEPT: list = []  # objects a worker never frees (see the ddp mode)
 P2PTRAIN_MODES = ("p2ptrain", "overlap")
 INPUTS, CLASSES = 64, 10
 
@@ -134,6 +135,9 @@ def _worker(a) -> None:
         host, port = addrs[0].rsplit(":", 1)
         with _common.gloo_group(host, int(port), a.rank, len(addrs), 300):
             ddp = DistributedDataParallel(model)
+            # Never freed (the worker leaves by os._exit): freeing it joins gloo's thread, which
+            # waits for the GIL its freeing holds (a CI run hung so, 2026-11-29, in ~Reducer).
+            _KEPT.append(ddp)
 
             def step(x, y):
                 optimizer.zero_grad(set_to_none=True)
