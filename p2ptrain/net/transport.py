@@ -81,6 +81,16 @@ def _is_loopback(sock: socket.socket) -> bool:
     return addr.is_loopback
 
 
+def _same_host(sock: socket.socket) -> bool:
+    """The peer runs on this machine: a loopback address, or ours at both ends."""
+    if _is_loopback(sock):
+        return True
+    try:
+        return sock.getpeername()[0] == sock.getsockname()[0]
+    except (OSError, IndexError):
+        return False
+
+
 def _tune_socket(transport: asyncio.BaseTransport) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -167,12 +177,7 @@ class Link:
         """Whether the peer runs on this machine (a loopback address, or ours at both ends):
         then the "wire" is the kernel copying between two processes on the same cores."""
         sock = self._transport.get_extra_info("socket") if self._transport else None
-        if sock is None or _is_loopback(sock):
-            return sock is not None
-        try:
-            return sock.getpeername()[0] == sock.getsockname()[0]
-        except (OSError, IndexError):
-            return False
+        return sock is not None and _same_host(sock)
 
     @property
     def closed(self) -> bool:
