@@ -124,3 +124,82 @@ def test_the_round_log_keeps_the_last_records_and_reads_from_what_it_kept():
         log.append(RoundRecord(r, 2, 64, 32, 0, 0, 0.1, 0.0))
     assert [r.index for r in log.since(0)] == [2, 3, 4]  # (what was dropped is gone)
     assert [r.index for r in log.since(4)] == [4] and log.since(5) == [] and len(log) == 3 and log.total == 5
+
+
+def _metrics_lines(tmp_path, log, loads, model, looks):
+    """``join``'s metrics file after ``_take_records`` at each of ``looks`` (callables that append
+    to the round log and to the loads between two looks)."""
+    import json
+
+    import torch
+
+    from p2ptrain.commands.join_output import MetricsFile
+
+    job = joined()
+    job.args = argparse.Namespace(eval_every=0, checkpoint_dir=None)
+    job.count = RunCounters(start=0.0)
+    peer = fake_peer(version=0)
+    peer.cluster.rounds, peer.cluster.loads, peer.module = log, loads, model
+    metrics = MetricsFile(str(tmp_path / "m.jsonl"))
+    for look in looks:
+        with torch.no_grad():
+            model.weight.add_(1.0)  # (every look sees other parameters)
+        look()
+        job._take_records(peer, SimpleNamespace(evaluate=None), None, metrics)
+    metrics.close()
+    return [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+
+
+def test_a_state_load_is_recorded_where_it_fell_among_the_rounds(tmp_path):
+    """A peer alone commits its last solo rounds as it rejoins, then loads the cluster's state,
+    and join looks only after both: the solo rounds come before the "loaded" event in the
+    metrics file, not after it among the cluster's rounds (where they were taken for rounds of
+    the loaded lineage, and the cable test saw "replicas differ")."""
+    import torch
+
+    from p2ptrain.cluster.records import Loaded, RoundLog
+    from p2ptrain.cluster.rounds import SyncPoint
+
+    log, loads = RoundLog(), []
+
+    def rejoin():
+        for r in (3109, 3110):  # (solo rounds, committed as the peer stops being alone)
+            log.append(RoundRecord(r, 1, 16, 16, 0, 0, 0.0, 0.0))
+        loads.append(Loaded(SyncPoint(2990, b"d" * 16, 2990, 2990), log.total))
+
+    def rounds_again():
+        log.append(RoundRecord(2991, 3, 48, 16, 0, 0, 0.1, 0.0))
+
+    lines = _metrics_lines(tmp_path, log, loads, torch.nn.Linear(2, 2), [rejoin, rounds_again])
+    assert [x.get("event") or x["round"] for x in lines] == [3109, 3110, "loaded", 2991]
+    assert lines[2]["round"] == 2990
+
+
+def test_a_round_record_carries_a_checksum_only_of_the_parameters_after_that_round(tmp_path):
+    """Several rounds applied between two looks (a peer alone commits a tick's worth): only the
+    newest record is of the parameters join sees; the earlier ones carry none (null), and so
+    does a round followed by a state load in the same look."""
+    import torch
+
+    from p2ptrain.cluster.records import Loaded, RoundLog
+    from p2ptrain.cluster.rounds import SyncPoint
+    from p2ptrain.tasks import param_checksum
+
+    log, loads, model = RoundLog(), [], torch.nn.Linear(2, 2)
+    seen = []  # the parameters' checksum at each look
+
+    def rounds(*rs):
+        def look():
+            for r in rs:
+                log.append(RoundRecord(r, 1, 16, 16, 0, 0, 0.0, 0.0))
+            seen.append(param_checksum(model))
+        return look
+
+    def round_then_load():
+        rounds(7)()
+        loads.append(Loaded(SyncPoint(5, b"d" * 16, 5, 5), log.total))
+
+    lines = _metrics_lines(tmp_path, log, loads, model, [rounds(1, 2, 3), rounds(4), round_then_load])
+    assert [x.get("event") or x["round"] for x in lines] == [1, 2, 3, 4, 7, "loaded"]
+    assert [x["param_checksum"] for x in lines[:5]] == [None, None, seen[0], seen[1], None]
+    assert seen[0] != seen[1]

@@ -110,6 +110,12 @@ def load_reasons(peers, name, after):
     return out
 
 
+def checksums(peers, name):
+    """Round -> parameter checksum, for the rounds after the peer last loaded state that carry one
+    (a record written together with a later round's carries none: null)."""
+    return {r["round"]: r["param_checksum"] for r in peers.rounds(name, since_load=True) if r["param_checksum"]}
+
+
 def at_least(peers, names, n):
     return lambda: all(len(peers.rounds(x)) >= n for x in names)
 
@@ -129,11 +135,12 @@ def assert_nothing_lost_and_replicas_agree(peers, survivors):
         assert summary["unapplied"] in (0, 16), summary  # (one batch at most, at staleness 0)
         since = peers.rounds(name, since_load=True)
         assert len(since) >= 3 and since[1]["dropped"] == summary["dropped"], (name, since[:3], summary)
-    by_round = [{r["round"]: r["param_checksum"] for r in peers.rounds(n, since_load=True)} for n in survivors]
+    by_round = [checksums(peers, n) for n in survivors]
     common = set.intersection(*(set(b) for b in by_round))
     assert len(common) >= 5
     for r in common:
-        assert len({b[r] for b in by_round}) == 1, f"replicas differ after round {r}"
+        assert len({b[r] for b in by_round}) == 1, f"replicas differ after round {r}: " + " | ".join(
+            f"{n}: {b[r]} {peers.events(n, 8)}" for n, b in zip(survivors, by_round))
     # (final checksums are not compared: peers stopped at once may differ by the round in flight when
     # they left, which a leaver cannot know committed, and by updates applied while leaving)
 
@@ -235,8 +242,7 @@ def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp
         for n in "bc":
             assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
         assert_nothing_lost_and_replicas_agree(peers, ["b", "c"])
-        joined = {r["round"]: r["param_checksum"] for r in peers.rounds("c", since_load=True)}
-        founders = {r["round"]: r["param_checksum"] for r in peers.rounds("a", since_load=True)}
+        joined, founders = checksums(peers, "c"), checksums(peers, "a")
         shared = set(joined) & set(founders)
         assert shared and all(joined[r] == founders[r] for r in shared)  # from its first round on
     finally:

@@ -61,7 +61,7 @@ from p2ptrain.net.mesh import Mesh
 from p2ptrain.net.transport import hostport
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
-from p2ptrain.cluster.records import RoundLog, RoundRecord
+from p2ptrain.cluster.records import Loaded, RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
 from p2ptrain.cluster.statesync import LINEAGE, StateTransfer
 from p2ptrain.cluster.trainer_api import Contributions, SoloTrainer
@@ -112,7 +112,7 @@ class Cluster:
         self.rounds = RoundLog()  # applied here, newest last
         self.wire_bytes = self.raw_bytes = 0  # sent by this peer's rings, compressed / uncompressed
         self.trace = NO_TRACE  # or a p2ptrain.trace.Tracer: rounds, rings and applies as spans
-        self.loads: list[SyncPoint] = []  # the states loaded from members (joining, or healing a split)
+        self.loads: list[Loaded] = []  # the states loaded from members (joining, or healing a split)
         self.rings = Rings(peer_id, self.mesh, self.codec, ring_timeout, self._tasks,
                            on_done=lambda *done: self._post("ring_done", *done))  # (r, ok, checksum, void)
         self.applied = 0  # rounds applied here
@@ -276,7 +276,7 @@ class Cluster:
                     window = tuple(args[0].pop(LINEAGE, None) or ())
                     self.trainer.restore(args[0])
                     self.rings.forget_residual()  # (owed for gradients that were voided with the accumulator)
-                    self.loads.append(args[1])
+                    self.loads.append(Loaded(args[1], self.rounds.total))
                     self.reconciler.forget()
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)

@@ -6,6 +6,10 @@ import collections
 import itertools
 import threading
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from p2ptrain.cluster.rounds import SyncPoint
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,15 @@ class RoundRecord:
     seconds: float  # ring start to apply
     time: float  # wall clock at apply (time.time())
     index: int = 0  # 0, 1, 2 ... in the order applied here (``RoundLog.append`` sets it; readers resume from it)
+
+
+class Loaded(NamedTuple):
+    """A state this peer loaded (``Cluster.loads``), and where that fell among its rounds: after
+    the first ``after`` records its ``RoundLog`` ever kept. A reader that takes records and loads
+    at once keeps that order (a peer that stops being alone commits its last solo rounds just
+    before it loads the cluster's state)."""
+    point: SyncPoint
+    after: int
 
 
 class RoundLog:
@@ -57,3 +70,16 @@ class RoundLog:
     def __len__(self) -> int:
         with self._lock:
             return len(self._records)
+
+
+def in_order(records: list[RoundRecord], loads: list[Loaded]) -> list[RoundRecord | Loaded]:
+    """Records (oldest first) and loads taken at one look, as they happened here: each load after
+    the records kept before it."""
+    out: list[RoundRecord | Loaded] = []
+    i = 0
+    for load in loads:
+        while i < len(records) and records[i].index < load.after:
+            out.append(records[i])
+            i += 1
+        out.append(load)
+    return out + records[i:]

@@ -6,7 +6,7 @@
 Every peer runs the same command. Peers find each other by UDP beacons (and ``--peers``),
 form one ring, and train in rounds: each round applies ``sum(G_i) / sum(n_i)`` through every
 peer's own optimizer, so replicas stay identical (the metrics file records a parameter
-checksum per round to show it). A peer that arrives later loads the cluster's state first;
+checksum with each round to show it). A peer that arrives later loads the cluster's state first;
 one that leaves or dies is dropped and the others go on. Ctrl-C leaves politely.
 """
 
@@ -19,6 +19,7 @@ import os
 import sys
 import time
 
+from p2ptrain.cluster.records import Loaded, in_order
 from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput, MetricsFile
@@ -412,15 +413,21 @@ class _Join:
     def _take_records(self, peer, task, device, metrics) -> None:
         """Count the rounds applied since we last looked; metrics, evaluations, checkpoints."""
         a = self.args
-        if metrics and len(peer.cluster.loads) > self._loads_seen:
-            for point in peer.cluster.loads[self._loads_seen:]:
-                metrics.write({"event": "loaded", "time": time.time(), "round": point.round, "version": point.version})
-            self._loads_seen = len(peer.cluster.loads)
+        records = self._new_records(peer)  # (first: a load that comes meanwhile is after all of them)
+        loads = peer.cluster.loads[self._loads_seen:]
+        self._loads_seen += len(loads)
+        happened = in_order(records, loads)
         due = False  # (one checkpoint for the rounds seen at once: a peer alone commits a tick's worth)
-        for record in self._new_records(peer):
+        for item in happened:
+            if isinstance(item, Loaded):
+                if metrics:
+                    metrics.write({"event": "loaded", "time": time.time(), "round": item.point.round,
+                                   "version": item.point.version})
+                continue
+            record = item
             self.count.applied(record, time.monotonic())
-            if metrics:
-                self.output.write_metrics(metrics, peer, record)
+            if metrics:  # (the parameters join sees are those after the last thing that happened)
+                self.output.write_metrics(metrics, peer, record, current=record is happened[-1])
             if a.checkpoint_dir and record.samples:  # (an idle round is no update: nothing new to save)
                 due = due or self.count.rounds % a.checkpoint_every == 0
         if due:

@@ -60,14 +60,16 @@ class JoinOutput:
         self.last_loss = loss
         self._losses.append(loss)
 
-    def write_metrics(self, out: MetricsFile, peer, record) -> None:
-        """One round's record in the metrics file (``--metrics``)."""
+    def write_metrics(self, out: MetricsFile, peer, record, current: bool = True) -> None:
+        """One round's record in the metrics file (``--metrics``). ``current``: nothing was applied
+        or loaded here after this round, so the parameters' checksum is of the state it left; else
+        the record carries none (null: a peer alone commits a tick's rounds at once)."""
         out.write({
             "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
             "own_samples": record.own_samples,
             "loss": self._mean_loss(), "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
             "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
-            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer)})
+            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer) if current else None})
 
     def _mean_loss(self) -> float:
         """The mean of this peer's batch losses since the last record (several batches per round
