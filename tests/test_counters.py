@@ -144,7 +144,9 @@ def _metrics_lines(tmp_path, log, loads, model, looks):
     for look in looks:
         with torch.no_grad():
             model.weight.add_(1.0)  # (every look sees other parameters)
-        look()
+        holds = look()  # (the round whose update the parameters hold last: None, the newest record's)
+        newest = log.last()
+        peer.metrics = SimpleNamespace(round=holds if holds is not None else newest and newest.round)
         job._take_records(peer, SimpleNamespace(evaluate=None), None, metrics)
     metrics.close()
     return [json.loads(line) for line in open(tmp_path / "m.jsonl")]
@@ -178,7 +180,8 @@ def test_a_state_load_is_recorded_where_it_fell_among_the_rounds(tmp_path):
 def test_a_round_record_carries_a_checksum_only_of_the_parameters_after_that_round(tmp_path):
     """Several rounds applied between two looks (a peer alone commits a tick's worth): only the
     newest record is of the parameters join sees; the earlier ones carry none (null), and so
-    does a round followed by a state load in the same look."""
+    does a round followed by a state load in the same look, and one committed but not applied
+    yet (staleness >= 1: the parameters still hold the round before)."""
     import torch
 
     from p2ptrain.cluster.records import Loaded, RoundLog
@@ -188,18 +191,20 @@ def test_a_round_record_carries_a_checksum_only_of_the_parameters_after_that_rou
     log, loads, model = RoundLog(), [], torch.nn.Linear(2, 2)
     seen = []  # the parameters' checksum at each look
 
-    def rounds(*rs):
+    def rounds(*rs, holds=None):
         def look():
             for r in rs:
                 log.append(RoundRecord(r, 1, 16, 16, 0, 0, 0.0, 0.0))
             seen.append(param_checksum(model))
+            return holds
         return look
 
     def round_then_load():
         rounds(7)()
         loads.append(Loaded(SyncPoint(5, b"d" * 16, 5, 5), log.total))
 
-    lines = _metrics_lines(tmp_path, log, loads, model, [rounds(1, 2, 3), rounds(4), round_then_load])
-    assert [x.get("event") or x["round"] for x in lines] == [1, 2, 3, 4, 7, "loaded"]
-    assert [x["param_checksum"] for x in lines[:5]] == [None, None, seen[0], seen[1], None]
+    lines = _metrics_lines(tmp_path, log, loads, model, [rounds(1, 2, 3), rounds(4), rounds(5, holds=4),
+                                                         round_then_load])
+    assert [x.get("event") or x["round"] for x in lines] == [1, 2, 3, 4, 5, 7, "loaded"]
+    assert [x["param_checksum"] for x in lines[:6]] == [None, None, seen[0], seen[1], None, None]
     assert seen[0] != seen[1]

@@ -426,8 +426,9 @@ class _Join:
                 continue
             record = item
             self.count.applied(record, time.monotonic())
-            if metrics:  # (the parameters join sees are those after the last thing that happened)
-                self.output.write_metrics(metrics, peer, record, current=record is happened[-1])
+            if metrics:  # (a checksum only where the parameters hold this round's update, and no later one)
+                self.output.write_metrics(metrics, peer, record, current=record is happened[-1]
+                                          and peer.metrics is not None and peer.metrics.round == record.round)
             if a.checkpoint_dir and record.samples:  # (an idle round is no update: nothing new to save)
                 due = due or self.count.rounds % a.checkpoint_every == 0
         if due:

@@ -61,9 +61,10 @@ class JoinOutput:
         self._losses.append(loss)
 
     def write_metrics(self, out: MetricsFile, peer, record, current: bool = True) -> None:
-        """One round's record in the metrics file (``--metrics``). ``current``: nothing was applied
-        or loaded here after this round, so the parameters' checksum is of the state it left; else
-        the record carries none (null: a peer alone commits a tick's rounds at once)."""
+        """One round's record in the metrics file (``--metrics``). ``current``: the parameters hold
+        this round's update and nothing applied or loaded after it, so their checksum is of the
+        state it left; else the record carries none (null: a peer alone commits a moment's rounds
+        at once; at staleness >= 1 a round can commit before it is applied here)."""
         out.write({
             "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
             "own_samples": record.own_samples,
