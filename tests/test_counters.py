@@ -134,12 +134,14 @@ def _metrics_lines(tmp_path, log, loads, model, looks):
     import torch
 
     from p2ptrain.commands.join_output import MetricsFile
+    from p2ptrain.tasks import param_checksum
 
     job = joined()
     job.args = argparse.Namespace(eval_every=0, checkpoint_dir=None)
     job.count = RunCounters(start=0.0)
     peer = fake_peer(version=0)
-    peer.cluster.rounds, peer.cluster.loads, peer.module = log, loads, model
+    peer.cluster.rounds, peer.cluster.loads = log, loads
+    peer.param_checksum = lambda: param_checksum(model)
     metrics = MetricsFile(str(tmp_path / "m.jsonl"))
     for look in looks:
         with torch.no_grad():

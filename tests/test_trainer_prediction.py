@@ -12,6 +12,7 @@ from test_trainer_staleness import close_all, joining_late, label, make_adam, op
 from p2ptrain import ConfigError, Peer
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.cluster.drift import param_sketch, sketch_checksum
+from p2ptrain.cluster.snapshot import tensors_checksum
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,6 +47,7 @@ def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_g
                        reconcile_every=1)
     late = peers[2]
     apart = []  # steps at which the model held other parameters than its state_dict
+    by_version: dict[int, set] = {}  # peer.param_checksum() after each step, by the updates applied
 
     def watch(peer, rank, until_t):
         g = torch.Generator().manual_seed(100 + rank)
@@ -57,6 +59,10 @@ def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_g
             true = peer.state_dict()["model"]
             if any(not torch.equal(p, true[n]) for n, p in peer.model.named_parameters()):
                 apart.append(rank)
+            # the replicas' checksum is of the true parameters (join's metrics; the model's own differs)
+            checksum = peer.param_checksum()
+            assert checksum == tensors_checksum((n, true[n]) for n, _ in peer.model.named_parameters())
+            by_version.setdefault(peer.version, set()).add(checksum)
 
     try:
         end = time.monotonic() + 4.0
@@ -65,6 +71,7 @@ def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_g
     finally:
         close_all(peers)
     assert set(apart) == {0, 1}  # both computed on predicted parameters
+    assert len(by_version) > 5 and all(len(sums) == 1 for sums in by_version.values())
     assert late.history[-1].members == 3 and late.version == peers[0].version == peers[1].version
     assert [p.cluster.reconciled for p in peers] == [0, 0, 0]  # the sketches agreed: true parameters
     assert all(p.cluster.reconciler.identical == p.cluster.reconciler.compared for p in peers)

@@ -266,7 +266,7 @@ class _Join:
                          **kwargs)
         self._resume(peer, task)
         metrics = MetricsFile(a.metrics) if a.metrics else None
-        self.output = JoinOutput(a.sync_every)
+        self.output = JoinOutput()
         try:
             await self._run_peer(peer, task, model, device, metrics)
         finally:

@@ -46,11 +46,9 @@ class MetricsFile:
 
 
 class JoinOutput:
-    """The status line, metrics records and summary of one ``join`` run. ``sync_every``: the
-    run's local-steps setting (its checksum is then of the outer parameters)."""
+    """The status line, metrics records and summary of one ``join`` run."""
 
-    def __init__(self, sync_every: int | None = None, status: StatusLine | None = None):
-        self.sync_every = sync_every
+    def __init__(self, status: StatusLine | None = None):
         self.status = status if status is not None else StatusLine()
         self.last_loss = float("nan")
         self._losses: list[float] = []  # this peer's batch losses since the last round record
@@ -78,14 +76,11 @@ class JoinOutput:
         losses, self._losses = self._losses, []
         return sum(losses) / len(losses) if losses else self.last_loss
 
-    def _checksum(self, peer) -> str:
-        """The replicas' common parameters: the model's, or in local-steps mode the outer ones
-        (the model holds this peer's local parameters between rounds), as of the last update."""
-        from p2ptrain.tasks import param_checksum
-
-        if self.sync_every is None:
-            return param_checksum(peer.module)
-        return peer.metrics.param_checksum if peer.metrics is not None else ""
+    @staticmethod
+    def _checksum(peer) -> str:
+        """The replicas' common parameters (the true ones under weight prediction, the outer ones
+        in local-steps mode: the model holds predicted or local ones between rounds)."""
+        return peer.param_checksum()
 
     def report(self, peer, count, now: float) -> None:
         """The status line: the cluster's round and update, and rates over the last few seconds

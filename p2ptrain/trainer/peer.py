@@ -305,6 +305,12 @@ class AsyncPeer:
         """The leader's parameters loaded here because ours drifted past the tolerance."""
         return self._updater.corrected
 
+    def param_checksum(self) -> str:
+        """``tasks.param_checksum`` of the parameters every replica holds alike: the model's, the
+        true ones where it holds predicted ones (``weight_prediction``), the outer ones in
+        local-steps mode. Equal on peers that applied the same updates. Call it between steps."""
+        return self._updater.parameters_checksum()
+
     def state_dict(self) -> dict:
         """Everything a resumed loop needs: model, optimizer, ``scheduler`` (None without one),
         version, and the cluster's point at the last applied update. Save it as you save

@@ -91,6 +91,9 @@ class Peer:
     def load_state_dict(self, state: dict) -> None:
         self._peer.load_state_dict(state)
 
+    def param_checksum(self) -> str:
+        return self._peer.param_checksum()
+
     @property
     def model(self) -> torch.nn.Module:
         return self._peer.model

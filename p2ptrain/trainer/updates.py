@@ -188,11 +188,11 @@ class Updater:
         end = peer.cluster.finished
         log.info("finished at the cluster's round %s, version %s: this peer holds version %d (chain %s), "
                  "parameters %s", end and end.r, end and end.version, peer.version,
-                 point.digest.hex()[:16] if point else "-", self._parameters_digest())
+                 point.digest.hex()[:16] if point else "-", self.parameters_checksum())
 
-    def _parameters_digest(self) -> str:
-        """The replicas' common parameters, hashed (``join``'s summary checksum in gradient mode):
-        the true ones where the model holds predicted ones, the outer ones in local-steps mode."""
+    def parameters_checksum(self) -> str:
+        """The replicas' common parameters, hashed (``AsyncPeer.param_checksum``): the true ones
+        where the model holds predicted ones, the outer ones in local-steps mode."""
         peer = self.peer
         if peer._local is None and peer._predictor is None:
             return param_checksum(peer.module)
