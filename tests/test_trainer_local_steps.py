@@ -185,3 +185,29 @@ def test_a_peer_leaving_normally_contributes_its_unsent_inner_steps(staleness):
     assert peers[0].version == peers[1].version
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_peer_alone_leaves_at_once_with_every_inner_step_applied(staleness):
+    """One peer (min_peers 1), H = 4, 10 quick steps, then close. Leaving, it gave each round an
+    empty contribution at once, counted that as samples still out, and waited out the 10 s flush
+    through ~100,000 rounds of nothing; at staleness 1 its first contribution was still unsent
+    when the last steps came, and those 6 steps' samples vanished (counted nowhere)."""
+    from helpers import ports
+
+    model, opt = make_adam()
+    peer = Peer(model, opt, listen=f"127.0.0.1:{ports(1)[0]}", discovery=False, min_peers=1, secret="s",
+                staleness=staleness, sync_every=4)
+    peer.start()
+    try:
+        g = torch.Generator().manual_seed(3)
+        for _ in range(10):
+            x = torch.randn(8, 16, generator=g)
+            torch.nn.functional.cross_entropy(model(x), x[:, :4].argmax(1)).backward()
+            peer.step(batch_size=8)
+    finally:
+        began = time.monotonic()
+        peer.close()
+    assert time.monotonic() - began < 3.0
+    assert sum(m.local_samples for m in peer.history) == 80 and peer.unapplied == 0 and peer.dropped == 0
+    assert peer.cluster.rounds.total < 50

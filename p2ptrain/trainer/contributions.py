@@ -439,8 +439,10 @@ class Contributor:
             nonlocal target
             if peer._finished or not peer.cluster.machine.table.can_train(peer.min_peers)[0]:
                 return False
-            if peer._acc.samples or peer._out is not None:
+            if self._ours_pending():
                 return True
+            if self._idle_rounds:  # (the last round found nothing anywhere: nothing more comes to apply)
+                return False
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
@@ -464,17 +466,23 @@ class Contributor:
 
         def in_flight() -> bool:  # (under _lock)
             return (not peer._finished and peer.cluster.machine.table.can_train(peer.min_peers)[0]
-                    and bool(peer._acc.samples or peer._out is not None))
+                    and self._ours_pending())
 
         await self.wait(in_flight, max(0.0, deadline - asyncio.get_running_loop().time()), flushing=True)
         with peer._params_lock:  # (the caller is in close(): no forward or backward runs)
             peer._updater.apply_queue()
             with peer._lock:
-                if peer._finished or peer._acc.samples or peer._out is not None or not peer._local.samples:
+                if peer._finished or self._ours_pending() or not peer._local.samples:
                     return
                 if not self.add_local():
                     return
         peer._notify()
+
+    def _ours_pending(self) -> bool:
+        """(Under _lock) Samples of ours that no round applied yet: added, or out in a round (a
+        peer leaving gives a round an empty contribution, which is nothing to wait for)."""
+        peer = self.peer
+        return bool(peer._acc.samples or (peer._out is not None and peer._out.samples))
 
     def add_local(self) -> bool:
         """(Both locks held) Local-steps mode: the pseudo-gradient owed goes to the accumulator.

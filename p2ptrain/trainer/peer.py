@@ -379,8 +379,8 @@ class AsyncPeer:
         with self._params_lock:  # a state handed over after the loop's last step (the cluster's, at the
             self._updater.load_restore()  # end), and rounds committed until we left: our records say so
             self._updater.apply_queue()
-        with self._lock:  # (a round in flight as we left put its share back)
-            self.unapplied = self._acc.samples
+        with self._lock:  # (a round in flight as we left put its share back; inner steps never contributed)
+            self.unapplied = self._acc.samples + (self._local.samples if self._local is not None else 0)
         if self.unapplied:
             log.info("left with %d samples that no round took (unapplied)", self.unapplied)
         await self.discovery.__aexit__(None, None, None)
