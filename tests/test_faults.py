@@ -181,13 +181,15 @@ def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
         peers.stop_all()
 
 
-def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path):
+@pytest.mark.parametrize("mode", [(), ("--sync-every", "4", "--compression", "int8")], ids=["gradients", "local-steps"])
+def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path, mode):
     """A frozen process (SIGSTOP: a lid closed, its sockets still open) stalls the other for
     one silence timeout, not for ever; when it wakes (SIGCONT) it is behind, loads the state,
     and trains in the view again, with nothing lost but its batch from before the lid closed.
     (b trains only with others, --min-peers 2: woken after the silence timeout, it finds itself
-    alone too, and the synthetic task's ~1000 rounds a second alone could outrun a's lead.)"""
-    peers = Peers(tmp_path)
+    alone too, and the synthetic task's ~1000 rounds a second alone could outrun a's lead.)
+    In local-steps mode too (a's last inner steps were once lost as both left at once)."""
+    peers = Peers(tmp_path, extra=mode)
     try:
         for name, least in (("a", "1"), ("b", "2")):
             peers.start(name, args=("--secret", "s", "--min-peers", least))
