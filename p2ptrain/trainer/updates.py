@@ -243,14 +243,18 @@ class Updater:
             state, peer._restore = peer._restore, None
         if state is None:
             return False
+        stepped = peer._local.samples if peer._local is not None else 0  # (inner steps the load starts over)
         self._load_state(state)
         for p in peer.params:
             p.grad = None
         with peer._lock:
             peer.version = peer._committed = peer._computing_on = int(state.get("version", 0))
             peer._params_point = _point(state.get("sync"))
-            peer._acc.void()
+            void = peer._acc.void() + stepped  # (batches added since ``Contributor.restore`` voided the rest)
+            peer.dropped += void
             peer._want_step = True
+        if void:
+            log.info("loading the cluster's state: %d samples computed here since are void", void)
         return True
 
     def _load_reconcile(self) -> None:
