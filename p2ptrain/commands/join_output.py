@@ -68,19 +68,15 @@ class JoinOutput:
             "own_samples": record.own_samples,
             "loss": self._mean_loss(), "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
             "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
-            "dropped": getattr(peer, "dropped", 0), "param_checksum": self._checksum(peer) if current else None})
+            "dropped": getattr(peer, "dropped", 0),
+            # (the replicas' common parameters: the model holds predicted or local ones between rounds)
+            "param_checksum": peer.param_checksum() if current else None})
 
     def _mean_loss(self) -> float:
         """The mean of this peer's batch losses since the last record (several batches per round
         at staleness >= 1 or with --sync-every), then start over."""
         losses, self._losses = self._losses, []
         return sum(losses) / len(losses) if losses else self.last_loss
-
-    @staticmethod
-    def _checksum(peer) -> str:
-        """The replicas' common parameters (the true ones under weight prediction, the outer ones
-        in local-steps mode: the model holds predicted or local ones between rounds)."""
-        return peer.param_checksum()
 
     def report(self, peer, count, now: float) -> None:
         """The status line: the cluster's round and update, and rates over the last few seconds
