@@ -441,8 +441,6 @@ class Contributor:
                 return False
             if self._ours_pending():
                 return True
-            if self._idle_rounds:  # (the last round found nothing anywhere: nothing more comes to apply)
-                return False
             target = self._rounds_seen + 2 if target is None else target
             return self._rounds_seen < target
 
