@@ -17,10 +17,13 @@ from p2ptrain.errors import HandshakeError, LinkError
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture(autouse=True, params=["loop", "threads"])
+@pytest.fixture(autouse=True, params=["loop", "threads", "transport"])
 def io_mode(request, monkeypatch):
-    """Every test twice: the socket's I/O on the event loop, and on the links' own threads
-    (``P2PTRAIN_IO_THREADS=1``: large frames sent by one, everything read by another)."""
+    """Every test three times: the socket's I/O on the event loop, on the links' own threads
+    (``P2PTRAIN_IO_THREADS=1``: large frames sent by one, everything read by another), and
+    through asyncio's transport where the loop cannot wait for writability (Windows' proactor)."""
+    if request.param == "transport":
+        monkeypatch.setattr(transport, "direct_sender", lambda t: None)
     if request.param == "threads":
         if not hasattr(__import__("socket").socket, "sendmsg"):
             pytest.skip("no sendmsg here: links send through the transport, and read on the loop")
@@ -311,17 +314,27 @@ async def test_threaded_sends_keep_frames_whole_and_in_order(send_thread):
     await until(lambda: not _link_threads())  # closed links leave no thread behind
 
 
-async def test_threaded_send_to_a_peer_that_stopped_reading_times_out(send_thread):
+async def test_a_send_to_a_peer_that_stopped_reading_times_out_and_closes_the_link():
+    """Part of the frame went out: the link cannot carry another (the peer would read it as the
+    rest of this one and hear nothing after), so it closes and the peer is told at once."""
     async with Server() as srv:
         client, server_side = await srv.good_client()
         stop_reading(server_side)
         data = np.ones(4 << 20, np.float32)  # 16 MiB: more than the kernel's buffers hold
         with pytest.raises(LinkError, match="stopped reading"):
             await client.send({"t": "chunk"}, [memoryview(data)], timeout=0.3)
-        client.close()
+        assert client.closed
+        with pytest.raises(LinkError, match="stopped reading"):
+            await client.send({"t": "ping"}, timeout=5)
+        go_on_reading(server_side)
+        with pytest.raises(LinkError, match="closed by peer in the middle of a frame"):
+            await server_side.recv(timeout=5)
 
 
-async def test_a_cancelled_threaded_send_still_ends_before_the_next_frame(send_thread):
+async def test_a_cancelled_send_still_ends_before_the_next_frame():
+    """A ring cancelled while its chunk is half out (its round failed elsewhere) leaves the
+    link whole: the rest of the chunk goes first, then the next frame. Before, on the event
+    loop, the next frame's bytes were read as the rest of the chunk, and the link went deaf."""
     async with Server() as srv:
         client, server_side = await srv.good_client()
         stop_reading(server_side)
@@ -331,13 +344,30 @@ async def test_a_cancelled_threaded_send_still_ends_before_the_next_frame(send_t
         sending.cancel()
         following = asyncio.ensure_future(client.send({"t": "chunk", "i": 1}, [b"after"], timeout=5))
         await asyncio.sleep(0.05)
-        assert not following.done()  # waits for the frame the thread is still sending
+        assert not following.done()  # waits for the frame still going out
         go_on_reading(server_side)
         await following
         first, second = await server_side.recv(timeout=5), await server_side.recv(timeout=5)
         assert first.header["i"] == 0 and np.array_equal(np.frombuffer(first.payload, np.float32), data)
         assert second.header["i"] == 1 and bytes(second.payload) == b"after"
         client.close()
+
+
+async def test_a_cancelled_send_that_then_stalls_closes_the_link(io_mode):
+    """The rest of a cancelled sender's frame cannot go either: no one awaits it, and the link
+    closes all the same (the next send says why)."""
+    if io_mode == "transport":
+        pytest.skip("through the transport a frame is handed over whole: a cancelled send leaves it there")
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        stop_reading(server_side)
+        data = np.ones(4 << 20, np.float32)
+        sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=0.3))
+        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        sending.cancel()
+        await until(lambda: client.closed, timeout=5)
+        with pytest.raises(LinkError, match="stopped reading"):
+            await client.send({"t": "ping"}, timeout=5)
 
 
 async def test_closing_a_link_ends_its_threaded_send(send_thread):

@@ -83,9 +83,9 @@ class DirectSender:
     """Sends buffers with ``sendmsg`` on a dup of a connected non-blocking socket: no copies.
 
     With ``threaded``, frames of ``THREAD_SEND_BYTES`` or more are sent by a thread of this
-    sender (``sendmsg`` and ``poll`` release the GIL), one at a time and in order; while one
-    is on its way every later frame waits for it, so frames never interleave on the wire,
-    even after the task that sent it was cancelled. The dup keeps the connection open:
+    sender (``sendmsg`` and ``poll`` release the GIL), one at a time and in order. Either way a
+    frame on its way is finished before the next, even after the task that sent it was
+    cancelled, so frames never interleave or break off on the wire. The dup keeps the connection open:
     ``close()`` it before the transport closes (with a frame in flight, the thread closes
     the dup once it stops, within ``POLL_SLICE``)."""
 
@@ -95,29 +95,48 @@ class DirectSender:
         self._loop = asyncio.get_running_loop()
         self._threaded = threaded
         self._jobs: queue.SimpleQueue | None = None  # to the thread, started on first use
-        self._in_flight: asyncio.Future | None = None  # the thread's current frame
+        self._in_flight: asyncio.Future | None = None  # the thread's frame, or a cancelled sender's rest
         self._closed = False
+        self._waiting: asyncio.Future | None = None  # writability awaited on the loop
+        self.broken: Callable[[BaseException], None] | None = None  # a frame cut short that no one awaits
 
     @property
     def threaded(self) -> bool:
         return self._threaded
 
     async def send(self, buffers: list, timeout: float | None, name: str) -> None:
+        """Send ``buffers`` as one piece of the stream. Cancelled with part of it out, the rest
+        still goes (the next ``send`` waits for it); ``broken`` hears of a failure no one awaits."""
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         if self._in_flight is not None and not self._in_flight.done():
             await asyncio.shield(self._in_flight)  # (its sender was cancelled: it is still going)
         if self._threaded and sum(v.nbytes for v in views) >= THREAD_SEND_BYTES:
             self._in_flight = self._loop.create_future()
+            self._in_flight.add_done_callback(self._tell_broken)
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()
                 threading.Thread(target=self._run, name=f"p2ptrain-send {name}", daemon=True).start()
             self._jobs.put((views, timeout, name, self._in_flight))
             await asyncio.shield(self._in_flight)
             return
+        whole = len(views), views[0].nbytes if views else 0
+        try:
+            await self._send_views(views, timeout, name)
+        except asyncio.CancelledError:
+            if views and (len(views), views[0].nbytes) != whole:  # begun: the rest must follow
+                self._in_flight = asyncio.ensure_future(self._send_views(views, timeout, name))
+                self._in_flight.add_done_callback(self._tell_broken)
+            raise
+
+    async def _send_views(self, views: list[memoryview], timeout: float | None, name: str) -> None:
         while views:
             self._send_some(views, name)
             if views:
                 await self._writable(timeout, name)
+
+    def _tell_broken(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None and self.broken is not None:
+            self.broken(fut.exception())
 
     def _send_some(self, views: list[memoryview], name: str) -> None:
         """One ``sendmsg``: what the kernel takes at once is removed from ``views``."""
@@ -130,7 +149,9 @@ class DirectSender:
         _drop_sent(views, sent)
 
     async def _writable(self, timeout: float | None, name: str) -> None:
-        fut = self._loop.create_future()
+        if self._closed:
+            raise ClosedError(f"{name}: link closed")
+        fut = self._waiting = self._loop.create_future()
         fd = self._sock.fileno()
         self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
         try:
@@ -139,6 +160,7 @@ class DirectSender:
             raise LinkError(f"{name}: peer stopped reading for {timeout:.0f} s") from None
         finally:
             self._loop.remove_writer(fd)
+            self._waiting = None
 
     # -- the sender thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -171,6 +193,8 @@ class DirectSender:
 
     def close(self) -> None:
         self._closed = True
+        if self._waiting is not None and not self._waiting.done():  # (a send waiting on the loop ends now)
+            self._waiting.set_exception(ClosedError("link closed"))
         if self._jobs is None:
             self._sock.close()
         else:

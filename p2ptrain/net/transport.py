@@ -41,7 +41,6 @@ from p2ptrain.waiting import wait_set
 
 log = logging.getLogger("p2ptrain.net.transport")
 
-SEND_PIECE = 1 << 20  # bytes handed to the transport at a time
 MAX_QUEUED_FRAMES = 64  # received frames waiting for their consumer before reading pauses
 HANDSHAKE_TIMEOUT = 10.0
 MAX_SAID = 1024  # (remote host, reason) pairs a listener remembers having logged
@@ -191,21 +190,33 @@ class Link:
     # -- sending --------------------------------------------------------------------------
     async def send(self, header: dict, payload=(), timeout: float | None = None) -> None:
         """Send one frame; ``payload`` is an iterable of buffers, sent without copies where the
-        kernel takes them at once. Returns when nothing of it is left in user space."""
+        kernel takes them at once. Returns when nothing of it is left in user space.
+
+        Frames never break on the stream: one that began goes out whole even if its sender is
+        cancelled (the next frame waits for it), and one that cannot (the peer read nothing for
+        ``timeout`` seconds, the socket failed) closes the link: the peer would read the next
+        frame's bytes as the rest of this one and hear nothing after."""
         async with self._send_lock:
             self._raise_if_failed()
-            if self._direct is not None:
-                await self._direct.send(wire.encode_frame(header, payload), timeout, self.name)
-                return
-            await self._send_via_transport(header, payload, timeout)
-
-    async def _send_via_transport(self, header: dict, payload, timeout: float | None) -> None:
-        for buf in wire.encode_frame(header, payload):
-            view = memoryview(buf)
-            for off in range(0, view.nbytes, SEND_PIECE):
+            try:
+                if self._direct is not None:
+                    await self._direct.send(wire.encode_frame(header, payload), timeout, self.name)
+                    return
+                for buf in wire.encode_frame(header, payload):  # (the transport copies what waits)
+                    self._transport.write(buf)
                 await self._writable(timeout)
-                self._transport.write(view[off : off + SEND_PIECE])
-        await self._writable(timeout)
+            except P2PTrainError as exc:
+                self._cut(exc)
+                raise
+
+    def _cut(self, exc: BaseException) -> None:
+        """A frame could not go out whole: close at once (what the transport holds is dropped),
+        as the stream cannot go on."""
+        if self._error is None:
+            self._fail(exc)
+            self._close_io()
+            if self._transport is not None:
+                self._transport.abort()
 
     async def _writable(self, timeout: float | None) -> None:
         self._raise_if_failed()
@@ -268,6 +279,8 @@ class Link:
     def _attach(self, transport: asyncio.Transport) -> None:
         self._transport = transport
         self._direct = direct_sender(transport)
+        if self._direct is not None:
+            self._direct.broken = self._cut
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self._queued = queued_reader(sock)
