@@ -1,5 +1,6 @@
 """Cluster: the round machine driven over a real mesh on loopback, with a fake trainer."""
 
+import asyncio
 
 import numpy as np
 import pytest
@@ -100,6 +101,36 @@ async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
             await clusters[2].mesh.close()
     for t in trainers[:2]:  # every sample given was applied or is the one still in flight
         assert t.samples_given - len(t.applied) in (0, 1), (t.samples_given, len(t.applied), t.put_backs)
+
+
+async def test_a_peer_that_stopped_reading_holds_up_no_one():
+    """The leader (a) freezes as a pulled cable leaves it: silent, its links open, reading
+    nothing; b's link to it is busy (as with a ring chunk its kernel buffer cannot take). b
+    notices a's silence and trains alone. Before, b's one actor awaited its next message to a
+    (a STATUS to a leader gone quiet) behind that chunk, up to the ring's timeout and then 10 s a
+    message, and heard no one meanwhile: a peer cut off from its leader went a minute without a
+    round (once, a leader cut off from the others went 80 s)."""
+    trainers, clusters = await linked(["a", "b"], RoundConfig(min_peers=1, peer_timeout=2.0))
+    a, b = clusters
+    busy = None
+    try:
+        await until(lambda: all(len(t.applied) >= 3 for t in trainers), timeout=20)
+        a._tasks.cancel()  # a: no more rounds, no keepalives, nothing read; its links stay open
+        for task in a.mesh._tasks:
+            if task.get_coro().__name__ == "_ping":
+                task.cancel()
+        for link in a.mesh._links.values():
+            link._transport.pause_reading()
+        busy = b.mesh._links["a"]._send_lock
+        await busy.acquire()
+        frozen = asyncio.get_running_loop().time()
+        await until(lambda: "a" not in b.mesh.peers and trainers[1].applied[-1] == (2.0, 1), timeout=15)
+        assert asyncio.get_running_loop().time() - frozen < 2.0 + 3.0
+    finally:
+        if busy is not None and busy.locked():
+            busy.release()
+        await b.close()
+        await a.mesh.close()
 
 
 class QueuedTrainer:

@@ -5,7 +5,7 @@ tick, a peer admitted or lost by the ``Mesh``, a contribution taken, a ring fini
 an event on its queue; the actor hands it to the machine and carries out the actions it
 returns, in order:
 
-    Send / Broadcast  -> mesh.send
+    Send / Broadcast  -> mesh.post (never waits: a peer that stopped reading holds up no one)
     Contribute(r)     -> trainer.take(): this round's gradient sum and sample count
     StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (``rings``)
     Apply(r, total)   -> trainer.apply(summed, total)
@@ -298,12 +298,12 @@ class Cluster:
             if isinstance(action, msg.Send):
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("to %s: %s", action.to, _brief(action.msg))
-                await self._send(action.to, action.msg)
+                self.mesh.post(action.to, action.msg)
             elif isinstance(action, msg.Broadcast):
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("to %s: %s", ",".join(action.to), _brief(action.msg))
                 for peer in action.to:
-                    await self._send(peer, action.msg)
+                    self.mesh.post(peer, action.msg)
             elif isinstance(action, msg.Contribute):
                 rnd = self._rounds.setdefault(action.r, Round(action.r))
                 pending = self.machine.pending
@@ -345,12 +345,6 @@ class Cluster:
                 log.info("the run is over at the cluster's round %d (version %d): %s", action.r, action.version,
                          action.reason)
                 self.trainer.finish()
-
-    async def _send(self, peer: str, header: dict) -> None:
-        try:
-            await self.mesh.send(peer, header)
-        except P2PTrainError as exc:  # the mesh reports the loss as its own event
-            log.debug("send to %s failed: %s", peer, exc)
 
     # -- a peer alone (``SoloTrainer``) -------------------------------------------------------
     async def commit_solo(self) -> None:

@@ -25,7 +25,8 @@ still come to it), so a ring that took the channel before the swap goes on. A li
 or closes is dropped and reported once through ``on_lost(peer_id, reason)``.
 
 Call order: ``await mesh.start()``; ``mesh.propose(host, port)`` as addresses come in;
-``await mesh.send(peer_id, header)``; ``await mesh.close()`` (says goodbye first).
+``mesh.post(peer_id, header)`` (round messages: never waits) or ``await mesh.send(peer_id,
+header, payload)``; ``await mesh.close()`` (sends what was posted, then says goodbye).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from p2ptrain.waiting import wait_set
 log = logging.getLogger("p2ptrain.net.mesh")
 
 RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
+POST_TIMEOUT = 10.0  # seconds a posted message may wait for its link to take it (``post``)
 KEEPALIVE = 2.0  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
 DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
 MAX_SHARED = 64  # addresses a keepalive carries at most (``at``)
@@ -142,6 +144,8 @@ class Mesh:
         self._listener: transport.Listener | None = None
         self._closed = False
         self.heard_at: dict[str, float] = {}  # peer id -> loop time of the last frame from it
+        self._outbox: dict[str, collections.deque] = {}  # peer id -> messages posted, not yet sent
+        self._posting: set[asyncio.Task] = set()  # the tasks sending them
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -159,6 +163,8 @@ class Mesh:
     async def close(self) -> None:
         """Say goodbye to every peer, then close links, dialers and the listener."""
         self._closed = True
+        if self._posting:  # (a round machine's GOODBYE among them)
+            await asyncio.wait(set(self._posting), timeout=1.0)
         for link in list(self._links.values()):
             try:
                 await link.send({"t": wire.BYE}, timeout=1.0)
@@ -212,6 +218,34 @@ class Mesh:
         if link is None:
             raise LinkError(f"no link to peer {peer_id}")
         await link.send(header, payload, timeout)
+
+    def post(self, peer_id: str, header: dict) -> None:
+        """Send a message without waiting for it: in order, by a task of that peer's, so that a
+        peer that stopped reading (its cable pulled, behind a ring chunk) never holds up the
+        caller, the round machine's one actor, which must go on hearing the others and noticing
+        that peer's silence. One that cannot leave within POST_TIMEOUT closes the link (reported
+        through ``on_lost`` as any loss); none is sent once the link is gone."""
+        if peer_id not in self._links:
+            log.debug("not sent to %s (no link): %s", peer_id, header.get("t"))
+            return
+        waiting = self._outbox.get(peer_id)
+        if waiting is None:
+            waiting = self._outbox[peer_id] = collections.deque()
+            task = self._tasks.spawn(self._send_posted(peer_id, waiting))
+            self._posting.add(task)
+            task.add_done_callback(self._posting.discard)
+        waiting.append(header)
+
+    async def _send_posted(self, peer_id: str, waiting: collections.deque) -> None:
+        try:
+            while waiting and (link := self._links.get(peer_id)) is not None:
+                await link.send(waiting[0], timeout=POST_TIMEOUT)
+                waiting.popleft()
+        except P2PTrainError as exc:  # (the link is closed: its reader reports the loss)
+            log.debug("send to %s failed: %s", peer_id, exc)
+        finally:
+            if self._outbox.get(peer_id) is waiting:
+                del self._outbox[peer_id]
 
     def disconnect(self, peer_id: str, why: str) -> None:
         """Close our link to a peer found dead (silent), so that a later dial can reach it again:
@@ -395,6 +429,7 @@ class Mesh:
     def _drop(self, pid: str, why: str, report: bool = True) -> None:
         link = self._links.pop(pid, None)
         self.heard_at.pop(pid, None)
+        self._outbox.pop(pid, collections.deque()).clear()  # (its task ends: nothing more for that link)
         self._dialer.pop(pid, None)
         self._addr.pop(pid, None)
         channel = self._channels.pop(pid, None)
