@@ -223,8 +223,8 @@ class Mesh:
         """Send a message without waiting for it: in order, by a task of that peer's, so that a
         peer that stopped reading (its cable pulled, behind a ring chunk) never holds up the
         caller, the round machine's one actor, which must go on hearing the others and noticing
-        that peer's silence. One that cannot leave within POST_TIMEOUT closes the link (reported
-        through ``on_lost`` as any loss); none is sent once the link is gone."""
+        that peer's silence. One the link does not take within POST_TIMEOUT of its turn closes
+        the link (reported through ``on_lost`` as any loss); none is sent once the link is gone."""
         if peer_id not in self._links:
             log.debug("not sent to %s (no link): %s", peer_id, header.get("t"))
             return
