@@ -314,6 +314,15 @@ async def test_threaded_sends_keep_frames_whole_and_in_order(send_thread):
     await until(lambda: not _link_threads())  # closed links leave no thread behind
 
 
+async def a_send_under_way(client, server_side, timeout):
+    """A 16 MiB frame (frame 0) to a peer that stopped reading, partly out: its task, its values."""
+    stop_reading(server_side)
+    data = np.arange(4 << 20, dtype=np.float32)
+    sending = asyncio.ensure_future(client.send({"t": "chunk", "i": 0}, [memoryview(data)], timeout=timeout))
+    await until(lambda: (client.queued_bytes() or 0) > 100_000)
+    return sending, data
+
+
 async def test_a_send_to_a_peer_that_stopped_reading_times_out_and_closes_the_link():
     """Part of the frame went out: the link cannot carry another (the peer would read it as the
     rest of this one and hear nothing after), so it closes and the peer is told at once."""
@@ -337,10 +346,7 @@ async def test_a_cancelled_send_still_ends_before_the_next_frame():
     loop, the next frame's bytes were read as the rest of the chunk, and the link went deaf."""
     async with Server() as srv:
         client, server_side = await srv.good_client()
-        stop_reading(server_side)
-        data = np.arange(4 << 20, dtype=np.float32)
-        sending = asyncio.ensure_future(client.send({"t": "chunk", "i": 0}, [memoryview(data)], timeout=5))
-        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        sending, data = await a_send_under_way(client, server_side, timeout=5)
         sending.cancel()
         following = asyncio.ensure_future(client.send({"t": "chunk", "i": 1}, [b"after"], timeout=5))
         await asyncio.sleep(0.05)
@@ -360,10 +366,7 @@ async def test_a_cancelled_send_that_then_stalls_closes_the_link(io_mode):
         pytest.skip("through the transport a frame is handed over whole: a cancelled send leaves it there")
     async with Server() as srv:
         client, server_side = await srv.good_client()
-        stop_reading(server_side)
-        data = np.ones(4 << 20, np.float32)
-        sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=0.3))
-        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        sending, _ = await a_send_under_way(client, server_side, timeout=0.3)
         sending.cancel()
         await until(lambda: client.closed, timeout=5)
         with pytest.raises(LinkError, match="stopped reading"):
@@ -373,10 +376,7 @@ async def test_a_cancelled_send_that_then_stalls_closes_the_link(io_mode):
 async def test_closing_a_link_ends_its_threaded_send(send_thread):
     async with Server() as srv:
         client, server_side = await srv.good_client()
-        stop_reading(server_side)
-        data = np.ones(4 << 20, np.float32)
-        sending = asyncio.ensure_future(client.send({"t": "chunk"}, [memoryview(data)], timeout=30))
-        await until(lambda: (client.queued_bytes() or 0) > 100_000)
+        sending, _ = await a_send_under_way(client, server_side, timeout=30)
         client.close()
         with pytest.raises(Exception, match="closed"):
             await asyncio.wait_for(sending, 2)
