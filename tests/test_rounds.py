@@ -108,6 +108,34 @@ def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
     assert net.applied("a")[-1][1] == ("a", "b")  # the next round ran at once, without c
 
 
+def test_a_ring_that_ended_at_some_members_is_waited_for_behind_a_slow_link():
+    """One slow link in the ring (a laptop on poor Wi-Fi): the peers downstream of it end last.
+    Three hosts, one at 10 Mbit/s, a 1 M-parameter model: the round was aborted at its deadline
+    waiting for the last peer, which was dropped, fell behind and loaded the state again. Once
+    a ring ended ok somewhere, the sums went round: the rest are waited for (stalls at 1, 2,
+    4... deadlines, up to ready_patience), and the round commits with all three."""
+    net = cluster("abc", run=0.3)
+    net.hold_a_round("abc")
+    r = net.m["a"].lead.r
+    net.finish_ring("a")
+    net.finish_ring("c")
+    net.settle()
+    net.run(12.0)  # b's ring still runs, past the 5 s deadline
+    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    assert [(s.waiting_for, s.phase) for s in net.of("a", Stall) if s.r == r][-1] == (("b",), "done")
+    net.finish_ring("b")
+    net.settle()
+    assert net.applied("a")[-1][:2] == (r, ("a", "b", "c"))
+    net = cluster("abc", run=0.3)  # a ring that never ends at b and c is given up on at the 8th deadline
+    net.hold_a_round("abc")
+    r = net.m["a"].lead.r
+    net.finish_ring("a")
+    net.settle()
+    net.run(45.0)
+    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["b", "c"]]
+    assert [s.seconds // 5 for s in net.of("a", Stall) if s.r == r] == [0, 1, 2, 4, 8]
+
+
 class EveryRing:
     """``Net.ring_bad`` for a fault that stays: every ring fails."""
 

@@ -162,7 +162,10 @@ class Leader:
     def check_stall(self, now: float) -> None:
         """On a tick: a phase we lead that waits past its mark says so (Stall); past its
         deadline the silent are left out of a takeover, a collecting round waits for a slow
-        batch up to ``ready_patience``, and any other round aborts."""
+        batch up to ``ready_patience``, a running one whose ring ended ok at some member waits
+        as long for the rest (a ring with one slow link, a laptop on poor Wi-Fi, ends last
+        downstream of it: aborting there dropped that peer, which fell behind and loaded the
+        state again; a dead one is caught by its silence), and any other round aborts."""
         machine, lead = self.machine, self.lead
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited = now - lead.since
@@ -178,6 +181,9 @@ class Leader:
                     lead.waiting.clear()
                 elif lead.phase == COLLECTING and lead.mark * 2 <= machine.config.ready_patience:
                     lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
+                elif (lead.phase == RUNNING and len(lead.waiting) < len(lead.view) and not lead.failed
+                      and lead.mark * 2 <= machine.config.ready_patience):
+                    lead.mark *= 2  # (rings ended ok elsewhere: the sums went round; the rest wait behind a slow link)
                 else:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
