@@ -108,6 +108,29 @@ def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
     assert net.applied("a")[-1][1] == ("a", "b")  # the next round ran at once, without c
 
 
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_view_with_a_peer_whose_state_went_slowly_is_timed_at_that_rate(learned):
+    """A laptop on 10 Mbit/s Wi-Fi joins two wired desktops: every ring with it takes 30 s (53 MB
+    a link at ~1.8 MB/s), past a new view's first deadline (4x the bytes at 10 MB/s, 21 s): that
+    round was aborted, each time a view formed with it. The leader sent it the state and saw how
+    fast it went (``learn_rate``, from ``statesync``): the view is timed at that rate from its first
+    round, so none aborts."""
+    net = Net("ab")
+    net.nbytes, net.ring_time = 40 << 20, 0.2
+    net.found()
+    net.run(6.0)
+    net.ring_time = lambda view: 30.0 if "c" in view else 0.2
+    if learned:
+        net.m["a"].learn_rate("c", 1.25e6)  # (a leads: the smallest id; it served c the state)
+    net.add("c")
+    net.handle("c", net.m["c"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(100.0)
+    with_c = [view for _, view, _ in net.applied("a") if "c" in view]
+    timed_out = [a for a in net.of("a", Log) if "timed out" in a.text]
+    assert len(with_c) >= 2
+    assert (not timed_out) if learned else timed_out
+
+
 def test_a_ring_that_ended_at_some_members_is_waited_for_behind_a_slow_link():
     """One slow link in the ring (a laptop on poor Wi-Fi): the peers downstream of it end last.
     Three hosts, one at 10 Mbit/s, a 1 M-parameter model: the round was aborted at its deadline

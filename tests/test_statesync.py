@@ -83,6 +83,8 @@ async def test_a_joiner_loads_the_state_and_then_applies_the_same_rounds():
         assert older is not None and older == founders[0].machine.history.at(joined - 2)
         for v, w in trainers[2].seen.items():
             assert v >= joined and torch.equal(w, trainers[0].seen[v]) and torch.equal(w, trainers[1].seen[v])
+        # and the member that sent it the state learned how fast its link is (a view with it is timed so)
+        assert any(f.machine._rates.get("c", 0) > 0 for f in founders)
         # and its samples count: rounds after the join sum three contributions (1 + 2 + 3)
         last = max(trainers[2].seen)
         assert torch.allclose(trainers[0].seen[last] - trainers[0].seen[last - 1], torch.full((LENGTH,), 2.0))

@@ -264,6 +264,8 @@ class Cluster:
                 elif kind == "ask":
                     actions = self._serve(*args)
                 elif kind == "sent":  # our snapshot is on its way to a joiner: hold a while more
+                    if args[1] is not None:  # (how fast it went: a ring with that peer is no faster)
+                        machine.learn_rate(args[0], args[1])
                     actions = machine.hold_for(args[0], now)
                 elif kind == "foreign":
                     self._foreign_met.setdefault(args[0], (now, args[1]))
@@ -423,7 +425,7 @@ class Cluster:
         else:  # with our History: it can then tell a split from lagging, as we can
             lineage = [[v, d] for v, d in machine.history.recent(WINDOW)]
             self.transfer.serve(peer, ask_id, {**state, LINEAGE: lineage}, machine.sync_point(),
-                                on_sent=lambda: self._post("sent", peer))
+                                on_sent=lambda rate: self._post("sent", peer, rate))
         return actions
 
     async def _fetch_state(self, donor: str) -> None:

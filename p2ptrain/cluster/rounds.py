@@ -61,6 +61,8 @@ from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, Rou
 from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadcast, Commit, Done, End, Goodbye,
                                        Message, Nack, Propose, Query, Ready, Send, Start, Status, parse)
 
+MAX_RATES = 256  # peers whose link rate a machine remembers (``learn_rate``; the oldest go first)
+
 
 @dataclass(frozen=True)
 class SyncPoint:
@@ -103,6 +105,7 @@ class RoundMachine:
         self.timers = {"ready": RoundTimer(self.config.floor), "ring": RoundTimer(self.config.floor)}
         self._timed_view: frozenset = frozenset()  # the view whose rings timers["ring"] has measured
         self._nbytes = 0  # the ring buffer's size, for the deadline
+        self._rates: dict[str, float] = {}  # peer -> bytes/s our state went to it at (``learn_rate``)
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
         self._seen_r = -1  # the highest round number seen in any proposal
         self._last_view: tuple = ()  # the view of the last round we committed
@@ -346,15 +349,29 @@ class RoundMachine:
         view starts from the timer's defaults, not from the pace of the old one. (Its first
         rounds, aborted at the old pace, left that laptop out, behind, loading state again.)"""
         if frozenset(view) != self._timed_view:
-            self.timers["ring"], self._timed_view = RoundTimer(self.config.floor), frozenset(view)
+            self.timers["ring"], self._timed_view = self._new_ring_timer(view), frozenset(view)
         self.timers["ring"].record(seconds, self._link_bytes(len(view)))
+
+    def learn_rate(self, peer: str, rate: float) -> None:
+        """Our state went to ``peer`` at ``rate`` bytes a second: a ring with it is no faster, so
+        a new view with it is first timed at that rate where it is below the timer's default
+        (a laptop on 10 Mbit/s Wi-Fi: its first round was aborted at the default's deadline)."""
+        if rate > 0:
+            self._rates.pop(peer, None)
+            self._rates[peer] = rate
+            while len(self._rates) > MAX_RATES:
+                del self._rates[next(iter(self._rates))]
+
+    def _new_ring_timer(self, view) -> RoundTimer:
+        known = [self._rates[p] for p in view if p in self._rates]
+        return RoundTimer(self.config.floor, throughput=min([RoundTimer.THROUGHPUT, *known]))
 
     def _deadline(self, phase: str, view) -> float:
         if phase == QUERYING:
             return self.config.query_timeout
         if phase in (COLLECTING, READIED):
             return self.timers["ready"].deadline()
-        timer = self.timers["ring"] if frozenset(view) == self._timed_view else RoundTimer(self.config.floor)
+        timer = self.timers["ring"] if frozenset(view) == self._timed_view else self._new_ring_timer(view)
         return timer.deadline(self._link_bytes(len(view)))
 
     def _tick(self, now: float) -> None:

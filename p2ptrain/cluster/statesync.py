@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import logging
 import math
+import time
 from typing import Callable
 
 import msgpack
@@ -152,9 +153,10 @@ class StateTransfer:
         self._sending.spawn(self._send(peer, {**head, "cause": cause} if cause else head))
 
     def serve(self, peer: str, ask_id: int, state: dict, point: SyncPoint,
-              on_sent: Callable[[], None] = lambda: None) -> None:
+              on_sent: Callable[[float | None], None] = lambda rate: None) -> None:
         """Send ``state`` (captured at ``point``) to ``peer``. Packs now, sends in the background;
-        ``on_sent()`` once the sending is over, whether every part went or not."""
+        ``on_sent(rate)`` once the sending is over: the bytes a second it went at, or None if
+        not every part went."""
         buffers = snapshot.pack(state)
         blob = memoryview(b"".join(buffers))
         checksum = snapshot.tensors_checksum(state["model"].items())
@@ -163,15 +165,19 @@ class StateTransfer:
                 "sync": [point.version, point.digest, point.round, point.epoch]}
         self._sending.spawn(self._send_parts(peer, head, blob, on_sent))
 
-    async def _send_parts(self, peer: str, head: dict, blob: memoryview, on_sent: Callable[[], None]) -> None:
+    async def _send_parts(self, peer: str, head: dict, blob: memoryview,
+                          on_sent: Callable[[float | None], None]) -> None:
+        rate, began = None, time.perf_counter()
         try:
             for i in range(head["n"]):
                 part = blob[i * PART_BYTES: (i + 1) * PART_BYTES]
                 if not await self._send(peer, {**head, "i": i}, [part], timeout=FLOOR_S + part.nbytes / MIN_RATE):
                     return
-            log.info("sent a snapshot of %.1f MB to %s", blob.nbytes / 1e6, peer)
+            took = time.perf_counter() - began
+            rate = blob.nbytes / took if took > 0 else None
+            log.info("sent a snapshot of %.1f MB to %s in %.1f s", blob.nbytes / 1e6, peer, took)
         finally:
-            on_sent()
+            on_sent(rate)
 
     async def _send(self, peer: str, header: dict, payload=(), timeout: float = 10.0) -> bool:
         try:
