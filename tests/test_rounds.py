@@ -108,29 +108,6 @@ def test_link_error_aborts_at_once_without_waiting_for_a_deadline():
     assert net.applied("a")[-1][1] == ("a", "b")  # the next round ran at once, without c
 
 
-@pytest.mark.parametrize("learned", [False, True])
-def test_a_view_with_a_peer_whose_state_went_slowly_is_timed_at_that_rate(learned):
-    """A laptop on 10 Mbit/s Wi-Fi joins two wired desktops: every ring with it takes 30 s (53 MB
-    a link at ~1.8 MB/s), past a new view's first deadline (4x the bytes at 10 MB/s, 21 s): that
-    round was aborted, each time a view formed with it. The leader sent it the state and saw how
-    fast it went (``learn_rate``, from ``statesync``): the view is timed at that rate from its first
-    round, so none aborts."""
-    net = Net("ab")
-    net.nbytes, net.ring_time = 40 << 20, 0.2
-    net.found()
-    net.run(6.0)
-    net.ring_time = lambda view: 30.0 if "c" in view else 0.2
-    if learned:
-        net.m["a"].learn_rate("c", 1.25e6)  # (a leads: the smallest id; it served c the state)
-    net.add("c")
-    net.handle("c", net.m["c"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
-    net.run(100.0)
-    with_c = [view for _, view, _ in net.applied("a") if "c" in view]
-    timed_out = [a for a in net.of("a", Log) if "timed out" in a.text]
-    assert len(with_c) >= 2
-    assert (not timed_out) if learned else timed_out
-
-
 def test_a_ring_that_ended_at_some_members_is_waited_for_behind_a_slow_link():
     """One slow link in the ring (a laptop on poor Wi-Fi): the peers downstream of it end last.
     Three hosts, one at 10 Mbit/s, a 1 M-parameter model: the round was aborted at its deadline
@@ -222,23 +199,47 @@ def test_a_round_aborted_for_a_goodbye_is_logged_as_routine_and_one_for_a_fault_
 
 
 # -- deadlines and stalls -----------------------------------------------------------------------
+def desktops_then_a_laptop(ring_with_laptop: float) -> Net:
+    """Two wired desktops, a and b (40 MB of gradients, 0.2 s rings), train; then a laptop on
+    Wi-Fi, c, joins: every ring with it takes ``ring_with_laptop`` seconds."""
+    net = Net("ab")
+    net.nbytes, net.ring_time = 40 << 20, 0.2
+    net.found()
+    net.run(6.0)
+    assert len(net.applied("a")) >= 10
+    net.ring_time = lambda view: ring_with_laptop if "c" in view else 0.2
+    net.add("c")
+    net.handle("c", net.m["c"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    return net
+
+
 def test_a_view_with_a_slower_peer_is_timed_afresh_not_at_the_old_views_pace():
     """Two wired desktops, then a laptop on Wi-Fi joins: every ring with it is far slower. Its
     first rounds used to be aborted at the pace the desktops had set (the 5 s floor here), so it
     was left out, fell behind and loaded state again, for ever."""
-    net = Net("ab")
-    net.nbytes, net.ring_time = 40 << 20, 0.2  # 40 MB of gradients; 0.2 s rings between a and b
-    net.found()
-    net.run(6.0)
-    assert len(net.applied("a")) >= 10
-    net.ring_time = lambda view: 8.0 if "c" in view else 0.2  # with c: 53 MB per link at ~7 MB/s
-    net.add("c")
-    net.handle("c", net.m["c"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net = desktops_then_a_laptop(8.0)  # with c: 53 MB per link at ~7 MB/s
     net.run(40.0)
     with_c = [view for _, view, _ in net.applied("a") if "c" in view]
     loaded = {why.split(" has version ")[1] for why in net.resyncs["c"]}  # (told by a and by b)
     assert len(with_c) >= 3 and len(loaded) == 1, (with_c, net.resyncs["c"])
     assert not [a for a in net.of("a", Log) if "timed out" in a.text]
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_view_with_a_peer_whose_state_went_slowly_is_timed_at_that_rate(learned):
+    """A laptop on 10 Mbit/s Wi-Fi joins two wired desktops: every ring with it takes 30 s (53 MB
+    a link at ~1.8 MB/s), past a new view's first deadline (4x the bytes at 10 MB/s, 21 s): that
+    round was aborted, each time a view formed with it. The leader sent it the state and saw how
+    fast it went (``learn_rate``, from ``statesync``): the view is timed at that rate from its first
+    round, so none aborts."""
+    net = desktops_then_a_laptop(30.0)
+    if learned:
+        net.m["a"].learn_rate("c", 1.25e6)  # (a leads: the smallest id; it served c the state)
+    net.run(100.0)
+    with_c = [view for _, view, _ in net.applied("a") if "c" in view]
+    timed_out = [a for a in net.of("a", Log) if "timed out" in a.text]
+    assert len(with_c) >= 2
+    assert (not timed_out) if learned else timed_out
 
 
 def test_stall_logging_names_the_waited_for_peers():
