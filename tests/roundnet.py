@@ -56,6 +56,7 @@ class Net:
         self.nbytes = 4000  # each contribution's buffer (the ring deadlines scale with it)
         self.ring_time = 0.0  # seconds a ring takes once all of its view started it (or a function of the view)
         self.full_at = {}  # (r, view) -> when the last member started it
+        self.report_moving = True  # each tick tells a peer which of its rings are moving (all started, none failed)
         for p in ids:
             self.add(p)
 
@@ -266,8 +267,16 @@ class Net:
                 if o != p and frozenset((o, p)) not in self.down:
                     self.m[p].table.heard(o, None, self.now)
         for p in self.live():
-            self.handle(p, self.m[p].on_tick(self.now))
+            self.handle(p, self.m[p].on_tick(self.now, self.moving(p)))
         self.settle()
+
+    def moving(self, p):
+        """p's rings that receive chunks now (``on_tick``'s ``ring_moved``): every member started
+        it and none failed."""
+        if not self.report_moving:
+            return {}
+        return {r: self.now for r, view in self.running[p]
+                if (r, view) in self.full_at and (r, view) not in self.ring_bad}
 
     def run(self, seconds, dt=0.1):
         for _ in range(round(seconds / dt)):

@@ -60,7 +60,9 @@ async def test_every_peer_gets_the_same_sum_and_the_same_digest_of_it(n, codec, 
         rng = np.random.default_rng(0)
         data = [rng.standard_normal(10_007).astype(np.float32) for _ in range(n)]
         expected = np.sum(data, axis=0)
+        began = asyncio.get_running_loop().time()
         runs = await allreduce(ms, ids, data, codec, executor=executor)
+        assert all(began < r.moved_at <= asyncio.get_running_loop().time() for r in runs)  # (chunks came)
         assert all(np.array_equal(d, data[0]) for d in data)  # bit-identical on every peer
         assert np.allclose(data[0], expected, atol=0.1 if codec != "none" else 1e-5)
         digests = {r.sum_digest() for r in runs}

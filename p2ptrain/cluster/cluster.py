@@ -235,7 +235,8 @@ class Cluster:
                 if kind == "tick":
                     for peer, heard in self.mesh.heard_at.items():  # any frame (pings too) is a sign of life
                         machine.table.message(peer, heard)
-                    actions = machine.on_tick(now)
+                    moved = {r: rnd.moved_at for r, rnd in self._rounds.items() if rnd.moved_at is not None}
+                    actions = machine.on_tick(now, moved)
                     self.members = machine.members()
                     for peer in self.mesh.peers:
                         if machine.table.state(peer) == DEAD:

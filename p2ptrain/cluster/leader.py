@@ -162,10 +162,13 @@ class Leader:
     def check_stall(self, now: float) -> None:
         """On a tick: a phase we lead that waits past its mark says so (Stall); past its
         deadline the silent are left out of a takeover, a collecting round waits for a slow
-        batch up to ``ready_patience``, a running one whose ring ended ok at some member waits
-        as long for the rest (a ring with one slow link, a laptop on poor Wi-Fi, ends last
-        downstream of it: aborting there dropped that peer, which fell behind and loaded the
-        state again; a dead one is caught by its silence), and any other round aborts."""
+        batch up to ``ready_patience``, a running one waits as long while its ring ended ok at
+        some member or ours still moves (a chunk came within the last deadline), and any other
+        round aborts. A ring with a slow link, a laptop on poor Wi-Fi, is slow everywhere and
+        ends last downstream of it; its first rounds outran a deadline set before it joined,
+        and aborting dropped that peer, which fell behind and loaded the state again. A ring is
+        a pipeline: where a member hangs, ours stops within a few chunks, so such a round still
+        aborts at its next mark, and a dead member is caught by its silence."""
         machine, lead = self.machine, self.lead
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited = now - lead.since
@@ -181,12 +184,17 @@ class Leader:
                     lead.waiting.clear()
                 elif lead.phase == COLLECTING and lead.mark * 2 <= machine.config.ready_patience:
                     lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
-                elif (lead.phase == RUNNING and len(lead.waiting) < len(lead.view) and not lead.failed
-                      and lead.mark * 2 <= machine.config.ready_patience):
-                    lead.mark *= 2  # (rings ended ok elsewhere: the sums went round; the rest wait behind a slow link)
+                elif (lead.phase == RUNNING and not lead.failed and lead.mark * 2 <= machine.config.ready_patience
+                      and (len(lead.waiting) < len(lead.view) or self._ring_moves(lead, now))):
+                    lead.mark *= 2  # (the sums went round, or are going round: a slow link, not a failure)
                 else:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
+
+    def _ring_moves(self, lead: _Lead, now: float) -> bool:
+        """Our ring of the led round received a chunk within the last deadline."""
+        moved = self.machine.ring_moved.get(lead.r)
+        return moved is not None and now - moved < self.machine._deadline(RUNNING, lead.view)
 
     # -- leading -------------------------------------------------------------------------------
     def drive(self, now: float, tick: bool) -> None:

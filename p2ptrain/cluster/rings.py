@@ -57,9 +57,15 @@ class Round:
     waiting: bool = False  # asked for a contribution the trainer did not have yet: the next ``take`` asks again
     began: float | None = None  # loop time our ring started
     ring: asyncio.Task | None = None  # our ring, while it runs
+    allreduce: RingAllreduce | None = None  # ... and its data path (when a chunk last came: ``moved_at``)
     stats: AllreduceStats | None = None  # what a finished ring sent
     summed: np.ndarray | None = None  # a finished ring's sum ...
     residual: np.ndarray | None = None  # ... and the residual owed once it commits (None: nothing is owed)
+
+    @property
+    def moved_at(self) -> float | None:
+        """Loop time our running ring last received a chunk (None: none yet, or not running)."""
+        return self.allreduce.moved_at if self.allreduce is not None else None
 
     @property
     def samples(self) -> int:
@@ -121,7 +127,7 @@ class Rings:
         except Exception:  # a defect of ours: said with its traceback, and the round ends now, not at its deadline
             log.exception("round %d: ring failed on an internal error (please report it with this traceback)", r)
             ok = False
-        rnd.ring = None
+        rnd.ring = rnd.allreduce = None
         self._on_done(r, ok, checksum, void)
 
     async def _sum(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> bytes | None:
@@ -155,6 +161,7 @@ class Rings:
                             timeout=self.timeout, residual=residual, trace=trace, digest=True,
                             executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
                             ready=ready)
+        rnd.allreduce = run
         rnd.stats = await run.run()
         if residual is not None and not run.residual_owed:  # (every chunk went exact: the buffer stays spare)
             self._spare, residual = residual, None
@@ -180,7 +187,7 @@ class Rings:
         owed before it is still owed)."""
         if rnd.ring is not None:
             rnd.ring.cancel()
-        rnd.ring = rnd.summed = rnd.residual = rnd.stats = None
+        rnd.ring = rnd.allreduce = rnd.summed = rnd.residual = rnd.stats = None
 
     def forget_residual(self) -> None:
         """A state was loaded: what was owed is for gradients voided with the accumulator."""

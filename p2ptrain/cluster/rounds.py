@@ -106,6 +106,7 @@ class RoundMachine:
         self._timed_view: frozenset = frozenset()  # the view whose rings timers["ring"] has measured
         self._nbytes = 0  # the ring buffer's size, for the deadline
         self._rates: dict[str, float] = {}  # peer -> bytes/s our state went to it at (``learn_rate``)
+        self.ring_moved: dict[int, float] = {}  # round -> when our ring of it last received (``on_tick``)
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
         self._seen_r = -1  # the highest round number seen in any proposal
         self._last_view: tuple = ()  # the view of the last round we committed
@@ -146,9 +147,12 @@ class RoundMachine:
     def on_message(self, sender: str, msg: dict, now: float) -> list:
         return self._run(now, self._dispatch, sender, parse(msg), now)
 
-    def on_tick(self, now: float) -> list:
+    def on_tick(self, now: float, ring_moved: dict[int, float] | None = None) -> list:
         """Deadlines, silent peers, and taking the lead: only on a tick, so that STATUS
-        messages that arrived together are all seen before a peer takes over."""
+        messages that arrived together are all seen before a peer takes over. ``ring_moved``:
+        round -> when our running ring of it last received a chunk (a ring that moves is slow,
+        not stuck: see ``Leader.check_stall``)."""
+        self.ring_moved = dict(ring_moved or {})
         return self._run(now, self._tick, now, tick=True)
 
     def on_connected(self, peer: str, now: float, addr: tuple | None = None) -> list:

@@ -196,6 +196,7 @@ class RingAllreduce:
         self._digests: dict[int, int] | None = {} if digest else None  # chunk start -> xxh3 of its final values
         self._arrived: set[tuple[int, int]] = set()
         self._progress = asyncio.Event()
+        self.moved_at: float | None = None  # loop time the last chunk arrived (a slow ring still moves)
         self._forward: dict[tuple[int, int], tuple[dict, memoryview | None, bool]] = {}  # (params, payload, raw)
         self._recv_index = {(t.g, t.chunk): t for t in self.plan.recvs}
         self._pool = BufferPool(codec.max_payload(chunk_elems))
@@ -380,6 +381,7 @@ class RingAllreduce:
 
     async def _recv_all(self) -> None:
         early: dict[tuple, wire.Frame] = {}
+        loop = asyncio.get_running_loop()
         for t in self.plan.recvs:
             began = self.trace.now()
             frame = early.pop((t.g, t.chunk), None) or await self._recv_chunk(t, early)
@@ -399,6 +401,7 @@ class RingAllreduce:
                 raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
             self._arrived.add((t.g, t.chunk))
             self._progress.set()
+            self.moved_at = loop.time()
 
     async def _recv_chunk(self, t: Transfer, early: dict[tuple, wire.Frame]) -> wire.Frame:
         """The next frame for ``t``, or one that ``_check`` refuses. Chunks of this call that
