@@ -38,6 +38,7 @@ class TaskSet:
         task.add_done_callback(self._tasks.discard)
         if self._closed:
             task.cancel()
+            task.add_done_callback(_drop_outcome)
         return task
 
     def __iter__(self) -> Iterator[asyncio.Task]:
@@ -54,12 +55,14 @@ class TaskSet:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
+            task.add_done_callback(_drop_outcome)  # (whether or not ``close`` is still waiting then)
 
     async def close(self, timeout: float | None = None) -> None:
         """Cancel every task and wait for them (at most ``timeout`` seconds; None: until they
         end), cancelling again every ``RECANCEL_S`` those that go on. Their exceptions are
-        retrieved and dropped: the owner is closing. A cancellation of the caller itself still
-        propagates."""
+        retrieved and dropped: the owner is closing (also those of tasks that end after a
+        ``cancel``, or after this call stopped waiting). A cancellation of the caller itself
+        still propagates."""
         self.cancel()
         pending = set(self._tasks)
         loop = asyncio.get_running_loop()
@@ -67,10 +70,14 @@ class TaskSet:
         while pending:
             wait = RECANCEL_S if deadline is None else max(0.0, min(RECANCEL_S, deadline - loop.time()))
             done, pending = await asyncio.wait(pending, timeout=wait)
-            for task in done:
-                if not task.cancelled():
-                    task.exception()  # (retrieved: asyncio would log it as never retrieved)
             if deadline is not None and loop.time() >= deadline:
                 return
             for task in pending:
                 task.cancel()
+
+
+def _drop_outcome(task: asyncio.Task) -> None:
+    """A cancelled set's task ended: its exception is retrieved (and dropped), so that asyncio
+    does not log it as never retrieved once no one waits for it."""
+    if not task.cancelled():
+        task.exception()

@@ -110,3 +110,38 @@ async def test_close_cancels_again_a_task_whose_cancellation_was_swallowed():
     result.set_result(None)  # (in the same step of the loop as close's cancel)
     await asyncio.wait_for(tasks.close(), 5)
     assert task.done() and len(tasks) == 0
+
+
+async def test_a_task_that_fails_after_its_owner_stopped_waiting_is_not_reported_unretrieved():
+    """An owner cancelled while it closes (a round's ring cancelled twice as the peer leaves)
+    stops waiting; a task of its that then fails (a ring's sender whose link closed: before
+    Python 3.12 ``wait_for`` may drop the cancellation and raise the link's error) was logged
+    at exit as "Task exception was never retrieved", with a traceback, on a clean leave."""
+    import gc
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    gate = asyncio.Event()
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await gate.wait()
+            raise ConnectionError("link closed") from None
+
+    tasks = TaskSet()
+    tasks.spawn(stubborn())
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(tasks.close())
+    await asyncio.sleep(0)
+    closing.cancel()  # the owner itself is cancelled while it waits
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    gate.set()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(tasks) == 0
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert reported == []
