@@ -401,3 +401,32 @@ def test_a_joiner_after_solo_rounds_loads_them_and_trains_on_the_same_chain():
     assert net.m["b"].history.digest == net.m["a"].history.digest
     assert any(view == ("a", "b") for _, view, _ in net.applied("b"))
     net.check_safety()
+
+
+def test_a_peer_that_trained_alone_then_joined_does_not_take_the_lead_while_its_leader_holds():
+    """Three peers started together: a and b each trained alone a moment (their solo rounds
+    mark them served, in their own tables), then b loaded a's state while a sent its state to a
+    slow joiner c and held its rounds for it. Five seconds on, b, unserved in a's table but
+    served in its own, thought itself the coordinator, took the lead and ran a round with a:
+    c's download (50 s at 10 Mbit/s) was behind once it landed, and c loaded it all again."""
+    from p2ptrain.cluster.rounds import SyncPoint
+    net = Net("a")
+    net.found()
+    net.run(2.0)
+    net.manual_sync.add("c")
+    b = net.add("b")
+    net.handle("b", b.on_synced(SyncPoint(3, b"b" * 16, 2, 0), net.now))  # its own lineage ...
+    b.table.mark_served(["b"])  # ... of solo rounds
+    c = net.add("c")
+    net.handle("c", c.on_synced(SyncPoint(2, b"c" * 16, 1, 0), net.now))
+    net.settle()
+    assert b.synced and b.history.version == net.m["a"].history.version and net.needs_sync == {"c": "a"}
+    net.handle("a", net.m["a"].hold_for("c", net.now, sending=True))
+    held = net.m["a"].version
+    net.run(30.0)
+    assert not [x.text for x in net.of("b", Log) if "coordinating" in x.text]
+    assert net.m["a"].version <= held + 1  # (the round collecting when the hold began)
+    net.sync_from("c", "a")  # the state lands
+    net.run(10.0)
+    assert c.synced and not net.resyncs["c"][1:]  # loaded once
+    assert len({net.m[p].version for p in "abc"}) == 1 and net.m["a"].version > held + 1

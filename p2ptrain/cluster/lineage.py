@@ -231,6 +231,9 @@ class LineageKeeper:
         (why, their version, their side's size), for what the load says (``_said``)."""
         machine = self.machine
         said, joining = self._said(reason, donor, *what), self._alone or self._catching_up(what[0])
+        if self._alone:  # our rounds so far were solo, on a lineage we now drop: we served in no view
+            machine.table.forget_served(machine.id)  # of this side's, as its peers' tables say (see
+            #   ``coordinator``): else we took the lead from its leader while it held for a joiner
         self._alone, self._loads_in_a_row = False, self._loads_in_a_row + 1
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
         if machine.leader.lead:  # (joining, the round it aborts is no fault: the load says what it drops)

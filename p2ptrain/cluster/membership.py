@@ -207,6 +207,12 @@ class PeerTable:
             if p in self._peers:
                 self._peers[p].served = True
 
+    def forget_served(self, peer_id: str) -> None:
+        """``peer_id`` has served in none of the views we may now share (``lineage``: a solo peer
+        that joins a cluster)."""
+        if peer_id in self._peers:
+            self._peers[peer_id].served = False
+
     def set_self(self, synced: bool, version: int = -1, digest: bytes = b"", round: int = -1) -> None:
         """The round machine says whether this peer itself holds the cluster's state."""
         e = self._peers[self.self_id]
