@@ -56,7 +56,8 @@ class Net:
         self.nbytes = 4000  # each contribution's buffer (the ring deadlines scale with it)
         self.ring_time = 0.0  # seconds a ring takes once all of its view started it (or a function of the view)
         self.full_at = {}  # (r, view) -> when the last member started it
-        self.report_moving = True  # each tick tells a peer which of its rings are moving (all started, none failed)
+        self.report_moving = True  # rings whose members all started, none failed, receive chunks (False: they stop)
+        self.moved_at = {}  # (peer, r) -> when its ring of r last received a chunk
         for p in ids:
             self.add(p)
 
@@ -271,12 +272,12 @@ class Net:
         self.settle()
 
     def moving(self, p):
-        """p's rings that receive chunks now (``on_tick``'s ``ring_moved``): every member started
-        it and none failed."""
-        if not self.report_moving:
-            return {}
-        return {r: self.now for r, view in self.running[p]
-                if (r, view) in self.full_at and (r, view) not in self.ring_bad}
+        """When each ring p runs last received a chunk (``on_tick``'s ``ring_moved``): now, while
+        every member started it, none failed and ``report_moving``; else when it last did."""
+        for r, view in self.running[p]:
+            if self.report_moving and (r, view) in self.full_at and (r, view) not in self.ring_bad:
+                self.moved_at[(p, r)] = self.now
+        return {r: self.moved_at[(p, r)] for r, _ in self.running[p] if (p, r) in self.moved_at}
 
     def run(self, seconds, dt=0.1):
         for _ in range(round(seconds / dt)):

@@ -13,6 +13,7 @@ from roundnet import GENESIS, Net, cluster
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.roundmsg import Contribute, Log, PutBack, Stall, StartRing
 from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.cluster.leader import RUNNING
 
 
 # -- normal rounds ------------------------------------------------------------------------------
@@ -246,18 +247,35 @@ def test_a_view_with_a_peer_on_a_slow_link_is_not_aborted_at_its_first_deadline(
 
 def test_a_ring_that_stops_moving_is_aborted_at_its_next_mark():
     """A ring that moves is waited for past its deadline; one that stops (a member hung
-    mid-ring: a ring is a pipeline, so the leader's stops too) is aborted at the next mark,
-    not kept to ``ready_patience``."""
+    mid-ring: a ring is a pipeline, so the leader's stops too) is aborted at the first mark
+    (1, 2, 4... deadlines) at which no chunk came for a quarter deadline, not kept to
+    ``ready_patience``."""
     net = desktops_then_a_laptop(1000.0)  # (a ring with c never ends by itself)
-    net.run(60.0)  # a ring with c runs past its first deadline (11 s): still moving, waited for
+    net.run(70.0)  # a ring with c runs past its first deadline (22 s): still moving, waited for
     stalls = [s for s in net.of("a", Stall) if s.phase == "done"]
-    assert stalls and not net.sent("a", M.ABORT)
-    r, waited = stalls[-1].r, stalls[-1].seconds
+    assert len(stalls) >= 2 and not net.sent("a", M.ABORT)
+    r, deadline = stalls[-1].r, 2 * stalls[0].seconds  # (the first stall is said at half the deadline)
+    still_from = net.now - net.m["a"].lead.since
     net.report_moving = False  # it stops
-    net.run(60.0)
+    net.run(90.0)
     timed_out = [a.text for a in net.of("a", Log) if "timed out" in a.text]
     assert timed_out and timed_out[0].startswith(f"round {r} aborted: timed out after"), timed_out
-    assert float(timed_out[0].split(" after ")[1].split(" s")[0]) < 2 * waited + 0.5  # (its next mark)
+    after = float(timed_out[0].split(" after ")[1].split(" s")[0])
+    mark = min(deadline * 2 ** k for k in range(4) if deadline * 2 ** k >= still_from + deadline / 4)
+    assert abs(after - mark) < 0.3, (after, mark, still_from)
+
+
+def test_a_member_frozen_early_in_a_slow_ring_is_given_up_on_at_the_first_deadline():
+    """A laptop's lid closes a second into a slow ring: the ring stops there, long before the
+    deadline, so the round aborts at its first mark as it did before rings were seen moving."""
+    net = desktops_then_a_laptop(1000.0)
+    while not (net.m["a"].lead and net.m["a"].lead.phase == RUNNING and "c" in net.m["a"].lead.view):
+        net.tick()
+    net.run(1.0)
+    net.report_moving = False
+    net.run(30.0)
+    timed_out = [a.text for a in net.of("a", Log) if "timed out" in a.text]
+    assert timed_out and float(timed_out[0].split(" after ")[1].split(" s")[0]) < 23  # (its first deadline: 22.4 s)
 
 
 def test_stall_logging_names_the_waited_for_peers():

@@ -163,8 +163,8 @@ class Leader:
         """On a tick: a phase we lead that waits past its mark says so (Stall); past its
         deadline the silent are left out of a takeover, a collecting round waits for a slow
         batch up to ``ready_patience``, a running one waits as long while its ring ended ok at
-        some member or ours still moves (a chunk came within the last deadline), and any other
-        round aborts. A ring with a slow link, a laptop on poor Wi-Fi, is slow everywhere and
+        some member or ours still moves (``_ring_moves``), and any other round aborts. A ring
+        with a slow link, a laptop on poor Wi-Fi, is slow everywhere and
         ends last downstream of it; its first rounds outran a deadline set before it joined,
         and aborting dropped that peer, which fell behind and loaded the state again. A ring is
         a pipeline: where a member hangs, ours stops within a few chunks, so such a round still
@@ -192,9 +192,12 @@ class Leader:
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
 
     def _ring_moves(self, lead: _Lead, now: float) -> bool:
-        """Our ring of the led round received a chunk within the last deadline."""
+        """Our ring of the led round received a chunk within the last quarter of its deadline
+        (the deadline allows 4x the ring's expected time, so a moving ring's chunks come far
+        more often; a member frozen mid-ring, a laptop's lid, is given up on at the first mark
+        unless it froze just before it, and then at the next)."""
         moved = self.machine.ring_moved.get(lead.r)
-        return moved is not None and now - moved < self.machine._deadline(RUNNING, lead.view)
+        return moved is not None and now - moved < self.machine._deadline(RUNNING, lead.view) / 4
 
     # -- leading -------------------------------------------------------------------------------
     def drive(self, now: float, tick: bool) -> None:
