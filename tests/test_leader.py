@@ -430,3 +430,31 @@ def test_a_peer_that_trained_alone_then_joined_does_not_take_the_lead_while_its_
     net.run(10.0)
     assert c.synced and not net.resyncs["c"][1:]  # loaded once
     assert len({net.m[p].version for p in "abc"}) == 1 and net.m["a"].version > held + 1
+
+
+def test_a_joiner_with_a_smaller_id_leads_only_after_its_first_round():
+    """b and c train; a (the smallest id) and d join together, and b holds its rounds while
+    its state goes to d. a, once loaded, knew of no peer that had served in a view, so it took
+    itself for the coordinator and took the lead: its rounds left d's download behind (d loaded
+    it all again). STATUS now says who has served: a waits for its first round, at the
+    boundary after d is in, and then leads."""
+    from p2ptrain.cluster.rounds import SyncPoint
+    net = Net("bc")
+    net.found()
+    net.run(3.0)
+    net.manual_sync.add("d")
+    a = net.add("a")
+    net.handle("a", a.on_synced(SyncPoint(1, b"a" * 16, 0, 0), net.now))
+    d = net.add("d")
+    net.handle("d", d.on_synced(SyncPoint(2, b"d" * 16, 1, 0), net.now))
+    net.settle()
+    assert net.needs_sync == {"d": "b"} and a.synced and a.history.version == net.m["b"].history.version
+    net.handle("b", net.m["b"].hold_for("d", net.now, sending=True))
+    held = net.m["b"].version
+    net.run(30.0)
+    assert a.lead is None and net.m["b"].version <= held + 1  # (the round collecting when the hold began)
+    net.sync_from("d", "b")
+    net.run(10.0)
+    assert not net.resyncs["d"][1:] and len({net.m[p].version for p in "abcd"}) == 1
+    assert a.lead is not None and net.m["b"].lead is None  # (handed over at a boundary)
+    assert [x.text for x in net.of("b", Log) if "handing the lead over to a" in x.text]

@@ -100,11 +100,13 @@ class LineageKeeper:
                                   "view": list(pending.view), "total": pending.total},
                 "out": (machine.leader.refusals.out_for(to) if to is not None and machine.leader.lead is not None
                         else None),
-                "end": machine.ending.ended}
+                "end": machine.ending.ended, "served": machine.table.get(machine.id).served}
 
     def on_status(self, sender: str, message: Status, now: float) -> None:
         machine = self.machine
         self.hello.discard(sender)
+        if message.served is not None:  # (every table then names the same coordinator)
+            machine.table.set_served(sender, message.served)
         if message.end is not None:  # its run is over (``ending``): ours too, unless we are ahead
             return machine.ending.heard_end(sender, message.end, now)
         if message.out is not None:  # its views leave us out a while: loading its state before then is
@@ -232,8 +234,8 @@ class LineageKeeper:
         machine = self.machine
         said, joining = self._said(reason, donor, *what), self._alone or self._catching_up(what[0])
         if self._alone:  # our rounds so far were solo, on a lineage we now drop: we served in no view
-            machine.table.forget_served(machine.id)  # of this side's, as its peers' tables say (see
-            #   ``coordinator``): else we took the lead from its leader while it held for a joiner
+            machine.table.set_served(machine.id, False)  # of this side's (see ``coordinator``): else
+            #   we took the lead from its leader while it held for a joiner
         self._alone, self._loads_in_a_row = False, self._loads_in_a_row + 1
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
         if machine.leader.lead:  # (joining, the round it aborts is no fault: the load says what it drops)

@@ -129,7 +129,10 @@ class PeerTable:
 
     def coordinator(self) -> str | None:
         """The smallest live synced id. Peers that have served in a view come first, so a
-        joiner with a small id coordinates only after its first round, at a boundary."""
+        joiner with a small id coordinates only after its first round, at a boundary. Each
+        peer says in its STATUS whether it has served, so that every table names the same one
+        (a joiner that knew of no one served took itself for the coordinator, and took the
+        lead from one that held its rounds for another joiner's download)."""
         ids = self.live_synced()
         served = [p for p in ids if self._peers[p].served]
         pool = served or ids
@@ -207,11 +210,11 @@ class PeerTable:
             if p in self._peers:
                 self._peers[p].served = True
 
-    def forget_served(self, peer_id: str) -> None:
-        """``peer_id`` has served in none of the views we may now share (``lineage``: a solo peer
-        that joins a cluster)."""
+    def set_served(self, peer_id: str, served: bool) -> None:
+        """Whether ``peer_id`` has served in a view, as its STATUS says (``served``), or as we
+        know of ourselves (a solo peer that joins a cluster served in none of its views)."""
         if peer_id in self._peers:
-            self._peers[peer_id].served = False
+            self._peers[peer_id].served = served
 
     def set_self(self, synced: bool, version: int = -1, digest: bytes = b"", round: int = -1) -> None:
         """The round machine says whether this peer itself holds the cluster's state."""
