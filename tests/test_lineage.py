@@ -338,3 +338,36 @@ def test_a_peer_that_loaded_state_counts_its_source_on_its_side():
     net.handle("c", net.m["c"].on_synced(net.m["a"].sync_point(), net.now, "a"))
     assert net.m["c"].members() == 2  # c and a, before any STATUS from b arrives
     net.check_safety()
+
+
+def test_a_leader_frozen_after_its_commit_loads_the_state_of_the_peer_that_went_on():
+    """a leads, commits round 0 and freezes (a laptop's lid) before b hears COMMIT; b, in
+    doubt, aborts round 0 and trains on alone. When a wakes, its STATUS still counts b on its
+    side (its last view), so b, alone on its own side, lost the heal and loaded a's state: its
+    rounds alone were gone. A heal counts neither side with a peer of the other: a loads."""
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    for p in "ab":
+        net.contribute(p)
+    net.settle()
+    for p in "ab":
+        net.finish_ring(p)
+    net.hold("a", "b")  # (COMMIT to b not sent yet)
+    net.settle()
+    a, b = net.m["a"], net.m["b"]
+    assert a.version == 1 and b.pending is not None
+    net.crash("a")  # frozen: it does nothing, and b stops hearing it
+    net.auto = True
+    net.handle("b", b.on_peer_lost("a", net.now))
+    net.run(3.0)
+    alone = b.version
+    assert b.is_leader and alone > 10 and net.outcome["b"][0] == "abort"
+    net.crashed.discard("a")  # the lid opens
+    net.held.clear()
+    net.handle("a", a.on_peer_lost("b", net.now))
+    net.reconnect("a", "b")
+    net.run(2.0)
+    assert [r.split(":")[0] for r in net.resyncs["a"]] == ["split"] and not net.resyncs["b"]
+    assert a.history.digest == b.history.digest and b.version > alone

@@ -54,9 +54,9 @@ VALID = {
 }
 CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: M.Ready, M.START: M.Start,
            M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
-FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True},
+FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True, "side": ["a", "b"]},
         M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}}  # every field of each type
-OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served"), M.PROPOSE: ("end",),
+OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side"), M.PROPOSE: ("end",),
            M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",)}  # what an older peer may leave out
 
 
@@ -74,7 +74,7 @@ def test_parsed_fields_are_typed():
     assert m.pending == M.Attempt(r=0, b=(1, "a"), phase="ring", ok=False, view=("a",), total=0)
     assert (m.synced, m.version, m.digest, m.round, m.members, m.min_id, m.re) == (True, 0, b"", -1, 1, "", False)
     assert m.window == [(0, b"")] and m.log == [(0, (1, "a"), True)] and m.promised is None and m.b is None
-    assert (m.at, m.out, m.end, m.served) == ((3, b"d"), 2.0, 7, True) and type(m.out) is float
+    assert (m.at, m.out, m.end, m.served, m.side) == ((3, b"d"), 2.0, 7, True, ("a", "b")) and type(m.out) is float
     m = M.parse({**FULL[M.STATUS], "promised": [1, "a"], "b": [2, "b"], "min_id": "c"})
     assert (m.promised, m.b, m.min_id) == ((1, "a"), (2, "b"), "c")
     assert M.parse(FULL[M.PROPOSE]) == M.Propose(r=1, b=(1, "a"), view=("a", "b"), end=(30, 12.5))

@@ -100,7 +100,7 @@ class LineageKeeper:
                                   "view": list(pending.view), "total": pending.total},
                 "out": (machine.leader.refusals.out_for(to) if to is not None and machine.leader.lead is not None
                         else None),
-                "end": machine.ending.ended, "served": machine.table.get(machine.id).served}
+                "end": machine.ending.ended, "served": machine.table.get(machine.id).served, "side": ids}
 
     def on_status(self, sender: str, message: Status, now: float) -> None:
         machine = self.machine
@@ -166,13 +166,13 @@ class LineageKeeper:
             machine.table.unsynced(s)
             self._elsewhere.add(s)
             machine._gone(s, now, f"holds another state ({rel})")
-            theirs = Lineage(m.members, their_digest, their_version, m.min_id or s)
-            if rel == "ahead" or (rel == "split" and heal_decision(self._lineage(), theirs) == "resync"):
+            sides = self._lineages(s, m, their_version, their_digest)
+            if rel == "ahead" or (rel == "split" and heal_decision(*sides) == "resync"):
                 why = "behind" if rel == "ahead" else "split"
                 leader = (m.promised or (0, s))[1]  # load from the leader: it holds while we load
                 donor = leader if leader != machine.id and machine.table.is_live(leader) else s
-                reason = f"{why}: {s} has version {their_version}, its side {m.members} peer(s)"
-                what = (why, their_version, m.members)  # (for ``_said``)
+                reason = f"{why}: {s} has version {their_version}, its side {sides[1].members} peer(s)"
+                what = (why, their_version, sides[1].members)  # (for ``_said``)
                 if rel == "ahead" and now < self.out_until:  # stale again before we are in a view:
                     machine.counters["behind_left_out"] += 1  # load once our time left out is over
                     self.load_later = (reason, donor, leader, what)
@@ -185,10 +185,20 @@ class LineageKeeper:
         if not m.re:
             machine._send(s, self.status(re=True, their=their_version, to=s))
 
-    def _lineage(self) -> Lineage:
+    def _lineages(self, s: str, m: Status, version: int, digest: bytes) -> tuple[Lineage, Lineage]:
+        """Our side and s's, as a heal between them counts them: neither with a peer of the
+        other, which holds the other state, whatever its side's last view says. (A leader frozen
+        just after it committed a round, a laptop's lid, counted as its side the peer that went
+        on alone, which had aborted that round, in doubt: that peer lost its rounds alone.) The
+        same two counts on both sides, so exactly one loads; a peer whose STATUS lists no side
+        (an older one) is counted as it says."""
         machine = self.machine
-        ids = self._side()
-        return Lineage(len(ids), machine.history.digest, machine.history.version, ids[0] if ids else machine.id)
+        mine = [p for p in self._side() if m.side is None or p != s]
+        theirs = [p for p in m.side if p != machine.id] if m.side is not None else None
+        ours = Lineage(len(mine), machine.history.digest, machine.history.version, mine[0] if mine else machine.id)
+        if theirs is None:
+            return ours, Lineage(m.members, digest, version, m.min_id or s)
+        return ours, Lineage(len(theirs), digest, version, min(theirs) if theirs else s)
 
     def _side(self) -> list:
         """The peers of our side, sorted: the live synced ones, and the live members of the
