@@ -224,6 +224,20 @@ class Net:
     def live(self):
         return [p for p in sorted(self.m) if p not in self.crashed and not self.m[p]._left]
 
+    def commit_unheard(self, leader, unheard):
+        """One round of every peer: ``leader`` commits it, and its COMMIT to ``unheard`` is held
+        (not sent yet: those members are left in doubt). A net of ``auto=False``, just founded."""
+        self.tick()
+        self.settle()
+        for p in self.m:
+            self.contribute(p)
+        self.settle()
+        for p in self.m:
+            self.finish_ring(p)
+        for p in unheard:
+            self.hold(leader, p)
+        self.settle()
+
     def hold_a_round(self, peers):
         """Stop driving contributions by itself, then let one round get in flight with ``peers``."""
         self.auto = False

@@ -347,15 +347,7 @@ def test_a_leader_frozen_after_its_commit_loads_the_state_of_the_peer_that_went_
     rounds alone were gone. A heal counts neither side with a peer of the other: a loads."""
     net = Net("ab", auto=False)
     net.found()
-    net.tick()
-    net.settle()
-    for p in "ab":
-        net.contribute(p)
-    net.settle()
-    for p in "ab":
-        net.finish_ring(p)
-    net.hold("a", "b")  # (COMMIT to b not sent yet)
-    net.settle()
+    net.commit_unheard("a", "b")
     a, b = net.m["a"], net.m["b"]
     assert a.version == 1 and b.pending is not None
     net.crash("a")  # frozen: it does nothing, and b stops hearing it
