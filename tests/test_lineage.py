@@ -363,3 +363,22 @@ def test_a_leader_frozen_after_its_commit_loads_the_state_of_the_peer_that_went_
     net.run(2.0)
     assert [r.split(":")[0] for r in net.resyncs["a"]] == ["split"] and not net.resyncs["b"]
     assert a.history.digest == b.history.digest and b.version > alone
+
+
+@pytest.mark.parametrize("listen", [0.0, 1.5])
+def test_peers_started_together_meet_at_genesis_and_none_loads(listen):
+    """b starts half a second after a (a script, a benchmark). With no ``listen``, a trained
+    alone for that moment and b, behind, loaded its state (on a LAN of three started at once,
+    50 s from a laptop on 10 Mbit/s Wi-Fi whose lineage won); listening first, a leads nothing
+    until b is heard, and their first round is a round of two."""
+    net = Net("a", listen=listen)
+    net.found()
+    net.run(0.5)
+    net.add("b")
+    net.found("b")
+    net.run(3.0)
+    views = {v for _, v, _ in net.applied("a")}
+    if listen:
+        assert not net.resyncs and views == {("a", "b")}
+    else:
+        assert net.resyncs["b"] and ("a",) in views

@@ -57,6 +57,7 @@ class LineageKeeper:
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
         self.hello: set = set()  # after on_synced: peers whose STATUS we still await (we do not lead before)
         self.hello_until = 0.0
+        self.listen_until = 0.0  # after our start: we lead nothing before (``RoundConfig.listen``)
         self._deferred: dict[str, Status] = {}  # STATUS that arrived while our own version was in flight
         self._start: int | None = None  # the version we started from (genesis: 0, or a checkpoint's)
         self._alone = True  # no round with another peer yet, and no load: a first load is joining
@@ -69,6 +70,7 @@ class LineageKeeper:
         self.hello, self.hello_until = set(peers), now + self.machine.config.query_timeout
         if self._start is None:  # (the first is our start: genesis or a checkpoint)
             self._start = self.machine.history.version
+            self.listen_until = now + self.machine.config.listen
 
     def shared_round(self, view) -> None:
         """The peers of ``view`` committed a round with us: they hold our state again."""

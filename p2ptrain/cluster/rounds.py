@@ -87,6 +87,7 @@ class RoundConfig:
     # state again. A dead one is caught by its silence (peer_timeout) or its link, not this.
     ready_patience: float = 8.0
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
+    listen: float = 0.0  # a peer leads nothing this long after its start: peers started with it meet at genesis
     max_version: int = 0  # > 0: the cluster's run ends at this version (``ending``: our start + --max-rounds)
     deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
 

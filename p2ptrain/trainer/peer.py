@@ -346,10 +346,11 @@ class AsyncPeer:
         self._checksum = checksum
 
     async def _open(self) -> None:
+        config = round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
+                              asyncio.get_running_loop().time(), may_meet=bool(self._discovery_on))
         self.cluster = Cluster(peer_id=self.peer_id, trainer=self._contributor, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
-                               compression=self._compression, config=round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
-                                                   asyncio.get_running_loop().time()),
+                               compression=self._compression, config=config,
                                start=self._params_point, fingerprint=model_fingerprint(self.module),
                                settings=self._settings)
         await self.cluster.__aenter__()  # (when it fails, it has opened nothing)
