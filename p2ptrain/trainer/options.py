@@ -110,14 +110,14 @@ START_LISTEN = 1.5
 
 
 def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None, duration: float | None,
-                 now: float, may_meet: bool = True) -> RoundConfig:
+                 now: float, discovery: bool = True) -> RoundConfig:
     """The round machine's settings; the run's limits (``cluster.ending``): the version this peer
     starts from (a checkpoint's, or 0) plus ``max_rounds``, and ``duration`` from ``now`` (the
-    cluster's loop clock). ``may_meet``: discovery is on (its beacons take up to a second; a
-    ``peers`` address is dialled at once, and without discovery there is no listen)."""
+    cluster's loop clock). ``discovery``: whether it is on (``START_LISTEN`` then; its beacons take
+    up to a second, while a ``peers`` address is dialled at once)."""
     return RoundConfig(min_peers=min_peers, max_version=(start.version if start else 0) + max_rounds if max_rounds
                        else 0, deadline=now + duration if duration else math.inf,
-                       listen=START_LISTEN if may_meet else 0.0)
+                       listen=START_LISTEN if discovery else 0.0)
 
 
 def listen_address(listen: str) -> tuple[str, int]:

@@ -347,7 +347,7 @@ class AsyncPeer:
 
     async def _open(self) -> None:
         config = round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
-                              asyncio.get_running_loop().time(), may_meet=bool(self._discovery_on))
+                              asyncio.get_running_loop().time(), discovery=bool(self._discovery_on))
         self.cluster = Cluster(peer_id=self.peer_id, trainer=self._contributor, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=config,
