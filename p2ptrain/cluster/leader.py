@@ -229,7 +229,10 @@ class Leader:
         owner_alive = owner != machine.id and machine.table.state(owner) == SYNCED
         if pending is not None and pending.started:  # in doubt: only once its leader is gone
             return not owner_alive
-        return not (owner_alive and owner < machine.id)  # a smaller live leader keeps the lead
+        # A smaller live leader keeps the lead, where it may coordinate too: one that has served
+        # (the coordinator puts those first, and every STATUS says it). One that has not may
+        # have stepped down since (a load): deferring to it, no peer led, for ever.
+        return not (owner_alive and owner < machine.id and machine.table.get(owner).served)
 
     def _takeover(self, now: float) -> None:
         machine = self.machine
