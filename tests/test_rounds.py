@@ -417,6 +417,10 @@ def test_random_interleavings_same_outcomes_and_liveness(steps):
 @given(STEPS)
 @example(steps=[(0, 0), (0, 0), (7, 0), (5, 1), (5, 1), (8, 0), (7, 0), (5, 1), (5, 1), (0, 0)])  # (found: a
 # leader that loaded state kept the others' promise, and the coordinator deferred to it: no one led)
+@example(steps=[(8, 0), (7, 0), (8, 0), (0, 0), (0, 0), (0, 0), (0, 0), (5, 0), (5, 0), (0, 0), (0, 0), (6, 1),
+                (8, 0), (0, 0), (6, 0), (8, 0), (8, 0), (0, 0), (0, 0), (5, 0), (5, 0), (0, 0)])  # (found: a
+# member followed a newer leader, which then loaded state; the old leader's round waited eight
+# deadlines, 40 s, for a DONE it would never get: a STATUS that shows the newer promise ends it)
 def test_random_cuts_never_apply_different_rounds_and_heal(steps):
     """Links cut and restored at random as well: no two peers ever apply a round on different
     histories, nothing is applied and put back, and after the faults the cluster heals."""

@@ -436,12 +436,20 @@ class Leader:
         machine._emit(Log("info" if routine else "warning", f"round {lead.r} aborted: {reason}"))
         lead.phase, lead.r = move(_LEADER, lead.phase, ABORT), lead.r + 1
 
-    def on_nack(self, sender: str, message: Nack, now: float) -> None:
-        machine = self.machine
-        lead, b = self.lead, message.b
-        machine.max_epoch = max(machine.max_epoch, b[0])
-        if lead is not None and beats(b, lead.b):
+    def superseded(self, sender: str, b: tuple, now: float) -> None:
+        """``sender`` obeys ballot ``b``, which beats ours (a NACK, or a STATUS of a member of our
+        round): we lead no more, and take over again, with a newer epoch, if we still coordinate.
+        (A member that followed a leader which then loaded state left our round waiting eight
+        deadlines for a DONE it would never send.)"""
+        self.machine.max_epoch = max(self.machine.max_epoch, b[0])
+        if self.lead is not None and beats(b, self.lead.b):
             self.step_down(now, f"{sender} follows {b[1]} (epoch {b[0]})", rival=b[1])
+
+    def on_nack(self, sender: str, message: Nack, now: float) -> None:
+        lead, b = self.lead, message.b
+        self.machine.max_epoch = max(self.machine.max_epoch, b[0])
+        if lead is not None and beats(b, lead.b):
+            self.superseded(sender, b, now)
         elif lead is not None and message.r == lead.r and lead.phase == COLLECTING and sender in lead.view:
             drop = self.refusals.refused(sender, message.missing, lead.view, now)  # (it or nobody)
             self.abort(now, f"{sender} refused the proposal: {message.reason}", drop=drop)

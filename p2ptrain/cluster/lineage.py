@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from p2ptrain.cluster.leader import COLLECTING, RUNNING
 from p2ptrain.cluster.membership import History, Lineage, heal_decision, relation
-from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync, Status
+from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync, Status, beats
 
 
 LEADER_WAIT = 1.0  # seconds a peer that is behind waits for a link to the leader to load from it
@@ -116,6 +116,9 @@ class LineageKeeper:
         lead, pd = machine.leader.lead, message.pending
         if machine.leader.take_status(sender, message):  # (our QUERY's answer)
             return
+        if (lead is not None and lead.phase in (COLLECTING, RUNNING) and sender in lead.view
+                and beats(message.promised, lead.b)):  # it obeys a newer leader: it sends us nothing more
+            return machine.leader.superseded(sender, message.promised, now)  # for this round (as a NACK says)
         if lead is not None and message.synced and pd and pd.phase in (RING, RINGED) and pd.b != lead.b \
                 and self._ours_to_resolve(message):
             if lead.b != message.b and (message.promised or (0, None))[1] != machine.id:
