@@ -421,6 +421,9 @@ def test_random_interleavings_same_outcomes_and_liveness(steps):
                 (8, 0), (0, 0), (6, 0), (8, 0), (8, 0), (0, 0), (0, 0), (5, 0), (5, 0), (0, 0)])  # (found: a
 # member followed a newer leader, which then loaded state; the old leader's round waited eight
 # deadlines, 40 s, for a DONE it would never get: a STATUS that shows the newer promise ends it)
+@example(steps=[(7, 0), (5, 0), (5, 0), (5, 0), (7, 0), (7, 1), (7, 50), (8, 0), (0, 0), (0, 14)])  # (found:
+# a member in doubt missed its leader's ABORT, and coordinated no more once STATUS said who had
+# served: its leader, hearing its STATUS, tells it the decision)
 def test_random_cuts_never_apply_different_rounds_and_heal(steps):
     """Links cut and restored at random as well: no two peers ever apply a round on different
     histories, nothing is applied and put back, and after the faults the cluster heals."""

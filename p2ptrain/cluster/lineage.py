@@ -119,8 +119,9 @@ class LineageKeeper:
         if (lead is not None and lead.phase in (COLLECTING, RUNNING) and sender in lead.view
                 and beats(message.promised, lead.b)):  # it obeys a newer leader: it sends us nothing more
             return machine.leader.superseded(sender, message.promised, now)  # for this round (as a NACK says)
-        if lead is not None and message.synced and pd and pd.phase in (RING, RINGED) and pd.b != lead.b \
-                and self._ours_to_resolve(message):
+        if lead is not None and message.synced and pd and pd.phase in (RING, RINGED) and (
+                (pd.b != lead.b and self._ours_to_resolve(message))
+                or (pd.b == lead.b and pd.r < lead.r)):  # (or an attempt of ours whose decision it missed)
             if lead.b != message.b and (message.promised or (0, None))[1] != machine.id:
                 return machine._send(sender, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
             machine.leader.resolve({sender: message})  # in doubt and it obeys us: decide its attempt
