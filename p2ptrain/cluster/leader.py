@@ -164,15 +164,15 @@ class Leader:
         deadline the silent are left out of a takeover, a collecting round waits for a slow
         batch up to ``ready_patience``, a running one waits as long while its ring ended ok at
         some member or ours still moves (``_ring_moves``), and any other round aborts. A ring
-        with a slow link, a laptop on poor Wi-Fi, is slow everywhere and
-        ends last downstream of it; its first rounds outran a deadline set before it joined,
-        and aborting dropped that peer, which fell behind and loaded the state again. A ring is
-        a pipeline: where a member hangs, ours stops within a few chunks, so such a round still
-        aborts at its next mark, and a dead member is caught by its silence."""
+        with a slow link, a laptop on poor Wi-Fi, is slow everywhere and ends last downstream
+        of it; its first rounds outran a deadline set before it joined, and aborting dropped
+        that peer, which fell behind and loaded the state again. A ring is a pipeline: where a
+        member hangs, ours stops within a few chunks, so such a round still aborts at its next
+        mark, and a dead member is caught by its silence."""
         machine, lead = self.machine, self.lead
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
-            waited = now - lead.since
-            if waited >= lead.mark * machine._deadline(lead.phase, lead.view):
+            waited, deadline = now - lead.since, machine._deadline(lead.phase, lead.view)
+            if waited >= lead.mark * deadline:
                 what = {QUERYING: "status", COLLECTING: "ready", RUNNING: "done"}[lead.phase]
                 machine._emit(Stall(tuple(sorted(lead.waiting)), what, waited, lead.r))
                 if lead.mark < 1.0:
@@ -185,19 +185,19 @@ class Leader:
                 elif lead.phase == COLLECTING and lead.mark * 2 <= machine.config.ready_patience:
                     lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
                 elif (lead.phase == RUNNING and not lead.failed and lead.mark * 2 <= machine.config.ready_patience
-                      and (len(lead.waiting) < len(lead.view) or self._ring_moves(lead, now))):
+                      and (len(lead.waiting) < len(lead.view) or self._ring_moves(lead, now, deadline))):
                     lead.mark *= 2  # (the sums went round, or are going round: a slow link, not a failure)
                 else:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
 
-    def _ring_moves(self, lead: _Lead, now: float) -> bool:
-        """Our ring of the led round received a chunk within the last quarter of its deadline
-        (the deadline allows 4x the ring's expected time, so a moving ring's chunks come far
-        more often; a member frozen mid-ring, a laptop's lid, is given up on at the first mark
-        unless it froze just before it, and then at the next)."""
+    def _ring_moves(self, lead: _Lead, now: float, deadline: float) -> bool:
+        """Our ring of the led round received a chunk within the last quarter of its
+        ``deadline`` (which allows 4x the ring's expected time, so a moving ring's chunks come
+        far more often; a member frozen mid-ring, a laptop's lid, is given up on at the first
+        mark unless it froze just before it, and then at the next)."""
         moved = self.machine.ring_moved.get(lead.r)
-        return moved is not None and now - moved < self.machine._deadline(RUNNING, lead.view) / 4
+        return moved is not None and now - moved < deadline / 4
 
     # -- leading -------------------------------------------------------------------------------
     def drive(self, now: float, tick: bool) -> None:
@@ -446,11 +446,9 @@ class Leader:
             self.step_down(now, f"{sender} follows {b[1]} (epoch {b[0]})", rival=b[1])
 
     def on_nack(self, sender: str, message: Nack, now: float) -> None:
-        lead, b = self.lead, message.b
-        self.machine.max_epoch = max(self.machine.max_epoch, b[0])
-        if lead is not None and beats(b, lead.b):
-            self.superseded(sender, b, now)
-        elif lead is not None and message.r == lead.r and lead.phase == COLLECTING and sender in lead.view:
+        self.superseded(sender, message.b, now)
+        lead = self.lead  # (None if that ballot beat ours)
+        if lead is not None and message.r == lead.r and lead.phase == COLLECTING and sender in lead.view:
             drop = self.refusals.refused(sender, message.missing, lead.view, now)  # (it or nobody)
             self.abort(now, f"{sender} refused the proposal: {message.reason}", drop=drop)
 

@@ -195,16 +195,17 @@ class LineageKeeper:
         """Our side and s's, as a heal between them counts them: neither with a peer of the
         other, which holds the other state, whatever its side's last view says. (A leader frozen
         just after it committed a round, a laptop's lid, counted as its side the peer that went
-        on alone, which had aborted that round, in doubt: that peer lost its rounds alone.) The
+        on alone, which had aborted that round, in doubt: that peer lost its rounds alone.) Ours
+        leaves s out already (``_compare`` has just put it elsewhere); theirs leaves us out. The
         same two counts on both sides, so exactly one loads; a peer whose STATUS lists no side
         (an older one) is counted as it says."""
         machine = self.machine
-        mine = [p for p in self._side() if m.side is None or p != s]
-        theirs = [p for p in m.side if p != machine.id] if m.side is not None else None
+        mine = self._side()
         ours = Lineage(len(mine), machine.history.digest, machine.history.version, mine[0] if mine else machine.id)
-        if theirs is None:
+        if m.side is None:
             return ours, Lineage(m.members, digest, version, m.min_id or s)
-        return ours, Lineage(len(theirs), digest, version, min(theirs) if theirs else s)
+        theirs = sorted(p for p in m.side if p != machine.id)
+        return ours, Lineage(len(theirs), digest, version, theirs[0] if theirs else s)
 
     def _side(self) -> list:
         """The peers of our side, sorted: the live synced ones, and the live members of the
