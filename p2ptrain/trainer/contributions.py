@@ -44,7 +44,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from p2ptrain.collective.allreduce import Ready
 from p2ptrain.trainer.accumulator import CommittedUpdate
@@ -52,6 +51,7 @@ from p2ptrain.cluster import snapshot
 from p2ptrain.codecs import encodable
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.errors import ClosedError, DivergedError, GroupError
+from p2ptrain.trainer.finite import all_finite
 
 if TYPE_CHECKING:
     from p2ptrain.trainer.peer import AsyncPeer
@@ -299,7 +299,7 @@ class Contributor:
         self._look = False
         peer, (any_, own) = self.peer, self._not_finite
         params = peer._local.outer if peer._local is not None else peer.params
-        if not all(bool(torch.isfinite(p).all()) for p in params):  # (a pass, on this path only)
+        if not all_finite(params):  # (a pass, on this path only)
             raise DivergedError(f"the model diverged: its parameters hold NaN or inf at update {peer.version} (every "
                                 "peer's do); lower the learning rate and resume from a checkpoint written before")
         if own >= OWN_NAN_LIMIT:

@@ -32,6 +32,7 @@ import logging
 import torch
 
 from p2ptrain.trainer.accumulator import param_views
+from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
@@ -84,7 +85,7 @@ class LocalSteps:
         live = self._live()
         with torch.no_grad():
             delta = torch._foreach_sub([b for b in self.base], live)
-            finite = bool(torch.stack([torch.isfinite(d).all() for d in delta]).all())
+            finite = all_finite(delta)
             if finite:
                 torch._foreach_copy_(self.base, live)
             else:
