@@ -182,3 +182,45 @@ def test_a_withdrawn_filling_leaves_nothing_in_the_sum(voided):
     acc.to_host(out)
     grads(params, 1)
     assert torch.equal(torch.from_numpy(out.array), torch.cat([2 * p.grad.reshape(-1) for p in params]))
+
+
+def test_a_pseudo_gradient_written_into_the_sum_is_the_one_added_and_one_left_out_leaves_no_trace():
+    """Local-steps mode writes ``base - params`` straight into an empty sum's views (no vector of
+    its own a round). The sum is then what ``add_weighted`` of a separate tensor gives, bit for
+    bit; and a pseudo-gradient left out (it held NaN) is no sum: the next batch writes over it."""
+    from p2ptrain.trainer.local_steps import LocalSteps
+
+    def stepped_peer():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+        local = LocalSteps(params, every=1, lr=0.7, momentum=0.9)
+        with torch.no_grad():
+            for p in params:
+                p.sub_(torch.randn(p.shape) * 1e-2)
+        local.stepped(16)
+        return params, local, Accumulator(params, torch.device("cpu"))
+
+    params, local, acc = stepped_peer()
+    delta, samples = local.contribute(into=acc.writable())
+    acc.add_weighted(delta, samples, 0)
+    written = acc.swap(1)
+    acc.to_host(written)
+    params, local, acc = stepped_peer()
+    delta, samples = local.contribute()
+    acc.add_weighted(delta, samples, 0)
+    added = acc.swap(1)
+    acc.to_host(added)
+    assert torch.equal(torch.from_numpy(written.array), torch.from_numpy(added.array))
+
+    params, local, acc = stepped_peer()
+    with torch.no_grad():
+        params[1][0] = float("nan")
+    assert acc.writable() is not None and local.contribute(into=acc.writable())[0] is None  # (left out)
+    assert acc.writable() is not None  # (still empty)
+    grads(params, 5)
+    acc.add(2, 0)
+    out = acc.swap(1)
+    acc.to_host(out)
+    grads(params, 5)
+    expected = torch.cat([2 * p.grad.reshape(-1) for p in params])
+    assert torch.equal(torch.from_numpy(out.array), expected)

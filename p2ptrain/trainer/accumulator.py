@@ -250,10 +250,23 @@ class Accumulator:
         self._renew()
         return out
 
+    def writable(self) -> list[torch.Tensor] | None:
+        """The sum's views while it holds nothing, for a contribution written straight into them
+        and then handed to ``add_weighted`` (a pseudo-gradient: no vector of its own); else None.
+        Until then what they hold is no sum (dirty: a contribution left out leaves it so)."""
+        if self.samples or self._kept is not None:
+            return None
+        self._dirty = True
+        return self._views
+
     def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
-        """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode)."""
+        """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode);
+        ``tensors`` may be the views ``writable`` gave, written since."""
         with torch.no_grad():
-            if self._dirty:
+            if tensors is self._views:
+                torch._foreach_mul_(self._views, float(samples))
+                self._dirty = False
+            elif self._dirty:
                 torch._foreach_copy_(self._views, tensors)
                 torch._foreach_mul_(self._views, float(samples))
                 self._dirty = False
