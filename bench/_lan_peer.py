@@ -66,7 +66,11 @@ class Progress:
 
 
 def child_env(threads: int, host: str) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """Every process of a run, p2ptrain's and DDP's alike: the heap ``join`` gives itself
+    (``p2ptrain.commands.heap``; ``GLIBC_TUNABLES=`` in the environment keeps glibc's own)."""
+    from p2ptrain.commands.heap import with_kept_heap
+
+    env = with_kept_heap(dict(os.environ, PYTHONUNBUFFERED="1"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)

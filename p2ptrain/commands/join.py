@@ -113,6 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from p2ptrain.commands.heap import keep_freed_memory
     from p2ptrain.net.transport import install_uvloop
 
     check_env_flags(args)
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     secret = secret_option(args.secret, args.secret_file)
     _check_where(args)
     install_uvloop()
+    keep_freed_memory()  # (before the task's tensors: see heap)
     return asyncio.run(_Join(args, secret).run())
 
 
