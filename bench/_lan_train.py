@@ -10,8 +10,9 @@ here by ``summarize``:
   ``samples`` in a record is the cluster's total for that round;
 - the smoothed loss: an exponential moving average (beta 0.9, bias-corrected) of each
   round's training loss, that of rank 0's own batch;
-- time to target: wall seconds from the start of round 1 until the smoothed loss first
-  drops below the target (None: not reached).
+- time to target: wall seconds from the first batch (join's ``training`` event; DDP's first
+  step) until the smoothed loss first drops below the target (None: not reached). Not from
+  the first round's ring: in local-steps mode H inner steps come before it.
 
 Flags that ``join`` gained recently (``--staleness``, ``--step-delay``, ``--min-peers``,
 ``--no-discovery``) are passed only when its parser has them. A join with
@@ -157,8 +158,9 @@ def ddp_command(run: Run, *, rank: int, master: str, port: int, metrics: Path, m
 
 def read_metrics(path: Path) -> tuple[list[dict], dict]:
     """The round records of a metrics file, in order, and its final ``{"event": "summary"}``
-    ({} if none); a torn last line (a process killed while writing) ends the reading."""
-    records, summary = [], {}
+    ({} if none), with ``started``: the time of its ``{"event": "training"}`` (join's first
+    batch) where it has one; a torn last line (a process killed while writing) ends the reading."""
+    records, summary, started = [], {}, None
     if not path.exists():
         return records, summary
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -168,9 +170,11 @@ def read_metrics(path: Path) -> tuple[list[dict], dict]:
             break
         if record.get("event") == "summary":
             summary = record
+        elif record.get("event") == "training" and started is None:
+            started = record["time"]
         elif "event" not in record:
             records.append(record)
-    return records, summary
+    return records, summary if started is None else {**summary, "started": started}
 
 
 def smoothed(losses: list[float], beta: float = EMA_BETA, weights: list[float] | None = None) -> list[float]:
@@ -192,7 +196,9 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
     ``step_samples`` (DDP's global batch): the loss is smoothed per that many samples."""
     if not records:
         return {"rounds": 0}
-    start = records[0]["time"] - records[0].get("round_seconds", 0.0)
+    # From the first batch: join's training event, else (DDP's records time whole steps) the first
+    # record's start. A join round's round_seconds is its ring only, so its batches came before.
+    start = final.get("started") or records[0]["time"] - records[0].get("round_seconds", 0.0)
     times = [r["time"] - start for r in records]
     if len(records) >= 2:
         warm = min(len(records) - 2, max(0, len(records) // 10 - 1))

@@ -146,6 +146,18 @@ def test_metrics_file_with_summary_event_and_torn_line(tmp_path):
     assert (s["wire_bytes"], s["param_checksum"]) == (7, "ab")
 
 
+def test_time_to_target_counts_from_joins_first_batch_not_the_first_rings_start(tmp_path):
+    """A local-steps round's record times its ring only: the H inner steps before round 1 (here
+    2 s of them) are training time, and join's training event says when they began."""
+    f = tmp_path / "m.jsonl"
+    recs = records([2.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    lines = [json.dumps({"event": "training", "time": recs[0]["time"] - 0.5 - 2.0, "version": 0})]
+    f.write_text("\n".join(lines + [json.dumps(r) for r in recs]) + "\n")
+    read, final = _lan_train.read_metrics(f)
+    from_ring = _lan_train.summarize(read, {}, target_loss=1.0)["time_to_target_s"]
+    assert _lan_train.summarize(read, final, target_loss=1.0)["time_to_target_s"] == pytest.approx(from_ring + 2.0)
+
+
 def test_plan_runs_one_alone_per_implementation_and_says_what_it_skips():
     runs, skipped = _lan_train.plan(3, [1, 2, 3], ["none", "int8"], [0, 1], flags=set(), gloo=True)
     assert [(r.impl, r.n, r.codec, r.staleness) for r in runs] == [

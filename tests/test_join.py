@@ -65,7 +65,7 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path):
              for port in mine]  # (every chunk encoded, as asked: loopback is quicker raw otherwise)
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0] * n, [e[-1500:] for _, e in outs]
-    runs = [records(tmp_path / f"m{port}.jsonl") for port in mine]
+    runs = [[r for r in records(tmp_path / f"m{port}.jsonl") if r.get("event") != "training"] for port in mine]
     summaries = [r.pop() for r in runs]
     assert all(s["event"] == "summary" and s["rounds"] == rounds for s in summaries)
     assert len({s["param_checksum"] for s in summaries}) == 1  # the replicas end bit-identical
@@ -95,7 +95,8 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     assert p.returncode == 0, p.stderr[-1500:]
     assert f"listening on port {env_port}" in p.stderr and "discovery on" not in p.stderr
     rounds = records(tmp_path / "m.jsonl")
-    assert len(rounds) == 16 and rounds[-1]["event"] == "summary" and rounds[-1]["rounds"] == 15
+    assert rounds[0]["event"] == "training" and rounds[0]["time"] <= rounds[1]["time"]  # (its first batch)
+    assert len(rounds) == 17 and rounds[-1]["event"] == "summary" and rounds[-1]["rounds"] == 15
 
 
 @pytest.mark.parametrize("args, message", [
@@ -446,7 +447,7 @@ def test_stopped_alone_every_applied_batch_has_its_record(tmp_path):
             p.kill()
             p.wait()
     assert p.returncode == 0, err[-1500:]
-    run = records(metrics)
+    run = [r for r in records(metrics) if r.get("event") != "training"]
     summary = run.pop()
     assert summary["event"] == "summary" and len(run) >= 20, err[-1500:]
     assert summary["unapplied"] == 0  # (alone, every batch stepped is applied at once)

@@ -389,6 +389,8 @@ class _Join:
         await self._wait_for_members(peer)
         start = last_log = time.monotonic()
         self.count, self._evaluated = RunCounters(start), peer.version
+        if metrics:  # (where the first round's own batches began: its record times only its ring)
+            metrics.write({"event": "training", "time": time.time(), "version": peer.version})
         while not (self.stopping or peer.finished):  # (the cluster's end: --max-rounds, --duration)
             with self.trace("compute", "compute"):
                 batch = next(batches)
