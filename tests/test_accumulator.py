@@ -201,7 +201,7 @@ def test_a_pseudo_gradient_written_into_the_sum_is_the_one_added_and_one_left_ou
         return params, local, Accumulator(params, torch.device("cpu"))
 
     params, local, acc = stepped_peer()
-    delta, samples = local.contribute(into=acc.writable())
+    delta, samples = local.contribute(into=acc.begin_writing())
     acc.add_weighted(delta, samples, 0)
     written = acc.swap(1)
     acc.to_host(written)
@@ -215,8 +215,8 @@ def test_a_pseudo_gradient_written_into_the_sum_is_the_one_added_and_one_left_ou
     params, local, acc = stepped_peer()
     with torch.no_grad():
         params[1][0] = float("nan")
-    assert acc.writable() is not None and local.contribute(into=acc.writable())[0] is None  # (left out)
-    assert acc.writable() is not None  # (still empty)
+    assert acc.begin_writing() is not None and local.contribute(into=acc.begin_writing())[0] is None  # (left out)
+    assert acc.begin_writing() is not None  # (still empty)
     grads(params, 5)
     acc.add(2, 0)
     out = acc.swap(1)

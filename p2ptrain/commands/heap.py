@@ -33,9 +33,14 @@ _USERS_OWN = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHO
 KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(LARGEST)}
 
 
+def _users_own(env) -> list[str]:
+    """The malloc settings ``env`` makes itself (they win over ours)."""
+    return [name for name in _USERS_OWN if name in env]
+
+
 def with_kept_heap(env: dict) -> dict:
     """``env`` plus ``KEEP_FREED_ENV``, unless it sets malloc itself (then as it is)."""
-    return env if any(name in env for name in _USERS_OWN) else {**env, **KEEP_FREED_ENV}
+    return env if _users_own(env) else {**env, **KEEP_FREED_ENV}
 
 
 def keep_freed_memory() -> bool:
@@ -43,7 +48,7 @@ def keep_freed_memory() -> bool:
     nothing (False) on another C library or OS, or where the environment sets malloc itself."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    own = [name for name in _USERS_OWN if name in os.environ]
+    own = _users_own(os.environ)
     if own:
         log.debug("malloc: the environment sets %s; left as it is", ", ".join(own))
         return False

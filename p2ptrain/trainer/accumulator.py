@@ -250,7 +250,7 @@ class Accumulator:
         self._renew()
         return out
 
-    def writable(self) -> list[torch.Tensor] | None:
+    def begin_writing(self) -> list[torch.Tensor] | None:
         """The sum's views while it holds nothing, for a contribution written straight into them
         and then handed to ``add_weighted`` (a pseudo-gradient: no vector of its own); else None.
         Until then what they hold is no sum (dirty: a contribution left out leaves it so)."""
@@ -261,7 +261,7 @@ class Accumulator:
 
     def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
         """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode);
-        ``tensors`` may be the views ``writable`` gave, written since."""
+        ``tensors`` may be the views ``begin_writing`` gave, written since."""
         with torch.no_grad():
             if tensors is self._views:
                 torch._foreach_mul_(self._views, float(samples))

@@ -487,7 +487,7 @@ class Contributor:
         False where the inner steps diverged: left out, counted as dropped (``LocalSteps.contribute``
         started the model again)."""
         peer = self.peer
-        delta, samples = peer._local.contribute(into=peer._acc.writable())
+        delta, samples = peer._local.contribute(into=peer._acc.begin_writing())
         if delta is None:
             peer.dropped += samples
             return False

@@ -21,9 +21,6 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     if not tensors:
         return True
     norms = torch._foreach_norm(tensors)
-    if len({n.device for n in norms}) == 1:
-        if bool(torch.stack(norms).isfinite().all()):
-            return True
-    elif all(bool(n.isfinite()) for n in norms):
+    if bool(torch.stack([n.to(norms[0].device) for n in norms]).isfinite().all()):  # (.to: a no-op on one device)
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)

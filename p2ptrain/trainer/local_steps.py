@@ -82,7 +82,7 @@ class LocalSteps:
         diverged (NaN or inf): no codec carries it, and every later change would carry it on, so
         the model starts again from the outer parameters and the inner optimizer from no state
         (one flag read back a contribution, once per round). ``into``: tensors shaped as the
-        parameters to write it in (an empty sum's: ``Accumulator.writable``), where a new one
+        parameters to write it in (an empty sum's: ``Accumulator.begin_writing``), where a new one
         would cost as much again as the subtraction (a CPU faults in fresh pages: 13 ms for 40 MB)."""
         live = self._live()
         with torch.no_grad():
