@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.tasks._optim import fused_when_possible
 from p2ptrain.tasks._task import Task, evaluating, parse_model_size, printable_text, seeded_generator
 from p2ptrain.tasks._text import load_corpus
 
@@ -168,7 +169,8 @@ def make_task(options: dict) -> Task:
     return Task(
         name="charlm",
         model=model,
-        make_optimizer=lambda params, lr: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01),
+        make_optimizer=lambda params, lr: fused_when_possible(torch.optim.AdamW, params, lr=lr, betas=(0.9, 0.99),
+                                                             weight_decay=0.01),
         default_lr=1e-3,
         train_batches=train_batches,
         loss=_loss,

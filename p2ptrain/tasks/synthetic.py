@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.tasks._optim import fused_when_possible
 from p2ptrain.tasks._task import Task, evaluating, parse_model_size, seeded_generator
 
 INPUTS = 32
@@ -96,7 +97,7 @@ def make_task(options: dict) -> Task:
     return Task(
         name="synthetic",
         model=model,
-        make_optimizer=lambda params, lr: torch.optim.Adam(params, lr=lr),
+        make_optimizer=lambda params, lr: fused_when_possible(torch.optim.Adam, params, lr=lr),
         default_lr=1e-3,
         train_batches=train_batches,
         loss=_loss,
