@@ -31,6 +31,9 @@ from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
 log = logging.getLogger("p2ptrain.join")
+# How often --connect-timeout's wait looks at the members: every peer's first batch waits for it,
+# and the first round for the last peer's (0.1 s spread the peers' starts by up to that much).
+MEMBERS_POLL_S = 0.01
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -475,7 +478,7 @@ class _Join:
                            "runs with the same --cluster and --secret, and that the port is open")
                 raise GroupError(f"only {peer.members} of --min-peers {a.min_peers} members after "
                                  f"{a.connect_timeout:.0f} s; {fix}")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(MEMBERS_POLL_S)
 
 
 def _refuse_diverged(peer, model_state: dict, directory: str) -> None:
