@@ -25,7 +25,6 @@ from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput, MetricsFile
 from p2ptrain.commands.neighbours import CoreShare
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
-from p2ptrain.commands.priority import training_below_network
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
@@ -161,14 +160,12 @@ def _check_where(args: argparse.Namespace) -> None:
 
     from p2ptrain.collective.linkpace import raw_chunks_enabled
     from p2ptrain.collective.pool import default_threads
-    from p2ptrain.commands.priority import network_first_enabled
     from p2ptrain.net.interfaces import list_interfaces, pick_address
     from p2ptrain.net.sender import io_threads_default
 
     default_threads()  # (P2PTRAIN_DATA_THREADS: read at the first ring, mid-run)
     io_threads_default()  # (P2PTRAIN_IO_THREADS: read as each link opens)
     raw_chunks_enabled()  # (P2PTRAIN_RAW_CHUNKS: read at each ring)
-    network_first_enabled()  # (P2PTRAIN_NETWORK_FIRST: read when training starts)
 
     try:
         socket.getaddrinfo(args.host, None)
@@ -393,11 +390,6 @@ class _Join:
         rank_seed = int(peer.peer_id[:8], 16) if all(c in "0123456789abcdef" for c in peer.peer_id[:8]) else 0
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
         await self._wait_for_members(peer)
-        with training_below_network():  # (the cluster's threads run by now: they keep their priority)
-            await self._steps(peer, task, device, metrics, batches)
-
-    async def _steps(self, peer, task, device, metrics, batches) -> None:
-        a = self.args
         start = last_log = time.monotonic()
         self.count, self._evaluated = RunCounters(start), peer.version
         if metrics:  # (where the first round's own batches began: its record times only its ring)
