@@ -3,7 +3,8 @@
 Spans are "complete" events (``ph: "X"``) in the JSON Array format, one track (``tid``) per
 activity, so that overlap is visible: the training loop's compute and waits, each round's
 ring, and inside it the encode, send, receive-wait and reduce (decode + add) of every chunk,
-then the apply. Recording costs two clock reads and a tuple per span; nothing is recorded
+then the apply, and the round messages sent and received (``messages``: a mark each, named
+"> ready" or "< start", with the round and the peer). Recording costs two clock reads and a tuple per span; nothing is recorded
 when no tracer is given (``NO_TRACE``).
 """
 
@@ -15,7 +16,7 @@ import os
 import time
 from contextlib import contextmanager
 
-TRACKS = {"compute": 1, "round": 2, "encode": 3, "send": 4, "receive": 5, "reduce": 6, "apply": 7}
+TRACKS = {"compute": 1, "round": 2, "encode": 3, "send": 4, "receive": 5, "reduce": 6, "apply": 7, "messages": 8}
 MAX_SPANS = 2_000_000  # about 200 MB of JSON: a long run keeps its first spans, then counts the rest
 
 

@@ -83,6 +83,11 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path):
     assert {"compute", "step", "encode", "send", "receive", "reduce", "decode", "apply", "round"} <= names
     assert sum(e["name"].startswith("round ") for e in spans) == rounds
     assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
+    # ... and the round messages, a mark each: the first peer (the smallest id leads, or not) sent
+    # and heard those of a round's two phases
+    marks = {e["name"] for e in spans if e["name"][:2] in ("> ", "< ")}
+    assert {"commit", "propose", "start"} <= {m[2:] for m in marks}, marks
+    assert {m[0] for m in marks} == {">", "<"} and all(e["args"]["peer"] for e in spans if e["name"] in marks)
 
 
 def test_alone_with_a_task_file_and_environment_options(tmp_path):

@@ -244,6 +244,7 @@ class Cluster:
                     self._give_up_if_refused(now)
                     self._judge_foreign(now)
                 elif kind == "message":
+                    self._mark("<", args[0], args[1])
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("from %s: %s", args[0], _brief(args[1]))
                     actions = machine.on_message(args[0], args[1], now)
@@ -295,16 +296,24 @@ class Cluster:
                 continue
             await self._carry_out(actions)
 
+    def _mark(self, way: str, peer: str, header: dict) -> None:
+        """A round message in the trace: ``way`` is ">" (sent) or "<" (received)."""
+        if self.trace.enabled:
+            now = self.trace.now()
+            self.trace.span(f"{way} {header.get('t')}", "messages", now, now, round=header.get("r"), peer=peer)
+
     async def _carry_out(self, actions: list) -> None:
         loop = asyncio.get_running_loop()
         for action in actions:
             if isinstance(action, msg.Send):
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("to %s: %s", action.to, _brief(action.msg))
+                self._mark(">", action.to, action.msg)
                 self.mesh.post(action.to, action.msg)
             elif isinstance(action, msg.Broadcast):
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("to %s: %s", ",".join(action.to), _brief(action.msg))
+                self._mark(">", ",".join(action.to), action.msg)
                 for peer in action.to:
                     self.mesh.post(peer, action.msg)
             elif isinstance(action, msg.Contribute):
