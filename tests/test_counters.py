@@ -126,7 +126,7 @@ def test_the_round_log_keeps_the_last_records_and_reads_from_what_it_kept():
     assert [r.index for r in log.since(4)] == [4] and log.since(5) == [] and len(log) == 3 and log.total == 5
 
 
-def _metrics_lines(tmp_path, log, loads, model, looks):
+def _metrics_lines(tmp_path, log, loads, model, looks, checksum_every=1):
     """``join``'s metrics file after ``_take_records`` at each of ``looks`` (callables that append
     to the round log and to the loads between two looks)."""
     import json
@@ -137,7 +137,7 @@ def _metrics_lines(tmp_path, log, loads, model, looks):
     from p2ptrain.tasks import param_checksum
 
     job = joined()
-    job.args = argparse.Namespace(eval_every=0, checkpoint_dir=None)
+    job.args = argparse.Namespace(eval_every=0, checkpoint_dir=None, checksum_every=checksum_every)
     job.count = RunCounters(start=0.0)
     peer = fake_peer(version=0)
     peer.cluster.rounds, peer.cluster.loads = log, loads
@@ -149,6 +149,7 @@ def _metrics_lines(tmp_path, log, loads, model, looks):
         holds = look()  # (the round whose update the parameters hold last: None, the newest record's)
         newest = log.last()
         peer.metrics = SimpleNamespace(round=holds if holds is not None else newest and newest.round)
+        peer.version = newest.round if newest else 0  # (one update a round, in these logs)
         job._take_records(peer, SimpleNamespace(evaluate=None), None, metrics)
     metrics.close()
     return [json.loads(line) for line in open(tmp_path / "m.jsonl")]
@@ -210,3 +211,20 @@ def test_a_round_record_carries_a_checksum_only_of_the_parameters_after_that_rou
     assert [x.get("event") or x["round"] for x in lines] == [1, 2, 3, 4, 5, 7, "loaded"]
     assert [x["param_checksum"] for x in lines[:6]] == [None, None, seen[0], seen[1], None, None]
     assert seen[0] != seen[1]
+
+
+def test_records_carry_the_parameters_checksum_at_every_checksum_every_th_update_only(tmp_path):
+    """``--checksum-every 3``: the checksum (a hash of every parameter, off the device) is in the
+    records of updates 3, 6, ... only, the same ones on every peer; the others carry null."""
+    import torch
+
+    from p2ptrain.cluster.records import RoundLog
+
+    log = RoundLog()
+
+    def one(r):
+        return lambda: log.append(RoundRecord(r, 2, 32, 16, 0, 0, 0.0, 0.0))
+
+    lines = _metrics_lines(tmp_path, log, [], torch.nn.Linear(2, 2), [one(r) for r in range(1, 8)], checksum_every=3)
+    assert [x["round"] for x in lines] == list(range(1, 8))
+    assert [x["round"] for x in lines if x["param_checksum"]] == [3, 6]

@@ -33,7 +33,7 @@ class Peers:
         where = ["--no-discovery", *(["--peers", others] if others else [])] if host is None else []
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--task", task, "--model-size", "100k",
                "--batch-size", "16", "--port", str(port), "--eval-every", "0", "--seed", str(seed),
-               "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"), *where, *args,
+               "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"), "--checksum-every", "1", *where, *args,
                *self.extra]
         err = open(self.tmp / f"{name}.log", "w")
         if host is None:

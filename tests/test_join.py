@@ -39,7 +39,7 @@ def test_the_metrics_show_identical_replicas_at_staleness_2(tmp_path):
     mine = ports(2)
     procs = [join("--peers", f"127.0.0.1:{mine[1 - i]}", "--no-discovery", "--port", str(port), "--min-peers", "2",
                   "--max-rounds", "60", "--staleness", "2", "--model-size", "100k", "--secret", "s",
-                  "--eval-every", "0", "--metrics", str(tmp_path / f"m{i}.jsonl"))
+                  "--eval-every", "0", "--metrics", str(tmp_path / f"m{i}.jsonl"), "--checksum-every", "1")
              for i, port in enumerate(mine)]
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for _, e in outs]
@@ -60,7 +60,7 @@ def test_peers_train_the_default_task_to_identical_replicas(tmp_path):
     # through what the first tells it (``mesh``: keepalives carry the peers' addresses).
     procs = [join("--peers", f"127.0.0.1:{mine[1] if port == mine[0] else mine[0]}", "--no-discovery",
                   "--port", str(port), "--min-peers", str(n), "--max-rounds", str(rounds), "--compression", "int8",
-                  "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"),
+                  "--secret", "s", "--eval-every", "0", "--metrics", str(tmp_path / f"m{port}.jsonl"), "--checksum-every", "1",
                   "--trace", str(tmp_path / f"t{port}.json"), env={"P2PTRAIN_RAW_CHUNKS": "0"})
              for port in mine]  # (every chunk encoded, as asked: loopback is quicker raw otherwise)
     outs = finish(procs)

@@ -105,6 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
                    "and a final {\"event\": \"summary\"}")
+    g.add_argument("--checksum-every", type=integer(1), default=_env("checksum_every", "10"),
+                   help="--metrics: a round's record carries the parameters' checksum at every N-th of the "
+                   "cluster's updates (the same ones on every peer; default 10; 1: every round's). A hash of "
+                   "every parameter, copied off the device: per round it took 0.4 ms of a 17-22 ms round at "
+                   "1 M parameters on a CPU")
     g.add_argument("--eval-every", type=integer(0), default=_env("eval_every", "100"),
                    help="validation loss at every N-th of the cluster's updates (default 100; 0 = only at the end)")
     g.add_argument("--trace", default=_env("trace"), help="write a Chrome-trace timeline (compute, encode, send, "
@@ -433,9 +438,11 @@ class _Join:
                 continue
             record = item
             self.count.applied(record, time.monotonic())
-            if metrics:  # (a checksum only where the parameters hold this round's update, and no later one)
+            if metrics:  # (a checksum only where the parameters hold this round's update, and no later one,
+                #            at every --checksum-every-th update)
                 self.output.write_metrics(metrics, peer, record, current=record is happened[-1]
-                                          and peer.metrics is not None and peer.metrics.round == record.round)
+                                          and peer.metrics is not None and peer.metrics.round == record.round
+                                          and peer.version % a.checksum_every == 0)
             if a.checkpoint_dir and record.samples:  # (an idle round is no update: nothing new to save)
                 due = due or self.count.rounds % a.checkpoint_every == 0
         if due:
