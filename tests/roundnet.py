@@ -102,10 +102,12 @@ class Net:
         self.held.discard((src, dst))
         return self
 
-    def crash(self, p):
+    def crash(self, p, sent_arrive=False):
+        """``p`` stops; what is in flight to it is lost, and what it sent too unless ``sent_arrive``
+        (a peer that dies after sending: its last messages were on the wire)."""
         self.crashed.add(p)
         for k in list(self.q):
-            if p in k:
+            if k[1] == p or (p in k and not sent_arrive):
                 del self.q[k]
         for key in self.started:
             if p in key[1] and p in self.started[key]:
@@ -150,8 +152,8 @@ class Net:
                     self.full_at.setdefault((a.r, a.view), self.now)
                 self.running[p].append((a.r, a.view))
                 self.ringed[p].add(a.r)
-                if self.crash_at.get(p) == a.r:
-                    self.crash(p)
+                if self.crash_at.get(p) == a.r:  # (its READY, sent just before, is on the wire)
+                    self.crash(p, sent_arrive=True)
             elif isinstance(a, Apply):
                 self.close(p, a.r)
                 assert self.started.get((a.r, a.view), set()) == set(a.view), "applied a ring that did not run"

@@ -6,7 +6,7 @@ import pytest
 from roundnet import GENESIS, Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
-from p2ptrain.cluster.leader import COLLECTING, RUNNING
+from p2ptrain.cluster.leader import COLLECTING
 from p2ptrain.cluster.roundmsg import Log, Waiting
 from p2ptrain.cluster.refusals import LEAVE_OUT, REFUSAL_BACKOFF
 
@@ -275,21 +275,22 @@ def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
     for p in "abc":
         net.contribute(p)
     net.settle()
-    assert net.m["c"].pending.phase == M.READIED
+    assert net.m["c"].pending.started and not net.m["c"].pending.told  # (its ring began as it contributed)
     net.auto = True
     net.run(41.0)  # the leader gives up on c's READY (at 8 deadlines: c is live) and drops it; c never hears
     assert [m["drop"] for m in net.sent("a", M.ABORT) if m["r"] == r] == [["c"]]
-    assert net.m["c"].pending is not None and net.m["c"].pending.r == r  # c still waits for a START
+    assert net.m["c"].pending is not None and net.m["c"].pending.r == r  # c still waits to hear of it
     net.release("c", "a")
     net.run(12.0)
-    assert net.sent("a", M.ABORT)[-1]["reason"] == "that attempt is over"  # answered
+    told = [m["reason"] for m in net.sent("a", M.ABORT) if m["r"] == r][1:]  # answered (its READY, or its STATUS)
+    assert told and set(told) <= {"that attempt is over", "its leader was lost"}, told
     after = [x for x in net.applied("c") if x[0] > r]
     assert after and all(v == ("a", "b", "c") for _, v, _ in after)  # and back in the rounds
     net.check_safety()
     net.check_same_outcomes()
 
 
-def test_a_member_whose_start_was_lost_gets_it_again_and_the_round_commits():
+def test_a_member_whose_start_was_lost_commits_with_the_total_the_commit_tells():
     net = cluster("abc", run=0.5)
     net.auto = False
     net.tick()
@@ -298,12 +299,31 @@ def test_a_member_whose_start_was_lost_gets_it_again_and_the_round_commits():
     for p in "abc":
         net.contribute(p)
     net.settle()
-    assert net.m["c"].pending.phase == M.READIED and net.m["a"].lead.phase == RUNNING
+    assert net.m["c"].pending.started and not net.m["c"].pending.told  # (its ring runs all the same)
     net.auto = True
-    net.now += 6.0  # c's wait for START passes its deadline first (the leader's has not yet)
+    net.settle()  # the rings end, the leader commits
+    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r] and net.m["a"].counters["start_again"] == 0
+    assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_a_member_whose_start_was_lost_sends_its_ready_again_and_hears_it():
+    net = cluster("abc", run=0.5)
+    net.auto = False
+    net.tick()
+    r = net.m["a"].lead.r
+    net.drop("a", "c", M.START)
+    for p in "abc":
+        net.contribute(p)
+    net.settle()  # (the rings do not end: nobody drives them)
+    net.now += 6.0  # c's wait to hear START passes its deadline (the leader's has not yet)
     net.handle("c", net.m["c"].on_tick(net.now))
     net.settle()
-    assert net.m["a"].counters["start_again"] == 1 and not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    assert net.m["a"].counters["start_again"] == 1 and net.m["c"].pending.told
+    net.auto = True
+    net.settle()
+    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
     assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
     net.check_safety()
     net.check_same_outcomes()

@@ -6,7 +6,7 @@ import pytest
 from roundnet import Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
-from p2ptrain.cluster.roundmsg import Contribute, PutBack
+from p2ptrain.cluster.roundmsg import PutBack
 from p2ptrain.errors import RemoteProtocolError
 
 
@@ -62,9 +62,11 @@ def test_propose_from_a_peer_that_does_not_own_the_ballot():
 def test_late_contribution_is_put_back():
     net = cluster("abc", run=0.3)
     net.hold_a_round("ab")
+    r = net.m["a"].lead.r
     net.run(41.0)  # aborted while c was computing (for 8 deadlines: c is live)
-    net.contribute("c")
-    assert net.of("c", PutBack)[-1].r == net.of("c", Contribute)[-1].r
+    assert [m["r"] for m in net.sent("a", M.ABORT)] == [r]
+    net.contribute("c")  # (its batch for round r)
+    assert net.of("c", PutBack)[-1].r == r
 
 
 def test_a_member_counts_the_peers_its_leader_proposes_even_before_it_hears_they_are_synced():

@@ -24,7 +24,8 @@ def test_message_types_and_fields_on_the_wire():
     assert set(net.sent("b", M.READY)[0]) == {"t", "r", "b", "samples", "version", "digest"}
     assert set(net.sent("a", M.START)[0]) == {"t", "r", "b", "view", "total"}
     assert set(net.sent("b", M.DONE)[0]) == {"t", "r", "b", "ok", "checksum"}
-    assert set(net.sent("a", M.COMMIT)[0]) == {"t", "r", "b"}
+    commit = net.sent("a", M.COMMIT)[0]
+    assert set(commit) == {"t", "r", "b", "total"} and commit["total"] == net.sent("a", M.START)[0]["total"] > 0
 
 
 def test_parse_normalises_and_drops_unknown_fields():
@@ -43,7 +44,7 @@ VALID = {
     M.READY: {"t": M.READY, "r": 1, "b": [1, "a"], "samples": 3, "version": 0, "digest": b"d"},
     M.START: {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 3},
     M.DONE: {"t": M.DONE, "r": 1, "b": [1, "a"], "ok": True, "checksum": None, "void": None},
-    M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"]},
+    M.COMMIT: {"t": M.COMMIT, "r": 1, "b": [1, "a"], "total": 3},
     M.ABORT: {"t": M.ABORT, "r": 1, "b": [1, "a"], "reason": "x", "drop": ["c"]},
     M.NACK: {"t": M.NACK, "r": -1, "b": [1, "a"], "reason": "x", "missing": ["c"]},
     M.GOODBYE: {"t": M.GOODBYE, "end": 30},
@@ -57,7 +58,8 @@ CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: 
 FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True, "side": ["a", "b"]},
         M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}}  # every field of each type
 OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side"), M.PROPOSE: ("end",),
-           M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",)}  # what an older peer may leave out
+           M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",),
+           M.COMMIT: ("total",)}  # what an older peer may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -83,7 +85,8 @@ def test_parsed_fields_are_typed():
     assert M.parse({**FULL[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
                                                                  void=None)
     assert M.parse({**FULL[M.DONE], "ok": False, "void": M.NOT_FINITE}).void == "nonfinite"
-    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"))
+    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"), total=3)
+    assert M.parse({**FULL[M.COMMIT], "total": None}).total is None  # (a leader that tells none: START did)
     assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",), void="nonfinite")
     assert M.parse(FULL[M.NACK]) == M.Nack(r=-1, b=(1, "a"), reason="x", missing=("c",))
     assert M.parse(FULL[M.GOODBYE]) == M.Goodbye(end=30)

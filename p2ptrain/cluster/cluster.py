@@ -159,9 +159,9 @@ class Cluster:
         self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "sketch": sketch})
 
     def ring_seconds(self, r: int) -> float | None:
-        """Seconds since round r's ring started here (None: none did), for the trainer's
+        """Seconds since round r's ring began to move here (None: none started), for the trainer's
         ``apply`` of that round: the wire's share of a round, without waiting for members."""
-        began = self._rounds[r].began if r in self._rounds else None
+        began = self._rounds[r].ring_began if r in self._rounds else None
         return None if began is None else asyncio.get_running_loop().time() - began
 
     def propose(self, host: str, port: int) -> None:
@@ -502,7 +502,7 @@ class Cluster:
             log.error("%s; this peer keeps training with the others", text)
 
     def _record(self, rnd: Round, total: int, view: tuple) -> None:
-        stats, r, began = rnd.stats, rnd.r, rnd.began
+        stats, r, began = rnd.stats, rnd.r, rnd.ring_began
         wire, raw = (stats.wire_bytes, stats.raw_bytes) if stats is not None else (0, 0)
         self.wire_bytes, self.raw_bytes = self.wire_bytes + wire, self.raw_bytes + raw
         seconds = asyncio.get_running_loop().time() - began if began is not None else 0.0

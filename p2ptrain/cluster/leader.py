@@ -83,6 +83,7 @@ class _Lead:  # the attempts this peer sequences as leader
     got: dict = field(default_factory=dict)
     failed: set = field(default_factory=set)
     mark: float = 0.5
+    early: dict = field(default_factory=dict)  # DONEs that came while collecting (rings start as members contribute)
 
 
 class Leader:
@@ -267,6 +268,11 @@ class Leader:
         learned, after = {}, {}
         for r, b, c in [e for st in got.values() for e in st.log] + list(machine._log):
             learned[(r, b)] = learned.get((r, b), False) or c
+        totals: dict = {}  # (a member whose START was lost knows none: a member that heard it does)
+        for st in got.values():
+            if st.pending is not None:
+                key = (st.pending.r, st.pending.b)
+                totals[key] = max(totals.get(key, 0), st.pending.total)
         for peer, st in got.items():
             version, digest, pd = st.version, st.digest, st.pending
             if pd is not None:
@@ -274,9 +280,9 @@ class Leader:
                 outcome = self._decided.get(key, learned.get(key, False))
                 if pd.phase in (RING, RINGED):
                     self._decide(key, outcome)
-                if outcome and pd.phase == RINGED and pd.ok:
-                    version, digest = History.after(version, digest, pd.r, pd.view, pd.total)
-                    machine._send(peer, {"t": COMMIT, "r": pd.r, "b": list(pd.b)})
+                if outcome and pd.phase == RINGED and pd.ok and totals[key]:  # (no total known: it loads state)
+                    version, digest = History.after(version, digest, pd.r, pd.view, totals[key])
+                    machine._send(peer, {"t": COMMIT, "r": pd.r, "b": list(pd.b), "total": totals[key]})
                 else:
                     machine._send(peer, {"t": ABORT, "r": pd.r, "b": list(pd.b), "drop": [],
                                          "reason": "its leader was lost"})
@@ -318,7 +324,7 @@ class Leader:
             return  # (peers left out for a while: wait for them)
         lead.phase, lead.view = move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
-        lead.waiting, lead.got, lead.failed = set(lead.view), {}, set()
+        lead.waiting, lead.got, lead.failed, lead.early = set(lead.view), {}, set(), {}
         machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
                             "end": machine.ending.limits_msg(now)}, lead.view)
 
@@ -350,6 +356,11 @@ class Leader:
             lead.phase, lead.since, lead.mark = move(_LEADER, lead.phase, START), now, machine.config.stall_warn
             lead.waiting = set(lead.view)
             machine._broadcast(self._start_msg(lead), lead.view)
+            early, lead.early = lead.early, {}
+            for s, done in early.items():  # (a ring can end before the last READY is in)
+                if self.lead is not lead or lead.phase != RUNNING:
+                    break
+                self.on_done(s, done, now)
 
     def _ready_stall_mark(self) -> float:
         """When a collecting round first says it stalls, as a fraction of its deadline: at
@@ -391,6 +402,13 @@ class Leader:
 
     def on_done(self, sender: str, message: Done, now: float) -> None:
         machine = self.machine
+        lead = self.lead
+        if (lead is not None and lead.phase == COLLECTING and (message.r, message.b) == (lead.r, lead.b)
+                and sender in lead.view):  # (its ring ended before every READY came: kept until then)
+            if sender in lead.early:
+                raise RemoteProtocolError("DONE repeated")
+            lead.early[sender] = message
+            return
         lead = self._lead_msg(sender, message)
         if lead is None:
             return
@@ -415,7 +433,8 @@ class Leader:
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
         out = self.refusals.committed(lead.view, now)
-        machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b)}, sorted(set(lead.view) | set(out)))
+        machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b), "total": sum(lead.got.values())},
+                           sorted(set(lead.view) | set(out)))
         lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
 
     def abort(self, now: float, reason: str, drop, tell=True, routine=False, void: str | None = None) -> None:

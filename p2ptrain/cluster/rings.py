@@ -55,7 +55,8 @@ class Round:
     taken: tuple[np.ndarray, int] | None = None  # our contribution (vector, samples), once the trainer gave it
     ready: Ready | None = None  # ... while backward still writes that vector (the trainer's overlap)
     waiting: bool = False  # asked for a contribution the trainer did not have yet: the next ``take`` asks again
-    began: float | None = None  # loop time our ring started
+    began: float | None = None  # loop time our ring started (as we contributed: ``member``) ...
+    flowing: float | None = None  # ... and its first chunk came (None: none did, or alone)
     ring: asyncio.Task | None = None  # our ring, while it runs
     allreduce: RingAllreduce | None = None  # ... and its data path (when a chunk last came: ``moved_at``)
     stats: AllreduceStats | None = None  # what a finished ring sent
@@ -66,6 +67,13 @@ class Round:
     def moved_at(self) -> float | None:
         """Loop time our running ring last received a chunk (None: none yet, or not running)."""
         return self.allreduce.moved_at if self.allreduce is not None else None
+
+    @property
+    def ring_began(self) -> float | None:
+        """Loop time the ring's data began to move here: its first chunk (a ring started as we
+        contributed waits for the others' batches first; that wait is no part of the ring's time),
+        else when ours started."""
+        return self.flowing if self.flowing is not None else self.began
 
     @property
     def samples(self) -> int:
@@ -165,7 +173,10 @@ class Rings:
                             executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
                             ready=ready)
         rnd.allreduce = run
-        rnd.stats = await run.run()
+        try:
+            rnd.stats = await run.run()
+        finally:
+            rnd.flowing = run.first_at
         if residual is not None and not run.residual_owed:  # (every chunk went exact: the buffer stays spare)
             self._spare, residual = residual, None
         rnd.summed, rnd.residual = work, residual

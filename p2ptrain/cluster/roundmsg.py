@@ -103,7 +103,8 @@ class Ready(RoundMessage):
 
 @_message
 class Start(RoundMessage):
-    """Leader -> view: run round ``r``'s ring; ``total`` samples in it."""
+    """Leader -> view: every member is ready (their rings began as each contributed); ``total``
+    samples in round ``r``."""
     t: ClassVar[str] = START
     view: tuple
     total: int
@@ -121,8 +122,10 @@ class Done(RoundMessage):
 
 @_message
 class Commit(RoundMessage):
-    """Leader -> view: apply round ``r``."""
+    """Leader -> view: apply round ``r``, of ``total`` samples (None from a leader that sends none:
+    a member then has it from START)."""
     t: ClassVar[str] = COMMIT
+    total: int | None = None
 
 
 @_message
@@ -276,7 +279,7 @@ _SCHEMA = {m[0].t: m for m in (
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
     _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
     _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID))),
-    _checked(Commit, **_RB),
+    _checked(Commit, **_RB, total=_opt(_int)),
     _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids, void=_opt(_one_of(VOID))),
     _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
     _checked(Goodbye, end=_opt(_int)),

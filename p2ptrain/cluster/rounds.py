@@ -7,14 +7,17 @@ names it. A round is a two-phase commit around the ring (the messages: ``roundms
     leader                               member
     PROPOSE {r, b, view}        ------>  Contribute(r): the host swaps its accumulator, then
                                 <------  READY {r, b, samples, version, digest}   on_contribution_ready
-    START {r, b, view, total}   ------>  StartRing(r, view): the host runs the ring-allreduce
+                                         StartRing(r, view): at once, the host runs the ring-allreduce
+    START {r, b, view, total}   ------>  (every READY is in: the total)
                                 <------  DONE {r, b, ok, checksum}                on_ring_done
-    COMMIT {r, b}               ------>  Apply(r, total)   every DONE was ok
+    COMMIT {r, b, total}        ------>  Apply(r, total)   every READY and DONE was ok
     ABORT {r, b, reason, drop}  ------>  PutBack(r)        a failure, a timeout, a peer lost
 
-An attempt that never STARTed leaves no trace (its contribution is put back; no ring ran).
-Only a started attempt has an outcome; ``round`` is the last one here. Leaders never reuse
-a round number they have seen.
+A member's ring starts as it contributes, not at START (``member``'s docstring says why): a
+ring cannot end before every member of its view has started it, and nothing is applied
+before COMMIT. An attempt not contributed to leaves no trace (no ring ran). Only a started
+attempt has an outcome; ``round`` is the last one here. Leaders never reuse a round number
+they have seen.
 
 Ballots. Every message of a leader carries its ballot b = (epoch, its id). A member obeys
 the best ballot it has seen (higher epoch; on a tie the smaller id) and answers a worse one,

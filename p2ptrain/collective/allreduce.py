@@ -197,6 +197,7 @@ class RingAllreduce:
         self._arrived: set[tuple[int, int]] = set()
         self._progress = asyncio.Event()
         self.moved_at: float | None = None  # loop time the last chunk arrived (a slow ring still moves)
+        self.first_at: float | None = None  # ... and the first (the ring moves: every member before us began)
         self._forward: dict[tuple[int, int], tuple[dict, memoryview | None, bool]] = {}  # (params, payload, raw)
         self._recv_index = {(t.g, t.chunk): t for t in self.plan.recvs}
         self._pool = BufferPool(codec.max_payload(chunk_elems))
@@ -386,6 +387,8 @@ class RingAllreduce:
             began = self.trace.now()
             frame = early.pop((t.g, t.chunk), None) or await self._recv_chunk(t, early)
             arrived = self.trace.now()
+            if self.first_at is None:
+                self.first_at = loop.time()
             self.trace.span("receive", "receive", began, arrived, round=self.op_id, step=t.g, chunk=t.chunk)
             params, raw = self._check(frame, t)
             if t.reduce and self._ready is not None:
