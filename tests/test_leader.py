@@ -290,25 +290,9 @@ def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
     net.check_same_outcomes()
 
 
-def test_a_member_whose_start_was_lost_commits_with_the_total_the_commit_tells():
-    net = cluster("abc", run=0.5)
-    net.auto = False
-    net.tick()
-    r = net.m["a"].lead.r
-    net.drop("a", "c", M.START)  # lost with a link that came back at once
-    for p in "abc":
-        net.contribute(p)
-    net.settle()
-    assert net.m["c"].pending.started and not net.m["c"].pending.told  # (its ring runs all the same)
-    net.auto = True
-    net.settle()  # the rings end, the leader commits
-    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r] and net.m["a"].counters["start_again"] == 0
-    assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
-    net.check_safety()
-    net.check_same_outcomes()
-
-
-def test_a_member_whose_start_was_lost_sends_its_ready_again_and_hears_it():
+def start_lost_to_c():
+    """A net of a, b, c whose round r every member contributed to, the leader's START to c lost
+    (with a link that came back at once); nobody drives the rings yet. Returns (net, r)."""
     net = cluster("abc", run=0.5)
     net.auto = False
     net.tick()
@@ -316,15 +300,32 @@ def test_a_member_whose_start_was_lost_sends_its_ready_again_and_hears_it():
     net.drop("a", "c", M.START)
     for p in "abc":
         net.contribute(p)
-    net.settle()  # (the rings do not end: nobody drives them)
+    net.settle()
+    assert net.m["c"].pending.started and not net.m["c"].pending.told  # (its ring runs all the same)
+    return net, r
+
+
+def test_a_member_whose_start_was_lost_commits_with_the_total_the_commit_tells():
+    net, r = start_lost_to_c()
+    net.auto = True
+    net.settle()  # the rings end, the leader commits
+    assert net.m["a"].counters["start_again"] == 0
+    assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
+    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
+    net.check_safety()
+    net.check_same_outcomes()
+
+
+def test_a_member_whose_start_was_lost_sends_its_ready_again_and_hears_it():
+    net, r = start_lost_to_c()
     net.now += 6.0  # c's wait to hear START passes its deadline (the leader's has not yet)
     net.handle("c", net.m["c"].on_tick(net.now))
     net.settle()
     assert net.m["a"].counters["start_again"] == 1 and net.m["c"].pending.told
     net.auto = True
     net.settle()
-    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
     assert [x for x in net.applied("c") if x[0] == r] == [x for x in net.applied("a") if x[0] == r] != []
+    assert not [m for m in net.sent("a", M.ABORT) if m["r"] == r]
     net.check_safety()
     net.check_same_outcomes()
 
