@@ -500,3 +500,29 @@ async def test_a_chunk_of_a_later_call_fails_this_one_and_waits_for_its_own():
     finally:
         for m in ms:
             await m.close()
+
+
+async def test_a_patient_call_waits_past_its_timeout_for_a_late_member_and_an_impatient_one_fails():
+    """A ring begun as its peer contributed (``member``) waits for a slower member's batch: no
+    chunk within ``timeout`` fails the call only once ``patient()`` says the round waits no more."""
+    ids, ms = await meshes(2)
+    try:
+        data = [np.full(10_000, float(r + 1), np.float32) for r in range(2)]
+        waiting = [True]
+
+        def ring(rank, patient=None):
+            return RingAllreduce(data[rank], rank=rank, size=2, send_link=ms[rank].channel(ids[1 - rank]),
+                                 recv_link=ms[rank].channel(ids[1 - rank]), codec=parse_codec("none"),
+                                 op_id=1, chunk_elems=1000, timeout=0.2, patient=patient)
+        early = asyncio.ensure_future(ring(0, patient=lambda: waiting[0]).run())
+        await asyncio.sleep(0.7)  # three of its timeouts: the late member computes
+        assert not early.done()
+        await ring(1).run()
+        await early
+        assert np.array_equal(data[0], data[1]) and data[0][0] == 3
+        waiting[0] = False  # the round waits no more: a quiet link fails the call at its timeout
+        with pytest.raises(LinkError, match="no ring chunk for 0 s"):
+            await asyncio.wait_for(ring(0, patient=lambda: waiting[0]).run(), 5)
+    finally:
+        for m in ms:
+            await m.close()

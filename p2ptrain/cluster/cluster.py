@@ -296,6 +296,12 @@ class Cluster:
                 continue
             await self._carry_out(actions)
 
+    def _collecting(self, r: int) -> bool:
+        """Round r still waits for its members' batches here (no START heard): our ring, begun
+        as we contributed, waits for theirs without its chunk timeout (``member``)."""
+        pending = self.machine.pending
+        return pending is not None and pending.r == r and not pending.told
+
     def _mark(self, way: str, peer: str, header: dict) -> None:
         """A round message in the trace: ``way`` is ">" (sent) or "<" (received)."""
         if self.trace.enabled:
@@ -332,7 +338,7 @@ class Cluster:
             elif isinstance(action, msg.StartRing):
                 rnd = self._rounds[action.r]  # (READY: taken)
                 rnd.began = loop.time()
-                self.rings.start(rnd, action.view, self.trace)
+                self.rings.start(rnd, action.view, self.trace, patient=lambda r=action.r: self._collecting(r))
             elif isinstance(action, msg.Apply):
                 rnd = self._rounds.get(action.r) or Round(action.r)  # (none: we had no part in it)
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):

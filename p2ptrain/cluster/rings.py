@@ -120,14 +120,15 @@ class Rings:
         its only member and owe no residual (the trainer may keep its batch as it is)."""
         return view == (self.peer_id,) and self.residual is None
 
-    def start(self, rnd: Round, view: tuple[str, ...], trace=NO_TRACE) -> None:
-        """The round's ring over ``view`` (in its order), on our contribution (``rnd.taken``)."""
-        rnd.ring = self._tasks.spawn(self._ring(rnd, view, rnd.taken[0], trace))
+    def start(self, rnd: Round, view: tuple[str, ...], trace=NO_TRACE, patient=None) -> None:
+        """The round's ring over ``view`` (in its order), on our contribution (``rnd.taken``).
+        ``patient()``: the round still waits for members' batches (no chunk timeout meanwhile)."""
+        rnd.ring = self._tasks.spawn(self._ring(rnd, view, rnd.taken[0], trace, patient))
 
-    async def _ring(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> None:
+    async def _ring(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace, patient) -> None:
         r, ok, void, checksum = rnd.r, True, None, None
         try:
-            checksum = await self._sum(rnd, view, vector, trace)
+            checksum = await self._sum(rnd, view, vector, trace, patient)
         except WithdrawnError as exc:  # (not a fault: the batch changed after backward began)
             log.info("round %d: %s", r, exc)
             ok, void = False, WITHDRAWN
@@ -143,7 +144,7 @@ class Rings:
         rnd.ring = rnd.allreduce = None
         self._on_done(r, ok, checksum, void)
 
-    async def _sum(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace) -> bytes | None:
+    async def _sum(self, rnd: Round, view: tuple[str, ...], vector: np.ndarray, trace, patient) -> bytes | None:
         """The round's sum into ``rnd`` (and its stats and residual); the digest of it (None alone)."""
         # The vector stays whole (an aborted round puts it back), and so does the residual
         # owed from earlier rounds: a ring writes this round's into the spare buffer.
@@ -171,7 +172,7 @@ class Rings:
                             op_id=rnd.r, chunk_elems=chunk_elems_for(max(b - a for a, b in buckets), n),
                             timeout=self.timeout, residual=residual, trace=trace, digest=True,
                             executor=shared_pool(), own=vector if owed is None else None, buckets=buckets,
-                            ready=ready)
+                            ready=ready, patient=patient)
         rnd.allreduce = run
         try:
             rnd.stats = await run.run()

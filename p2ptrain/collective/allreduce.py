@@ -66,7 +66,7 @@ import time
 import weakref
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import xxhash
@@ -75,7 +75,7 @@ from p2ptrain.net import wire
 from p2ptrain.net.auth import refusal_reason
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.codecs._codec import check_domain
-from p2ptrain.errors import CodecError, FrameError, GroupError, RemoteProtocolError
+from p2ptrain.errors import CodecError, FrameError, GroupError, LinkError, RemoteProtocolError
 from p2ptrain.collective.buffers import BufferPool
 from p2ptrain.collective.linkpace import LinkPace, raw_chunks_enabled
 from p2ptrain.collective.ring import MIN_CHUNK_ELEMS, RingPlan, Transfer
@@ -164,13 +164,17 @@ class RingAllreduce:
     left untouched, and the sum is written into ``work`` (its contents on entry do not
     matter): a caller that must keep its contribution whole (to put it back if the call
     fails) need not copy it first. ``buckets``: rings one after the other (``ring.RingPlan``).
-    ``ready``: our values are still being written (the module docstring; with ``own``)."""
+    ``ready``: our values are still being written (the module docstring; with ``own``).
+    ``patient``: while it says so, a receive link quiet for ``timeout`` is no failure (a round's
+    members still compute their batches: its ring began as we contributed, and the round's own
+    deadlines end that wait, cancelling this call)."""
 
     def __init__(self, work: np.ndarray, *, rank: int, size: int, send_link: Link, recv_link: Link,
                  codec: Codec, op_id: int, chunk_elems: int, timeout: float,
                  residual: np.ndarray | None = None, executor: Executor | None = None, trace=NO_TRACE,
                  digest: bool = False, own: np.ndarray | None = None,
-                 buckets: tuple[tuple[int, int], ...] | None = None, ready: Ready | None = None):
+                 buckets: tuple[tuple[int, int], ...] | None = None, ready: Ready | None = None,
+                 patient: Callable[[], bool] | None = None):
         if work.dtype != np.float32 or work.ndim != 1 or not work.flags.c_contiguous:
             raise TypeError("work must be a contiguous 1-D float32 array")
         if own is not None and (own.dtype != np.float32 or own.shape != work.shape
@@ -188,6 +192,7 @@ class RingAllreduce:
         self.trace = trace  # p2ptrain.trace: spans of encode, send, receive-wait, reduce per chunk
         self.op_id = op_id
         self.timeout = timeout
+        self._patient = patient
         self.residual = residual
         self.residual_owed = residual is not None  # (after ``run``: False where nothing was dropped)
         self._raw_spans: list[tuple[int, int]] = []  # ranges of ``residual`` that are 0 (their chunks went raw)
@@ -406,6 +411,16 @@ class RingAllreduce:
             self._progress.set()
             self.moved_at = loop.time()
 
+    async def _recv(self) -> wire.Frame:
+        """The receive link's next frame within ``timeout``, or later while ``patient`` (a link
+        that failed fails the call at once)."""
+        while True:
+            try:
+                return await self.recv_link.recv(timeout=self.timeout)
+            except LinkError:
+                if self._patient is None or getattr(self.recv_link, "closed", True) or not self._patient():
+                    raise
+
     async def _recv_chunk(self, t: Transfer, early: dict[tuple, wire.Frame]) -> wire.Frame:
         """The next frame for ``t``, or one that ``_check`` refuses. Chunks of this call that
         come ahead of their turn wait in ``early``: while a duplicate link to the peer closes,
@@ -413,7 +428,7 @@ class RingAllreduce:
         A chunk of a later call goes back to the link for that call (the peer is past this
         one, which must have been aborted), and this call fails now."""
         while True:
-            frame = await self.recv_link.recv(timeout=self.timeout)
+            frame = await self._recv()
             h = frame.header
             op, key = h.get("op"), (h.get("g"), h.get("c"))
             if h.get("t") != wire.CHUNK or not isinstance(op, int) or (op == self.op_id and key == (t.g, t.chunk)):

@@ -72,6 +72,11 @@ class ChunkChannel:
     def same_host(self) -> bool:
         return self._link.same_host
 
+    @property
+    def closed(self) -> bool:
+        """The link failed or closed: what ``recv`` raises now is that, not a quiet wait."""
+        return self._error is not None
+
     def set_allocator(self, allocate: wire.Allocator) -> None:
         self._allocate = allocate
         self._link.set_allocator(allocate)
