@@ -234,3 +234,43 @@ async def test_an_idle_round_keeps_what_error_feedback_owes():
     applied, owed, given = await topk_books(trainers, 4)
     assert all(t.idle >= 3 for t in trainers)  # (idle rounds between the updates)
     assert np.abs(applied + owed[0] + owed[1] - given).max() < 1e-3
+
+
+class SlowTrainer(FakeTrainer):
+    """Its first batch comes ``late`` seconds after the first round asks for it (a slow device)."""
+
+    def __init__(self, rank, late):
+        super().__init__(rank)
+        self.late, self.asked, self.computed, self.cluster = late, False, False, None
+
+    def take(self, members=1, alone=False):
+        if not self.asked:
+            self.asked = True
+            asyncio.get_running_loop().call_later(self.late, self._computed)
+        return super().take(members, alone) if self.computed else None
+
+    def _computed(self):
+        self.computed = True
+        self.cluster.contribution_available()
+
+
+async def test_a_ring_begun_early_waits_for_a_batch_later_than_its_chunk_timeout():
+    """Rings start as members contribute: the quicker member's ring waits for the slower one's
+    batch however long the round does (its chunk timeout does not count while the round
+    collects), so the round commits rather than fail at that timeout and be tried again."""
+    fast, slow = FakeTrainer(0), SlowTrainer(1, late=1.0)
+    clusters = [Cluster(peer_id=pid, trainer=t, checksum=b"same-start", secret=b"k", ring_timeout=0.3,
+                        config=RoundConfig(min_peers=2)) for pid, t in (("a", fast), ("b", slow))]
+    slow.cluster = clusters[1]
+    try:
+        for c in clusters:
+            await c.__aenter__()
+        for c in clusters:
+            for d in clusters:
+                c.propose("127.0.0.1", d.port)
+        await until(lambda: fast.applied and slow.applied, timeout=20)
+        assert fast.applied[0] == slow.applied[0] == (3.0, 2)  # both batches, in the first round applied
+        assert fast.put_backs == 0 and slow.put_backs == 0  # no ring failed at its 0.3 s timeout
+    finally:
+        for c in clusters:
+            await c.close()
