@@ -82,3 +82,29 @@ def test_a_member_counts_the_peers_its_leader_proposes_even_before_it_hears_they
         net.tick()
     assert len(net.m["b"].pending.view) == 4 and len(net.m["b"].table.live_synced()) == 3
     assert net.m["b"].members() == 4
+
+
+def test_a_long_ring_does_not_put_off_a_members_first_wait_for_the_decision():
+    """Told START, a member whose ring runs past the ring deadline says nothing (its ring has its
+    own timeout), and once the ring ends it says it waits for the decision at the first deadline
+    after START, not at a later mark."""
+    from p2ptrain.cluster.roundmsg import Stall
+
+    net = cluster("abc", run=0.5)
+    net.auto = False
+    net.tick()
+    r = net.m["a"].lead.r
+    for p in "abc":
+        net.contribute(p)
+    net.settle()
+    net.hold("c", "a")  # (c's DONE will wait: the decision does not come)
+    pending = net.m["c"].pending
+    assert pending.told and pending.phase == M.RING
+    deadline = net.m["c"]._deadline(M.RINGED, pending.view)
+    net.now += 1.1 * deadline  # the ring runs on past a deadline
+    net.handle("c", net.m["c"].on_tick(net.now))
+    assert not [s for s in net.of("c", Stall) if s.r == r] and pending.mark == 1.0
+    net.finish_ring("c")
+    net.now += 0.4 * deadline  # 1.5 deadlines after START
+    net.handle("c", net.m["c"].on_tick(net.now))
+    assert [s.phase for s in net.of("c", Stall) if s.r == r] == ["decision"]

@@ -276,6 +276,8 @@ class Member:
         if pending is None or not pending.started or pending.b[1] == machine.id:
             return
         waited, ready = now - pending.since, not pending.told
+        if not ready and pending.phase != RINGED:  # (told, our ring runs: its own timeout; mark stays for DONE)
+            return
         if waited >= pending.mark * machine._deadline(READIED if ready else pending.phase, pending.view):
             if pending.phase == RINGED:
                 machine._emit(Stall((pending.b[1],), "start" if ready else "decision", waited, pending.r))
