@@ -5,8 +5,8 @@
 
 The same task as ``python -m p2ptrain join --task synthetic`` (built by
 ``p2ptrain.tasks.load_task``), the same seed, batch size, optimizer and per-rank batch
-stream (``train_batches(rank, world, ...)``), so that the two loss curves differ only
-in how the gradients are averaged and how fast. It writes the metrics file in join's
+stream (``train_batches(rank, world, ...)``: lan.py gives join ``--data-rank`` the rank), so
+that the two loss curves differ only in how the gradients are averaged and how fast. It writes the metrics file in join's
 format (one JSON object per step: time, round, members, samples, loss, round_seconds)
 so both are read by the same code. ``--step-delay`` sleeps (with ``--step-busy``: computes)
 before each backward pass: the slow-peer emulation; DDP has no staleness bound, so every rank

@@ -136,6 +136,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--outer-momentum", str(outer_momentum)] if outer_momentum is not None else []
     if "--min-peers" in flags:
         cmd += ["--min-peers", str(run.n)]
+    if "--data-rank" in flags:  # (DDP's rank i reads stream i: the same batches on both sides)
+        cmd += ["--data-rank", str(peers.index(own))]
     if step_delay and "--step-delay" in flags:
         cmd += ["--step-delay", str(step_delay)] + (["--step-busy"] if step_busy and "--step-busy" in flags else [])
     return cmd

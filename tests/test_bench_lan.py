@@ -189,6 +189,17 @@ def test_join_command_for_the_static_group_and_the_cluster_join(tmp_path):
     assert new[new.index("--staleness") + 1] == "1" and new[new.index("--compression") + 1] == "int8"
 
 
+def test_each_join_reads_the_batches_of_the_ddp_rank_it_stands_beside(tmp_path):
+    run = _lan_train.Run(0, "p2ptrain", 2, "int8", 0)
+    peers = ["10.0.0.1:7010", "10.0.0.2:7010"]
+    kw = {"peers": peers, "metrics": tmp_path / "m", "model_size": "1m", "batch_size": 32, "rounds": 5,
+          "secret": "s", "cluster": "c", "flags": {"--data-rank"}}
+    for rank, own in enumerate(peers):
+        cmd = _lan_train.join_command(run, own=own, **kw)
+        assert cmd[cmd.index("--data-rank") + 1] == str(rank)
+    assert "--data-rank" not in _lan_train.join_command(run, own=peers[0], **{**kw, "flags": set()})
+
+
 def test_join_flags_reads_the_parser_itself():
     flags = _lan_train.join_flags()
     assert {"--peers", "--metrics", "--max-rounds", "--compression"} <= flags

@@ -120,6 +120,7 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     (["--overlap", "--staleness", "1"], "--overlap is for --staleness 0 in gradient mode"),
     (["--overlap", "--sync-every", "8"], "--overlap is for --staleness 0 in gradient mode"),
     (["--reconcile-every", "-1"], "at least 0"),
+    (["--data-rank", "-1"], "--data-rank: '-1': expected an integer, at least 0"),
     # (a folder: a traceback at the start for --metrics, and for --trace at the end, the trace lost)
     (["--metrics", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),
     (["--trace", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),
@@ -458,3 +459,35 @@ def test_stopped_alone_every_applied_batch_has_its_record(tmp_path):
     assert summary["unapplied"] == 0  # (alone, every batch stepped is applied at once)
     assert sum(r["own_samples"] for r in run) + summary["dropped"] == summary["own_samples"], summary
     assert summary["rounds"] == len(run) == summary["version"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_data_rank_n_trains_on_the_batches_ddps_rank_n_reads(tmp_path, rank):
+    """A peer alone applies each batch as the plain loop would, so after six steps on stream N its
+    parameters are those of the plain loop over ``train_batches(N, ...)`` (DDP's rank N), and
+    not those of the other stream."""
+    import torch
+    from p2ptrain.tasks import load_task, param_checksum
+
+    options = {"seed": 0, "model_size": "20k", "batch_size": 8, "data": None, "device": "cpu"}
+    expected, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # (as the join's: a matmul's sums are rounded by how the cores split them)
+    for stream in (0, 1):
+        task = load_task("synthetic", options)
+        model = task.model
+        optimizer = task.make_optimizer(model.parameters(), task.default_lr)
+        batches = task.train_batches(stream, 1, 8, 0)
+        for _ in range(6):
+            task.loss(model, next(batches), torch.device("cpu")).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        expected[stream] = param_checksum(model)
+    torch.set_num_threads(threads)
+    assert expected[0] != expected[1]
+    p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "20k",
+                        "--batch-size", "8", "--data-rank", str(rank), "--max-rounds", "6", "--no-discovery",
+                        "--port", "0", "--device", "cpu", "--metrics", str(tmp_path / "m.jsonl")],
+                       env=ONE_THREAD, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-1500:]
+    summary = records(tmp_path / "m.jsonl")[-1]
+    assert summary["event"] == "summary" and summary["param_checksum"] == expected[rank]

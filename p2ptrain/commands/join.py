@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=number(above=0), default=_env("lr"), help="learning rate (default: the task's)")
     g.add_argument("--seed", type=integer(0), default=_env("seed", "0"), help="seed of the model and data (default 0; the "
                    "same on every peer)")
+    g.add_argument("--data-rank", type=integer(0), default=_env("data_rank"), metavar="N",
+                   help="train on the task's batch stream N, the one DDP's rank N reads (default: one drawn from "
+                   "this peer's id, another on every peer); give each peer its own N")
     g = p.add_argument_group("the cluster")
     g.add_argument("--cluster", type=name(64), default=_env("cluster", "default"), help="cluster name (default: default)")
     g.add_argument("--secret", default=_env("secret"), help="shared secret (or $P2PTRAIN_SECRET)")
@@ -203,6 +206,13 @@ def _local_hosts() -> set[str]:
     from p2ptrain.net.interfaces import list_interfaces
 
     return {"localhost", "127.0.0.1", "0.0.0.0"} | {i.address for i in list_interfaces()}
+
+
+def _stream_of(peer_id: str) -> int:
+    """The batch stream of a peer not given --data-rank: from its id, so that peers started
+    alike (the same --seed) still read different batches."""
+    head = peer_id[:8]
+    return int(head, 16) if head and all(c in "0123456789abcdef" for c in head) else 0
 
 
 def burn(seconds: float) -> None:
@@ -392,7 +402,7 @@ class _Join:
 
     async def _train(self, peer, task, device, metrics) -> None:
         a = self.args
-        rank_seed = int(peer.peer_id[:8], 16) if all(c in "0123456789abcdef" for c in peer.peer_id[:8]) else 0
+        rank_seed = a.data_rank if a.data_rank is not None else _stream_of(peer.peer_id)
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
         await self._wait_for_members(peer)
         start = last_log = time.monotonic()
