@@ -63,3 +63,51 @@ def test_join_keeps_freed_memory(tmp_path):
                          capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "malloc: freed memory is kept for reuse" in out.stderr
+
+
+# A round's buffers made on a fresh loop thread: the pages a 16 MB array faults in there.
+LOOP_PROBE = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    from p2ptrain.commands.heap import keep_freed_memory
+    from p2ptrain.trainer.loopthread import LoopThread
+    keep_freed_memory()
+    LoopThread.warm_bytes = int(sys.argv[1])
+    async def first_round():
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        buffers = [np.ones(1 << 20, np.float32) for _ in range(4)]
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    thread = LoopThread("probe")
+    print(thread.call(first_round()))
+    thread.stop()
+""")
+
+
+def loop_faults(warm: int) -> int:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    return int(subprocess.run([sys.executable, "-c", LOOP_PROBE, str(warm)], env=clean, capture_output=True,
+                              text=True, timeout=50, check=True).stdout)
+
+
+def test_a_warmed_loop_thread_makes_its_first_buffers_from_pages_it_touched_already():
+    cold, warm = loop_faults(0), loop_faults(32 << 20)
+    assert cold > 1000  # (16 MB: 4,096 pages, faulted in on first touch; the kernel maps some at a time)
+    assert warm < cold / 10
+
+
+def test_join_warms_the_loop_thread_by_the_models_size_where_the_heap_keeps_freed_memory(monkeypatch):
+    import torch
+    from p2ptrain.commands import heap, join
+    from p2ptrain.trainer.loopthread import LoopThread
+
+    model = torch.nn.Linear(1000, 100)  # 100,100 parameters
+    monkeypatch.setattr(LoopThread, "warm_bytes", 0)
+    monkeypatch.setattr(heap, "_kept", False)
+    join._Join._warm_loop_thread(model)
+    assert LoopThread.warm_bytes == (0 if not heap.keeps_freed_memory() else join.WARM_VECTORS * 4 * 100_100)
+    monkeypatch.setattr(heap, "_kept", True)
+    join._Join._warm_loop_thread(model)
+    assert LoopThread.warm_bytes == join.WARM_VECTORS * 4 * 100_100
+    monkeypatch.setattr(join, "WARM_MAX_BYTES", 1 << 20)
+    join._Join._warm_loop_thread(model)
+    assert LoopThread.warm_bytes == 1 << 20

@@ -31,6 +31,7 @@ _USERS_OWN = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHO
 # The same two settings for a process started with them (the benchmarks give them to every
 # process they compare, DDP's too, so that each runs on the heap ``join`` gives itself).
 KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(LARGEST)}
+_kept = False  # (keep_freed_memory took)
 
 
 def _users_own(env) -> list[str]:
@@ -41,6 +42,14 @@ def _users_own(env) -> list[str]:
 def with_kept_heap(env: dict) -> dict:
     """``env`` plus ``KEEP_FREED_ENV``, unless it sets malloc itself (then as it is)."""
     return env if _users_own(env) else {**env, **KEEP_FREED_ENV}
+
+
+def keeps_freed_memory(env=None) -> bool:
+    """Whether this process's malloc keeps freed memory: ``keep_freed_memory`` took, or the
+    environment set the same (a benchmark's ``with_kept_heap``)."""
+    env = os.environ if env is None else env
+    return _kept or (env.get("MALLOC_MMAP_MAX_") == "0" and
+                     env.get("MALLOC_TRIM_THRESHOLD_", "").isdigit() and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 2**30)
 
 
 def keep_freed_memory() -> bool:
@@ -58,4 +67,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     log.debug("malloc: freed memory is kept for reuse (no mmap, trim threshold 2 GB): %s", done)
+    global _kept
+    _kept = done
     return done
