@@ -96,18 +96,18 @@ def test_a_warmed_loop_thread_makes_its_first_buffers_from_pages_it_touched_alre
 
 
 def test_join_warms_the_loop_thread_by_the_models_size_where_the_heap_keeps_freed_memory(monkeypatch):
-    import torch
-    from p2ptrain.commands import heap, join
+    from p2ptrain.commands import heap
     from p2ptrain.trainer.loopthread import LoopThread
 
-    model = torch.nn.Linear(1000, 100)  # 100,100 parameters
+    elems = 100_100
     monkeypatch.setattr(LoopThread, "warm_bytes", 0)
     monkeypatch.setattr(heap, "_kept", False)
-    join._Join._warm_loop_thread(model)
-    assert LoopThread.warm_bytes == (0 if not heap.keeps_freed_memory() else join.WARM_VECTORS * 4 * 100_100)
+    heap.warm_loop_thread(elems)
+    assert LoopThread.warm_bytes == (0 if not heap.keeps_freed_memory() else heap.WARM_VECTORS * 4 * elems)
     monkeypatch.setattr(heap, "_kept", True)
-    join._Join._warm_loop_thread(model)
-    assert LoopThread.warm_bytes == join.WARM_VECTORS * 4 * 100_100
-    monkeypatch.setattr(join, "WARM_MAX_BYTES", 1 << 20)
-    join._Join._warm_loop_thread(model)
+    heap.warm_loop_thread(elems)
+    assert LoopThread.warm_bytes == heap.WARM_VECTORS * 4 * elems
+    monkeypatch.setattr(heap, "WARM_MAX_BYTES", 1 << 20)
+    heap.warm_loop_thread(elems)
     assert LoopThread.warm_bytes == 1 << 20
+    assert heap.keeps_freed_memory(heap.KEEP_FREED_ENV)  # (a benchmark's environment: the same heap)

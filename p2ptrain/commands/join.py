@@ -34,10 +34,6 @@ log = logging.getLogger("p2ptrain.join")
 # How often --connect-timeout's wait looks at the members: every peer's first batch waits for it,
 # and the first round for the last peer's (0.1 s spread the peers' starts by up to that much).
 MEMBERS_POLL_S = 0.01
-# The loop thread's first rounds, measured (1 M parameters, int8 with error feedback): 6.5 float32
-# vectors of the model's size in fresh heap; warmed in advance, up to a cap.
-WARM_VECTORS = 8
-WARM_MAX_BYTES = 1 << 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -252,6 +248,7 @@ class _Join:
             self._cores.close()
 
     async def _run(self) -> int:
+        from p2ptrain.commands.heap import warm_loop_thread
         from p2ptrain.device import device_kind, pick_device
         from p2ptrain.net.discovery import parse_host_port, peer_list
         from p2ptrain.trainer.peer import AsyncPeer
@@ -271,7 +268,7 @@ class _Join:
                                   "batch_size": a.batch_size, "device": str(device)})
         validate_task(task, device)
         model = task.model.to(device)
-        self._warm_loop_thread(model)
+        warm_loop_thread(task.num_parameters())  # (before the peer's thread starts)
         optimizer = task.make_optimizer(model.parameters(), a.lr if a.lr is not None else task.default_lr)
         log.info("task %s (%s), %d parameters, on %s; compression %s, staleness %d, min peers %d",
                  task.name, task.info, task.num_parameters(), device_kind(device), a.compression, a.staleness,
@@ -298,18 +295,6 @@ class _Join:
             if metrics:
                 metrics.close()
         return 0
-
-    @staticmethod
-    def _warm_loop_thread(model) -> None:
-        """The peer's loop thread touches the heap its first rounds will take before it opens
-        (``LoopThread.warm_bytes``): the heap keeps freed memory here (``heap``), so those rounds
-        reuse warm pages, and their cost lands before the peer is reachable, not in round 0."""
-        from p2ptrain.commands.heap import keeps_freed_memory
-        from p2ptrain.trainer.loopthread import LoopThread
-
-        if keeps_freed_memory():
-            elems = sum(p.numel() for p in model.parameters())
-            LoopThread.warm_bytes = min(WARM_VECTORS * 4 * elems, WARM_MAX_BYTES)
 
     async def _run_peer(self, peer, task, model, device, metrics: MetricsFile | None) -> None:
         """Train until the run ends or Ctrl-C; then the last checkpoint, the trace, the summary."""

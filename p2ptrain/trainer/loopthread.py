@@ -8,7 +8,7 @@ import concurrent.futures
 import threading
 
 
-WARM_BLOCK = 8 << 20  # bytes per block the warm-up touches (a thread's malloc heap grows 64 MB at a time)
+WARM_BLOCK = 8 << 20  # bytes per block the warm-up touches (a thread's malloc arena takes none over 64 MB)
 
 
 class LoopThread:
