@@ -389,6 +389,8 @@ def measure_snapshot(lan: netns.EmulatedLan, work: Path, mb: float, reps: int, r
                 "ask_to_loaded_s": t["restored"] - t["ask"], "ask_to_first_part_s": t["first_part"] - t["ask"],
                 "wire_s": wire_s, "last_part_to_loaded_s": t["restored"] - t["last_part"],
                 "overall_Bps": size / (t["restored"] - t["ask"]),
+                # Can read above the link: parts that queued in the socket buffer while the
+                # first was handled are read at once. overall_Bps cannot.
                 "wire_Bps": (size - t["first_bytes"]) / wire_s if wire_s > 0 else None})
             progress(f"snapshot {rep + 1}/{reps}: {size / 1e6:.0f} MB in {t['restored'] - t['ask']:.2f} s")
     finally:

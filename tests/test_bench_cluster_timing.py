@@ -32,7 +32,12 @@ def test_tiny_run_reports_discovery_and_a_snapshot_download_within_the_link(tmp_
     (run,) = doc["snapshot"]["runs"]
     assert run["bytes"] >= 12e6 and run["asks"] >= 1
     assert 0 < run["ask_to_loaded_s"] < run["launch_to_loaded_s"]
-    assert 0 < run["wire_Bps"] < 1.1 * 1e9 / 8  # the state crossed the capped link, not a shortcut
+    # The state crossed the capped link, not a shortcut: every byte leaves after the ask, so the
+    # rate from the ask on is bounded by the link (plus the token buckets' 2 ms bursts). The rate
+    # between the first and last part is not: parts queued in the socket buffer while the first
+    # was handled arrive at once (one CI run read 144 MB/s there on a 125 MB/s link).
+    assert 0 < run["overall_Bps"] < 1.1 * 1e9 / 8
+    assert run["wire_Bps"] > 0
     assert "| discovery, N=2" in out and "snapshot, 12 MB at 1 Gbit/s" in out and "raw TCP" in out
 
 
