@@ -130,7 +130,7 @@ class Report:
         gloo = {r["n"]: r for r in self.train_rows if r["impl"] == "gloo" and r["ok"]}
         target = self.a.target_loss
         head = ["impl", "codec", "staleness", "N", "rounds", "samples", "samples/s", "per peer", "rank 0 own/s",
-                "scaling eff", "vs gloo", f"to loss {target:g}", "vs gloo", "B/sample", "final loss", "identical"]
+                "scaling eff", "vs gloo", f"to loss {target:g}", "vs gloo", "B/sample", "MB to loss", "final loss", "identical"]
         rows = []
         for r in self.train_rows:
             g = gloo.get(r["n"])
@@ -150,6 +150,7 @@ class Report:
                          _f(own, ".0f"), _f(r.get("efficiency"), ".2f"), _f(vs, ".2f"),
                          _f(r.get("time_to_target_s"), ".3g", " s") if r.get("rounds") else "-", _f(ttl, ".2f"),
                          _f(r.get("bytes_per_sample") or None, ".0f"),
+                         _f(r["bytes_to_target"] / 1e6 if r.get("bytes_to_target") else None, ".2f"),
                          _f(r.get("final_loss"), ".3f"), "-" if r.get("identical") is None else r["identical"]])
         return _common.table(rows, head)
 

@@ -12,7 +12,8 @@ here by ``summarize``:
   round's training loss, that of rank 0's own batch;
 - time to target: wall seconds from the first batch (join's ``training`` event; DDP's first
   step) until the smoothed loss first drops below the target (None: not reached). Not from
-  the first round's ring: in local-steps mode H inner steps come before it.
+  the first round's ring: in local-steps mode H inner steps come before it;
+- bytes to target: what this peer sent in the rounds up to that one (the bytes at equal loss).
 
 Flags that ``join`` gained recently (``--staleness``, ``--step-delay``, ``--min-peers``,
 ``--no-discovery``) are passed only when its parser has them. A join with
@@ -210,7 +211,8 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
         samples, seconds = records[0]["samples"], max(times[0], 1e-9)
     ema = smoothed([r["loss"] for r in records],
                    weights=[max(r["samples"], 1) / step_samples for r in records] if step_samples else None)
-    reached = next((t for t, v in zip(times, ema) if target_loss is not None and v < target_loss), None)
+    at = next((i for i, v in enumerate(ema) if target_loss is not None and v < target_loss), None)
+    reached = None if at is None else times[at]
     step = max(1, len(records) // CURVE_POINTS)
     last = records[-1]
     return {
@@ -221,6 +223,9 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
         "raw_bytes": final.get("raw_bytes", last.get("raw_bytes")),
         "own_samples": final.get("own_samples"), "dropped": last.get("dropped"),
         "bytes_per_sample": (final.get("wire_bytes", last.get("wire_bytes")) or 0) / max(1, sum(r["samples"] for r in records)),
+        # (what crossed the wire to reach the target: the comparison at equal loss, where a mode
+        # that needs more samples to a loss pays for them; a record's wire_bytes are its round's)
+        "bytes_to_target": None if at is None else sum(r.get("wire_bytes") or 0 for r in records[:at + 1]),
         "staleness_max": max((r.get("staleness_max") or 0) for r in records),
         "param_checksum": final.get("param_checksum", last.get("param_checksum")),
         "curve": [[round(times[i], 4), round(ema[i], 5)] for i in range(0, len(records), step)],

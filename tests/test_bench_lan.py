@@ -135,6 +135,17 @@ def test_time_to_target_uses_the_smoothed_loss():
     assert _lan_train.summarize(records([2.0] * 10), {}, target_loss=1.0)["time_to_target_s"] is None
 
 
+def test_bytes_to_target_are_the_rounds_sent_until_the_smoothed_loss_crossed():
+    losses = [2.0] * 5 + [0.5] * 40
+    recs = records(losses)
+    for i, r in enumerate(recs):
+        r["wire_bytes"] = 1000 + i  # (each round's own bytes)
+    first_below = next(i for i, v in enumerate(_lan_train.smoothed(losses)) if v < 1.0)
+    s = _lan_train.summarize(recs, {"wire_bytes": 10**9}, target_loss=1.0)
+    assert s["bytes_to_target"] == sum(1000 + i for i in range(first_below + 1))
+    assert _lan_train.summarize(records([2.0] * 10), {}, target_loss=1.0)["bytes_to_target"] is None
+
+
 def test_metrics_file_with_summary_event_and_torn_line(tmp_path):
     f = tmp_path / "m.jsonl"
     lines = [json.dumps(r) for r in records([2.0, 1.9])]
