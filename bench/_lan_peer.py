@@ -188,7 +188,8 @@ class Peer:
                 f"peer {r} on core {','.join(map(str, s['cores']))}" for r, s in enumerate(seen)))
         runs, skipped = _lan_train.plan(self.world, a.scaling, a.train_codecs, a.staleness, flags,
                                         gloo=a.gloo, predict=a.weight_prediction,
-                                        sync_every=a.sync_every or []) if a.train else ([], [])
+                                        sync_every=a.sync_every or [],
+                                        local_staleness=a.local_staleness) if a.train else ([], [])
         self.notes += skipped
         if a.step_delay and a.train and "--step-delay" not in flags:
             self.notes.append("--step-delay not applied: this join has no --step-delay (heterogeneity not measured)")

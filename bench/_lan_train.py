@@ -67,10 +67,11 @@ def join_flags() -> set[str]:
 
 def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[int],
          flags: set[str], gloo: bool, predict: bool = False,
-         sync_every: list[int] = ()) -> tuple[list[Run], list[str]]:
+         sync_every: list[int] = (), local_staleness: list[int] = (1,)) -> tuple[list[Run], list[str]]:
     """The runs, in order, and a line per thing that cannot be run with this join.
     ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
-    ``--weight-prediction``. ``sync_every``: a local-steps run (staleness 1) per H and codec.
+    ``--weight-prediction``. ``sync_every``: a local-steps run per H, codec and staleness of
+    ``local_staleness``.
 
     N=1 is run once per implementation (and once per H in local-steps mode): alone, a peer
     sends nothing, so its codec and staleness change nothing; it is the base of every scaling
@@ -96,7 +97,8 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
                 runs.append(Run(len(runs), "p2ptrain", n, codec, tau, predict=True))
         # (local steps alone too: the base of the slow-peer figure, the fast peer's own samples/s)
         for codec in (codecs if n > 1 else codecs[:1]) if "--sync-every" in flags else []:
-            runs += [Run(len(runs) + i, "p2ptrain", n, codec, 1, sync_every=h) for i, h in enumerate(sync_every)]
+            runs += [Run(len(runs) + i, "p2ptrain", n, codec, tau, sync_every=h)
+                     for i, (h, tau) in enumerate((h, tau) for h in sync_every for tau in local_staleness)]
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
     if sync_every and "--sync-every" not in flags:

@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--weight-prediction", action="store_true", help="run each p2ptrain staleness >= 1 "
                    "training run a second time with join's --weight-prediction")
     t.add_argument("--sync-every", type=_csv(int), metavar="H[,H...]", help="also train in local-steps mode "
-                   "(join --sync-every H, staleness 1) per H and training codec, for the same samples per peer")
+                   "(join --sync-every H, at each --local-staleness) per H and training codec, for the same samples per peer")
+    t.add_argument("--local-staleness", type=_csv(int), default=[1], metavar="T[,T...]",
+                   help="the staleness of the local-steps runs (default 1: the outer update lands a round late, "
+                   "the inner steps go on meanwhile; 0: each peer waits for it), a run per value")
     t.add_argument("--outer-lr", type=float, help="local-steps runs: join --outer-lr (default: join's)")
     t.add_argument("--outer-momentum", type=float, help="local-steps runs: join --outer-momentum (default: join's)")
     t.add_argument("--model-size", help="synthetic task size (default 1m)")
@@ -133,6 +136,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Non
         p.error(f"--scaling values must be 1..{world}")
     if any(s < 0 for s in a.staleness) or a.step_delay < 0:
         p.error("--staleness and --step-delay must be >= 0")
+    if any(tau < 0 for tau in a.local_staleness):
+        p.error("--local-staleness values must be >= 0")
     if any(h < 1 for h in a.sync_every or []):
         p.error("--sync-every values must be >= 1 (inner steps per round)")
     from p2ptrain.codecs import parse_codec
