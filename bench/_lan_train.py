@@ -25,6 +25,7 @@ this peer's entry.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
         # (local steps alone too: the base of the slow-peer figure, the fast peer's own samples/s)
         for codec in (codecs if n > 1 else codecs[:1]) if "--sync-every" in flags else []:
             runs += [Run(len(runs) + i, "p2ptrain", n, codec, tau, sync_every=h)
-                     for i, (h, tau) in enumerate((h, tau) for h in sync_every for tau in local_staleness)]
+                     for i, (h, tau) in enumerate(itertools.product(sync_every, local_staleness))]
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
     if sync_every and "--sync-every" not in flags:
