@@ -200,6 +200,12 @@ def partner_leaves(overlap: bool) -> list[torch.Tensor]:
     peers = open_peers([make, make], overlap=overlap, min_peers=1)  # (alone, it trains on)
     data = [batches(r, 16) for r in range(2)]
     try:
+        # (min_peers=1: a peer that stepped before meeting the other would step alone, and the
+        # two runs would differ by when the peers met; they train from the moment they have)
+        deadline = time.monotonic() + 10
+        while any(p.members < 2 for p in peers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(p.members == 2 for p in peers), "the two peers never met on loopback"
         def together(rank):
             peer = peers[rank]
             for x, y in data[rank][:6]:
