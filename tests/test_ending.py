@@ -133,3 +133,22 @@ def test_idle_rounds_are_not_versions_the_end_counts_updates():
         assert finished(net, p) == finished(net, "a") and finished(net, p)[0][0] == 12
     assert len({net.m[p].history.digest for p in "abc"}) == 1
     net.check_safety()
+
+
+def test_a_member_told_the_end_by_a_peer_before_the_last_commit_reaches_it_finishes_with_the_others():
+    """The leader's COMMIT of the last round is slow to reach c (a CPU-starved peer), and b,
+    done, says goodbye with the end on its own link first: c finished at once, a version behind
+    the others, with other parameters. Now it waits for its started round's decision."""
+    net = Net("abc", auto=False, max_version=1)
+    net.found()
+    net.commit_unheard("a", "c")  # (the last round: a's COMMIT and END to c are held)
+    assert finished(net, "a") == finished(net, "b") and finished(net, "a")[0][0] == 1
+    assert not finished(net, "c") and net.m["c"].pending is not None
+    net.handle("b", net.m["b"].leave(net.now))  # (its GOODBYE says the run ended at version 1)
+    net.settle()
+    net.tick()
+    assert not finished(net, "c")  # its round awaits the leader's decision
+    net.release("a", "c")
+    net.settle()
+    assert finished(net, "c") == finished(net, "a")
+    assert net.m["c"].history.digest == net.m["a"].history.digest and versions_applied(net, "c") == 1

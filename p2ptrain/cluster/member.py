@@ -267,6 +267,7 @@ class Member:
                 table.synced(q, machine.history.version, machine.history.digest, pending.r)
             machine._emit(Apply(pending.r, pending.total, pending.view))
         machine._set_self()
+        machine.ending.decided(now)  # (an end a peer told us while this round awaited its decision)
 
     def check_stall(self, now: float) -> None:
         """On a tick: our READY or DONE waits longer than its deadline for the leader's answer

@@ -385,6 +385,9 @@ class RoundMachine:
     def _tick(self, now: float) -> None:
         if self.ending.ended is not None:
             return
+        self.ending.decided(now)  # (a started round of ours voided another way: a state load)
+        if self.ending.ended is not None:
+            return
         self.lineage.tick(now)
         for peer in self.table.expire(now, self.config.peer_timeout):
             self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
