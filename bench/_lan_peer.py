@@ -34,6 +34,8 @@ import _lan_report
 import _lan_train
 from _lan_control import Control
 
+from p2ptrain.trainer.cpu_queue import cpu_times
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 MAX_RUNS = 50
@@ -89,20 +91,6 @@ def _ifname_of(host: str) -> str | None:
     except OSError:
         return None
     return next((i.name for i in list_interfaces() if i.address == addr), None)
-
-
-def cpu_times(pid: int) -> tuple[float, float] | None:
-    """Seconds the threads of process ``pid`` ran on a CPU, and waited runnable for one (other
-    processes on its cores had it), from Linux's /proc/PID/task/*/schedstat; None elsewhere."""
-    run = queued = 0
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
-                fields = f.read().split()
-            run, queued = run + int(fields[0]), queued + int(fields[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return run / 1e9, queued / 1e9
 
 
 def run_child(cmd: list[str], env: dict, log: Path, timeout: float, tick=None,

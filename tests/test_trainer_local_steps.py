@@ -235,3 +235,40 @@ def test_inner_steps_a_state_load_voids_are_counted_as_dropped():
     assert late.cluster.loads
     applied = sum(m.local_samples for m in late.history)
     assert applied + late.dropped + late.unapplied == 32 * stepped[0], (applied, late.dropped, late.unapplied)
+
+
+class QueuedClock:
+    """``cpu_times`` on a machine that runs ``queued`` seconds waited for a CPU per second run."""
+
+    def __init__(self, queued: float):
+        self.queued, self.times = queued, (0.0, 0.0)
+
+    def __call__(self, pid="self"):
+        self.times = (self.times[0] + 1.0, self.times[1] + self.queued)
+        return self.times
+
+
+@pytest.mark.parametrize("queued", [0.0, 1.0], ids=["cores-to-spare", "cores-short"])
+def test_where_the_cores_are_short_a_peer_waits_for_its_outer_update_instead_of_stepping_on(queued, monkeypatch):
+    """Staleness 1, H = 4, quick steps: with cores to spare a peer steps on while the ring runs
+    (its next contribution holds more than 4 steps); where its threads wait for a CPU half the
+    time, stepping on would only slow the ring, so it waits for each outer update as at
+    staleness 0, and each contribution is its 4 steps (the first round, before anything was
+    measured, and the leaving flush aside). Replicas end identical either way."""
+    from p2ptrain.trainer import contributions, peer as peer_module
+
+    clock = QueuedClock(queued)
+    for module in (contributions, peer_module):
+        monkeypatch.setattr(module, "cpu_times", clock)
+    peers = train_pair(60, maker=make_adam, staleness=1, sync_every=4)
+    held = [m.local_samples // 32 for m in peers[0].history]
+    assert sum(held) == 60, held
+    middle = held[1:-1]  # (not the first round, nor the last: the leaving flush)
+    if queued:
+        assert peers[0]._peer._pacing.cores_short()
+        assert middle and all(steps == 4 for steps in middle), held
+    else:
+        assert not peers[0]._peer._pacing.cores_short()
+        assert max(held) > 4, held  # (it stepped on while a round ran, or waited for the other's steps)
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)

@@ -34,9 +34,52 @@ def test_staleness_1_waits_only_with_its_share_held_or_in_lockstep():
     assert not wait(lockstep=True)  # nothing of ours in a round: compute on
 
 
-def test_local_steps_wait_at_staleness_0_only():
+def test_local_steps_wait_at_staleness_0_or_where_the_cores_are_short():
     assert wait(local_steps=True, staleness=0, accumulated=8)
     assert not wait(local_steps=True, staleness=1, accumulated=8, lockstep=True)
+    assert wait(local_steps=True, staleness=1, out=True, cores_short=True)  # (waits for its outer update)
+    assert wait(local_steps=True, staleness=1, accumulated=8, cores_short=True)
+    assert not wait(local_steps=True, staleness=1, out=True)  # (steps on while the ring runs)
+    assert not wait(local_steps=True, staleness=1, cores_short=True)  # (nothing of ours in a round: step on)
+
+
+def test_cores_are_short_once_the_threads_wait_for_a_cpu_over_a_third_of_the_time():
+    p = Pacing()
+    p.cpu_sampled(None)  # (no schedstat here: nothing known, never short)
+    p.cpu_sampled((10.0, 1.0))  # (the first sample: where the shares start from)
+    assert p.queued_mean is None and not p.cores_short()
+    ran, queued = 10.0, 1.0
+    for _ in range(3):  # a round: 1 s run, 0.1 s waited (two peers on two cores: 24 %)
+        ran, queued = ran + 1.0, queued + 0.1
+        p.cpu_sampled((ran, queued))
+    assert p.queued_mean == pytest.approx(0.1 / 1.1) and not p.cores_short()
+    for _ in range(5):  # then 1 s waited a second run (four peers on two cores: about half)
+        ran, queued = ran + 1.0, queued + 1.0
+        p.cpu_sampled((ran, queued))
+    assert p.cores_short()
+    for _ in range(10):  # and back
+        ran, queued = ran + 1.0, queued + 0.05
+        p.cpu_sampled((ran, queued))
+    assert not p.cores_short()
+    p.cpu_sampled((ran, queued))  # (no time passed: the mean stays)
+    assert not p.cores_short()
+
+
+def test_the_process_reads_how_long_its_threads_ran_and_waited_for_a_cpu():
+    import os
+    import sys
+
+    from p2ptrain.trainer.cpu_queue import cpu_times
+
+    times = cpu_times()
+    if not sys.platform.startswith("linux"):
+        assert times is None
+        return
+    sum(i * i for i in range(200_000))  # (some running, so the count grows)
+    later = cpu_times()
+    assert times[0] > 0 and times[1] >= 0 and later[0] > times[0] and later[1] >= times[1]
+    assert cpu_times(os.getpid())[0] >= later[0]
+    assert cpu_times(2 ** 22 + 1) is None  # (no such process)
 
 
 def test_a_finished_run_never_waits():

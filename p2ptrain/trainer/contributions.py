@@ -47,6 +47,7 @@ import numpy as np
 
 from p2ptrain.collective.allreduce import Ready
 from p2ptrain.trainer.accumulator import CommittedUpdate
+from p2ptrain.trainer.cpu_queue import cpu_times
 from p2ptrain.cluster import snapshot
 from p2ptrain.codecs import encodable
 from p2ptrain.cluster.rounds import SyncPoint
@@ -225,6 +226,8 @@ class Contributor:
         peer = self.peer
         point, now = peer.cluster.machine.sync_point(), time.perf_counter()
         compare = len(peer.cluster.machine.table.live_synced()) > 1
+        # (local steps at staleness >= 1: whether the cores are short decides if step waits, ``pacing``)
+        cpu = cpu_times() if peer._local is not None and peer.staleness else None
         with peer._lock:
             out, peer._out = peer._out, None
             ours = out if out is not None and total_samples and (
@@ -236,6 +239,7 @@ class Contributor:
             took = peer.cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
             if took is not None and total_samples:
                 peer._pacing.ring_took(took)
+            peer._pacing.cpu_sampled(cpu)
             self._linger_due = False
             self._rounds_seen += 1
             if total_samples == 0:  # nobody had anything: nothing to apply (nor a version: ``History``)
@@ -487,6 +491,8 @@ class Contributor:
         False where the inner steps diverged: left out, counted as dropped (``LocalSteps.contribute``
         started the model again)."""
         peer = self.peer
+        if peer.staleness:  # (whether step waits for this one: the CPU time waited so far, ``pacing``)
+            peer._pacing.cpu_sampled(cpu_times())
         delta, samples = peer._local.contribute(into=peer._acc.begin_writing())
         if delta is None:
             peer.dropped += samples

@@ -18,7 +18,20 @@ is tested without sockets or clocks.
   weight prediction): without prediction, practically never (a gain of 2 needs ``r == c``).
   Until a round has been timed the member overlaps (nothing measured says otherwise).
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
-  waits for the round that holds this peer's pseudo-gradient.
+  waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
+  where the machine has no core to spare (``cores_short``: its threads waited runnable for a
+  CPU more than ``QUEUED_LIMIT`` of the time they could run, a moving mean sampled as each
+  pseudo-gradient is formed and as each round commits; Linux only, elsewhere it steps on).
+  Stepping on while the ring runs pays where the ring does not need the cores the compute uses
+  (a wire, a GPU's compute): the outer update lands some steps late, which costs less than
+  waiting for it (``bench/local_steps_sim.py``: N = 4, H = 8, 51 inner steps to the loss with
+  the update at once, 53 two steps late, 84 eight late; waiting costs the ring's whole time every
+  round). Where compute and ring share too few cores, the ring beside the compute takes as long
+  as both, the update lands later still, and the steps taken meanwhile are not free. Measured on
+  2 cores at 1 Gbit/s (H = 8, int8; ``bench/lan.py --local 4 --netns 1gbit --sync-every 8
+  --local-staleness 0,1``): four peers waited for a CPU 41-49 % of the time; stepping on took
+  0.9-2.0x waiting's time to the loss (1.2-1.5x in most runs), and with this rule 0.67-1.21x
+  (0.79 typical). Two peers there waited about 24 %: they step on, 0.67-0.97x waiting's time.
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ DELAY_COST = 2.0  # times the updates to a loss when every gradient is one updat
 PREDICTED_DELAY_COST = 1.25  # the same with weight prediction (batches computed on predicted parameters)
 COMPUTE_WEIGHT = 0.1  # the weight of the newest batch in the moving mean of compute seconds
 ROUND_WEIGHT = 0.2  # the weight of the newest round in the moving mean of ring seconds
+QUEUED_LIMIT = 0.3  # local steps: waiting runnable for a CPU above this share of the time: no core to spare
+QUEUED_WEIGHT = 0.3  # the weight of the newest round in the moving mean of that share
 
 
 @dataclass
@@ -38,6 +53,8 @@ class Pacing:
     compute_mean: float = 0.0  # a batch's compute, outside ``step``
     round_mean: float | None = None  # a ring, from its start to its commit (None: none seen yet)
     predicted: bool = False  # weight prediction is on: a late gradient costs less
+    queued_mean: float | None = None  # the share of runnable time spent waiting for a CPU (None: unmeasured)
+    _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
 
     def computed(self, seconds: float) -> None:
         """One batch was computed in ``seconds`` (from the last ``step``'s end to this one's start)."""
@@ -49,6 +66,26 @@ class Pacing:
             self.round_mean = seconds
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
+
+    def cpu_sampled(self, times: tuple[float, float] | None) -> None:
+        """The process's threads have run and waited runnable ``times`` seconds in all
+        (``cpu_queue.cpu_times``; None: unknown here), sampled once a round: the share waited since
+        the last sample goes into the moving mean."""
+        if times is None:
+            return
+        if self._cpu is not None:
+            ran, queued = times[0] - self._cpu[0], times[1] - self._cpu[1]
+            if ran + queued > 0:
+                share = queued / (ran + queued)
+                if self.queued_mean is None:
+                    self.queued_mean = share
+                else:
+                    self.queued_mean += QUEUED_WEIGHT * (share - self.queued_mean)
+        self._cpu = times
+
+    def cores_short(self) -> bool:
+        """The machine has no core to spare for a ring beside the compute (the module docstring)."""
+        return self.queued_mean is not None and self.queued_mean > QUEUED_LIMIT
 
     def overlap_gain(self) -> float | None:
         """How many times as often a batch comes when the next one is computed while the ring
@@ -75,13 +112,13 @@ def share(target_batch_size: int | None, members: int, batch: int) -> int:
 
 
 def must_wait(*, staleness: int, local_steps: bool, finished: bool, accumulated: int, out: bool, share: int,
-              lockstep: bool) -> bool:
+              lockstep: bool, cores_short: bool = False) -> bool:
     """Whether ``step`` waits: ``accumulated``: samples added and not taken yet; ``out``: our
-    contribution is in a round; ``share`` and ``lockstep`` as above."""
+    contribution is in a round; ``share``, ``lockstep`` and ``cores_short`` as above."""
     if finished:  # no round will take it: the run is over
         return False
-    if local_steps:  # at staleness 0 our pseudo-gradient is applied before step() returns
-        return staleness == 0 and bool(accumulated or out)
+    if local_steps:  # at staleness 0 (or short of cores) our pseudo-gradient is applied before step() returns
+        return (staleness == 0 or cores_short) and bool(accumulated or out)
     if staleness == 0:  # our batch is applied before step() returns
         return bool(accumulated or out)
     if accumulated >= share:  # our share of the target batch waits for a round

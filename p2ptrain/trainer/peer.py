@@ -91,7 +91,8 @@ Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user'
 the batch at once (and the scheduler, per inner step); after H inner steps the parameter change
 goes to the accumulator as a pseudo-gradient, and a committed round is an outer Nesterov step
 on parameters every replica holds alike. At staleness 0 ``step`` waits for that round; at >= 1
-it steps on while the ring runs and while a round waits for slower peers' inner steps.
+it steps on while the ring runs and while a round waits for slower peers' inner steps, unless
+this machine has no core to spare for the ring beside them: then it waits as at 0 (``pacing``).
 
 Leaving: at staleness >= 1 (and in local-steps mode) a normal exit first waits (at most
 ``contributions.FLUSH_S``) until this peer's samples are applied (in local-steps mode the inner
@@ -146,6 +147,7 @@ from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, 
                                       local_steps_defaults, own_module, round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
+from p2ptrain.trainer.cpu_queue import cpu_times
 from p2ptrain.trainer.step_checks import StepGuard, Trainable, sample_count
 from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
@@ -265,6 +267,8 @@ class AsyncPeer:
         self._compute_s = self._wait_s = 0.0  # since the last update: for its metrics (``_metrics``)
         self._compute_n = 0
         self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
+        if self._local is not None and staleness:  # (the CPU time waited is sampled at each commit from here on)
+            self._pacing.cpu_sampled(cpu_times())
         self._step_end = time.perf_counter()
         self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
         self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
@@ -502,7 +506,7 @@ class AsyncPeer:
             return True
         return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
                          accumulated=self._acc.samples, out=self._out is not None, share=self._share(),
-                         lockstep=self._pacing.lockstep())
+                         lockstep=self._pacing.lockstep(), cores_short=self._pacing.cores_short())
 
     def _share(self) -> int:  # (no round runs with fewer than min_peers)
         return share(self.target_batch_size, max(self.members, self.min_peers), self._batch)

@@ -1,0 +1,16 @@
+"""What every test runs under."""
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def spare_cores(monkeypatch):
+    """Peers read how long their threads waited for a CPU (``trainer.cpu_queue``) to decide, in
+    local-steps mode at staleness >= 1, whether to wait for each outer update (``pacing``). Two
+    peers in one test process wait a lot (measured: 40 % of the time, sleeping as their
+    "compute"), and CI's load varies: tests see the machine as one with cores to spare, as off
+    Linux, unless they give the peers a clock of their own (``test_trainer_local_steps``)."""
+    from p2ptrain.trainer import contributions, peer
+
+    for module in (contributions, peer):
+        monkeypatch.setattr(module, "cpu_times", lambda pid="self": None)
