@@ -383,9 +383,7 @@ class RoundMachine:
         return timer.deadline(self._link_bytes(len(view)))
 
     def _tick(self, now: float) -> None:
-        if self.ending.ended is not None:
-            return
-        self.ending.decided(now)  # (a started round of ours voided another way: a state load)
+        self.ending.decided(now)  # (an end heard while a round of ours, voided another way since, was started)
         if self.ending.ended is not None:
             return
         self.lineage.tick(now)

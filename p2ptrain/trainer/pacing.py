@@ -69,8 +69,8 @@ class Pacing:
 
     def cpu_sampled(self, times: tuple[float, float] | None) -> None:
         """The process's threads have run and waited runnable ``times`` seconds in all
-        (``cpu_queue.cpu_times``; None: unknown here), sampled once a round: the share waited since
-        the last sample goes into the moving mean."""
+        (``cpu_queue.cpu_times``; None: unknown here), sampled as a pseudo-gradient is formed and as
+        a round commits: the share waited since the last sample goes into the moving mean."""
         if times is None:
             return
         if self._cpu is not None:
