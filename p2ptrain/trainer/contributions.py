@@ -226,8 +226,6 @@ class Contributor:
         peer = self.peer
         point, now = peer.cluster.machine.sync_point(), time.perf_counter()
         compare = len(peer.cluster.machine.table.live_synced()) > 1
-        # (local steps at staleness >= 1: whether the cores are short decides if step waits, ``pacing``)
-        cpu = cpu_times() if peer._local is not None and peer.staleness else None
         with peer._lock:
             out, peer._out = peer._out, None
             ours = out if out is not None and total_samples and (
@@ -239,7 +237,6 @@ class Contributor:
             took = peer.cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
             if took is not None and total_samples:
                 peer._pacing.ring_took(took)
-            peer._pacing.cpu_sampled(cpu)
             self._linger_due = False
             self._rounds_seen += 1
             if total_samples == 0:  # nobody had anything: nothing to apply (nor a version: ``History``)

@@ -21,7 +21,7 @@ is tested without sockets or clocks.
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
   CPU more than ``QUEUED_LIMIT`` of the time they could run, a moving mean sampled as each
-  pseudo-gradient is formed and as each round commits; Linux only, elsewhere it steps on).
+  pseudo-gradient is formed; Linux only, elsewhere it steps on).
   Stepping on while the ring runs pays where the ring does not need the cores the compute uses
   (a wire, a GPU's compute): the outer update lands some steps late, which costs less than
   waiting for it (``bench/local_steps_sim.py``: N = 4, H = 8, 51 inner steps to the loss with
@@ -69,8 +69,9 @@ class Pacing:
 
     def cpu_sampled(self, times: tuple[float, float] | None) -> None:
         """The process's threads have run and waited runnable ``times`` seconds in all
-        (``cpu_queue.cpu_times``; None: unknown here), sampled as a pseudo-gradient is formed and as
-        a round commits: the share waited since the last sample goes into the moving mean."""
+        (``cpu_queue.cpu_times``; None: unknown here), sampled as each pseudo-gradient is formed
+        (a round's whole cycle, inner steps and ring, between two samples): the share waited since
+        the last sample goes into the moving mean."""
         if times is None:
             return
         if self._cpu is not None:

@@ -267,7 +267,7 @@ class AsyncPeer:
         self._compute_s = self._wait_s = 0.0  # since the last update: for its metrics (``_metrics``)
         self._compute_n = 0
         self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
-        if self._local is not None and staleness:  # (the CPU time waited is sampled at each commit from here on)
+        if self._local is not None and staleness:  # (the CPU time waited is sampled at each contribution from here on)
             self._pacing.cpu_sampled(cpu_times())
         self._step_end = time.perf_counter()
         self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
