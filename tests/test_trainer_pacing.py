@@ -43,7 +43,7 @@ def test_local_steps_wait_at_staleness_0_or_where_the_cores_are_short():
     assert not wait(local_steps=True, staleness=1, cores_short=True)  # (nothing of ours in a round: step on)
 
 
-def test_cores_are_short_once_the_threads_wait_for_a_cpu_over_a_third_of_the_time():
+def test_cores_are_short_once_the_threads_wait_for_a_cpu_over_30_percent_of_the_time():
     p = Pacing()
     p.cpu_sampled(None)  # (no schedstat here: nothing known, never short)
     p.cpu_sampled((10.0, 1.0))  # (the first sample: where the shares start from)

@@ -30,8 +30,9 @@ is tested without sockets or clocks.
   as both, the update lands later still, and the steps taken meanwhile are not free. Measured on
   2 cores at 1 Gbit/s (H = 8, int8; ``bench/lan.py --local 4 --netns 1gbit --sync-every 8
   --local-staleness 0,1``): four peers waited for a CPU 41-49 % of the time; stepping on took
-  0.9-2.0x waiting's time to the loss (1.2-1.5x in most runs), and with this rule 0.67-1.21x
-  (0.79 typical). Two peers there waited about 24 %: they step on, 0.67-0.97x waiting's time.
+  0.9-2.0x waiting's time to the loss (1.2-1.5x in most runs), and with this rule 0.86, 1.01 and
+  1.15x (H = 16: 0.56-0.83x; an earlier form sampling at each commit too: 0.67-1.21x). Two peers
+  there waited about 24 %: they step on, 0.67-0.97x waiting's time.
 """
 
 from __future__ import annotations
