@@ -253,22 +253,29 @@ def test_where_the_cores_are_short_a_peer_waits_for_its_outer_update_instead_of_
     """Staleness 1, H = 4, quick steps: with cores to spare a peer steps on while the ring runs
     (its next contribution holds more than 4 steps); where its threads wait for a CPU half the
     time, stepping on would only slow the ring, so it waits for each outer update as at
-    staleness 0, and each contribution is its 4 steps (the first round, before anything was
-    measured, and the leaving flush aside). Replicas end identical either way."""
-    from p2ptrain.trainer import contributions, peer as peer_module
+    staleness 0, and each contribution is its 4 steps, from the first (the leaving flush aside).
+    Replicas end identical either way."""
+    from p2ptrain.trainer import contributions, pacing, peer as peer_module
 
-    clock = QueuedClock(queued)
-    for module in (contributions, peer_module):
-        monkeypatch.setattr(module, "cpu_times", clock)
+    monkeypatch.setattr(contributions, "cpu_times", QueuedClock(queued))
+    stepped_on = []  # (each step() that went on while this peer's pseudo-gradient waited for a round or was in one)
+
+    def must_wait(**state):
+        wait = pacing.must_wait(**state)
+        if (state["out"] or state["accumulated"]) and not wait:
+            stepped_on.append(state["cores_short"])
+        return wait
+
+    monkeypatch.setattr(peer_module, "must_wait", must_wait)
     peers = train_pair(60, maker=make_adam, staleness=1, sync_every=4)
     held = [m.local_samples // 32 for m in peers[0].history]
     assert sum(held) == 60, held
-    middle = held[1:-1]  # (not the first round, nor the last: the leaving flush)
     if queued:
         assert peers[0]._peer._pacing.cores_short()
-        assert middle and all(steps == 4 for steps in middle), held
+        assert not stepped_on
+        assert all(steps == 4 for steps in held[:-1]), held  # (not the last round: the leaving flush)
     else:
         assert not peers[0]._peer._pacing.cores_short()
-        assert max(held) > 4, held  # (it stepped on while a round ran, or waited for the other's steps)
+        assert stepped_on, held
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)

@@ -46,8 +46,9 @@ def test_local_steps_wait_at_staleness_0_or_where_the_cores_are_short():
 def test_cores_are_short_once_the_threads_wait_for_a_cpu_over_30_percent_of_the_time():
     p = Pacing()
     p.cpu_sampled(None)  # (no schedstat here: nothing known, never short)
-    p.cpu_sampled((10.0, 1.0))  # (the first sample: where the shares start from)
-    assert p.queued_mean is None and not p.cores_short()
+    assert not p.cores_short()
+    p.cpu_sampled((10.0, 1.0))  # (the first sample, at the first contribution: where the shares start from)
+    assert p.queued_mean is None and p.cores_short()  # (until a share is measured: staleness 0's schedule)
     ran, queued = 10.0, 1.0
     for _ in range(3):  # a round: 1 s run, 0.1 s waited (two peers on two cores: 24 %)
         ran, queued = ran + 1.0, queued + 0.1

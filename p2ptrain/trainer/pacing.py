@@ -21,7 +21,8 @@ is tested without sockets or clocks.
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
   CPU more than ``QUEUED_LIMIT`` of the time they could run, a moving mean sampled as each
-  pseudo-gradient is formed; Linux only, elsewhere it steps on).
+  pseudo-gradient is formed, from the first one on, and short until a share is measured;
+  Linux only, elsewhere it steps on).
   Stepping on while the ring runs pays where the ring does not need the cores the compute uses
   (a wire, a GPU's compute): the outer update lands some steps late, which costs less than
   waiting for it (``bench/local_steps_sim.py``: N = 4, H = 8, 51 inner steps to the loss with
@@ -86,8 +87,13 @@ class Pacing:
         self._cpu = times
 
     def cores_short(self) -> bool:
-        """The machine has no core to spare for a ring beside the compute (the module docstring)."""
-        return self.queued_mean is not None and self.queued_mean > QUEUED_LIMIT
+        """The machine has no core to spare for a ring beside the compute (the module docstring).
+        Between the first sample and the second, nothing is measured yet: short (waiting is staleness
+        0's schedule, the safe one; the time before the first contribution, a cluster forming and
+        its peers starting, says nothing of the cores). Where nothing can be measured: not short."""
+        if self.queued_mean is None:
+            return self._cpu is not None
+        return self.queued_mean > QUEUED_LIMIT
 
     def overlap_gain(self) -> float | None:
         """How many times as often a batch comes when the next one is computed while the ring

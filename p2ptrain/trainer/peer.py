@@ -147,7 +147,6 @@ from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, 
                                       local_steps_defaults, own_module, round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
-from p2ptrain.trainer.cpu_queue import cpu_times
 from p2ptrain.trainer.step_checks import StepGuard, Trainable, sample_count
 from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
@@ -267,8 +266,6 @@ class AsyncPeer:
         self._compute_s = self._wait_s = 0.0  # since the last update: for its metrics (``_metrics``)
         self._compute_n = 0
         self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
-        if self._local is not None and staleness:  # (the CPU time waited is sampled at each contribution from here on)
-            self._pacing.cpu_sampled(cpu_times())
         self._step_end = time.perf_counter()
         self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
         self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
