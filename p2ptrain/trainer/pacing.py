@@ -31,9 +31,12 @@ is tested without sockets or clocks.
   as both, the update lands later still, and the steps taken meanwhile are not free. Measured on
   2 cores at 1 Gbit/s (H = 8, int8; ``bench/lan.py --local 4 --netns 1gbit --sync-every 8
   --local-staleness 0,1``): four peers waited for a CPU 41-49 % of the time; stepping on took
-  0.9-2.0x waiting's time to the loss (1.2-1.5x in most runs), and with this rule 0.86, 1.01 and
-  1.15x (H = 16: 0.56-0.83x; an earlier form sampling at each commit too: 0.67-1.21x). Two peers
-  there waited about 24 %: they step on, 0.67-0.97x waiting's time.
+  0.9-2.0x waiting's time to the loss (1.2-1.5x in most runs). With this rule they wait, with
+  staleness 0's rounds and samples (400 steps, six runs each, interleaved: 1.12-1.54 s against
+  1.33-1.54 s at staleness 0; the spread is the machine's). The first share is measured over the
+  second round: one from the peer's start took in the cluster forming, came out low, and every
+  peer stepped on for the first rounds. Two peers there waited 20-39 %, about the limit: they
+  step on in most rounds, 0.58-1.12 s against staleness 0's 0.97-1.53 s (six runs each).
 """
 
 from __future__ import annotations
