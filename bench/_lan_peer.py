@@ -175,7 +175,7 @@ class Peer:
             self.notes.append("CPU cores (--pin-cores): " + ", ".join(
                 f"peer {r} on core {','.join(map(str, s['cores']))}" for r, s in enumerate(seen)))
         runs, skipped = _lan_train.plan(self.world, a.scaling, a.train_codecs, a.staleness, flags,
-                                        gloo=a.gloo, predict=a.weight_prediction,
+                                        gloo=a.gloo, predict=a.weight_prediction, overlap=a.overlap,
                                         sync_every=a.sync_every or [],
                                         local_staleness=a.local_staleness) if a.train else ([], [])
         self.notes += skipped

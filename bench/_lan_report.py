@@ -70,7 +70,8 @@ class Report:
         taking = everyone[:run.n]
         first = taking[0].get("summary") or {}
         sums = [x.get("summary", {}).get("param_checksum") for x in taking]
-        row = {"impl": run.impl, "codec": run.codec, "staleness": run.staleness, "predict": run.predict, "n": run.n,
+        row = {"impl": run.impl, "codec": run.codec, "staleness": run.staleness, "predict": run.predict,
+               "overlap": run.overlap, "n": run.n,
                "sync_every": run.sync_every,
                "ok": all(x["ok"] for x in taking),
                "error": next((f"peer {r}: {x['error']}" for r, x in enumerate(taking) if not x["ok"]), None),
@@ -139,6 +140,7 @@ class Report:
             alone = r["n"] == 1 and r["impl"] == "p2ptrain"  # codec and staleness do not matter alone
             tau = "-" if alone or r["impl"] == "gloo" else (r["staleness"] or 0)
             tau = f"{tau} +wp" if r.get("predict") else tau  # weight prediction
+            tau = f"{tau} +ov" if r.get("overlap") else tau  # overlap
             tau = f"{tau} H={r['sync_every']}" if r.get("sync_every") else tau  # local steps
             own = (r["own_samples_by_peer"][0] / r["seconds"]
                    if r.get("seconds") and r.get("own_samples_by_peer") and r["own_samples_by_peer"][0] else None)

@@ -45,6 +45,7 @@ class Run:
     codec: str = "none"
     staleness: int | None = None   # None: not passed (join's own default)
     predict: bool = False   # join --weight-prediction
+    overlap: bool = False   # join --overlap (staleness 0, gradient mode)
     sync_every: int | None = None   # join --sync-every H: local-steps mode (DiLoCo)
 
     @property
@@ -53,6 +54,7 @@ class Run:
             return f"gloo DDP fp32, N={self.n}"
         tau = "" if self.staleness is None else f", staleness {self.staleness}"
         tau += ", weight prediction" if self.predict else ""
+        tau += ", overlap" if self.overlap else ""
         tau += f", local steps H={self.sync_every}" if self.sync_every else ""
         return f"p2ptrain {self.codec}{tau}, N={self.n}"
 
@@ -68,10 +70,12 @@ def join_flags() -> set[str]:
 
 def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[int],
          flags: set[str], gloo: bool, predict: bool = False,
-         sync_every: list[int] = (), local_staleness: list[int] = (1,)) -> tuple[list[Run], list[str]]:
+         sync_every: list[int] = (), local_staleness: list[int] = (1,),
+         overlap: bool = False) -> tuple[list[Run], list[str]]:
     """The runs, in order, and a line per thing that cannot be run with this join.
     ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
-    ``--weight-prediction``. ``sync_every``: a local-steps run per H, codec and staleness of
+    ``--weight-prediction``; ``overlap``: each at staleness 0 twice, the second with
+    ``--overlap`` (the ring on the gradients backward made first). ``sync_every``: a local-steps run per H, codec and staleness of
     ``local_staleness``.
 
     N=1 is run once per implementation (and once per H in local-steps mode): alone, a peer
@@ -96,12 +100,16 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
             runs.append(Run(len(runs), "p2ptrain", n, codec, tau))
             if predict and n > 1 and tau and "--weight-prediction" in flags:
                 runs.append(Run(len(runs), "p2ptrain", n, codec, tau, predict=True))
+            if overlap and n > 1 and not tau and "--overlap" in flags:
+                runs.append(Run(len(runs), "p2ptrain", n, codec, tau, overlap=True))
         # (local steps alone too: the base of the slow-peer figure, the fast peer's own samples/s)
         for codec in (codecs if n > 1 else codecs[:1]) if "--sync-every" in flags else []:
             runs += [Run(len(runs) + i, "p2ptrain", n, codec, tau, sync_every=h)
                      for i, (h, tau) in enumerate(itertools.product(sync_every, local_staleness))]
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
+    if overlap and "--overlap" not in flags:
+        skipped.append("overlap: this join has no --overlap")
     if sync_every and "--sync-every" not in flags:
         skipped.append("local steps: this join has no --sync-every")
     return runs, skipped
@@ -134,6 +142,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--staleness", str(run.staleness)]
     if run.predict:
         cmd += ["--weight-prediction"]
+    if run.overlap:
+        cmd += ["--overlap"]
     if run.sync_every:
         cmd += ["--sync-every", str(run.sync_every)]
         cmd += ["--outer-lr", str(outer_lr)] if outer_lr is not None else []

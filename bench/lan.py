@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--staleness", type=_csv(int), default=[0], help="p2ptrain staleness bounds (default 0)")
     t.add_argument("--weight-prediction", action="store_true", help="run each p2ptrain staleness >= 1 "
                    "training run a second time with join's --weight-prediction")
+    t.add_argument("--overlap", action="store_true", help="run each p2ptrain staleness 0 training run "
+                   "a second time with join's --overlap (the ring starts on the gradients backward made first)")
     t.add_argument("--sync-every", type=_csv(int), metavar="H[,H...]", help="also train in local-steps mode "
                    "(join --sync-every H, at each --local-staleness) per H and training codec, for the same samples per peer")
     t.add_argument("--local-staleness", type=_csv(int), default=[1], metavar="T[,T...]",

@@ -184,6 +184,14 @@ def test_plan_runs_one_alone_per_implementation_and_says_what_it_skips():
     cmd = _lan_train.join_command(runs[-1], peers=["a:1", "b:1"], own="a:1", metrics="m", model_size="1m",
                                   batch_size=8, rounds=2, secret="s", cluster="c", flags=set())
     assert cmd[-1] == "--weight-prediction" and "weight prediction" in runs[-1].label
+    runs, skipped = _lan_train.plan(2, [2], ["int8"], [0, 1], flags={"--staleness", "--overlap"},
+                                    gloo=False, overlap=True)  # the staleness 0 run once more, overlapped
+    assert [(r.staleness, r.overlap) for r in runs] == [(0, False), (0, True), (1, False)] and not skipped
+    cmd = _lan_train.join_command(runs[1], peers=["a:1", "b:1"], own="a:1", metrics="m", model_size="1m",
+                                  batch_size=8, rounds=2, secret="s", cluster="c", flags=set())
+    assert "--overlap" in cmd and "overlap" in runs[1].label
+    _, skipped = _lan_train.plan(2, [2], ["int8"], [0], flags=set(), gloo=False, overlap=True)
+    assert skipped == ["overlap: this join has no --overlap"]
 
 
 def test_join_command_for_the_static_group_and_the_cluster_join(tmp_path):
