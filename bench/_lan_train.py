@@ -75,8 +75,8 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
     """The runs, in order, and a line per thing that cannot be run with this join.
     ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
     ``--weight-prediction``; ``overlap``: each at staleness 0 twice, the second with
-    ``--overlap`` (the ring on the gradients backward made first). ``sync_every``: a local-steps run per H, codec and staleness of
-    ``local_staleness``.
+    ``--overlap`` (the ring on the gradients backward made first). ``sync_every``: a
+    local-steps run per H, codec and staleness of ``local_staleness``.
 
     N=1 is run once per implementation (and once per H in local-steps mode): alone, a peer
     sends nothing, so its codec and staleness change nothing; it is the base of every scaling
