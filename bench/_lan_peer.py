@@ -177,7 +177,7 @@ class Peer:
         runs, skipped = _lan_train.plan(self.world, a.scaling, a.train_codecs, a.staleness, flags,
                                         gloo=a.gloo, predict=a.weight_prediction, overlap=a.overlap,
                                         sync_every=a.sync_every or [],
-                                        local_staleness=a.local_staleness) if a.train else ([], [])
+                                        local_staleness=a.local_staleness, floor=a.floor) if a.train else ([], [])
         self.notes += skipped
         if a.step_delay and a.train and "--step-delay" not in flags:
             self.notes.append("--step-delay not applied: this join has no --step-delay (heterogeneity not measured)")
@@ -250,7 +250,7 @@ class Peer:
             cmd = _lan_train.join_command(run, peers=peers, own=peers[self.rank], metrics=metrics,
                                           model_size=a.model_size, batch_size=a.batch_size,
                                           rounds=a.rounds, secret=a.secret, flags=self.flags,
-                                          cluster=f"lanbench-{self.nonce}-{run.index}",
+                                          cluster=f"lanbench-{self.nonce}-{run.index}" + (f"-{self.rank}" if run.floor else ""),
                                           step_delay=delay, step_busy=a.slow_busy, log_level=a.log_level,
                                           outer_lr=a.outer_lr,
                                           outer_momentum=a.outer_momentum, device=a.device)
@@ -274,6 +274,8 @@ class Peer:
                                                    step_samples=a.batch_size * run.n), **cpu}}
         if self.rank:
             mine["summary"].pop("curve", None)  # rank 0's curve is the one plotted
+            if not run.floor:  # (a floor's time is its slowest peer's: every peer's progress counts)
+                mine["summary"].pop("progress", None)
         return self._finish(ctl, name, mine)
 
     # -- the meeting before and after each phase

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import _common
+import _lan_train
 
 BENCH = Path(__file__).resolve().parent
 QUEUED_NOTE = 0.1  # a note when rank 0's training process waited for a CPU more than this share of its time
@@ -77,6 +78,10 @@ class Report:
                "error": next((f"peer {r}: {x['error']}" for r, x in enumerate(taking) if not x["ok"]), None),
                "identical": (len(set(sums)) == 1) if all(sums) else None,
                "own_samples_by_peer": [x.get("summary", {}).get("own_samples") for x in taking], **first}
+        row["floor"] = run.floor
+        if run.floor:  # (all n at once: the floor at a sample count is its slowest peer's time to it)
+            row["progress_by_peer"] = [x.get("summary", {}).get("progress") or [] for x in taking]
+        row.pop("progress", None)
         if row.get("samples_per_s"):
             row["per_peer_samples_per_s"] = row["samples_per_s"] / run.n
         row["queued_by_peer"] = [_queued(x.get("summary", {})) for x in taking]
@@ -85,7 +90,7 @@ class Report:
                               "could run (other processes had its cores): its own/s is low by up to that share")
         if not row["ok"]:
             self.failed.append(f"{run.label}: {row['error'].splitlines()[0][:300]}")
-        elif row.get("identical") is False and (run.staleness in (None, 0) or run.sync_every):
+        elif row.get("identical") is False and not run.floor and (run.staleness in (None, 0) or run.sync_every):
             self.failed.append(f"{run.label}: replicas ended with different parameters")
         self.train_rows.append(row)
 
@@ -93,6 +98,7 @@ class Report:
 
     def finish(self) -> int:
         self._scaling()
+        self._floors()
         start, end = self.load_start, _loadavg()
         if start and end and max(start[0], end[0]) > (os.cpu_count() or 1):
             self.notes.append(f"load average {start[0]:.1f} at the start, {end[0]:.1f} at the end, on rank 0's "
@@ -132,6 +138,8 @@ class Report:
         target = self.a.target_loss
         head = ["impl", "codec", "staleness", "N", "rounds", "samples", "samples/s", "per peer", "rank 0 own/s",
                 "scaling eff", "vs gloo", f"to loss {target:g}", "vs gloo", "B/sample", "MB to loss", "final loss", "identical"]
+        floors = any(r.get("floor") for r in self.train_rows)
+        head += ["no comm", "vs no comm"] if floors else []
         rows = []
         for r in self.train_rows:
             g = gloo.get(r["n"])
@@ -142,11 +150,12 @@ class Report:
             tau = f"{tau} +wp" if r.get("predict") else tau  # weight prediction
             tau = f"{tau} +ov" if r.get("overlap") else tau  # overlap
             tau = f"{tau} H={r['sync_every']}" if r.get("sync_every") else tau  # local steps
+            tau = f"no comm{' H=' + str(r['sync_every']) if r.get('sync_every') else ''}" if r.get("floor") else tau
             own = (r["own_samples_by_peer"][0] / r["seconds"]
                    if r.get("seconds") and r.get("own_samples_by_peer") and r["own_samples_by_peer"][0] else None)
             ttl = (r["time_to_target_s"] / g["time_to_target_s"] if r["impl"] != "gloo" and g
                    and r.get("time_to_target_s") and g.get("time_to_target_s") else None)
-            rows.append([r["impl"], "-" if alone else r["codec"], tau,
+            rows.append([r["impl"], "-" if alone or r.get("floor") else r["codec"], tau,
                          r["n"], r.get("rounds", 0) if r["ok"] else "FAILED", r.get("samples", "-"),
                          _f(r.get("samples_per_s"), ".0f"), _f(r.get("per_peer_samples_per_s"), ".0f"),
                          _f(own, ".0f"), _f(r.get("efficiency"), ".2f"), _f(vs, ".2f"),
@@ -154,6 +163,13 @@ class Report:
                          _f(r.get("bytes_per_sample") or None, ".0f"),
                          _f(r["bytes_to_target"] / 1e6 if r.get("bytes_to_target") else None, ".2f"),
                          _f(r.get("final_loss"), ".3f"), "-" if r.get("identical") is None else r["identical"]])
+            if floors:
+                no_comm = r.get("no_comm_s")
+                rows[-1] += [_f(no_comm, ".3g", " s"),
+                             _f(r["time_to_target_s"] / no_comm if no_comm else None, ".2f")]
+            if r.get("floor"):  # (lone peers: their loss and checksums are not a cluster's)
+                rows[-1][11:13] = ["-", "-"]
+                rows[-1][15:17] = ["-", "-"]
         return _common.table(rows, head)
 
     # -- pieces
@@ -195,6 +211,18 @@ class Report:
             base = alone.get(r["impl"])
             if base and r.get("samples_per_s"):
                 r["efficiency"] = r["samples_per_s"] / (r["n"] * base["samples_per_s"])
+
+    def _floors(self) -> None:
+        """Each run's ``no_comm_s``: the time its N peers, alone and all at once (the floor run of
+        the same N and mode), took to compute the samples it needed to its target."""
+        floors = {(r["n"], r.get("sync_every")): r for r in self.train_rows if r.get("floor") and r["ok"]}
+        for r in self.train_rows:
+            floor = floors.get((r["n"], r.get("sync_every")))
+            if r["impl"] != "p2ptrain" or r.get("floor") or not floor or not r.get("samples_to_target"):
+                continue
+            at = [_lan_train.floor_at(p, r["samples_to_target"] / r["n"]) for p in floor["progress_by_peer"]]
+            if at and None not in at:
+                r["no_comm_s"] = max(at)
 
     def _config(self) -> dict:
         a = self.a
@@ -241,7 +269,7 @@ class Report:
         if big:
             fig, ax = plt.subplots(figsize=(7, 4.5))
             for r in self.train_rows:
-                if r["n"] == big and r.get("curve"):
+                if r["n"] == big and r.get("curve") and not r.get("floor"):
                     tau = "" if r["staleness"] is None else f" staleness {r['staleness']}"
                     tau += f" H={r['sync_every']}" if r.get("sync_every") else ""
                     ax.plot(*zip(*r["curve"]), label=f"{r['impl']} {r['codec']}{tau}")

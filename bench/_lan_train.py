@@ -13,7 +13,9 @@ here by ``summarize``:
 - time to target: wall seconds from the first batch (join's ``training`` event; DDP's first
   step) until the smoothed loss first drops below the target (None: not reached). Not from
   the first round's ring: in local-steps mode H inner steps come before it;
-- bytes to target: what this peer sent in the rounds up to that one (the bytes at equal loss).
+- bytes to target: what this peer sent in the rounds up to that one (the bytes at equal loss);
+- the no-communication floor (``--floor``): the time the same peers, each alone and all at
+  once on the same cores, took to compute the samples a run needed to its target (``floor_at``).
 
 Flags that ``join`` gained recently (``--staleness``, ``--step-delay``, ``--min-peers``,
 ``--no-discovery``) are passed only when its parser has them. A join with
@@ -47,11 +49,15 @@ class Run:
     predict: bool = False   # join --weight-prediction
     overlap: bool = False   # join --overlap (staleness 0, gradient mode)
     sync_every: int | None = None   # join --sync-every H: local-steps mode (DiLoCo)
+    floor: bool = False   # each of the n peers alone (a cluster of one), all at once: no communication
 
     @property
     def label(self) -> str:
         if self.impl == "gloo":
             return f"gloo DDP fp32, N={self.n}"
+        if self.floor:
+            mode = f"local steps H={self.sync_every}" if self.sync_every else "gradient mode"
+            return f"no communication: {self.n} lone peers at once, {mode}"
         tau = "" if self.staleness is None else f", staleness {self.staleness}"
         tau += ", weight prediction" if self.predict else ""
         tau += ", overlap" if self.overlap else ""
@@ -71,12 +77,15 @@ def join_flags() -> set[str]:
 def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[int],
          flags: set[str], gloo: bool, predict: bool = False,
          sync_every: list[int] = (), local_staleness: list[int] = (1,),
-         overlap: bool = False) -> tuple[list[Run], list[str]]:
+         overlap: bool = False, floor: bool = False) -> tuple[list[Run], list[str]]:
     """The runs, in order, and a line per thing that cannot be run with this join.
     ``predict``: each p2ptrain run at staleness >= 1 is made twice, the second with
     ``--weight-prediction``; ``overlap``: each at staleness 0 twice, the second with
     ``--overlap`` (the ring on the gradients backward made first). ``sync_every``: a
-    local-steps run per H, codec and staleness of ``local_staleness``.
+    local-steps run per H, codec and staleness of ``local_staleness``. ``floor``: at each N >= 2,
+    after gradient mode's runs and after each H's, the same steps with no communication (the n
+    peers each a cluster of one, on the same cores at once): the floor a run's time to its
+    samples is read against (codec and staleness change nothing there).
 
     N=1 is run once per implementation (and once per H in local-steps mode): alone, a peer
     sends nothing, so its codec and staleness change nothing; it is the base of every scaling
@@ -96,22 +105,29 @@ def plan(n_peers: int, scaling: list[int], codecs: list[str], staleness: list[in
         if not 1 <= n <= n_peers:
             continue
         variants = [(c, t) for c in codecs for t in taus] if n > 1 else [(codecs[0], taus[0] if taus else None)]
+        floor_too = floor and n > 1 and "--min-peers" in flags
         for codec, tau in variants if taus else []:
             runs.append(Run(len(runs), "p2ptrain", n, codec, tau))
             if predict and n > 1 and tau and "--weight-prediction" in flags:
                 runs.append(Run(len(runs), "p2ptrain", n, codec, tau, predict=True))
             if overlap and n > 1 and not tau and "--overlap" in flags:
                 runs.append(Run(len(runs), "p2ptrain", n, codec, tau, overlap=True))
+        if floor_too and taus:
+            runs.append(Run(len(runs), "p2ptrain", n, codecs[0], floor=True))
         # (local steps alone too: the base of the slow-peer figure, the fast peer's own samples/s)
         for codec in (codecs if n > 1 else codecs[:1]) if "--sync-every" in flags else []:
             runs += [Run(len(runs) + i, "p2ptrain", n, codec, tau, sync_every=h)
                      for i, (h, tau) in enumerate(itertools.product(sync_every, local_staleness))]
+        for h in sync_every if floor_too and "--sync-every" in flags else []:
+            runs.append(Run(len(runs), "p2ptrain", n, codecs[0], sync_every=h, floor=True))
         if gloo:
             runs.append(Run(len(runs), "gloo", n, "fp32"))
     if overlap and "--overlap" not in flags:
         skipped.append("overlap: this join has no --overlap")
     if sync_every and "--sync-every" not in flags:
         skipped.append("local steps: this join has no --sync-every")
+    if floor and "--min-peers" not in flags:
+        skipped.append("no-communication floor: this join has no --min-peers")
     return runs, skipped
 
 
@@ -128,6 +144,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
                  device: str = "cpu", python: str = sys.executable) -> list[str]:
     """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
     host, port = own.rsplit(":", 1)
+    data_rank = peers.index(own)
+    peers = [own] if run.floor else peers  # (a cluster of one: it sends nothing)
     cmd = [python, "-m", "p2ptrain", "join", "--log-level", log_level, "--task", "synthetic",
            "--model-size", model_size, "--batch-size", str(batch_size), "--seed", "0",
            "--host", host, "--port", port, "--cluster", cluster, "--secret", secret,
@@ -149,9 +167,9 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--outer-lr", str(outer_lr)] if outer_lr is not None else []
         cmd += ["--outer-momentum", str(outer_momentum)] if outer_momentum is not None else []
     if "--min-peers" in flags:
-        cmd += ["--min-peers", str(run.n)]
+        cmd += ["--min-peers", str(1 if run.floor else run.n)]
     if "--data-rank" in flags:  # (DDP's rank i reads stream i: the same batches on both sides)
-        cmd += ["--data-rank", str(peers.index(own))]
+        cmd += ["--data-rank", str(data_rank)]
     if step_delay and "--step-delay" in flags:
         cmd += ["--step-delay", str(step_delay)] + (["--step-busy"] if step_busy and "--step-busy" in flags else [])
     return cmd
@@ -239,7 +257,21 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
         # (what crossed the wire to reach the target: the comparison at equal loss, where a mode
         # that needs more samples to a loss pays for them; a record's wire_bytes are its round's)
         "bytes_to_target": None if at is None else sum(r.get("wire_bytes") or 0 for r in records[:at + 1]),
+        "samples_to_target": None if at is None else sum(r["samples"] for r in records[:at + 1]),
+        # (time and samples so far at each record: where a no-communication floor is read)
+        "progress": [[round(t, 4), n] for t, n in zip(times, itertools.accumulate(r["samples"] for r in records))],
         "staleness_max": max((r.get("staleness_max") or 0) for r in records),
         "param_checksum": final.get("param_checksum", last.get("param_checksum")),
         "curve": [[round(times[i], 4), round(ema[i], 5)] for i in range(0, len(records), step)],
     }
+
+
+def floor_at(progress: list[list[float]], samples: float) -> float | None:
+    """The time at which a floor run's ``progress`` ([time, samples so far] per record) first
+    reached ``samples``, interpolated within the record that crossed it; None: never."""
+    before_t, before_n = 0.0, 0
+    for t, n in progress:
+        if n >= samples:
+            return before_t + (t - before_t) * (samples - before_n) / max(n - before_n, 1)
+        before_t, before_n = t, n
+    return None

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "training run a second time with join's --weight-prediction")
     t.add_argument("--overlap", action="store_true", help="run each p2ptrain staleness 0 training run "
                    "a second time with join's --overlap (the ring starts on the gradients backward made first)")
+    t.add_argument("--floor", action="store_true", help="at each N >= 2, also the same steps with no "
+                   "communication (each peer a cluster of one, all at once on the same cores): columns "
+                   "'no comm' and 'vs no comm', a run's time to its target over the floor's time to the same samples")
     t.add_argument("--sync-every", type=_csv(int), metavar="H[,H...]", help="also train in local-steps mode "
                    "(join --sync-every H, at each --local-staleness) per H and training codec, for the same samples per peer")
     t.add_argument("--local-staleness", type=_csv(int), default=[1], metavar="T[,T...]",

@@ -277,3 +277,45 @@ def test_the_device_reaches_join_and_ddp_alike():
     assert "--device" in _lan_train.join_flags()
     import lan as lan_bench
     assert lan_bench.build_parser().parse_args(["--local", "2"]).device == "cpu"  # (no GPU unless asked)
+
+
+def test_the_no_communication_floor_is_the_lone_peers_time_to_the_samples_a_run_needed():
+    """``--floor``: the same steps with each peer a cluster of one, all at once (nothing crosses a
+    wire). A run's 'no comm' is the time the slowest lone peer took to compute its share of the
+    samples the run needed to its target: 'vs no comm' over 1 is what communication cost."""
+    flags = {"--staleness", "--sync-every", "--min-peers", "--data-rank"}
+    runs, skipped = _lan_train.plan(2, [1, 2], ["int8"], [0], flags=flags, gloo=False, sync_every=[8], floor=True)
+    assert [(r.n, r.sync_every, r.floor) for r in runs] == [
+        (1, None, False), (1, 8, False), (2, None, False), (2, None, True), (2, 8, False), (2, 8, True)]
+    assert not skipped and "no communication" in runs[3].label  # (N = 1 sends nothing: no floor)
+    cmd = _lan_train.join_command(runs[-2], peers=["a:1", "b:1"], own="b:1", metrics="m", model_size="1m",
+                                  batch_size=8, rounds=80, secret="s", cluster="c", flags=flags | {"--no-discovery"})
+    assert "--peers" in cmd  # (the floor below is the same command without the others)
+    floor = _lan_train.join_command(runs[-1], peers=["a:1", "b:1"], own="b:1", metrics="m", model_size="1m",
+                                    batch_size=8, rounds=80, secret="s", cluster="c", flags=flags | {"--no-discovery"})
+    assert "--peers" not in floor and floor[floor.index("--min-peers") + 1] == "1"
+    assert floor[floor.index("--data-rank") + 1] == "1" and floor[floor.index("--max-rounds") + 1] == "10"
+    assert _lan_train.plan(2, [2], ["int8"], [0], flags={"--staleness"}, gloo=False, floor=True)[1] == [
+        "no-communication floor: this join has no --min-peers"]
+    # Progress per record: [time, samples so far]; 24 samples come a third of the way into the second.
+    assert _lan_train.floor_at([[1.0, 16], [2.5, 40]], 24) == pytest.approx(1.5)
+    assert _lan_train.floor_at([[1.0, 16]], 16) == 1.0 and _lan_train.floor_at([[1.0, 16]], 17) is None
+    s = _lan_train.summarize(records([2.0] * 3 + [0.5] * 30), {}, target_loss=1.0)
+    assert s["samples_to_target"] == s["progress"][next(i for i, v in enumerate(
+        _lan_train.smoothed([2.0] * 3 + [0.5] * 30)) if v < 1.0)][1]
+
+    import _lan_report
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(target_loss=1.0, json=None, plots=None)
+    report = _lan_report.Report(a, 2, [])
+    at_target = {"ok": True, "summary": {"samples_to_target": 64, "time_to_target_s": 3.0, "samples_per_s": 20}}
+    report.train(runs[4], [at_target, {"ok": True, "summary": {}}])
+    lone = [{"ok": True, "summary": {"progress": [[0.5, 16], [1.0, 32]]}},
+            {"ok": True, "summary": {"progress": [[1.0, 16], [2.0, 32]]}}]  # the slower lone peer decides
+    report.train(runs[5], lone)
+    report._floors()
+    assert report.train_rows[0]["no_comm_s"] == pytest.approx(2.0)  # 32 samples each
+    cells = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[-3:-1]]
+             for line in report.train_table().splitlines()[2:]}
+    assert cells == {"1 H=8": ["2 s", "1.50"], "no comm H=8": ["-", "-"]}  # 3 s to the target, 2 s alone
