@@ -39,6 +39,7 @@ from p2ptrain.trainer.cpu_queue import cpu_times
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 MAX_RUNS = 50
+FLOOR_LEAD_S = 8.0  # seconds from the floor's meeting to its lone peers' first batch: time for 4 joins to start on 2 cores
 
 
 class Progress:
@@ -241,6 +242,10 @@ class Peer:
         a = self.a
         name = f"train-{run.index}"
         self._start(ctl, name, run.label)
+        # A floor's lone peers wait for no one: they take their first batch together, when the
+        # slowest has surely started (else the first up would train alone for a while).
+        start_at = max(x["t"] for x in ctl.exchange(f"{name}/clock", {"t": time.time()})) + FLOOR_LEAD_S \
+            if run.floor else None
         if self.rank >= run.n:
             return self._finish(ctl, name, {"ok": True, "idle": True})
         metrics = self.tmp / f"{name}.jsonl"
@@ -253,7 +258,7 @@ class Peer:
                                           cluster=f"lanbench-{self.nonce}-{run.index}" + (f"-{self.rank}" if run.floor else ""),
                                           step_delay=delay, step_busy=a.slow_busy, log_level=a.log_level,
                                           outer_lr=a.outer_lr,
-                                          outer_momentum=a.outer_momentum, device=a.device)
+                                          outer_momentum=a.outer_momentum, device=a.device, start_at=start_at)
         else:
             cmd = _lan_train.ddp_command(run, rank=self.rank, master=self.hosts[0],
                                          port=self.ports[0] + 60 + run.index, metrics=metrics,
@@ -274,7 +279,7 @@ class Peer:
                                                    step_samples=a.batch_size * run.n), **cpu}}
         if self.rank:
             mine["summary"].pop("curve", None)  # rank 0's curve is the one plotted
-            if not run.floor:  # (a floor's time is its slowest peer's: every peer's progress counts)
+            if not run.floor:  # (a floor's time is its peers' together: every peer's progress counts)
                 mine["summary"].pop("progress", None)
         return self._finish(ctl, name, mine)
 

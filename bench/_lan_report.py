@@ -22,6 +22,7 @@ import _lan_train
 
 BENCH = Path(__file__).resolve().parent
 QUEUED_NOTE = 0.1  # a note when rank 0's training process waited for a CPU more than this share of its time
+FLOOR_SPREAD_S = 0.05  # a note when a floor's lone peers took their first batches further apart than this
 ERR_ELEMS = 1 << 20  # the codec error is simulated on at most this many values per peer
 
 
@@ -79,8 +80,12 @@ class Report:
                "identical": (len(set(sums)) == 1) if all(sums) else None,
                "own_samples_by_peer": [x.get("summary", {}).get("own_samples") for x in taking], **first}
         row["floor"] = run.floor
-        if run.floor:  # (all n at once: the floor at a sample count is its slowest peer's time to it)
+        if run.floor:  # (all n at once: the floor at a sample count is when their sum reached it)
             row["progress_by_peer"] = [x.get("summary", {}).get("progress") or [] for x in taking]
+            began = [x.get("summary", {}).get("started") for x in taking]
+            if None not in began and max(began) - min(began) > FLOOR_SPREAD_S:
+                self.notes.append(f"{run.label}: the lone peers' first batches were {max(began) - min(began):.2f} s "
+                                  "apart (one started late): the floor is low by up to that")
         row.pop("progress", None)
         if row.get("samples_per_s"):
             row["per_peer_samples_per_s"] = row["samples_per_s"] / run.n
@@ -214,15 +219,13 @@ class Report:
 
     def _floors(self) -> None:
         """Each run's ``no_comm_s``: the time its N peers, alone and all at once (the floor run of
-        the same N and mode), took to compute the samples it needed to its target."""
+        the same N and mode), took to compute, together, the samples it needed to its target."""
         floors = {(r["n"], r.get("sync_every")): r for r in self.train_rows if r.get("floor") and r["ok"]}
         for r in self.train_rows:
             floor = floors.get((r["n"], r.get("sync_every")))
             if r["impl"] != "p2ptrain" or r.get("floor") or not floor or not r.get("samples_to_target"):
                 continue
-            at = [_lan_train.floor_at(p, r["samples_to_target"] / r["n"]) for p in floor["progress_by_peer"]]
-            if at and None not in at:
-                r["no_comm_s"] = max(at)
+            r["no_comm_s"] = _lan_train.floor_at(floor["progress_by_peer"], r["samples_to_target"])
 
     def _config(self) -> dict:
         a = self.a

@@ -15,7 +15,8 @@ here by ``summarize``:
   the first round's ring: in local-steps mode H inner steps come before it;
 - bytes to target: what this peer sent in the rounds up to that one (the bytes at equal loss);
 - the no-communication floor (``--floor``): the time the same peers, each alone and all at
-  once on the same cores, took to compute the samples a run needed to its target (``floor_at``).
+  once on the same cores, took to compute together the samples a run needed to its target
+  (``floor_at``).
 
 Flags that ``join`` gained recently (``--staleness``, ``--step-delay``, ``--min-peers``,
 ``--no-discovery``) are passed only when its parser has them. A join with
@@ -141,8 +142,9 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
                  batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
                  step_delay: float = 0.0, step_busy: bool = False, log_level: str = "warning",
                  outer_lr: float | None = None, outer_momentum: float | None = None,
-                 device: str = "cpu", python: str = sys.executable) -> list[str]:
-    """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``."""
+                 device: str = "cpu", start_at: float | None = None, python: str = sys.executable) -> list[str]:
+    """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``;
+    ``start_at``: its first batch at that Unix time (a floor's lone peers, which wait for no one)."""
     host, port = own.rsplit(":", 1)
     data_rank = peers.index(own)
     peers = [own] if run.floor else peers  # (a cluster of one: it sends nothing)
@@ -170,6 +172,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--min-peers", str(1 if run.floor else run.n)]
     if "--data-rank" in flags:  # (DDP's rank i reads stream i: the same batches on both sides)
         cmd += ["--data-rank", str(data_rank)]
+    if start_at and "--start-at" in flags:
+        cmd += ["--start-at", f"{start_at:.3f}"]
     if step_delay and "--step-delay" in flags:
         cmd += ["--step-delay", str(step_delay)] + (["--step-busy"] if step_busy and "--step-busy" in flags else [])
     return cmd
@@ -247,7 +251,7 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
     step = max(1, len(records) // CURVE_POINTS)
     last = records[-1]
     return {
-        "rounds": len(records), "seconds": times[-1], "samples": sum(r["samples"] for r in records),
+        "rounds": len(records), "seconds": times[-1], "samples": sum(r["samples"] for r in records), "started": start,
         "samples_per_s": samples / seconds if seconds > 0 else None,
         "time_to_target_s": reached, "final_loss": ema[-1],
         "wire_bytes": final.get("wire_bytes", last.get("wire_bytes")),
@@ -266,12 +270,26 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
     }
 
 
-def floor_at(progress: list[list[float]], samples: float) -> float | None:
-    """The time at which a floor run's ``progress`` ([time, samples so far] per record) first
-    reached ``samples``, interpolated within the record that crossed it; None: never."""
-    before_t, before_n = 0.0, 0
-    for t, n in progress:
-        if n >= samples:
-            return before_t + (t - before_t) * (samples - before_n) / max(n - before_n, 1)
-        before_t, before_n = t, n
+def floor_at(progress_by_peer: list[list[list[float]]], samples: float) -> float | None:
+    """When a floor run's peers, together, had computed ``samples``: the first time the sum of
+    their ``progress`` ([time, samples so far] per record, each from its own first batch; they
+    began together) reached it, each peer's count interpolated within its records. The sum, not
+    the slowest peer: lone peers that wait for no one share the cores unevenly (one finished in
+    half another's time in a 4-peer run on 2 cores), where a cluster's rounds keep them level.
+    None: they never did."""
+    def at(progress, t):  # a peer's samples so far at time t
+        before_t, before_n = 0.0, 0
+        for rt, n in progress:
+            if rt >= t:
+                return before_n + (n - before_n) * (t - before_t) / max(rt - before_t, 1e-12)
+            before_t, before_n = rt, n
+        return before_n
+
+    times = sorted({t for progress in progress_by_peer for t, _ in progress})
+    before_t, before_n = 0.0, 0.0
+    for t in times:
+        total = sum(at(p, t) for p in progress_by_peer)
+        if total >= samples:
+            return before_t + (t - before_t) * (samples - before_n) / max(total - before_n, 1e-12)
+        before_t, before_n = t, total
     return None

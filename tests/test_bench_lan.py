@@ -281,8 +281,8 @@ def test_the_device_reaches_join_and_ddp_alike():
 
 def test_the_no_communication_floor_is_the_lone_peers_time_to_the_samples_a_run_needed():
     """``--floor``: the same steps with each peer a cluster of one, all at once (nothing crosses a
-    wire). A run's 'no comm' is the time the slowest lone peer took to compute its share of the
-    samples the run needed to its target: 'vs no comm' over 1 is what communication cost."""
+    wire). A run's 'no comm' is the time the lone peers, together, took to compute the samples
+    the run needed to its target: 'vs no comm' over 1 is what communication cost."""
     flags = {"--staleness", "--sync-every", "--min-peers", "--data-rank"}
     runs, skipped = _lan_train.plan(2, [1, 2], ["int8"], [0], flags=flags, gloo=False, sync_every=[8], floor=True)
     assert [(r.n, r.sync_every, r.floor) for r in runs] == [
@@ -297,9 +297,13 @@ def test_the_no_communication_floor_is_the_lone_peers_time_to_the_samples_a_run_
     assert floor[floor.index("--data-rank") + 1] == "1" and floor[floor.index("--max-rounds") + 1] == "10"
     assert _lan_train.plan(2, [2], ["int8"], [0], flags={"--staleness"}, gloo=False, floor=True)[1] == [
         "no-communication floor: this join has no --min-peers"]
-    # Progress per record: [time, samples so far]; 24 samples come a third of the way into the second.
-    assert _lan_train.floor_at([[1.0, 16], [2.5, 40]], 24) == pytest.approx(1.5)
-    assert _lan_train.floor_at([[1.0, 16]], 16) == 1.0 and _lan_train.floor_at([[1.0, 16]], 17) is None
+    # Progress per record: [time, samples so far]. One peer: 24 samples a third into its second record.
+    assert _lan_train.floor_at([[[1.0, 16], [2.5, 40]]], 24) == pytest.approx(1.5)
+    assert _lan_train.floor_at([[[1.0, 16]]], 16) == 1.0 and _lan_train.floor_at([[[1.0, 16]]], 17) is None
+    # Two that shared the cores unevenly: 48 together at 1.5 s (16 + 32), though the slow one had only 16.
+    uneven = [[[0.5, 16], [1.0, 32], [1.5, 48]], [[1.5, 16], [3.0, 32]]]
+    assert _lan_train.floor_at(uneven, 64) == pytest.approx(1.5)
+    assert _lan_train.floor_at(uneven, 80) == pytest.approx(3.0)  # (the fast one done at 48)
     s = _lan_train.summarize(records([2.0] * 3 + [0.5] * 30), {}, target_loss=1.0)
     assert s["samples_to_target"] == s["progress"][next(i for i, v in enumerate(
         _lan_train.smoothed([2.0] * 3 + [0.5] * 30)) if v < 1.0)][1]
@@ -312,10 +316,10 @@ def test_the_no_communication_floor_is_the_lone_peers_time_to_the_samples_a_run_
     at_target = {"ok": True, "summary": {"samples_to_target": 64, "time_to_target_s": 3.0, "samples_per_s": 20}}
     report.train(runs[4], [at_target, {"ok": True, "summary": {}}])
     lone = [{"ok": True, "summary": {"progress": [[0.5, 16], [1.0, 32]]}},
-            {"ok": True, "summary": {"progress": [[1.0, 16], [2.0, 32]]}}]  # the slower lone peer decides
+            {"ok": True, "summary": {"progress": [[1.0, 16], [2.0, 32]]}}]
     report.train(runs[5], lone)
     report._floors()
-    assert report.train_rows[0]["no_comm_s"] == pytest.approx(2.0)  # 32 samples each
+    assert report.train_rows[0]["no_comm_s"] == pytest.approx(2.0)  # 64 samples: 32 + 32
     cells = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[-3:-1]]
              for line in report.train_table().splitlines()[2:]}
     assert cells == {"1 H=8": ["2 s", "1.50"], "no comm H=8": ["-", "-"]}  # 3 s to the target, 2 s alone

@@ -105,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the run ends this many seconds after the coordinator started, for every member")
     g.add_argument("--step-delay", type=number(at_least=0), default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
     g.add_argument("--step-busy", action="store_true", help=argparse.SUPPRESS)  # benchmarks: the delay computes
+    g.add_argument("--start-at", type=number(at_least=0), default=0.0, help=argparse.SUPPRESS)  # benchmarks: the
+    # first batch at this Unix time (peers that do not wait for each other, started together)
     g = p.add_argument_group("output")
     g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
                    "and a final {\"event\": \"summary\"}")
@@ -407,6 +409,8 @@ class _Join:
         rank_seed = a.data_rank if a.data_rank is not None else _stream_of(peer.peer_id)
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
         await self._wait_for_members(peer)
+        if a.start_at:
+            await asyncio.sleep(max(0.0, a.start_at - time.time()))
         start = last_log = time.monotonic()
         self.count, self._evaluated = RunCounters(start), peer.version
         if metrics:  # (where the first round's own batches began: its record times only its ring)
