@@ -39,7 +39,7 @@ from p2ptrain.trainer.cpu_queue import cpu_times
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 MAX_RUNS = 50
-FLOOR_LEAD_S = 8.0  # seconds from the floor's meeting to its lone peers' first batch: time for 4 joins to start on 2 cores
+FLOOR_LEAD_S = 20.0  # seconds from the floor's meeting to its lone peers' first batch: 4 joins start in 9-10 s on 2 cores
 
 
 class Progress:
@@ -160,7 +160,7 @@ class Peer:
             try:
                 ctl.close()
             finally:
-                if not a.keep:
+                if not (a.keep or a.trace):
                     shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _phases(self, ctl: Control) -> int:
@@ -258,7 +258,8 @@ class Peer:
                                           cluster=f"lanbench-{self.nonce}-{run.index}" + (f"-{self.rank}" if run.floor else ""),
                                           step_delay=delay, step_busy=a.slow_busy, log_level=a.log_level,
                                           outer_lr=a.outer_lr,
-                                          outer_momentum=a.outer_momentum, device=a.device, start_at=start_at)
+                                          outer_momentum=a.outer_momentum, device=a.device, start_at=start_at,
+                                          trace=self.tmp / f"{name}.trace.json" if a.trace else None)
         else:
             cmd = _lan_train.ddp_command(run, rank=self.rank, master=self.hosts[0],
                                          port=self.ports[0] + 60 + run.index, metrics=metrics,

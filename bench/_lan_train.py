@@ -142,7 +142,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
                  batch_size: int, rounds: int, secret: str, cluster: str, flags: set[str],
                  step_delay: float = 0.0, step_busy: bool = False, log_level: str = "warning",
                  outer_lr: float | None = None, outer_momentum: float | None = None,
-                 device: str = "cpu", start_at: float | None = None, python: str = sys.executable) -> list[str]:
+                 device: str = "cpu", start_at: float | None = None, trace: Path | None = None,
+                 python: str = sys.executable) -> list[str]:
     """The ``python -m p2ptrain join`` command line of peer ``own`` (one of ``peers``) in ``run``;
     ``start_at``: its first batch at that Unix time (a floor's lone peers, which wait for no one)."""
     host, port = own.rsplit(":", 1)
@@ -172,6 +173,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
         cmd += ["--min-peers", str(1 if run.floor else run.n)]
     if "--data-rank" in flags:  # (DDP's rank i reads stream i: the same batches on both sides)
         cmd += ["--data-rank", str(data_rank)]
+    if trace is not None:
+        cmd += ["--trace", str(trace)]
     if start_at and "--start-at" in flags:
         cmd += ["--start-at", f"{start_at:.3f}"]
     if step_delay and "--step-delay" in flags:

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"],
                    help="the p2ptrain joins' log level (default warning; with --keep, their logs stay)")
     o.add_argument("--keep", action="store_true", help="keep each peer's logs and metrics (temp dir)")
+    o.add_argument("--trace", action="store_true", help="each p2ptrain join also writes a Chrome trace "
+                   "(train-K.trace.json beside its metrics; implies --keep): read them with bench/trace_spans.py")
     return p
 
 
