@@ -82,6 +82,8 @@ class Report:
         row["floor"] = run.floor
         if run.floor:  # (all n at once: the floor at a sample count is when their sum reached it)
             row["progress_by_peer"] = [x.get("summary", {}).get("progress") or [] for x in taking]
+            for key in ("samples", "samples_per_s"):  # (a lone peer's records count its own samples only)
+                row[key] = sum(x.get("summary", {}).get(key) or 0 for x in taking)
             began = [x.get("summary", {}).get("started") for x in taking]
             if None not in began and max(began) - min(began) > FLOOR_SPREAD_S:
                 self.notes.append(f"{run.label}: the lone peers' first batches were {max(began) - min(began):.2f} s "

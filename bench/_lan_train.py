@@ -240,6 +240,8 @@ def summarize(records: list[dict], final: dict, target_loss: float | None, step_
     # From the first batch: join's training event, else (DDP's records time whole steps) the first
     # record's start. A join round's round_seconds is its ring only, so its batches came before.
     start = final.get("started") or records[0]["time"] - records[0].get("round_seconds", 0.0)
+    # (a lone peer told to begin later, --start-at, commits empty rounds while it waits)
+    records = [r for r in records if r["time"] > start or r["samples"]] or records
     times = [r["time"] - start for r in records]
     if len(records) >= 2:
         warm = min(len(records) - 2, max(0, len(records) // 10 - 1))

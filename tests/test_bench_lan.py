@@ -315,11 +315,18 @@ def test_the_no_communication_floor_is_the_lone_peers_time_to_the_samples_a_run_
     report = _lan_report.Report(a, 2, [])
     at_target = {"ok": True, "summary": {"samples_to_target": 64, "time_to_target_s": 3.0, "samples_per_s": 20}}
     report.train(runs[4], [at_target, {"ok": True, "summary": {}}])
-    lone = [{"ok": True, "summary": {"progress": [[0.5, 16], [1.0, 32]]}},
-            {"ok": True, "summary": {"progress": [[1.0, 16], [2.0, 32]]}}]
+    lone = [{"ok": True, "summary": {"progress": [[0.5, 16], [1.0, 32]], "samples": 32, "samples_per_s": 32.0}},
+            {"ok": True, "summary": {"progress": [[1.0, 16], [2.0, 32]], "samples": 32, "samples_per_s": 16.0}}]
     report.train(runs[5], lone)
     report._floors()
     assert report.train_rows[0]["no_comm_s"] == pytest.approx(2.0)  # 64 samples: 32 + 32
+    assert (report.train_rows[1]["samples"], report.train_rows[1]["samples_per_s"]) == (64, 48.0)  # the peers' sum
+    # A lone peer told to begin later (--start-at) commits empty rounds while it waits: not its training.
+    waited = records([2.0] * 3 + [1.0] * 10)
+    for r in waited[:3]:
+        r["samples"] = 0
+    s = _lan_train.summarize(waited, {"started": waited[3]["time"] - 0.5}, target_loss=None)
+    assert s["rounds"] == 10 and s["samples"] == 1000 and s["samples_per_s"] == pytest.approx(200)
     cells = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[-3:-1]]
              for line in report.train_table().splitlines()[2:]}
     assert cells == {"1 H=8": ["2 s", "1.50"], "no comm H=8": ["-", "-"]}  # 3 s to the target, 2 s alone
