@@ -122,10 +122,10 @@ STEP_PROBE = textwrap.dedent("""
     torch.set_num_threads(1)
     keep_freed_memory()
     model = torch.nn.Linear(1000, 1000)
-    optimizer = torch.optim.Adam(model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), fused=sys.argv[1] == "fused" or None)
     x = torch.randn(4, 1000)
-    if sys.argv[1] == "warm":
-        warm_training_thread(sum(p.numel() for p in model.parameters()))
+    if sys.argv[1] != "cold":
+        warm_training_thread(sum(p.numel() for p in model.parameters()), fused=sys.argv[1] == "fused")
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     model(x).sum().backward()
     optimizer.step()
@@ -142,6 +142,7 @@ def step_faults(mode: str) -> int:
 def test_a_warmed_training_thread_takes_its_first_gradients_and_optimizer_state_from_pages_it_touched():
     """join warms the thread that trains while the peer waits for its cluster: round 0 of every
     run paid these faults (56-185 ms a first step with four peers starting on 2 cores)."""
-    cold, warm = step_faults("cold"), step_faults("warm")
+    cold, warm, fused = step_faults("cold"), step_faults("warm"), step_faults("fused")
     assert cold > 2000  # (gradients, Adam's moments and its temporaries: 5,200 pages on first touch here)
     assert warm < cold / 5
+    assert fused < cold / 5  # (fused Adam makes no temporaries: half the warm-up covers it)

@@ -42,10 +42,10 @@ _kept = False  # (keep_freed_memory took)
 WARM_VECTORS = 8
 WARM_MAX_BYTES = 1 << 30
 # The training thread's first step: the gradients and Adam's two moments, 3 vectors of the
-# model's size in fresh heap, and the temporaries of torch's default (foreach) Adam, 8 in all
-# (fused Adam takes 4: a backward and a step of 1 M parameters faulted 3,213 pages cold, 169
-# warmed; the foreach step 5,197 cold, 1,398 with 4 vectors warmed, 197 with 8).
-TRAIN_WARM_VECTORS = 8
+# model's size in fresh heap, and the temporaries of torch's default (foreach) Adam, 8 in all;
+# a fused optimizer makes none, 4 do (a backward and a step of 1 M parameters faulted 3,213
+# pages cold and 169 warmed with fused Adam; 5,197, 1,398 with 4 vectors, 197 with 8 foreach).
+TRAIN_WARM_VECTORS, TRAIN_WARM_VECTORS_FUSED = 8, 4
 
 
 def _users_own(env) -> list[str]:
@@ -76,17 +76,19 @@ def warm_loop_thread(elems: int) -> None:
         LoopThread.warm_bytes = min(WARM_VECTORS * 4 * elems, WARM_MAX_BYTES)
 
 
-def warm_training_thread(elems: int) -> None:
+def warm_training_thread(elems: int, fused: bool = False) -> None:
     """Touch, on this thread (the one that will train), the heap its first steps take for a
     model of ``elems`` parameters: the gradients of the first backward and the optimizer's state
     of its first step are then made of warm pages. Call it while the peer waits for its cluster:
     on this project's 2-core VMs those first steps faulted their pages in at ~40 us each, 56-185
     ms for one step with four peers starting at once, in round 0 of every run. Nothing where the
-    heap hands freed memory back (then the pages would be gone again before the step)."""
+    heap hands freed memory back (then the pages would be gone again before the step).
+    ``fused``: the optimizer steps in one kernel (no temporaries): half as much."""
     from p2ptrain.trainer.loopthread import touch_heap
 
     if keeps_freed_memory():
-        nbytes = min(TRAIN_WARM_VECTORS * 4 * elems, WARM_MAX_BYTES)
+        vectors = TRAIN_WARM_VECTORS_FUSED if fused else TRAIN_WARM_VECTORS
+        nbytes = min(vectors * 4 * elems, WARM_MAX_BYTES)
         touch_heap(nbytes)
         log.debug("malloc: %.1f MB of heap touched for the first steps", nbytes / 1e6)
 

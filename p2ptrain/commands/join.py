@@ -411,7 +411,7 @@ class _Join:
         rank_seed = a.data_rank if a.data_rank is not None else _stream_of(peer.peer_id)
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
         if device.type == "cpu":  # (elsewhere gradients and the optimizer's state are the device's)
-            warm_training_thread(task.num_parameters())
+            warm_training_thread(task.num_parameters(), fused=bool(peer.optimizer.defaults.get("fused")))
         await self._wait_for_members(peer)
         if a.start_at:
             await asyncio.sleep(max(0.0, a.start_at - time.time()))
