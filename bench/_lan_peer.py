@@ -39,7 +39,8 @@ from p2ptrain.trainer.cpu_queue import cpu_times
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 MAX_RUNS = 50
-FLOOR_LEAD_S = 20.0  # seconds from the floor's meeting to its lone peers' first batch: 4 joins start in 9-10 s on 2 cores
+FLOOR_LEAD_S = 20.0  # seconds from the floor's meeting to its lone peers' first batch (with 8, one of 4 joins
+# on 2 cores still started 0.7-1.4 s late; with 20, none did in this session's floors)
 
 
 class Progress:

@@ -175,8 +175,8 @@ class Report:
                 rows[-1] += [_f(no_comm, ".3g", " s"),
                              _f(r["time_to_target_s"] / no_comm if no_comm else None, ".2f")]
             if r.get("floor"):  # (lone peers: their loss and checksums are not a cluster's)
-                rows[-1][11:13] = ["-", "-"]
-                rows[-1][15:17] = ["-", "-"]
+                for col in (head.index(f"to loss {target:g}"), head.index("final loss")):
+                    rows[-1][col:col + 2] = ["-", "-"]  # (and the column beside: its vs gloo, identical)
         return _common.table(rows, head)
 
     # -- pieces

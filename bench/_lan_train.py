@@ -282,19 +282,14 @@ def floor_at(progress_by_peer: list[list[list[float]]], samples: float) -> float
     the slowest peer: lone peers that wait for no one share the cores unevenly (one finished in
     half another's time in a 4-peer run on 2 cores), where a cluster's rounds keep them level.
     None: they never did."""
-    def at(progress, t):  # a peer's samples so far at time t
-        before_t, before_n = 0.0, 0
-        for rt, n in progress:
-            if rt >= t:
-                return before_n + (n - before_n) * (t - before_t) / max(rt - before_t, 1e-12)
-            before_t, before_n = rt, n
-        return before_n
+    import numpy as np
 
-    times = sorted({t for progress in progress_by_peer for t, _ in progress})
-    before_t, before_n = 0.0, 0.0
-    for t in times:
-        total = sum(at(p, t) for p in progress_by_peer)
-        if total >= samples:
-            return before_t + (t - before_t) * (samples - before_n) / max(total - before_n, 1e-12)
-        before_t, before_n = t, total
-    return None
+    times = np.array(sorted({t for progress in progress_by_peer for t, _ in progress}))
+    # (each peer's samples so far at those times: linear within a record, its last count after)
+    totals = sum(np.interp(times, [0.0] + [t for t, _ in p], [0] + [n for _, n in p]) for p in progress_by_peer)
+    reached = np.flatnonzero(totals >= samples)
+    if not reached.size:
+        return None
+    i = reached[0]
+    before_t, before_n = (times[i - 1], totals[i - 1]) if i else (0.0, 0.0)
+    return float(before_t + (times[i] - before_t) * (samples - before_n) / max(totals[i] - before_n, 1e-12))

@@ -84,10 +84,15 @@ LOOP_PROBE = textwrap.dedent("""
 """)
 
 
-def loop_faults(warm: int) -> int:
+def probe_faults(probe: str, arg: str) -> int:
+    """The page faults ``probe`` prints, run on malloc's defaults (the probe keeps freed memory itself)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    return int(subprocess.run([sys.executable, "-c", LOOP_PROBE, str(warm)], env=clean, capture_output=True,
+    return int(subprocess.run([sys.executable, "-c", probe, arg], env=clean, capture_output=True,
                               text=True, timeout=50, check=True).stdout)
+
+
+def loop_faults(warm: int) -> int:
+    return probe_faults(LOOP_PROBE, str(warm))
 
 
 def test_a_warmed_loop_thread_makes_its_first_buffers_from_pages_it_touched_already():
@@ -134,9 +139,7 @@ STEP_PROBE = textwrap.dedent("""
 
 
 def step_faults(mode: str) -> int:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    return int(subprocess.run([sys.executable, "-c", STEP_PROBE, mode], env=clean, capture_output=True,
-                              text=True, timeout=50, check=True).stdout)
+    return probe_faults(STEP_PROBE, mode)
 
 
 def test_a_warmed_training_thread_takes_its_first_gradients_and_optimizer_state_from_pages_it_touched():
