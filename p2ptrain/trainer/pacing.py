@@ -21,7 +21,7 @@ is tested without sockets or clocks.
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
   CPU more than ``QUEUED_LIMIT`` of the time they could run, a moving mean sampled as each
-  pseudo-gradient is formed, from the first one on, and short until a share is measured;
+  pseudo-gradient is formed, from the first one on, and short until two shares are measured;
   Linux only, elsewhere it steps on).
   Stepping on while the ring runs pays where the ring does not need the cores the compute uses
   (a wire, a GPU's compute): the outer update lands some steps late, which costs less than
@@ -37,6 +37,10 @@ is tested without sockets or clocks.
   second round: one from the peer's start took in the cluster forming, came out low, and every
   peer stepped on for the first rounds. Two peers there waited 20-39 %, about the limit: they
   step on in most rounds, 0.58-1.12 s against staleness 0's 0.97-1.53 s (six runs each).
+  The mean starts from the larger of the first two shares: while every peer waits, the last to
+  finish its steps runs with the cores to itself, so one round's share can come out low (0.15
+  against 0.5 after), and a peer that stepped on in rounds 2 and 3 cost the run 15-60 % more
+  samples to the loss (N = 4, session 41).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Pacing:
     round_mean: float | None = None  # a ring, from its start to its commit (None: none seen yet)
     predicted: bool = False  # weight prediction is on: a late gradient costs less
     queued_mean: float | None = None  # the share of runnable time spent waiting for a CPU (None: unmeasured)
+    _first_share: float | None = None  # the first share measured, until the second (the mean starts from both)
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
 
     def computed(self, seconds: float) -> None:
@@ -83,17 +88,20 @@ class Pacing:
             ran, queued = times[0] - self._cpu[0], times[1] - self._cpu[1]
             if ran + queued > 0:
                 share = queued / (ran + queued)
-                if self.queued_mean is None:
-                    self.queued_mean = share
+                if self.queued_mean is None and self._first_share is None:
+                    self._first_share = share
+                elif self.queued_mean is None:
+                    self.queued_mean = max(self._first_share, share)
                 else:
                     self.queued_mean += QUEUED_WEIGHT * (share - self.queued_mean)
         self._cpu = times
 
     def cores_short(self) -> bool:
         """The machine has no core to spare for a ring beside the compute (the module docstring).
-        Between the first sample and the second, nothing is measured yet: short (waiting is staleness
-        0's schedule, the safe one; the time before the first contribution, a cluster forming and
-        its peers starting, says nothing of the cores). Where nothing can be measured: not short."""
+        From the first sample until two shares are measured: short (waiting is staleness 0's
+        schedule, the safe one; the time before the first contribution, a cluster forming and its
+        peers starting, says nothing of the cores, and one round's share can be low by the order the
+        peers finished in). Where nothing can be measured: not short."""
         if self.queued_mean is None:
             return self._cpu is not None
         return self.queued_mean > QUEUED_LIMIT
