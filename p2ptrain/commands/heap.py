@@ -12,8 +12,8 @@ allocators do. A GPU's allocator caches its memory already; this is the host's s
 
 With the heap kept, ``warm_loop_thread`` also has the peer's loop thread touch the heap its
 first rounds take before the peer opens (``LoopThread``'s docstring has the measurement), and
-``warm_training_thread`` the training thread the heap of its first steps, while it waits for
-its cluster.
+``warm_training_thread`` the training thread the heap of its first steps, before the peer
+opens too.
 
 Only ``join`` does it: it owns its process. A program that uses the library decides for itself
 (README: ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`` in its environment). Settings
@@ -79,9 +79,11 @@ def warm_loop_thread(elems: int) -> None:
 def warm_training_thread(elems: int, fused: bool = False) -> None:
     """Touch, on this thread (the one that will train), the heap its first steps take for a
     model of ``elems`` parameters: the gradients of the first backward and the optimizer's state
-    of its first step are then made of warm pages. Call it while the peer waits for its cluster:
-    on this project's 2-core VMs those first steps faulted their pages in at ~40 us each, 56-185
-    ms for one step with four peers starting at once, in round 0 of every run. Nothing where the
+    of its first step are then made of warm pages. Call it before the peer opens (join does): on
+    this project's 2-core VMs those first steps faulted their pages in at ~40 us each, 56-185 ms
+    for one step with four peers starting at once, in round 0 of every run; and a warm-up after
+    the peer opens ran, for the last of them to join, in round 0 beside the others' steps (87 ms
+    of touching with four peers on 2 cores: that peer's first contribution came last). Nothing where the
     heap hands freed memory back (then the pages would be gone again before the step).
     ``fused``: the optimizer steps in one kernel (no temporaries): half as much."""
     from p2ptrain.trainer.loopthread import touch_heap

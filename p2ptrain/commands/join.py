@@ -300,7 +300,11 @@ class _Join:
 
     async def _run_peer(self, peer, task, model, device, metrics: MetricsFile | None) -> None:
         """Train until the run ends or Ctrl-C; then the last checkpoint, the trace, the summary."""
+        from p2ptrain.commands.heap import warm_training_thread
+
         a = self.args
+        if device.type == "cpu":  # (before the peer is reachable: the last to join then does not do it in round 0)
+            warm_training_thread(task.num_parameters(), fused=bool(peer.optimizer.defaults.get("fused")))
         try:
             async with peer:
                 log.info("peer %s listening on port %d (cluster %r)", peer.peer_id, peer.cluster.port, a.cluster)
@@ -405,13 +409,9 @@ class _Join:
                 pass
 
     async def _train(self, peer, task, device, metrics) -> None:
-        from p2ptrain.commands.heap import warm_training_thread
-
         a = self.args
         rank_seed = a.data_rank if a.data_rank is not None else _stream_of(peer.peer_id)
         batches = task.train_batches(rank_seed, max(1, a.min_peers), a.batch_size or task.batch_size, a.seed)
-        if device.type == "cpu":  # (elsewhere gradients and the optimizer's state are the device's)
-            warm_training_thread(task.num_parameters(), fused=bool(peer.optimizer.defaults.get("fused")))
         await self._wait_for_members(peer)
         if a.start_at:
             await asyncio.sleep(max(0.0, a.start_at - time.time()))
