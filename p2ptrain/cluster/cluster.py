@@ -116,7 +116,7 @@ class Cluster:
         self.rings = Rings(peer_id, self.mesh, self.codec, ring_timeout, self._tasks,
                            on_done=lambda *done: self._post("ring_done", *done))  # (r, ok, checksum, void)
         self.applied = 0  # rounds applied here
-        self.members = 1  # live synced peers, us included, as of the last tick (safe to read from any thread)
+        self.members = 1  # live synced peers, us included, as of the last event (safe to read from any thread)
         self.reconciler = Reconciler(peer_id, self.machine, self.transfer, trainer, self._tasks)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
@@ -237,7 +237,6 @@ class Cluster:
                         machine.table.message(peer, heard)
                     moved = {r: rnd.moved_at for r, rnd in self._rounds.items() if rnd.moved_at is not None}
                     actions = machine.on_tick(now, moved)
-                    self.members = machine.members()
                     for peer in self.mesh.peers:
                         if machine.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")
@@ -295,6 +294,7 @@ class Cluster:
                 log.warning("peer %s broke the round protocol: %s", args[0] if args else "?", exc)
                 continue
             await self._carry_out(actions)
+            self.members = machine.members()  # (at once, not at the next tick: join's loop starts on it)
 
     def _collecting(self, r: int) -> bool:
         """Round r still waits for its members' batches here (no START heard): our ring, begun

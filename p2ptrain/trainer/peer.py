@@ -277,7 +277,7 @@ class AsyncPeer:
 
     @property
     def members(self) -> int:
-        """Live synced peers, this one included (updated ten times a second; any thread may read it)."""
+        """Live synced peers, this one included (updated as the cluster hears of them; any thread may read it)."""
         return self.cluster.members if self.cluster is not None else 0
 
     @property
