@@ -48,12 +48,12 @@ def test_cores_are_short_once_the_threads_wait_for_a_cpu_over_30_percent_of_the_
     p.cpu_sampled(None)  # (no schedstat here: nothing known, never short)
     assert not p.cores_short()
     p.cpu_sampled((10.0, 1.0))  # (the first sample, at the first contribution: where the shares start from)
-    assert p.queued_mean is None and p.cores_short()  # (until two shares are measured: staleness 0's schedule)
+    assert p.queued_mean is None and p.cores_short()  # (until a share is measured: staleness 0's schedule)
     ran, queued = 10.0, 1.0
-    for k in range(3):  # a round: 1 s run, 0.1 s waited (two peers on two cores: 24 %)
+    for _ in range(3):  # a round: 1 s run, 0.1 s waited (a core to itself, nearly)
         ran, queued = ran + 1.0, queued + 0.1
         p.cpu_sampled((ran, queued))
-        assert p.cores_short() == (k == 0)  # (one share is not enough)
+        assert not p.cores_short()  # (a first share that low is trusted alone)
     assert p.queued_mean == pytest.approx(0.1 / 1.1) and not p.cores_short()
     for _ in range(5):  # then 1 s waited a second run (four peers on two cores: about half)
         ran, queued = ran + 1.0, queued + 1.0
@@ -76,6 +76,10 @@ def test_one_low_first_share_does_not_make_a_peer_step_on():
     assert p.cores_short()
     p.cpu_sampled((1.35, 0.65))  # (then half, as four peers on two cores wait)
     assert p.queued_mean == pytest.approx(0.5) and p.cores_short()
+    q = Pacing()  # (two low shares: spare, from the second on)
+    for times in ((0.0, 0.0), (0.85, 0.15), (1.65, 0.35)):
+        q.cpu_sampled(times)
+        assert q.cores_short() == (times[0] < 1.0)
 
 
 def test_the_process_reads_how_long_its_threads_ran_and_waited_for_a_cpu():

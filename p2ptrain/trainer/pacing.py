@@ -21,8 +21,8 @@ is tested without sockets or clocks.
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
   CPU more than ``QUEUED_LIMIT`` of the time they could run, a moving mean sampled as each
-  pseudo-gradient is formed, from the first one on, and short until two shares are measured;
-  Linux only, elsewhere it steps on).
+  pseudo-gradient is formed, from the first one on, and short until a share is measured that
+  can be trusted; Linux only, elsewhere it steps on).
   Stepping on while the ring runs pays where the ring does not need the cores the compute uses
   (a wire, a GPU's compute): the outer update lands some steps late, which costs less than
   waiting for it (``bench/local_steps_sim.py``: N = 4, H = 8, 51 inner steps to the loss with
@@ -37,10 +37,13 @@ is tested without sockets or clocks.
   second round: one from the peer's start took in the cluster forming, came out low, and every
   peer stepped on for the first rounds. Two peers there waited 20-39 %, about the limit: they
   step on in most rounds, 0.58-1.12 s against staleness 0's 0.97-1.53 s (six runs each).
-  The mean starts from the larger of the first two shares: while every peer waits, the last to
-  finish its steps runs with the cores to itself, so one round's share can come out low (0.15
-  against 0.5 after), and a peer that stepped on in rounds 2 and 3 cost the run 15-60 % more
-  samples to the loss (N = 4, session 41).
+  A first share under ``FIRST_TRUSTED`` starts the mean (a core to itself: 0.03-0.04 for a peer
+  beside a 4x slower one, pinned); a higher one starts it only with the second, from the larger
+  of the two. While every peer waits, the last to finish its steps runs with the cores to itself
+  a while, so one round's share can come out low (N = 4: 0.15, then 0.5 every round after), and a
+  peer that stepped on in rounds 2 and 3 cost the run 15-60 % more samples to the loss (session
+  41); waiting one more round for every first share cost the fast peer beside the slow one about
+  a sixth of its samples/s over that benchmark's 13 rounds.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ COMPUTE_WEIGHT = 0.1  # the weight of the newest batch in the moving mean of com
 ROUND_WEIGHT = 0.2  # the weight of the newest round in the moving mean of ring seconds
 QUEUED_LIMIT = 0.3  # local steps: waiting runnable for a CPU above this share of the time: no core to spare
 QUEUED_WEIGHT = 0.3  # the weight of the newest round in the moving mean of that share
+FIRST_TRUSTED = 0.1  # a first share below this starts the mean alone; a higher one waits for a second
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Pacing:
     round_mean: float | None = None  # a ring, from its start to its commit (None: none seen yet)
     predicted: bool = False  # weight prediction is on: a late gradient costs less
     queued_mean: float | None = None  # the share of runnable time spent waiting for a CPU (None: unmeasured)
-    _first_share: float | None = None  # the first share measured, until the second (the mean starts from both)
+    _first_share: float | None = None  # a first share not trusted alone, until the second (the mean starts from both)
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
 
     def computed(self, seconds: float) -> None:
@@ -89,7 +93,10 @@ class Pacing:
             if ran + queued > 0:
                 share = queued / (ran + queued)
                 if self.queued_mean is None and self._first_share is None:
-                    self._first_share = share
+                    if share < FIRST_TRUSTED:
+                        self.queued_mean = share
+                    else:
+                        self._first_share = share
                 elif self.queued_mean is None:
                     self.queued_mean = max(self._first_share, share)
                 else:
@@ -98,10 +105,10 @@ class Pacing:
 
     def cores_short(self) -> bool:
         """The machine has no core to spare for a ring beside the compute (the module docstring).
-        From the first sample until two shares are measured: short (waiting is staleness 0's
-        schedule, the safe one; the time before the first contribution, a cluster forming and its
-        peers starting, says nothing of the cores, and one round's share can be low by the order the
-        peers finished in). Where nothing can be measured: not short."""
+        From the first sample until a share is trusted (``FIRST_TRUSTED``): short (waiting is
+        staleness 0's schedule, the safe one; the time before the first contribution, a cluster
+        forming and its peers starting, says nothing of the cores, and one round's share can be low
+        by the order the peers finished in). Where nothing can be measured: not short."""
         if self.queued_mean is None:
             return self._cpu is not None
         return self.queued_mean > QUEUED_LIMIT
