@@ -83,8 +83,8 @@ def warm_training_thread(elems: int, fused: bool = False) -> None:
     this project's 2-core VMs those first steps faulted their pages in at ~40 us each, 56-185 ms
     for one step with four peers starting at once, in round 0 of every run; and a warm-up after
     the peer opens ran, for the last of them to join, in round 0 beside the others' steps (87 ms
-    of touching with four peers on 2 cores: that peer's first contribution came last). Nothing where the
-    heap hands freed memory back (then the pages would be gone again before the step).
+    of touching with four peers on 2 cores: that peer's first contribution came last). Nothing
+    where the heap hands freed memory back (then the pages would be gone again before the step).
     ``fused``: the optimizer steps in one kernel (no temporaries): half as much."""
     from p2ptrain.trainer.loopthread import touch_heap
 

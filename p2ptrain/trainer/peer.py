@@ -459,11 +459,13 @@ class AsyncPeer:
                         self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
                 self._batch = batch_size
                 self._computing = False
+                # An inner step tells the cluster nothing: it hears when the pseudo-gradient is ready
+                # (``_inner_step``), and a round waiting for it keeps ``_want_step`` for its linger.
+                # (Asked at each step, the loop thread woke for nothing: 0.9 ms a step, 4 peers on 2 cores.)
                 if self._local is None or void:
                     notify, self._want_step = self._want_step, False
-                else:  # (an inner step: the cluster hears when the pseudo-gradient is ready, ``_inner_step``;
-                    notify = False  # a round waiting for it keeps ``_want_step`` for its linger. Asked at
-                    #                 each step, the loop thread woke for nothing: 0.9 ms a step, 4 peers on 2 cores)
+                else:
+                    notify = False
             if alone:
                 self._updater.apply_queue()  # (what was committed before we went solo)
                 notify = self._updater.apply_alone(batch_size)
