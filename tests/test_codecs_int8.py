@@ -13,11 +13,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from p2ptrain.codecs import parse_codec
+from p2ptrain.codecs import _int8_kernels, parse_codec
 from p2ptrain.errors import ConfigError
 from test_codecs import KINDS, make_chunk
 
 BLOCK = 256
+HAVE_NUMBA = _int8_kernels.load() is not None
+
+
+@pytest.fixture(autouse=True, params=["numba", "torch"])
+def passes(request, monkeypatch):
+    """Every test here runs on both of int8's implementations: the compiled kernels
+    (``_int8_kernels``, where numba is installed) and torch's passes."""
+    if request.param == "torch":
+        monkeypatch.setattr(_int8_kernels, "load", lambda: None)
+    elif not HAVE_NUMBA:
+        pytest.skip("numba is not installed (or P2PTRAIN_NUMBA=0): only torch's passes run")
+    return request.param
 
 
 def reference_encode(x: np.ndarray) -> bytes:
@@ -59,6 +71,12 @@ def assert_same_as_reference(x: np.ndarray) -> None:
     expected = dst + want
     codec.decode_add(enc.params, payload, dst, np.empty_like(dst))
     assert np.array_equal(dst.view(np.uint32), expected.view(np.uint32))
+    residual = np.full(x.size, np.nan, np.float32)
+    assert codec.encode_residual(x, residual).tobytes() == payload
+    assert np.array_equal(residual.view(np.uint32), (x - want).view(np.uint32))
+    inplace = x.copy()  # (the ring's owner decodes its final sum over itself)
+    assert codec.encode_decoded(inplace, inplace).tobytes() == payload
+    assert np.array_equal(inplace.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -67,7 +85,7 @@ def test_int8_matches_reference(kind, n):
     assert_same_as_reference(make_chunk(n, kind, n))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # (x 2: both passes)
 @given(x=arrays(np.float32, st.integers(1, 1300),
                 elements=st.floats(-(2.0**127), 2.0**127, width=32, allow_subnormal=True)))
 def test_int8_matches_reference_on_any_finite_values(x):
@@ -95,3 +113,32 @@ def test_int8_refuses_nonfinite_anywhere(bad, where):
     x[where] = bad
     with pytest.raises(ConfigError):
         parse_codec("int8").encode(x)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
+def test_int8_refusal_leaves_the_values_and_the_residual_as_they_were(bad):
+    x = make_chunk(1000, "normal", 4)
+    x[700] = bad
+    before, residual = x.copy(), np.full(1000, 7.0, np.float32)
+    codec = parse_codec("int8")
+    for call in (lambda: codec.encode_decoded(x, x), lambda: codec.encode_residual(x, residual)):
+        with pytest.raises(ConfigError):
+            call()
+        assert np.array_equal(x.view(np.uint32), before.view(np.uint32))
+        assert (residual == 7.0).all()
+
+
+def test_int8_accepts_two_to_the_127_exactly():
+    x = np.zeros(300, np.float32)
+    x[3], x[299] = 2.0**127, -(2.0**127)
+    assert_same_as_reference(x)
+
+
+def test_the_kernels_are_in_use_where_numba_is_installed(passes):
+    """A numba that imports but fails to compile logs a warning and falls back: here, where
+    it is installed, the kernels must be what int8 runs."""
+    pytest.importorskip("numba")
+    if not _int8_kernels.enabled():
+        pytest.skip("P2PTRAIN_NUMBA=0")
+    if passes == "numba":
+        assert _int8_kernels.warm()

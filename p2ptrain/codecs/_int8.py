@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2ptrain.codecs import _int8_kernels
 from p2ptrain.codecs._codec import MAX_ABS, Scratch, check_domain, tensor_of
 from p2ptrain.errors import CodecError
 
@@ -40,6 +41,7 @@ class Int8:
 
     def __init__(self) -> None:
         self._tmp = Scratch()
+        _int8_kernels.warm()  # (now, not in a round: see there)
 
     def max_raw(self, n: int) -> int:
         return n + 4 * _blocks(n)
@@ -54,6 +56,11 @@ class Int8:
         scales = buf[: 4 * nb].view(_F4)
         codes = buf[4 * nb :].view(np.int8)
         if n == 0:
+            return {}, buf
+        kernels = _int8_kernels.load()
+        if kernels is not None:
+            if not kernels.encode(x, scales, codes):
+                check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
             return {}, buf
         # torch's kernels (``tensor_of``): numpy's per-block max reduces each 256-value row alone.
         import torch
@@ -82,14 +89,14 @@ class Int8:
         return {}, buf
 
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
-        nb, full = _blocks(n), n // BLOCK * BLOCK
         if n == 0:
             return
-        scales = np.frombuffer(raw, _F4, nb)
-        # NaN fails both comparisons, so NaN, inf, negative and oversized scales are refused.
-        if not (scales.min() >= 0 and scales.max() <= _MAX_SCALE):
-            raise CodecError("int8 block scale is NaN, infinite, negative or too large")
-        codes = np.frombuffer(raw, np.int8, n, offset=4 * nb)
+        scales, codes = _payload(n, raw)
+        kernels = _int8_kernels.load()
+        if kernels is not None:
+            kernels.decode(scales, codes, out)
+            return
+        nb, full = _blocks(n), n // BLOCK * BLOCK
         nfull = full // BLOCK
         # The codes widened into ``out`` first (exact), then scaled in place by torch: the same
         # float32 products as one multiply of int8 by float32, which numpy runs 3x slower.
@@ -98,3 +105,35 @@ class Int8:
         dst[:full].view(nfull, BLOCK).mul_(scale[:nfull, None])
         if full < n:
             dst[full:].mul_(scale[nfull])
+
+    def add_raw(self, n: int, params: dict, raw, dst: np.ndarray) -> None:
+        """``dst += decoded`` (decoded first, then added: the same floats as ``decode_raw``
+        into a scratch array and ``np.add``), in one pass where the kernels are in use."""
+        kernels = _int8_kernels.load()
+        if kernels is None:
+            scratch = self._tmp.take(n)
+            self.decode_raw(n, params, raw, scratch)
+            np.add(dst, scratch, out=dst)
+        elif n:
+            kernels.decode_add(*_payload(n, raw), dst)
+
+    def residual_raw(self, params: dict, raw, x: np.ndarray, out: np.ndarray) -> None:
+        """``out = x - decoded`` (decoding then subtracting), in one pass where the kernels are in use."""
+        kernels = _int8_kernels.load()
+        if kernels is None:
+            self.decode_raw(x.shape[0], params, raw, out)
+            np.subtract(x, out, out=out)
+        elif x.shape[0]:
+            kernels.residual(x, *_payload(x.shape[0], raw), out)
+
+
+def _payload(n: int, raw) -> tuple[np.ndarray, np.ndarray]:
+    """A payload's (scales, codes) for ``n`` values, its scales checked."""
+    nb = _blocks(n)
+    scales = np.frombuffer(raw, _F4, nb)
+    if not scales.flags.aligned:  # (a payload at an odd offset: numba would compile for it anew)
+        scales = scales.copy()
+    # NaN fails both comparisons, so NaN, inf, negative and oversized scales are refused.
+    if not (scales.min() >= 0 and scales.max() <= _MAX_SCALE):
+        raise CodecError("int8 block scale is NaN, infinite, negative or too large")
+    return scales, np.frombuffer(raw, np.int8, n, offset=4 * nb)
