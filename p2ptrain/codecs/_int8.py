@@ -94,7 +94,7 @@ class Int8:
         scales, codes = _payload(n, raw)
         kernels = _int8_kernels.load()
         if kernels is not None:
-            kernels.decode(scales, codes, out)
+            kernels.decode(scales, codes, out, False)
             return
         nb, full = _blocks(n), n // BLOCK * BLOCK
         nfull = full // BLOCK
@@ -115,7 +115,7 @@ class Int8:
             self.decode_raw(n, params, raw, scratch)
             np.add(dst, scratch, out=dst)
         elif n:
-            kernels.decode_add(*_payload(n, raw), dst)
+            kernels.decode(*_payload(n, raw), dst, True)
 
     def residual_raw(self, params: dict, raw, x: np.ndarray, out: np.ndarray) -> None:
         """``out = x - decoded`` (decoding then subtracting), in one pass where the kernels are in use."""

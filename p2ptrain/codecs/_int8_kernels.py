@@ -62,12 +62,11 @@ def warm() -> bool:
     nb = -(-x.size // BLOCK)
     scales, codes, out = np.empty(nb, np.float32), np.empty(x.size, np.int8), np.empty_like(x)
     k.encode(x, scales, codes)
-    k.decode(scales, codes, out)
-    k.decode_add(scales, codes, out)
     k.residual(x, scales, codes, out)
     raw = bytes(scales.tobytes() + codes.tobytes())  # (received payloads are read-only views)
-    k.decode(np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb), out)
-    k.decode_add(np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb), out)
+    for add in (False, True):
+        k.decode(scales, codes, out, add)
+        k.decode(np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb), out, add)
     _warmed.append(True)
     return True
 
@@ -132,32 +131,26 @@ def _compile(numba):
         return True
 
     @njit
-    def decode(scales, codes, out):
-        """out = code * scale."""
+    def decode(scales, codes, out, add):
+        """out = code * scale, or with ``add``, out += code * scale (the product rounded first,
+        as decoding then adding)."""
         n = out.size
         for b in range(scales.size):
             s, lo = scales[b], b * BLOCK
             if lo + BLOCK <= n:
                 ob, cb = out[lo : lo + BLOCK], codes[lo : lo + BLOCK]
-                for j in range(BLOCK):
-                    ob[j] = np.float32(cb[j]) * s
+                if add:
+                    for j in range(BLOCK):
+                        ob[j] = ob[j] + np.float32(cb[j]) * s
+                else:
+                    for j in range(BLOCK):
+                        ob[j] = np.float32(cb[j]) * s
+            elif add:
+                for i in range(lo, n):
+                    out[i] = out[i] + np.float32(codes[i]) * s
             else:
                 for i in range(lo, n):
                     out[i] = np.float32(codes[i]) * s
-
-    @njit
-    def decode_add(scales, codes, out):
-        """out += code * scale (the product rounded first, as decoding then adding)."""
-        n = out.size
-        for b in range(scales.size):
-            s, lo = scales[b], b * BLOCK
-            if lo + BLOCK <= n:
-                ob, cb = out[lo : lo + BLOCK], codes[lo : lo + BLOCK]
-                for j in range(BLOCK):
-                    ob[j] = ob[j] + np.float32(cb[j]) * s
-            else:
-                for i in range(lo, n):
-                    out[i] = out[i] + np.float32(codes[i]) * s
 
     @njit
     def residual(x, scales, codes, out):
@@ -173,4 +166,4 @@ def _compile(numba):
                 for i in range(lo, n):
                     out[i] = x[i] - np.float32(codes[i]) * s
 
-    return types.SimpleNamespace(encode=encode, decode=decode, decode_add=decode_add, residual=residual)
+    return types.SimpleNamespace(encode=encode, decode=decode, residual=residual)
