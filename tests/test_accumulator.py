@@ -97,7 +97,10 @@ def test_a_kept_batch_goes_to_a_round_alone_untouched_and_to_a_ring_written():
     grads(params, 1)
     acc.add(3, 0, keep=True)
     ring = acc.swap(2)
-    acc.to_host(ring)  # a round of two: written as any batch is, into a reused buffer
+    acc.to_host(ring)  # a round of two: written as the ring reads it, into a reused buffer
+    assert ring.grads is not None and ring.writer is not None
+    for start, stop in ((12, 17), (2, 12), (0, 3)):  # (the ring's order, end first; a range across both
+        ring.writer.write(start, stop)               #  parameters, one read twice in part)
     assert ring.grads is None and torch.equal(torch.from_numpy(ring.array), sum_of(params, [(1, 3)]))
 
     grads(params, 2)
@@ -120,6 +123,7 @@ def test_a_kept_batch_comes_back_kept_after_an_abort_and_is_voided_by_a_state_lo
     again = acc.swap(2)
     assert again.grads is not None and (again.samples, again.batches, again.oldest) == (2, 1, 7)
     acc.to_host(again)
+    again.writer.finish()
     assert torch.equal(torch.from_numpy(again.array), sum_of(params, [(4, 2)]))
     acc.release(again)
 
@@ -129,6 +133,22 @@ def test_a_kept_batch_comes_back_kept_after_an_abort_and_is_voided_by_a_state_lo
     empty = acc.swap(1)
     acc.to_host(empty, alone=True)
     assert empty.grads is None and empty.samples == 0 and not empty.array.any()
+
+
+def test_a_kept_batch_half_read_by_an_aborted_ring_comes_back_whole():
+    params = [torch.zeros(3, 4, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    acc = Accumulator(params, torch.device("cpu"))
+    grads(params, 6)
+    acc.add(4, 3, keep=True)
+    out = acc.swap(2)
+    acc.to_host(out)
+    out.writer.write(10, 17)  # (the ring read the end, then its round aborted)
+    acc.merge(out)
+    again = acc.swap(2)
+    assert again.grads is not None and (again.samples, again.oldest) == (4, 3)
+    acc.to_host(again)
+    again.writer.finish()
+    assert torch.equal(torch.from_numpy(again.array), sum_of(params, [(6, 4)]))
 
 
 def test_the_views_of_a_buffer_are_made_once_and_dropped_beyond_the_last_few():

@@ -331,7 +331,7 @@ class Cluster:
                     rnd.waiting = True
                     continue
                 vector, samples = rnd.taken = taken[:2]
-                rnd.ready = taken[2] if len(taken) > 2 else None  # (backward still writes it: overlap)
+                rnd.ready = taken[2] if len(taken) > 2 else None  # (still being written: overlap, or as the ring reads it)
                 log.debug("round %d: contributing %d samples", action.r, samples)
                 await self._carry_out(self.machine.on_contribution_ready(action.r, samples, loop.time(),
                                                                          vector.nbytes))

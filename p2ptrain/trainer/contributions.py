@@ -6,7 +6,8 @@ Call order. The cluster calls ``take`` when a round collects (our accumulator is
 None: nothing yet, and ``step`` or the linger timer calls ``contribution_available`` later;
 ``alone``: the round's sum will be what we hand over, so a batch kept as backward left it
 stays so, ``Accumulator``; with ``overlap``, the batch backward is still writing, with its
-``overlap.Filling`` as a third element), then ``apply`` on commit or ``put_back`` on abort (a
+``overlap.Filling`` as a third element; else, on the CPU, a kept batch with its
+``WrittenAsRead``), then ``apply`` on commit or ``put_back`` on abort (a
 batch still being written is then withdrawn, not merged: ``step`` adds it); ``snapshot``,
 ``restore`` and ``reconcile`` for state transfer; ``finish`` at the run's end; ``solo_*``
 while the peer is alone. The peer runs ``wait`` here while ``step`` blocks (committed updates
@@ -140,7 +141,7 @@ class Contributor:
             out = peer._out = peer._acc.swap(members)
         peer._acc.to_host(out, alone)  # (that buffer is no longer step()'s)
         self._changed.set()
-        return out.array, out.samples
+        return (out.array, out.samples) if out.writer is None else (out.array, out.samples, out.writer)
 
     async def wait(self, blocked: Callable[[], Any], timeout: float, flushing: bool = False) -> None:
         """On the cluster's loop, while the caller waits in step: wake on every change until
@@ -262,6 +263,8 @@ class Contributor:
             if out is None or contribution is not out.array:  # from before a state load: void (counted then)
                 return
             peer._out = None
+            if out.writer is not None:  # (the ring stopped before it read all of it)
+                out.writer.finish()
             if out.filling is not None and not out.filling.complete:  # (step adds the batch from the gradients)
                 out.filling.withdraw("its round aborted while backward ran")
             elif (ours := not encodable(contribution)) or not_finite:  # (an abort only: no pass in a round)
