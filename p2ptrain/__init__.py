@@ -10,7 +10,7 @@ Public API (everything else is private by name):
 
 Layout, by layer; a layer imports only those above it in this list (``tests/test_layout.py``):
 
-- base modules: ``errors``, ``identity``, ``trace``, ``device``, ``taskset``, ``waiting``, ``switches``
+- base modules: ``errors``, ``identity``, ``trace``, ``device``, ``taskset``, ``waiting``, ``switches``, ``jit``
 - ``codecs``: gradient codecs and error feedback (sans-I/O)
 - ``net``: frames, handshake, links, discovery
 - ``collective``: the ring-allreduce and ``Group``

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from p2ptrain import jit
 from p2ptrain.codecs import _int8_kernels, parse_codec
 from p2ptrain.errors import ConfigError
 from test_codecs import KINDS, make_chunk
@@ -138,7 +139,7 @@ def test_the_kernels_are_in_use_where_numba_is_installed(passes):
     """A numba that imports but fails to compile logs a warning and falls back: here, where
     it is installed, the kernels must be what int8 runs."""
     pytest.importorskip("numba")
-    if not _int8_kernels.enabled():
+    if not jit.enabled():
         pytest.skip("P2PTRAIN_NUMBA=0")
     if passes == "numba":
         assert _int8_kernels.warm()

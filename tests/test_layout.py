@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "p2ptrain"
 
 # Bottom to top: a module may import its own layer and those before it.
 LAYERS = ["base", "codecs", "net", "collective", "cluster", "trainer", "tasks", "commands"]
-BASE_MODULES = {"errors", "identity", "trace", "device", "taskset", "waiting", "switches"}
+BASE_MODULES = {"errors", "identity", "trace", "device", "taskset", "waiting", "switches", "jit"}
 
 SANS_IO = {
     "p2ptrain.net.wire", "p2ptrain.net.auth", "p2ptrain.net.beacon",

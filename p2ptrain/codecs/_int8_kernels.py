@@ -21,32 +21,21 @@ its peer opens (``warm``, as every int8 codec is made), so no round waits for th
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
-from p2ptrain.switches import env_switch
+from p2ptrain import jit
 
-log = logging.getLogger(__name__)
-
-ENV = "P2PTRAIN_NUMBA"
 BLOCK = 256  # (``_int8.BLOCK``: the kernels' inner loops are this long)
 
 _loaded: list = []  # [namespace or None], once ``load`` has run
 _warmed: list = []  # [True] once ``warm`` ran them
 
 
-def enabled() -> bool:
-    """``P2PTRAIN_NUMBA``: 1 (default) uses these kernels where numba imports; 0 never does.
-    Anything else is a ConfigError (``join`` checks at its start)."""
-    return env_switch(ENV, default=True)
-
-
 def load():
     """The compiled kernels (a namespace of functions), or None where numba is not installed
     or ``P2PTRAIN_NUMBA=0``. Read once a process: a run uses one kind throughout."""
     if not _loaded:  # (two threads at once would both build it: the same kernels, the first kept)
-        _loaded.append(_build() if enabled() else None)
+        _loaded.append(jit.compile_with(_compile, "int8"))
     return _loaded[0]
 
 
@@ -71,23 +60,10 @@ def warm() -> bool:
     return True
 
 
-def _build():
-    try:
-        import numba
-    except ImportError:
-        log.debug("numba is not installed: int8 runs on torch's kernels")
-        return None
-    try:
-        return _compile(numba)
-    except Exception as exc:  # (a numba that cannot compile here: the torch passes still work)
-        log.warning("numba could not compile int8's kernels (%s): using torch's", exc)
-        return None
-
-
 def _compile(numba):
     import types
 
-    njit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    njit = jit.njit(numba)
     abs_bits = np.int32(0x7FFFFFFF)  # clears the sign bit of a float32 read as int32
     max_bits = np.int32(0x7F000000)  # 2**127's bits: above them, inf and NaN (``_codec.MAX_ABS``)
     min_scale = np.float32(2.0**-126)  # (``_int8._MIN_SCALE``)

@@ -168,16 +168,16 @@ def _check_where(args: argparse.Namespace) -> None:
     cannot be written failed at the start with a traceback, a --trace file only at the end."""
     import socket
 
-    from p2ptrain.codecs._int8_kernels import enabled as int8_kernels_enabled
     from p2ptrain.collective.linkpace import raw_chunks_enabled
     from p2ptrain.collective.pool import default_threads
+    from p2ptrain.jit import enabled as numba_enabled
     from p2ptrain.net.interfaces import list_interfaces, pick_address
     from p2ptrain.net.sender import io_threads_default
 
     default_threads()  # (P2PTRAIN_DATA_THREADS: read at the first ring, mid-run)
     io_threads_default()  # (P2PTRAIN_IO_THREADS: read as each link opens)
     raw_chunks_enabled()  # (P2PTRAIN_RAW_CHUNKS: read at each ring)
-    int8_kernels_enabled()  # (P2PTRAIN_NUMBA: read as the first int8 codec is made)
+    numba_enabled()  # (P2PTRAIN_NUMBA: read as the first int8 codec or local-steps peer is made)
 
     try:
         socket.getaddrinfo(args.host, None)

@@ -320,10 +320,10 @@ class Accumulator:
 
     def add_weighted(self, tensors: list[torch.Tensor], samples: int, version: int) -> None:
         """Add ``samples * tensors`` (one per parameter: a pseudo-gradient in local-steps mode);
-        ``tensors`` may be the views ``begin_writing`` gave, written since."""
+        or ``tensors`` are the views ``begin_writing`` gave, written since with ``samples *``
+        the values (``LocalSteps.contribute``: weighted as it writes them)."""
         with torch.no_grad():
             if tensors is self._views:
-                torch._foreach_mul_(self._views, float(samples))
                 self._dirty = False
             elif self._dirty:
                 torch._foreach_copy_(self._views, tensors)

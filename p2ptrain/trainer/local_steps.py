@@ -27,10 +27,13 @@ Calls come from the peer with its ``_params_lock`` held (no forward or backward 
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+import numpy as np
 import torch
 
+from p2ptrain.trainer import _local_kernels
 from p2ptrain.trainer.accumulator import param_views
 from p2ptrain.trainer.finite import all_finite
 
@@ -51,7 +54,22 @@ class LocalSteps:
         self._velocity = torch.zeros_like(self._outer)
         self.outer, self.base, self.velocity = (param_views(t, self.params) for t in (self._outer, self._base, self._velocity))
         self.steps = self.samples = 0  # inner steps and their samples since the last contribution
+        starts = [0, *itertools.accumulate(p.numel() for p in params)]
+        self._spans = list(zip(starts, starts[1:]))  # each parameter's range in the flat vectors
+        self._kernels = _local_kernels.load() if device.type == "cpu" else None  # (``_compiled``)
+        if self._kernels is not None:
+            _local_kernels.warm()  # (now, not in the first round)
         self.reset()
+
+    def _compiled(self, live: list[torch.Tensor], *others: list[torch.Tensor] | torch.Tensor | None):
+        """The compiled kernels, where they can run on these tensors (float32, contiguous, on
+        the CPU: a parameter may have been replaced since), else None: torch's passes."""
+        k = self._kernels
+        if k is None or not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+                                for t in itertools.chain(live, *(o if isinstance(o, list) else [o]
+                                                                 for o in others if o is not None))):
+            return None
+        return k
 
     def _live(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]
@@ -82,23 +100,36 @@ class LocalSteps:
         diverged (NaN or inf): no codec carries it, and every later change would carry it on, so
         the model starts again from the outer parameters and the inner optimizer from no state
         (one flag read back a contribution, once per round). ``into``: tensors shaped as the
-        parameters to write it in (an empty sum's: ``Accumulator.begin_writing``), where a new one
-        would cost as much again as the subtraction (a CPU faults in fresh pages: 13 ms for 40 MB)."""
-        live = self._live()
+        parameters to write it in, weighted (``samples x`` it: an empty sum's, which
+        ``Accumulator.begin_writing`` gave), where a new one would cost as much again as the
+        subtraction (a CPU faults in fresh pages: 13 ms for 40 MB)."""
+        live, samples = self._live(), self.samples
         with torch.no_grad():
-            if into is None:
-                delta = torch._foreach_sub([b for b in self.base], live)
+            k = self._compiled(live, into) if into is not None else None
+            if k is not None:  # (one pass: the difference, its check, the weighting and the new base)
+                base, weight = self._base.numpy(), np.float32(samples)
+                finite = True
+                for (a, b), d, p in zip(self._spans, into, live):
+                    finite &= k.pseudo_gradient(base[a:b], p.view(-1).numpy(), d.view(-1).numpy(), weight)
+                delta = into
             else:
-                delta = [torch.sub(b, p, out=d) for d, b, p in zip(into, self.base, live)]
-            finite = all_finite(delta)
-            if finite:
-                torch._foreach_copy_(self.base, live)
-            else:
+                if into is None:
+                    delta = torch._foreach_sub([b for b in self.base], live)
+                else:  # (the same list: ``Accumulator.add_weighted`` knows its views by it)
+                    for d, b, p in zip(into, self.base, live):
+                        torch.sub(b, p, out=d)
+                    delta = into
+                finite = all_finite(delta)
+                if finite:
+                    torch._foreach_copy_(self.base, live)
+                    if into is not None:
+                        torch._foreach_mul_(delta, float(samples))
+            if not finite:
                 torch._foreach_copy_(live, self.outer)
                 self._base.copy_(self._outer)
                 if self.inner is not None:
                     self.inner.state.clear()
-        samples, self.steps, self.samples = self.samples, 0, 0
+        self.steps = self.samples = 0
         if not finite:
             log.warning("the inner steps diverged (NaN or inf in the parameters after %d samples): they are left "
                         "out, and this peer starts again from the outer parameters with its optimizer's state "
@@ -111,12 +142,19 @@ class LocalSteps:
         the outer Nesterov step (as ``torch.optim.SGD(nesterov=True)``), then local progress
         rebased onto it."""
         g, v, outer, mu = mean_delta, self._velocity, self._outer, self.momentum
+        live = self._live()
+        k = self._compiled(live, g)
+        if k is not None:  # (one pass per parameter, the same floats: ``_local_kernels``)
+            gn, vn, on, bn = (t.numpy() for t in (g, v, outer, self._base))
+            mu32, neg_lr = np.float32(mu), np.float32(-self.lr)
+            for (a, b), p in zip(self._spans, live):
+                k.outer_step(gn[a:b], vn[a:b], on[a:b], bn[a:b], p.view(-1).numpy(), mu32, neg_lr, bool(mu))
+            return
         with torch.no_grad():
             if mu:
                 v.mul_(mu).add_(g)
                 g.add_(v, alpha=mu)  # (the ring's mean is ours to use in place: no new vector a round)
             outer.sub_(g, alpha=self.lr)
-            live = self._live()
             torch._foreach_sub_(live, self.base)  # progress since the contribution (0 if none) ...
             torch._foreach_add_(live, self.outer)  # ... on top of the new outer parameters
             self._base.copy_(outer)
