@@ -455,8 +455,10 @@ class AsyncPeer:
                     if scale is not None:  # (the gradients as GradScaler would have unscaled them)
                         unscale(self.params, scale)
                     if self._local is None and not alone:  # (kept as it is until a round needs a vector:
-                        #              ``Accumulator``; not while a next batch computes beside it, but alone)
-                        self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1)
+                        #  ``Accumulator``; not while a next batch computes beside it, but alone, or where
+                        #  step waits for the round as at staleness 0: ``lockstep``)
+                        self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1
+                                      or self._pacing.lockstep())
                 self._batch = batch_size
                 self._computing = False
                 # An inner step tells the cluster nothing: it hears when the pseudo-gradient is ready
