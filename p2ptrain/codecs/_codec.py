@@ -175,6 +175,12 @@ class Codec:
         return "none" if self._t is None else self._t.name
 
     @property
+    def compiled(self) -> bool:
+        """Whether its transform's passes run as compiled loops (``p2ptrain.jit``): a chunk's
+        work then costs about what handing it to a thread and back does."""
+        return bool(getattr(self._t, "compiled", False))
+
+    @property
     def compresses(self) -> bool:
         """Whether it has a zstd layer (``+zstd``), which ``encode(..., zstd=False)`` may skip."""
         return self._cctx is not None

@@ -43,6 +43,10 @@ class Int8:
         self._tmp = Scratch()
         _int8_kernels.warm()  # (now, not in a round: see there)
 
+    @property
+    def compiled(self) -> bool:  # (``Codec.compiled``)
+        return _int8_kernels.load() is not None
+
     def max_raw(self, n: int) -> int:
         return n + 4 * _blocks(n)
 

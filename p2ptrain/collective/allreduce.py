@@ -39,7 +39,8 @@ With an ``executor`` (``pool.shared_pool()``), the data work (the sender's encod
 receiver's decode, add and hash) runs on its threads, so it and the event loop's socket work
 proceed in parallel (numpy, zstd and xxhash release the GIL). A hop to a thread and back
 costs tens of microseconds of wake-ups and GIL hand-offs on each side, so the ``none``
-codec's steps that only hash (or do nothing) stay on the event loop: only its adds move.
+codec's steps that only hash (or do nothing) stay on the event loop: only its adds move;
+and a compiled codec's stay there too on a machine of few cores (``pool.inline_for``).
 Sender and receiver each use their own codec instance: zstd contexts are not thread-safe.
 
 With ``digest=True`` every chunk's final values are hashed (xxh3-64) where they become
@@ -78,6 +79,7 @@ from p2ptrain.codecs._codec import check_domain
 from p2ptrain.errors import CodecError, FrameError, GroupError, LinkError, RemoteProtocolError
 from p2ptrain.collective.buffers import BufferPool
 from p2ptrain.collective.linkpace import LinkPace, raw_chunks_enabled
+from p2ptrain.collective.pool import inline_for
 from p2ptrain.collective.ring import MIN_CHUNK_ELEMS, RingPlan, Transfer
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
@@ -187,6 +189,7 @@ class RingAllreduce:
         self._ready = ready
         self.send_link, self.recv_link = send_link, recv_link
         self.codec = codec
+        executor = None if executor is not None and inline_for(codec) else executor  # (a compiled codec)
         self._recv_codec = codec if codec.is_identity or executor is None else parse_codec(codec.spec)
         self._executor = executor
         self.trace = trace  # p2ptrain.trace: spans of encode, send, receive-wait, reduce per chunk

@@ -8,6 +8,17 @@ loopback, load average 6-10: N=2 fp32 0.79 -> 1.05 of gloo's busbw, int8 0.45 ->
 fp32 0.46 -> 0.60; bench/allreduce.py --threads 0,2), 4 with 16 cores or more.
 ``P2PTRAIN_DATA_THREADS=N`` overrides (0: inline). One pool per process, shared by its
 rings, created on first use.
+
+A compiled codec (``Codec.compiled``: int8 where numba is in use) keeps its chunks on the
+event loop where the machine has fewer than ``COMPILED_INLINE_BELOW`` cores: its pass over a
+chunk costs about what the hop to a thread and back does, and on 2 cores the threads only
+took turns with the other peers' (session 43, 1 Gbit/s, int8, every figure inline against 2
+threads: 9 M parameters, batch 64, N = 2, three interleaved pairs, 882-904 against 754-776
+samples/s, time to loss 0.39x DDP's against 0.44x; ``bench/allreduce.py --netns 1gbit``,
+16 and 64 MiB, N = 2 and 4, as fast or faster, at 15.1-74.7 against 20.8-86.2 ms of CPU a
+peer; N = 4 training 732-743 against 755-760 samples/s, within the machine's spread). The
+rule was set when int8 ran torch's passes; with more cores (unmeasured with the kernels: no
+lent GPU machine yet) the pool stays.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from p2ptrain.errors import ConfigError
 
 ENV = "P2PTRAIN_DATA_THREADS"
 MAX_THREADS = 4
+COMPILED_INLINE_BELOW = 8  # cores
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
@@ -46,3 +58,8 @@ def shared_pool() -> ThreadPoolExecutor | None:
         if _pool is None:
             _pool = ThreadPoolExecutor(threads, thread_name_prefix="p2ptrain-data")
         return _pool
+
+
+def inline_for(codec) -> bool:
+    """A ring of ``codec`` runs its data work on the event loop, pool or not (the docstring)."""
+    return codec.compiled and (os.cpu_count() or 1) < COMPILED_INLINE_BELOW
