@@ -8,7 +8,7 @@ rebased onto it) were four and seven passes of torch over the model's size: 1.4 
 round for 1 M parameters on one core, memory traffic mostly. Each is one loop here. Four
 peers on 2 cores spend them at once, while every training thread waits for the update.
 
-The same floats, bit for bit, as torch's passes (``tests/test_trainer_local_steps``): each
+The same floats, bit for bit, as torch's passes (``tests/test_local_kernels``): each
 operation on its own, in torch's order, except where torch itself fuses one. Its ``add``
 and ``sub`` with an ``alpha`` compute ``self + alpha * other`` as one fused multiply-add on
 the CPU (its vectorized kernels' ``fmadd``, measured: 0 of 10^6 values differ from an exact

@@ -90,6 +90,11 @@ def write_scaled(view: torch.Tensor, grad: torch.Tensor | None, batch_size: floa
     torch.mul(grad if grad.dtype == torch.float32 else grad.float(), float(batch_size), out=view)
 
 
+def param_starts(params) -> list[int]:
+    """Where each parameter begins in a flat buffer of them all, in order, and the end last."""
+    return [0, *itertools.accumulate(p.numel() for p in params)]
+
+
 def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
     """Views of a flat buffer, one per parameter, shaped like it, in order."""
     views, offset = [], 0
@@ -196,7 +201,7 @@ class Accumulator:
     def __init__(self, params: list[torch.Tensor], device: torch.device):
         self.params, self.device = params, device
         self.numel = sum(p.numel() for p in params)
-        self._starts = [0, *itertools.accumulate(p.numel() for p in params)]  # (``WrittenAsRead``)
+        self._starts = param_starts(params)  # (``WrittenAsRead``)
         self._spare: list[torch.Tensor] = []
         self._staging: list[HostStaging] = []
         self._flat = self._fresh()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from p2ptrain.trainer import _local_kernels
-from p2ptrain.trainer.accumulator import param_views
+from p2ptrain.trainer.accumulator import param_starts, param_views
 from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
@@ -54,20 +54,19 @@ class LocalSteps:
         self._velocity = torch.zeros_like(self._outer)
         self.outer, self.base, self.velocity = (param_views(t, self.params) for t in (self._outer, self._base, self._velocity))
         self.steps = self.samples = 0  # inner steps and their samples since the last contribution
-        starts = [0, *itertools.accumulate(p.numel() for p in params)]
+        starts = param_starts(params)
         self._spans = list(zip(starts, starts[1:]))  # each parameter's range in the flat vectors
         self._kernels = _local_kernels.load() if device.type == "cpu" else None  # (``_compiled``)
         if self._kernels is not None:
             _local_kernels.warm()  # (now, not in the first round)
         self.reset()
 
-    def _compiled(self, live: list[torch.Tensor], *others: list[torch.Tensor] | torch.Tensor | None):
+    def _compiled(self, *tensors: list[torch.Tensor]):
         """The compiled kernels, where they can run on these tensors (float32, contiguous, on
         the CPU: a parameter may have been replaced since), else None: torch's passes."""
         k = self._kernels
         if k is None or not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-                                for t in itertools.chain(live, *(o if isinstance(o, list) else [o]
-                                                                 for o in others if o is not None))):
+                                for t in itertools.chain(*tensors)):
             return None
         return k
 
@@ -143,7 +142,7 @@ class LocalSteps:
         rebased onto it."""
         g, v, outer, mu = mean_delta, self._velocity, self._outer, self.momentum
         live = self._live()
-        k = self._compiled(live, g)
+        k = self._compiled(live, [g])
         if k is not None:  # (one pass per parameter, the same floats: ``_local_kernels``)
             gn, vn, on, bn = (t.numpy() for t in (g, v, outer, self._base))
             mu32, neg_lr = np.float32(mu), np.float32(-self.lr)
