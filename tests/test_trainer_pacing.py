@@ -111,8 +111,13 @@ def timed(compute: float, ring: float, predicted: bool = False) -> Pacing:
     return p
 
 
-def test_nothing_timed_yet_overlaps():
-    assert not Pacing().lockstep()
+def test_nothing_timed_yet_waits_among_others_and_overlaps_alone():
+    """A member's first round times the ring: until then it goes as at staleness 0, so that no
+    batch comes an update late before the rule knows overlap pays. A peer alone has no ring
+    of others to wait for."""
+    assert Pacing().lockstep(members=2) and Pacing().lockstep(members=4)
+    assert not Pacing().lockstep(members=1)
+    assert not timed(1.0, 0.5, predicted=True).lockstep(members=2)  # (timed: where overlap pays)
 
 
 @pytest.mark.parametrize("compute, ring", [(1.0, 0.1), (1.0, 0.45), (1.0, 0.7), (0.7, 1.0), (0.1, 1.0)])
@@ -122,10 +127,10 @@ def test_without_prediction_overlap_never_pays_for_the_delay(compute, ring):
     overlapped, gained 1.34x samples/s and needed 1.7x the samples to the loss)."""
     p = timed(compute, ring)
     assert p.overlap_gain() == pytest.approx((compute + ring) / max(compute, ring), rel=1e-3)
-    assert p.lockstep()
+    assert p.lockstep(members=2)
 
 
 @pytest.mark.parametrize("compute, ring, lockstep", [(1.0, 0.1, True), (1.0, 0.5, False), (0.5, 1.0, False),
                                                      (0.1, 1.0, True), (1.0, 0.2, True)])
 def test_with_prediction_overlap_pays_where_it_hides_a_quarter_or_more(compute, ring, lockstep):
-    assert timed(compute, ring, predicted=True).lockstep() is lockstep
+    assert timed(compute, ring, predicted=True).lockstep(members=2) is lockstep

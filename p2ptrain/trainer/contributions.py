@@ -122,7 +122,7 @@ class Contributor:
                 # round holds every member's; at 2 or more a slower member is not waited for then.
                 # That includes the next batch of a member still in step() applying the last update:
                 # a quicker member's batch starts the round before it computes one.)
-                lockstep = peer.staleness == 1 and peer._pacing.lockstep()
+                lockstep = peer.staleness == 1 and peer._lockstep()
                 if late < patience and ((peer._computing and (too_late or lockstep))
                                         or (lockstep and not peer._acc.samples and not peer._leaving)):
                     self._arm_linger(patience - late)  # the batch in progress would come too late: wait for it

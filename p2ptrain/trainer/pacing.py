@@ -16,7 +16,11 @@ is tested without sockets or clocks.
   against 54 fresh (10 M parameters: 77 against 23), and 61 with weight prediction. So
   overlapping pays only where its gain beats ``DELAY_COST`` (``PREDICTED_DELAY_COST`` with
   weight prediction): without prediction, practically never (a gain of 2 needs ``r == c``).
-  Until a round has been timed the member overlaps (nothing measured says otherwise).
+  Until a round has been timed a member of a cluster of two or more waits, as at staleness 0
+  (its first round times the ring; before, the batch computed beside it came an update late, the
+  one difference from staleness 0's rounds where overlap does not pay: N = 2 on 2 cores, 1 Gbit/s,
+  int8, 2-3 % more bytes to the loss in three runs). A peer alone overlaps (no ring of others
+  will time it: its own rounds take no time to wait for).
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
@@ -121,12 +125,14 @@ class Pacing:
         c, r = self.compute_mean, self.round_mean
         return (c + r) / max(c, r, 1e-9)
 
-    def lockstep(self) -> bool:
-        """Overlapping does not pay (its gain is below the delay's cost): rounds go as at
-        staleness 0 (a member waits for its round; a round waits for each member's batch in
-        progress)."""
+    def lockstep(self, members: int) -> bool:
+        """Overlapping does not pay (its gain is below the delay's cost), or is not known to
+        yet among ``members`` >= 2: rounds go as at staleness 0 (a member waits for its round; a
+        round waits for each member's batch in progress)."""
         gain = self.overlap_gain()
-        return gain is not None and gain < (PREDICTED_DELAY_COST if self.predicted else DELAY_COST)
+        if gain is None:
+            return members > 1
+        return gain < (PREDICTED_DELAY_COST if self.predicted else DELAY_COST)
 
 
 def share(target_batch_size: int | None, members: int, batch: int) -> int:

@@ -458,7 +458,7 @@ class AsyncPeer:
                         #  ``Accumulator``; not while a next batch computes beside it, but alone, or where
                         #  step waits for the round as at staleness 0: ``lockstep``)
                         self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1
-                                      or self._pacing.lockstep())
+                                      or self._lockstep())
                 self._batch = batch_size
                 self._computing = False
                 # An inner step tells the cluster nothing: it hears when the pseudo-gradient is ready
@@ -511,7 +511,10 @@ class AsyncPeer:
             return True
         return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
                          accumulated=self._acc.samples, out=self._out is not None, share=self._share(),
-                         lockstep=self._pacing.lockstep(), cores_short=self._pacing.cores_short())
+                         lockstep=self._lockstep(), cores_short=self._pacing.cores_short())
+
+    def _lockstep(self) -> bool:  # (``pacing.Pacing.lockstep``; no round runs with fewer than min_peers)
+        return self._pacing.lockstep(max(self.members, self.min_peers))
 
     def _share(self) -> int:  # (no round runs with fewer than min_peers)
         return share(self.target_batch_size, max(self.members, self.min_peers), self._batch)
