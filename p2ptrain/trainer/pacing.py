@@ -17,10 +17,9 @@ is tested without sockets or clocks.
   overlapping pays only where its gain beats ``DELAY_COST`` (``PREDICTED_DELAY_COST`` with
   weight prediction): without prediction, practically never (a gain of 2 needs ``r == c``).
   Until a round has been timed a member of a cluster of two or more waits, as at staleness 0
-  (its first round times the ring; before, the batch computed beside it came an update late, the
-  one difference from staleness 0's rounds where overlap does not pay: N = 2 on 2 cores, 1 Gbit/s,
-  int8, 2-3 % more bytes to the loss in three runs). A peer alone overlaps (no ring of others
-  will time it: its own rounds take no time to wait for).
+  (its first round times the ring; before, the batch computed beside that round came an update
+  late, the one way staleness 1's rounds differed from staleness 0's where overlap does not pay).
+  A peer alone overlaps (no ring of others will time it: its own rounds take no time to wait for).
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
