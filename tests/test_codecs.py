@@ -147,7 +147,7 @@ def test_topk_exact_when_its_sample_misleads(pattern, ratio):
 def test_topk_mostly_zero_chunk_is_exact_and_sorts_only_candidates(density, ratio):
     # An embedding's gradient: few non-zero values. Exact either way; but gathering every
     # index (the all-candidates fallback) sorted the whole chunk, ~20x the usual time.
-    from p2ptrain.codecs._topk import _candidates
+    from p2ptrain.codecs._topk import _bound, _candidates
 
     n = 1 << 17
     rng = np.random.default_rng(7)
@@ -157,7 +157,8 @@ def test_topk_mostly_zero_chunk_is_exact_and_sorts_only_candidates(density, rati
     t = parse_codec(f"topk:{ratio}")._t
     k = t.k(n)
     assert np.array_equal(t.select(x), topk_expected(x, k))
-    cand = _candidates(np.abs(x).view(np.uint32), k, np.empty(n, np.bool_))
+    mag = np.abs(x).view(np.uint32)
+    cand = _candidates(mag, k, _bound(mag, k), np.empty(n, np.bool_))
     assert cand is not None and cand.size <= max(int(rows.sum()), k) + k
 
 

@@ -13,6 +13,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from p2ptrain.codecs import _topk_kernels
 from p2ptrain.codecs._codec import check_domain
 from p2ptrain.errors import CodecError, ConfigError
 
@@ -44,6 +45,12 @@ class TopK:
         self._num, self._den = ratio.numerator, ratio.denominator  # Fraction's are properties
         self._mag = np.empty(0, np.uint32)
         self._mask = np.empty(0, np.bool_)
+        self._idx = np.empty(0, np.intp)  # (the compiled pass's candidates: ``_topk_kernels``)
+        _topk_kernels.warm()  # (now, not in a round)
+
+    @property
+    def compiled(self) -> bool:  # (``Codec.compiled``)
+        return _topk_kernels.load() is not None
 
     def k(self, n: int) -> int:
         if n == 0:
@@ -63,13 +70,25 @@ class TopK:
         n, k = x.size, self.k(x.size)
         if k == n:
             return np.arange(n)
-        if self._mag.size < n:
-            self._mag, self._mask = np.empty(n, np.uint32), np.empty(n, np.bool_)
         # |x| as integer bits: the same order as |x| for finite floats, NaN and inf above
         # them all, and exact ties.
-        mag = np.bitwise_and(x.view(np.uint32), _ABS, out=self._mag[:n])
-        cand = _candidates(mag, k, self._mask[:n])
-        sub = mag if cand is None else mag[cand]
+        bits = x.view(np.uint32)
+        bound = _bound(bits, k)
+        kernels = _topk_kernels.load()
+        cand = mag = None
+        if kernels is not None and bound:  # (one compiled pass; a bound of 0: numpy's rule for zeros)
+            if self._idx.size < n:
+                self._idx = np.empty(n, np.intp)
+            count = kernels.above(bits, np.uint32(bound), self._idx)
+            if k <= count <= n // 2:  # (else all are candidates, as ``_candidates`` says)
+                cand = self._idx[:count]
+        if cand is None:
+            if self._mag.size < n:
+                self._mag, self._mask = np.empty(n, np.uint32), np.empty(n, np.bool_)
+            mag = np.bitwise_and(bits, _ABS, out=self._mag[:n])
+            if kernels is None or not bound:
+                cand = _candidates(mag, k, bound, self._mask[:n])
+        sub = mag if cand is None else np.bitwise_and(bits[cand], _ABS)
         # np.sort, not np.partition: partition gets ~50x slower when one value (zero, in
         # sparse gradients) fills much of the array, and cand is small in the usual case.
         cut = np.sort(sub)[sub.size - k]
@@ -131,31 +150,38 @@ class TopK:
         return idx, vals
 
 
-def _candidates(mag: np.ndarray, k: int, mask: np.ndarray) -> np.ndarray | None:
-    """Sorted indices of a small superset of the top k (None: all): mag above a low bound.
-
-    The threshold comes from a strided sample, set ~4 sigma (plus 16) lower than the
-    sample says the cut is; if too few values pass it anyway, all indices are candidates.
-    Either way every value outside ranks below at least k inside, so the result is exact.
-    A chunk that is mostly zeros (an embedding's gradient: only the rows of the batch's
-    tokens) gets a threshold of 0, which everything passes: its candidates are then the
-    non-zeros, plus the first k indices when the non-zeros are fewer than k (those hold
-    the lowest-index zeros that fill the top k). Sorting all of it cost ~20x more.
-    ``mask`` is scratch of mag's length.
-    """
-    n = mag.size
-    sample = np.sort(mag[:: max(1, n // _SAMPLE)])
+def _bound(bits: np.ndarray, k: int) -> int | None:
+    """A low bound on the top k's |x| bits, from a strided sample of the chunk (``bits``: its
+    values read as uint32): ~4 sigma (plus 16) lower than the sample says the cut is. None
+    where the sample is too small to say (all values are then candidates)."""
+    n = bits.size
+    sample = np.sort(np.bitwise_and(bits[:: max(1, n // _SAMPLE)], _ABS))
     expect = sample.size * k / n
     rank = int(expect + 4 * expect**0.5 + 16)
-    if rank < sample.size:
-        bound = sample[sample.size - rank]
-        if bound:
-            np.greater_equal(mag, bound, out=mask)
-        elif np.count_nonzero(np.not_equal(mag, 0, out=mask)) < k:
-            mask[:k] = True
-        cand = _nonzero(mask)
-        if k <= cand.size <= n // 2:  # past half, gathering costs more than it saves
-            return cand
+    return int(sample[sample.size - rank]) if rank < sample.size else None
+
+
+def _candidates(mag: np.ndarray, k: int, bound: int | None, mask: np.ndarray) -> np.ndarray | None:
+    """Sorted indices of a small superset of the top k (None: all): mag at or above ``bound``
+    (``_bound``).
+
+    If too few values pass it anyway, all indices are candidates. Either way every value
+    outside ranks below at least k inside, so the result is exact. A chunk that is mostly
+    zeros (an embedding's gradient: only the rows of the batch's tokens) gets a bound of 0,
+    which everything passes: its candidates are then the non-zeros, plus the first k indices
+    when the non-zeros are fewer than k (those hold the lowest-index zeros that fill the top
+    k). Sorting all of it cost ~20x more. ``mask`` is scratch of mag's length.
+    """
+    n = mag.size
+    if bound is None:
+        return None
+    if bound:
+        np.greater_equal(mag, bound, out=mask)
+    elif np.count_nonzero(np.not_equal(mag, 0, out=mask)) < k:
+        mask[:k] = True
+    cand = _nonzero(mask)
+    if k <= cand.size <= n // 2:  # past half, gathering costs more than it saves
+        return cand
     return None
 
 
