@@ -1,9 +1,9 @@
-"""numba, for the few passes p2ptrain compiles (``codecs._int8_kernels``,
+"""numba, for the few passes p2ptrain compiles (``codecs._int8_kernels``, ``codecs._topk_kernels``,
 ``trainer._local_kernels``), where it is installed and ``P2PTRAIN_NUMBA`` is not 0.
 
 Each kernel module compiles its loops on first use and caches them beside itself
-(``cache=True``); where numba is missing, or cannot compile here, its caller runs torch's
-passes instead, the same floats bit for bit (each module's tests run both)."""
+(``cache=True``); where numba is missing, or cannot compile here, its caller runs torch's (or
+numpy's) passes instead, the same floats bit for bit (each module's tests run both)."""
 
 from __future__ import annotations
 
