@@ -42,6 +42,39 @@ def test_the_predictor_moves_the_parameters_one_update_on_and_puts_the_true_ones
     assert not predictor.predicted and predictor.true_state_dict(model)["weight"] is not w1[0]
 
 
+def test_several_updates_in_a_row_after_a_prediction_predict_from_the_last_of_them():
+    """``before_update`` after a prediction takes the true copies as the parameters before the
+    update (no copy); a second update in a row copies them: either way the prediction is the
+    last update repeated, and the true parameters come back bit for bit."""
+    params = [torch.randn(5, 4), torch.randn(7)]
+    predictor = WeightPredictor(params)
+
+    def update(scale):
+        for p in params:
+            p.mul_(0.9).add_(scale)
+
+    predictor.before_update()
+    update(0.1)
+    w1 = [p.clone() for p in params]
+    predictor.predict()
+    for rounds in range(3):
+        predictor.before_update()  # (after a prediction: the swap)
+        assert all(torch.equal(p, w) for p, w in zip(params, w1))  # the true parameters
+        update(0.2)
+        for _ in range(rounds):  # updates in a row, no batch between them (the copy)
+            predictor.before_update()
+            update(0.3)
+        before = [p.clone() for p in params]
+        predictor.before_update()
+        update(0.4)
+        w1 = [p.clone() for p in params]
+        predictor.predict()
+        for p, a, b in zip(params, before, w1):
+            assert torch.equal(p, b - (a - b))  # the last update repeated, bit for bit
+    predictor.restore()
+    assert all(torch.equal(p, w) for p, w in zip(params, w1))
+
+
 def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_gets_the_true_ones():
     peers = open_peers([make_adam] * 3, start=2, staleness=1, compression="int8", weight_prediction=True,
                        reconcile_every=1)
