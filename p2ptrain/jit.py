@@ -39,6 +39,34 @@ def compile_with(build, what: str):
         return None
 
 
+class Kernels:
+    """One module's compiled kernels: ``build(numba)`` once a process (``load``: its namespace,
+    or None as ``compile_with`` says), and ``run(kernels)`` once on tiny arrays (``warm``), so
+    that compiling, or loading from the cache (about 2 s and 0.8 s), is done before any round.
+    Two threads at once would both build them: the same kernels, the first kept."""
+
+    def __init__(self, build, run, what: str):
+        self._build, self._run, self._what = build, run, what
+        self._loaded: list = []  # [namespace or None], once ``load`` has run
+        self._warmed = False
+
+    def load(self):
+        """The compiled kernels (a namespace of functions), or None where numba is not installed
+        or ``P2PTRAIN_NUMBA=0``. Read once a process: a run uses one kind throughout."""
+        if not self._loaded:
+            self._loaded.append(compile_with(self._build, self._what))
+        return self._loaded[0]
+
+    def warm(self) -> bool:
+        """Run every kernel now, on tiny arrays; after the first call it costs nothing. True
+        where the kernels are in use."""
+        k = self.load()
+        if k is not None and not self._warmed:
+            self._run(k)
+            self._warmed = True
+        return k is not None
+
+
 def njit(numba):
     """The options every kernel compiles with: cached, no GIL, no bounds checks, and no
     fast-math (no reordering or fusing of float operations: the same floats as torch's)."""

@@ -10,7 +10,7 @@ that LLVM turns into SIMD code: measured on 2 cores (AMD EPYC) over 125,000 valu
 residual 0.27-0.35 -> 0.045-0.058 ms, decode 0.08-0.11 -> 0.029 ms, decode-and-add 0.12 ->
 0.025 ms.
 
-The same floats, bit for bit, as the torch passes (``tests/test_codec_int8_kernels``): IEEE
+The same floats, bit for bit, as the torch passes (``tests/test_codecs_int8``): IEEE
 float32 operations one at a time, in the same order (numba compiles without fast-math, so
 nothing is fused into an FMA or reordered), rounding half to even (``np.rint``).
 
@@ -27,26 +27,10 @@ from p2ptrain import jit
 
 BLOCK = 256  # (``_int8.BLOCK``: the kernels' inner loops are this long)
 
-_loaded: list = []  # [namespace or None], once ``load`` has run
-_warmed: list = []  # [True] once ``warm`` ran them
 
-
-def load():
-    """The compiled kernels (a namespace of functions), or None where numba is not installed
-    or ``P2PTRAIN_NUMBA=0``. Read once a process: a run uses one kind throughout."""
-    if not _loaded:  # (two threads at once would both build it: the same kernels, the first kept)
-        _loaded.append(jit.compile_with(_compile, "int8"))
-    return _loaded[0]
-
-
-def warm() -> bool:
-    """Compile (or load from the cache) every kernel now, on tiny arrays, so that the first
-    round does not wait for it (importing numba and loading them took 0.8 s; compiling, 2 s).
-    Every int8 codec calls it as it is made (``parse_codec``: ``join`` at its start, a
-    ``Peer`` as it is built); after the first, it costs nothing. True where the kernels are in use."""
-    k = load()
-    if k is None or _warmed:
-        return k is not None
+def _warm(k) -> None:
+    """Every kernel once, on tiny arrays (``jit.Kernels.warm``: every int8 codec calls it as it is
+    made, ``parse_codec``: ``join`` at its start, a ``Peer`` as it is built)."""
     x = np.linspace(-1, 1, BLOCK + 3, dtype=np.float32)
     nb = -(-x.size // BLOCK)
     scales, codes, out = np.empty(nb, np.float32), np.empty(x.size, np.int8), np.empty_like(x)
@@ -56,8 +40,6 @@ def warm() -> bool:
     for add in (False, True):
         k.decode(scales, codes, out, add)
         k.decode(np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb), out, add)
-    _warmed.append(True)
-    return True
 
 
 def _compile(numba):
@@ -143,3 +125,7 @@ def _compile(numba):
                     out[i] = x[i] - np.float32(codes[i]) * s
 
     return types.SimpleNamespace(encode=encode, decode=decode, residual=residual)
+
+
+_KERNELS = jit.Kernels(_compile, _warm, "int8")
+load, warm = _KERNELS.load, _KERNELS.warm  # (``jit.Kernels``: None / False where numba is not in use)

@@ -17,27 +17,10 @@ import numpy as np
 
 from p2ptrain import jit
 
-_loaded: list = []  # [namespace or None], once ``load`` has run
-_warmed: list = []  # [True] once ``warm`` ran them
 
-
-def load():
-    """The compiled kernels (a namespace of functions), or None where numba is not installed
-    or ``P2PTRAIN_NUMBA=0``. Read once a process: a run uses one kind throughout."""
-    if not _loaded:
-        _loaded.append(jit.compile_with(_compile, "top-k"))
-    return _loaded[0]
-
-
-def warm() -> bool:
-    """Compile (or load from the cache) the kernel now, so that no round waits for it (as
-    ``_int8_kernels.warm``). True where the kernels are in use."""
-    k = load()
-    if k is None or _warmed:
-        return k is not None
+def _warm(k) -> None:
+    """The kernel once, on tiny arrays (``jit.Kernels.warm``: every top-k codec calls it as it is made)."""
     k.above(np.arange(8, dtype=np.float32).view(np.uint32), np.uint32(1 << 30), np.empty(8, np.intp))
-    _warmed.append(True)
-    return True
 
 
 def _compile(numba):
@@ -58,3 +41,7 @@ def _compile(numba):
         return j
 
     return types.SimpleNamespace(above=above)
+
+
+_KERNELS = jit.Kernels(_compile, _warm, "top-k")
+load, warm = _KERNELS.load, _KERNELS.warm  # (``jit.Kernels``: None / False where numba is not in use)

@@ -21,28 +21,13 @@ import numpy as np
 
 from p2ptrain import jit
 
-_loaded: list = []  # [namespace or None], once ``load`` has run
-_warmed: list = []  # [True] once ``warm`` ran them
 
-
-def load():
-    """The compiled kernels (a namespace), or None where numba is not in use. Once a process."""
-    if not _loaded:
-        _loaded.append(jit.compile_with(_compile, "local steps"))
-    return _loaded[0]
-
-
-def warm() -> bool:
-    """Load (or compile: about 2 s) both kernels now, on tiny arrays, so that no round waits
-    for it. True where they are in use."""
-    k = load()
-    if k is None or _warmed:
-        return k is not None
+def _warm(k) -> None:
+    """Both kernels once, on tiny arrays (``jit.Kernels.warm``: a local-steps peer on the CPU calls
+    it as it is made)."""
     x = np.ones(3, np.float32)
     k.pseudo_gradient(x.copy(), x.copy(), x.copy(), np.float32(2))
     k.outer_step(x.copy(), x.copy(), x.copy(), x.copy(), x.copy(), np.float32(0.5), np.float32(-0.5), True)
-    _warmed.append(True)
-    return True
 
 
 def _compile(numba):
@@ -89,3 +74,7 @@ def _compile(numba):
             base[i] = o
 
     return types.SimpleNamespace(pseudo_gradient=pseudo_gradient, outer_step=outer_step)
+
+
+_KERNELS = jit.Kernels(_compile, _warm, "local steps")
+load, warm = _KERNELS.load, _KERNELS.warm  # (``jit.Kernels``: None / False where numba is not in use)
