@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from test_trainer_staleness import close_all, joining_late, label, make_adam, open_peers, run_threads
 
 from p2ptrain import ConfigError, Peer
+from p2ptrain.trainer.pacing import Pacing
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.cluster.drift import param_sketch, sketch_checksum
 from p2ptrain.cluster.snapshot import tensors_checksum
@@ -75,7 +76,30 @@ def test_several_updates_in_a_row_after_a_prediction_predict_from_the_last_of_th
     assert all(torch.equal(p, w) for p, w in zip(params, w1))
 
 
-def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_gets_the_true_ones():
+def test_a_paused_predictor_leaves_the_true_parameters_and_predicts_again_only_after_a_tracked_update():
+    params = [torch.randn(6)]
+    predictor = WeightPredictor(params)
+    predictor.before_update()
+    params[0].add_(1.0)
+    w1 = params[0].clone()
+    predictor.predict()
+    assert predictor.predicted
+    predictor.pause()  # (lockstep now: the next batches are not late)
+    assert not predictor.predicted and torch.equal(params[0], w1)
+    params[0].add_(2.0)  # an update while paused: not one to repeat
+    predictor.predict()
+    assert not predictor.predicted  # (nothing tracked since the pause)
+    predictor.before_update()
+    params[0].add_(0.5)
+    w2 = params[0].clone()
+    predictor.predict()
+    assert torch.equal(params[0], w2 + 0.5)
+
+
+def test_peers_compute_on_predicted_parameters_and_stay_identical_and_a_joiner_gets_the_true_ones(monkeypatch):
+    # (overlapping from the first timed round on: the rule, which here would keep to lockstep
+    # and predict nothing, is ``test_trainer_pacing``'s)
+    monkeypatch.setattr(Pacing, "lockstep", lambda self, members: self.overlap_gain() is None and members > 1)
     peers = open_peers([make_adam] * 3, start=2, staleness=1, compression="int8", weight_prediction=True,
                        reconcile_every=1)
     late = peers[2]

@@ -20,6 +20,19 @@ is tested without sockets or clocks.
   (its first round times the ring; before, the batch computed beside that round came an update
   late, the one way staleness 1's rounds differed from staleness 0's where overlap does not pay).
   A peer alone overlaps (no ring of others will time it: its own rounds take no time to wait for).
+  The modelled gain is a bound: it leaves out ``step``'s own work (the batch copied out of
+  ``.grad``, the update, weight prediction's passes), which overlap adds to every period and the
+  ring slows where the cores are few. So the rule also measures: a batch's period (from one
+  ``step``'s start to the next) in lockstep over ``LOCKSTEP_PERIODS`` batches before it first
+  overlaps, then over ``REALIZED_ROUNDS`` while overlapping, and where lockstep's median period
+  over overlap's is under the delay's cost, it goes back to lockstep for good (``refuted``).
+  Measured on 2 cores with weight prediction, the host idle 8 ms a batch (as beside a GPU), N = 2:
+  a modelled 1.5-1.8 realized about 1.06 (the training thread's period: 10 ms of compute and
+  5-8 ms of ``step``'s own work, the ring beside it), and each run needed 17-19 % more rounds
+  to the loss, 1.07-1.36 s against staleness 0's 1.01-1.12 s. With the measure it goes back to
+  lockstep after 17 batches: 1.04, 0.97, 1.11 s against 1.05, 1.06, 1.08. Where overlap does
+  pay (100 Mbit/s, host idle 80 ms a batch: modelled 1.96-1.98, realized 1.75-1.83) it stays:
+  6.02 s to the loss against staleness 0's 7.51 s.
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
@@ -51,7 +64,9 @@ is tested without sockets or clocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 DELAY_COST = 2.0  # times the updates to a loss when every gradient is one update late (1.85 measured)
 PREDICTED_DELAY_COST = 1.25  # the same with weight prediction (batches computed on predicted parameters)
@@ -60,6 +75,8 @@ ROUND_WEIGHT = 0.2  # the weight of the newest round in the moving mean of ring 
 QUEUED_LIMIT = 0.3  # local steps: waiting runnable for a CPU above this share of the time: no core to spare
 QUEUED_WEIGHT = 0.3  # the weight of the newest round in the moving mean of that share
 FIRST_TRUSTED = 0.1  # a first share below this starts the mean alone; a higher one waits for a second
+LOCKSTEP_PERIODS = 8  # a batch's period measured in lockstep this many times before overlap is tried
+REALIZED_ROUNDS = 8  # and while overlapping this many times before what it realized may overrule the model
 
 
 @dataclass
@@ -70,7 +87,10 @@ class Pacing:
     round_mean: float | None = None  # a ring, from its start to its commit (None: none seen yet)
     predicted: bool = False  # weight prediction is on: a late gradient costs less
     queued_mean: float | None = None  # the share of runnable time spent waiting for a CPU (None: unmeasured)
+    refuted: bool = False  # overlap was measured not to pay: lockstep from then on (``lockstep``)
     _first_share: float | None = None  # a first share not trusted alone, until the second (the mean starts from both)
+    _periods: dict[bool, deque] = field(default_factory=lambda: {  # a batch's period: in lockstep (True) or not
+        True: deque(maxlen=LOCKSTEP_PERIODS), False: deque(maxlen=REALIZED_ROUNDS)})
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
 
     def computed(self, seconds: float) -> None:
@@ -83,6 +103,19 @@ class Pacing:
             self.round_mean = seconds
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
+
+    def stepped(self, seconds: float, lockstep: bool) -> None:
+        """A ``step`` began ``seconds`` after the last one, which ``lockstep`` said of (a
+        batch's period: compute, ``step``'s own work, and any wait for a round)."""
+        self._periods[lockstep].append(seconds)
+
+    def realized_gain(self) -> float | None:
+        """How many times as often a batch came overlapping as in lockstep, measured: their
+        median periods (None: too few of either yet)."""
+        lock, over = self._periods[True], self._periods[False]
+        if len(lock) < LOCKSTEP_PERIODS or len(over) < REALIZED_ROUNDS:
+            return None
+        return statistics.median(lock) / max(statistics.median(over), 1e-9)
 
     def cpu_sampled(self, times: tuple[float, float] | None) -> None:
         """The process's threads have run and waited runnable ``times`` seconds in all
@@ -125,13 +158,23 @@ class Pacing:
         return (c + r) / max(c, r, 1e-9)
 
     def lockstep(self, members: int) -> bool:
-        """Overlapping does not pay (its gain is below the delay's cost), or is not known to
-        yet among ``members`` >= 2: rounds go as at staleness 0 (a member waits for its round; a
-        round waits for each member's batch in progress)."""
+        """Overlapping does not pay (its gain is below the delay's cost: modelled, or once
+        measured, realized), or is not known to yet among ``members`` >= 2: rounds go as at
+        staleness 0 (a member waits for its round; a round waits for each member's batch in
+        progress)."""
         gain = self.overlap_gain()
         if gain is None:
             return members > 1
-        return gain < (PREDICTED_DELAY_COST if self.predicted else DELAY_COST)
+        cost = PREDICTED_DELAY_COST if self.predicted else DELAY_COST
+        if gain < cost or self.refuted:
+            return True
+        if members <= 1:  # (alone: no ring of others to wait for, nothing to measure against)
+            return False
+        if len(self._periods[True]) < LOCKSTEP_PERIODS:  # (lockstep's period, measured first)
+            return True
+        realized = self.realized_gain()
+        self.refuted = realized is not None and realized < cost
+        return self.refuted
 
 
 def share(target_batch_size: int | None, members: int, batch: int) -> int:

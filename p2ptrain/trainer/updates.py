@@ -125,6 +125,10 @@ class Updater:
                 or peer._predictor is not None or peer._finished):
             return 0  # (nothing to do: most steps of a peer alone)
         applied = 0
+        predictor = peer._predictor
+        if predictor is not None:
+            with peer._lock:  # (in lockstep no gradient is late: nothing to predict, staleness 0's rounds)
+                predicting = not peer._lockstep()
         while True:
             self._load_reconcile()
             with peer._lock:
@@ -132,14 +136,14 @@ class Updater:
             if update is None:
                 # (read once the device copied it, a CPU's at once; leaving or at the end, now)
                 self._deliver_sketch(wait=peer._leaving or peer._finished)
-                if peer._predictor is not None:
-                    peer._predictor.predict()
+                if predictor is not None:
+                    predictor.predict() if predicting else predictor.pause()
                 self._say_finished()
                 return applied
             self._deliver_sketch(wait=True)  # (the last one's, read before the next update: copied by now)
             if update.summed is not None:
-                if peer._predictor is not None:
-                    peer._predictor.before_update()
+                if predictor is not None:
+                    predictor.before_update() if predicting else predictor.pause()
                 self._apply_update(update)
                 if update.ours is None:  # (the ring's result, ours now: its memory serves a later ring)
                     peer.cluster.recycle(update.summed)
