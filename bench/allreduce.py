@@ -44,8 +44,13 @@ async def _worker(a) -> None:
     torch.set_num_threads(1)
     addrs = a.addrs.split(",")
     rows = []
+    tracer = None
+    if a.trace:  # (perf_counter is the machine's monotonic clock: the ranks' traces line up)
+        from p2ptrain.trace import Tracer
+        tracer = Tracer(f"{a.trace}-rank{a.rank}.json", process=f"rank {a.rank}")
     async with Group(listen=addrs[a.rank], peers=addrs, connect_timeout=60, timeout=300,
                      secret="bench", **({} if a.chunk_kib is None else {"chunk_bytes": a.chunk_kib * 1024}),
+                     **({} if tracer is None else {"trace": tracer}),
                      codec_threads=None if a.threads is None else int(a.threads)) as g:
         barrier = torch.zeros(1)
         for codec in a.codecs.split(","):
@@ -68,6 +73,8 @@ async def _worker(a) -> None:
                 rows.append({"codec": codec, "size_bytes": n * 4, "times": times, "cpus": cpus, "kernel": kernel,
                              "wire_bytes": stats.wire_bytes, "raw_bytes": stats.raw_bytes,
                              "checksum": float(x[:: max(1, n // 4096)].double().sum())})
+    if tracer is not None:
+        tracer.write()
     print(MARK + json.dumps(rows), flush=True)
 
 
@@ -106,10 +113,11 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
 
 def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=None, uvloop=True,
                  timeout: float = 900, chunk_kib: int | None = None, threads: int | None = None,
-                 tree: str | None = None) -> list[dict]:
+                 tree: str | None = None, trace_dir: str | None = None) -> list[dict]:
     """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows.
 
-    ``tree``: import p2ptrain from that source tree instead of this one (a baseline)."""
+    ``tree``: import p2ptrain from that source tree instead of this one (a baseline).
+    ``trace_dir``: each worker writes its Chrome trace there (a later run of the same N overwrites)."""
     if lan is not None:
         addrs = [f"{h.addr}:{PORT}" for h in lan.hosts[:n]]
     else:
@@ -121,6 +129,10 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
                [] if threads is None else ["--threads", str(threads)])
     if not uvloop:
         cmd.append("--no-uvloop")
+    if trace_dir is not None:
+        os.makedirs(trace_dir, exist_ok=True)
+        cmd += ["--trace", os.path.join(trace_dir, f"n{n}" + ("" if threads is None else f"-t{threads}")
+                                        + ("" if tree is None else "-baseline"))]
     env = dict(os.environ, PYTHONPATH=str(Path(tree or Path(__file__).resolve().parents[1]).resolve()),
                OMP_NUM_THREADS="1")
     procs = []
@@ -199,6 +211,9 @@ def main(argv=None) -> int:
                    "interleaved) this many times (default 1)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: N=2, 1 MiB, 2 reps")
     p.add_argument("--json", help="write all rows to this file")
+    p.add_argument("--trace", metavar="DIR", help="each p2ptrain worker writes a Chrome trace of its calls' "
+                   "chunks to DIR/n<N>-rank<R>.json: where each step's bytes arrived, per link "
+                   "(bench/trace_spans.py --steps DIR/n4-rank*.json)")
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -227,7 +242,7 @@ def main(argv=None) -> int:
                     for tree in trees:
                         for t in threads:
                             rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop,
-                                                 chunk_kib=a.chunk_kib, threads=t, tree=tree)
+                                                 chunk_kib=a.chunk_kib, threads=t, tree=tree, trace_dir=a.trace)
                 if not a.no_gloo:
                     gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps, lan=lan)
         else:
@@ -235,7 +250,7 @@ def main(argv=None) -> int:
                 for tree in trees:
                     for t in threads:
                         rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib,
-                                             threads=t, tree=tree)
+                                             threads=t, tree=tree, trace_dir=a.trace)
             if not a.no_gloo:
                 gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps)
     gloo = {(g["n"], g["size_bytes"]): g for g in gloo_rows}

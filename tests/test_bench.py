@@ -17,12 +17,19 @@ def run(*args):
     return run_group([sys.executable, *args], timeout=220, cwd=REPO, env=env)
 
 
-def test_allreduce_bench_quick_compares_with_gloo():
-    p = run("bench/allreduce.py", "--quick", "--codecs", "none,int8")
+def test_allreduce_bench_quick_compares_with_gloo_and_traces_when_each_step_arrived(tmp_path):
+    p = run("bench/allreduce.py", "--quick", "--codecs", "none,int8", "--trace", str(tmp_path))
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     lines = [l for l in p.stdout.splitlines() if l.startswith("| 2 ")]
     assert any("gloo" in l for l in lines) and sum("p2ptrain" in l for l in lines) == 2
     assert all("True" in l for l in lines if "p2ptrain" in l)  # bit-identical on every peer
+    # bench/trace_spans.py --steps: per call, when each rank's link brought each of its 2 steps
+    p = run("bench/trace_spans.py", "--steps", str(tmp_path / "n2-rank0.json"), str(tmp_path / "n2-rank1.json"))
+    assert p.returncode == 0, p.stderr[-1500:]
+    calls = [l for l in p.stdout.splitlines() if l.startswith("call ")]
+    rows = [l for l in p.stdout.splitlines() if "steps arrived by" in l]
+    assert len(calls) >= 2 * 3 and len(rows) == 2 * len(calls)  # (2 codecs, 3 calls each: warm-up and 2 reps)
+    assert all(len(r.split("steps arrived by")[1].split()) == 2 for r in rows)
 
 
 def test_codecs_bench_quick():

@@ -67,6 +67,26 @@ async def test_every_codec_gives_bit_identical_results(codec, threads):
         assert stats.wire_bytes < stats.raw_bytes
 
 
+async def test_a_tracer_gets_every_chunk_of_every_call_by_step():
+    """``Group(trace=...)``: what ``bench/allreduce.py --trace`` reads, each chunk's encode,
+    send and receive, named by call and ring step (3 peers: 4 steps)."""
+    from p2ptrain.trace import Tracer
+    tracers = [Tracer("unused.json") for _ in range(3)]
+    peers = addrs(3)
+
+    async def one(r):
+        async with Group(listen=peers[r], peers=peers, connect_timeout=20, timeout=20, compression="int8",
+                         chunk_bytes=4096, trace=tracers[r]) as g:
+            for _ in range(2):
+                await g.allreduce(torch.from_numpy(contribution(r, 3000)))
+
+    await asyncio.gather(*[one(r) for r in range(3)])
+    for tracer in tracers:
+        received = {(args["round"], args["step"]) for name, _, _, _, args in tracer.spans if name == "receive"}
+        assert received == {(op, g) for op in (0, 1) for g in range(4)}
+        assert {name for name, *_ in tracer.spans} >= {"encode", "send", "receive", "reduce", "decode"}
+
+
 @pytest.mark.parametrize("raw_chunks", ["1", "0"])
 async def test_a_lossy_codec_between_peers_on_one_machine_sends_raw_once_settled(raw_chunks, monkeypatch):
     """Loopback's "wire" is the kernel copying on the cores the codec would use: once the

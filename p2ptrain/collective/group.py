@@ -31,6 +31,7 @@ from p2ptrain.net import auth, transport
 from p2ptrain.codecs import parse_codec
 from p2ptrain.net.discovery import parse_host_port, peer_list
 from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
+from p2ptrain.trace import NO_TRACE
 from p2ptrain.device import HostStaging, check_numpy_bridge
 from p2ptrain.errors import ClosedError, ConfigError, GroupError, NotFiniteError, P2PTrainError
 from p2ptrain.identity import new_peer_id
@@ -44,7 +45,8 @@ class Group:
 
     def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
                  cluster: str = "default", compression: str = "none", connect_timeout: float = 60.0,
-                 timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int | None = None):
+                 timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int | None = None,
+                 trace=NO_TRACE):
         check_numpy_bridge()
         self.peers = peer_list(peers)
         if not self.peers:
@@ -66,6 +68,7 @@ class Group:
         self.chunk_elems = chunk_bytes // 4
         # Threads for the data path (None: pool.default_threads(), by the machine's cores; 0: inline).
         self.codec_threads = default_threads() if codec_threads is None else codec_threads
+        self.trace = trace  # (``p2ptrain.trace.Tracer``: every call's chunks, as spans)
         self.peer_id = new_peer_id()
         self._secret = auth.secret_from(secret)
         self._links: dict[int, transport.Link] = {}
@@ -220,7 +223,8 @@ class Group:
                                     recv_link=self._links[(self.rank - 1) % self.size],
                                     codec=codec, op_id=self._next_op,
                                     chunk_elems=chunk_elems_for(len(work), self.size, self.chunk_elems),
-                                    timeout=self.timeout, residual=feedback, executor=self._executor)
+                                    timeout=self.timeout, residual=feedback, executor=self._executor,
+                                    trace=self.trace)
                 self._next_op += 1
                 try:
                     self.last_stats = await run.run()
