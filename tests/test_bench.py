@@ -28,8 +28,9 @@ def test_allreduce_bench_quick_compares_with_gloo_and_traces_when_each_step_arri
     assert p.returncode == 0, p.stderr[-1500:]
     calls = [l for l in p.stdout.splitlines() if l.startswith("call ")]
     rows = [l for l in p.stdout.splitlines() if "steps arrived by" in l]
-    assert len(calls) >= 2 * 3 and len(rows) == 2 * len(calls)  # (2 codecs, 3 calls each: warm-up and 2 reps)
-    assert all(len(r.split("steps arrived by")[1].split()) == 2 for r in rows)
+    assert len(rows) == 2 * len(calls)
+    steps = [len(r.split("steps arrived by")[1].split()) for r in rows]  # (a barrier's one value: one step)
+    assert set(steps) <= {1, 2} and steps.count(2) >= 2 * 2 * 3  # (2 codecs, 3 calls each: warm-up, 2 reps)
 
 
 def test_codecs_bench_quick():
