@@ -50,7 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.cluster.membership import CONNECTING, SYNCED, SYNCING, History
+from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.refusals import Refusals
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, VOID, WITHDRAWN,
                                        Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse)
@@ -217,14 +217,11 @@ class Leader:
             self._propose(now)
 
     def would_lead(self) -> bool:
-        """We lead nothing yet, are the coordinator of enough synced peers for a round (two at
-        least: alone there is no round to hurry), and every peer we know of is synced or gone
-        (none connecting or loading the state, which a view of today's would leave out): the
-        next tick may take the lead (``_should_lead`` says whether it does)."""
-        machine, table = self.machine, self.machine.table
+        """We lead nothing yet and are the coordinator: the next tick may take the lead
+        (``_should_lead`` says whether it does)."""
+        machine = self.machine
         return (self.lead is None and machine.synced and machine.ending.ended is None
-                and len(table.live_synced()) >= max(2, machine.config.min_peers)
-                and table.coordinator() == machine.id and not table.ids(CONNECTING) and not table.ids(SYNCING))
+                and machine.table.coordinator() == machine.id)
 
     def _should_lead(self, now: float) -> bool:
         machine = self.machine

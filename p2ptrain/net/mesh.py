@@ -193,11 +193,6 @@ class Mesh:
         """Where the linked peers listen (as dialed, or as their handshake said)."""
         return set(self._addr.values())
 
-    @property
-    def dialing(self) -> bool:
-        """A dial is in progress: an address we were told of is not linked yet."""
-        return bool(self._dialing)
-
     def channel(self, peer_id: str) -> ChunkChannel:
         """The ring-chunk channel to ``peer_id`` (KeyError if not linked)."""
         return self._channels[peer_id]
