@@ -70,7 +70,6 @@ from p2ptrain.trace import NO_TRACE
 
 log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
-PROMPT_TICK = 0.01  # an extra tick this soon where we would take the lead (``Leader.would_lead``)
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
 REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secret) while we cannot train
@@ -121,7 +120,6 @@ class Cluster:
         self.reconciler = Reconciler(peer_id, self.machine, self.transfer, trainer, self._tasks)
         self._checksum = checksum
         self._events: asyncio.Queue = asyncio.Queue()
-        self._prompt: asyncio.TimerHandle | None = None  # the extra tick due (``_prompt_tick``)
         self._rounds: dict[int, Round] = {}  # the rounds in flight here (contributed, ringing, or waiting to)
         self.failure: BaseException | None = None  # what stopped the actor (a bug, the trainer's error)
         self._solo_trainer = trainer if isinstance(trainer, SoloTrainer) else None
@@ -147,8 +145,6 @@ class Cluster:
         except asyncio.TimeoutError:
             pass
         await self._tasks.close()
-        if self._prompt is not None:
-            self._prompt.cancel()
         await self.transfer.close()
         await self.mesh.close()
 
@@ -299,21 +295,6 @@ class Cluster:
                 continue
             await self._carry_out(actions)
             self.members = machine.members()  # (at once, not at the next tick: join's loop starts on it)
-            if kind != "tick":
-                self._prompt_tick(loop)
-
-    def _prompt_tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Where we would take the lead, the next tick comes in ``PROMPT_TICK``, not up to ``TICK``
-        later. A takeover waits for a tick so that STATUS messages that came together are all
-        seen first (``RoundMachine.on_tick``); 10 ms is time enough for that. Measured (2 cores,
-        N = 2, 1 Gbit/s): the first round began 20-120 ms after the peers' first batches, waiting
-        for the leader's tick; a cluster's time to its loss counts from that first batch."""
-        if self._prompt is None and self.machine.leader.would_lead():
-            self._prompt = loop.call_later(PROMPT_TICK, self._prompted)
-
-    def _prompted(self) -> None:
-        self._prompt = None
-        self._post("tick")
 
     def _collecting(self, r: int) -> bool:
         """Round r still waits for its members' batches here (no START heard): our ring, begun

@@ -216,13 +216,6 @@ class Leader:
         elif lead.phase == BETWEEN:
             self._propose(now)
 
-    def would_lead(self) -> bool:
-        """We lead nothing yet and are the coordinator: the next tick may take the lead
-        (``_should_lead`` says whether it does)."""
-        machine = self.machine
-        return (self.lead is None and machine.synced and machine.ending.ended is None
-                and machine.table.coordinator() == machine.id)
-
     def _should_lead(self, now: float) -> bool:
         machine = self.machine
         if machine.table.coordinator() != machine.id or (machine.lineage.hello and now < machine.lineage.hello_until):
