@@ -22,27 +22,27 @@ import collections
 import json
 
 
-def spans(path: str) -> dict[str, tuple[int, float]]:
-    """Span name -> (count, total microseconds); the per-round 'round N' spans as 'round'."""
+def _complete_events(path: str) -> list[dict]:
+    """The file's complete ("X") events, from the JSON Array or the JSON Object format."""
     with open(path) as f:
         events = json.load(f)
     if isinstance(events, dict):
         events = events.get("traceEvents", [])
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def spans(path: str) -> dict[str, tuple[int, float]]:
+    """Span name -> (count, total microseconds); the per-round 'round N' spans as 'round'."""
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("ph") == "X":
-            name = "round" if e["name"].startswith("round ") else e["name"]
-            totals[name][0] += 1
-            totals[name][1] += e.get("dur", 0.0)
+    for e in _complete_events(path):
+        name = "round" if e["name"].startswith("round ") else e["name"]
+        totals[name][0] += 1
+        totals[name][1] += e.get("dur", 0.0)
     return {k: (n, t) for k, (n, t) in totals.items()}
 
 
 def _chunk_spans(path: str) -> list[dict]:
-    with open(path) as f:
-        events = json.load(f)
-    if isinstance(events, dict):
-        events = events.get("traceEvents", [])
-    return [e for e in events if e.get("ph") == "X" and "step" in e.get("args", {})]
+    return [e for e in _complete_events(path) if "step" in e.get("args", {})]
 
 
 def steps(paths: list[str]) -> None:
