@@ -177,6 +177,16 @@ def test_overlap_that_realizes_its_gain_goes_on():
     assert not p.lockstep(members=2) and not p.refuted
 
 
+def test_a_period_runs_from_one_steps_start_to_the_next_and_counts_as_the_first_ones_kind():
+    p = Pacing()
+    p.step_began(10.0, lockstep=True)
+    p.step_began(10.5, lockstep=False)  # (0.5 s in lockstep)
+    p.step_began(None)  # (a step that measures none: the next one starts anew)
+    p.step_began(20.0, lockstep=False)
+    p.step_began(20.25, lockstep=False)  # (0.25 s overlapping)
+    assert list(p._periods[True]) == [0.5] and list(p._periods[False]) == [0.25]
+
+
 def test_alone_a_member_overlaps_without_a_measured_period():
     p = Pacing(predicted=True, compute_mean=1.0, round_mean=0.5)
     assert not p.lockstep(members=1)

@@ -91,6 +91,7 @@ class Pacing:
     _first_share: float | None = None  # a first share not trusted alone, until the second (the mean starts from both)
     _periods: dict[bool, deque] = field(default_factory=lambda: {  # a batch's period: in lockstep (True) or not
         True: deque(maxlen=LOCKSTEP_PERIODS), False: deque(maxlen=REALIZED_ROUNDS)})
+    _began: tuple[float, bool] | None = None  # (the last measured step's start, and whether it went in lockstep)
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
 
     def computed(self, seconds: float) -> None:
@@ -103,6 +104,14 @@ class Pacing:
             self.round_mean = seconds
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
+
+    def step_began(self, at: float | None, lockstep: bool = False) -> None:
+        """A ``step`` began at ``at`` (seconds), going in ``lockstep`` or not: the period since
+        the last one's start counts as that one's kind. None: a step that measures no period
+        (alone, local steps), and the next one starts anew."""
+        if at is not None and self._began is not None:
+            self.stepped(at - self._began[0], self._began[1])
+        self._began = None if at is None else (at, lockstep)
 
     def stepped(self, seconds: float, lockstep: bool) -> None:
         """A ``step`` began ``seconds`` after the last one, which ``lockstep`` said of (a

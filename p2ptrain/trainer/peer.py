@@ -267,7 +267,6 @@ class AsyncPeer:
         self._compute_n = 0
         self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
         self._step_end = time.perf_counter()
-        self._began: tuple[float, bool] | None = None  # the last step's start, and if it went in lockstep (``pacing``)
         self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
         self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
         self._checksum = b""
@@ -369,7 +368,7 @@ class AsyncPeer:
             raise
         self._tasks.spawn(self._propose())
         self._step_end = time.perf_counter()
-        self._began = None
+        self._pacing.step_began(None)
         self._step_guard = StepGuard(self.optimizer)  # (last: nothing after it can fail the opening)
 
     async def _leave(self) -> None:
@@ -438,12 +437,8 @@ class AsyncPeer:
                 self._compute_s += began - self._step_end
                 self._compute_n += 1
                 self._pacing.computed(began - self._step_end)
-                if self.staleness and self._local is None and self.members > 1:  # (a batch's period: ``pacing``)
-                    if self._began is not None:
-                        self._pacing.stepped(began - self._began[0], lockstep=self._began[1])
-                    self._began = (began, self._lockstep())
-                else:
-                    self._began = None
+                measured = bool(self.staleness) and self._local is None and self.members > 1  # (a batch's period)
+                self._pacing.step_began(began if measured else None, measured and self._lockstep())
                 skip, scale = (False, None) if scaled is None else (scaled.skip, scaled.scale)
                 alone = self._solo.on and not void and not skip
                 filling = self._feed.confirm(batch_size, scaled) if self._feed is not None else None
