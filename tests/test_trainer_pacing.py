@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.trainer.pacing import LOCKSTEP_PERIODS, REALIZED_ROUNDS, Pacing, must_wait, share
+from p2ptrain.trainer.pacing import LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, Pacing, must_wait, share
 
 
 def wait(**kw) -> bool:
@@ -154,7 +154,7 @@ def overlapped(p: Pacing, period: float, rounds: int) -> None:
         p.stepped(period, lockstep=False)
 
 
-def test_overlap_that_realizes_less_than_the_delay_costs_goes_back_to_lockstep_for_good():
+def test_overlap_that_realizes_less_than_the_delay_costs_goes_back_to_lockstep():
     """The modelled gain (c + r) / max(c, r) leaves out step's own work. Measured on 2 cores
     with weight prediction, the host idle during compute: a modelled 1.5-1.8 realized about
     1.06 (a batch every 19.8 ms against 21 in lockstep), and the stale updates cost 17-19 %
@@ -166,8 +166,38 @@ def test_overlap_that_realizes_less_than_the_delay_costs_goes_back_to_lockstep_f
     overlapped(p, period=9.0, rounds=1)  # (one odd period: the median is not moved by it)
     assert p.realized_gain() == pytest.approx(1.5 / 1.4)
     assert p.lockstep(members=2) and p.refuted
-    overlapped(p, period=0.5, rounds=50)  # (no later figure turns it back)
+    overlapped(p, period=0.5, rounds=RETRY_AFTER - 1)  # (no figure turns it back before the retry)
     assert p.lockstep(members=2)
+
+
+def in_lockstep(p: Pacing, period: float, batches: int) -> None:
+    for _ in range(batches):
+        assert p.lockstep(members=2)
+        p.stepped(period, lockstep=True)
+
+
+def test_refuted_overlap_is_measured_again_later_and_each_refutation_in_a_row_waits_twice_as_long():
+    """A regime can change (a peer joins, a GPU's first steps end): after ``RETRY_AFTER`` batches
+    in lockstep a member overlaps again and measures anew, from overlap's first period (the
+    ones before the refutation are dropped); refuted again it waits twice as long, up to
+    ``RETRY_MAX``; where the retry pays it goes on overlapping."""
+    p = timed(1.0, 0.5, predicted=True)  # (lockstep's period measured: 1.5)
+    waits = []
+    for _ in range(8):  # refuted each time: overlap realizes 1.5 / 1.4
+        overlapped(p, period=1.4, rounds=REALIZED_ROUNDS)
+        assert p.lockstep(members=2) and p.refuted
+        batches = 0
+        while p.refuted and batches <= RETRY_MAX:  # (bounded: before, it never came back)
+            in_lockstep(p, 1.5, 1)
+            batches += 1
+        waits.append(batches)
+        assert not p.lockstep(members=2) and p.realized_gain() is None  # (overlap measured anew)
+    assert waits == [min(RETRY_AFTER << i, RETRY_MAX) for i in range(8)]
+    overlapped(p, period=1.05, rounds=REALIZED_ROUNDS)  # the regime changed: now overlap pays
+    assert p.realized_gain() == pytest.approx(1.5 / 1.05)
+    assert not p.lockstep(members=2) and not p.refuted
+    overlapped(p, period=1.4, rounds=REALIZED_ROUNDS)  # and later it does not: the shortest wait again
+    assert p.lockstep(members=2) and p._retry_in == RETRY_AFTER
 
 
 def test_overlap_that_realizes_its_gain_goes_on():

@@ -25,7 +25,12 @@ is tested without sockets or clocks.
   ring slows where the cores are few. So the rule also measures: a batch's period (from one
   ``step``'s start to the next) in lockstep over ``LOCKSTEP_PERIODS`` batches before it first
   overlaps, then over ``REALIZED_ROUNDS`` while overlapping, and where lockstep's median period
-  over overlap's is under the delay's cost, it goes back to lockstep for good (``refuted``).
+  over overlap's is under the delay's cost, it goes back to lockstep (``refuted``) for
+  ``RETRY_AFTER`` batches, then overlaps again and measures anew (the regime may have changed: a
+  peer joined or left, a device warmed up); each refutation in a row doubles the wait, up to
+  ``RETRY_MAX``, so a regime where overlap never pays loses at most 8 late batches in 64, then
+  in 4,096. Before, a refutation was for good: a run whose first batches were atypical (a GPU's
+  first steps, a cluster forming) stayed in lockstep to its end.
   Measured on 2 cores with weight prediction, the host idle 8 ms a batch (as beside a GPU), N = 2:
   a modelled 1.5-1.8 realized about 1.06 (the training thread's period: 10 ms of compute and
   5-8 ms of ``step``'s own work, the ring beside it), and each run needed 17-19 % more rounds
@@ -77,6 +82,8 @@ QUEUED_WEIGHT = 0.3  # the weight of the newest round in the moving mean of that
 FIRST_TRUSTED = 0.1  # a first share below this starts the mean alone; a higher one waits for a second
 LOCKSTEP_PERIODS = 8  # a batch's period measured in lockstep this many times before overlap is tried
 REALIZED_ROUNDS = 8  # and while overlapping this many times before what it realized may overrule the model
+RETRY_AFTER = 64  # batches in lockstep after overlap was refuted, before it is tried again
+RETRY_MAX = 4096  # (each refutation in a row doubles the wait, up to this)
 
 
 @dataclass
@@ -87,7 +94,9 @@ class Pacing:
     round_mean: float | None = None  # a ring, from its start to its commit (None: none seen yet)
     predicted: bool = False  # weight prediction is on: a late gradient costs less
     queued_mean: float | None = None  # the share of runnable time spent waiting for a CPU (None: unmeasured)
-    refuted: bool = False  # overlap was measured not to pay: lockstep from then on (``lockstep``)
+    refuted: bool = False  # overlap was measured not to pay: lockstep for a while (``lockstep``)
+    _retry_in: int = 0  # (refuted: batches left before overlap is tried again)
+    _backoff: int = RETRY_AFTER  # (the wait after the next refutation)
     _first_share: float | None = None  # a first share not trusted alone, until the second (the mean starts from both)
     _periods: dict[bool, deque] = field(default_factory=lambda: {  # a batch's period: in lockstep (True) or not
         True: deque(maxlen=LOCKSTEP_PERIODS), False: deque(maxlen=REALIZED_ROUNDS)})
@@ -117,6 +126,11 @@ class Pacing:
         """A ``step`` began ``seconds`` after the last one, which ``lockstep`` said of (a
         batch's period: compute, ``step``'s own work, and any wait for a round)."""
         self._periods[lockstep].append(seconds)
+        if self.refuted:
+            self._retry_in -= 1
+            if self._retry_in <= 0:  # (try again: overlap's periods measured anew, lockstep's are recent)
+                self.refuted = False
+                self._periods[False].clear()
 
     def realized_gain(self) -> float | None:
         """How many times as often a batch came overlapping as in lockstep, measured: their
@@ -182,8 +196,14 @@ class Pacing:
         if len(self._periods[True]) < LOCKSTEP_PERIODS:  # (lockstep's period, measured first)
             return True
         realized = self.realized_gain()
-        self.refuted = realized is not None and realized < cost
-        return self.refuted
+        if realized is None:
+            return False
+        if realized >= cost:
+            self._backoff = RETRY_AFTER  # (it paid: a later refutation waits the least again)
+            return False
+        self.refuted, self._retry_in = True, self._backoff
+        self._backoff = min(2 * self._backoff, RETRY_MAX)
+        return True
 
 
 def share(target_batch_size: int | None, members: int, batch: int) -> int:
