@@ -188,14 +188,18 @@ def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path, 
     and trains in the view again, with nothing lost but its batch from before the lid closed.
     (b trains only with others, --min-peers 2: woken after the silence timeout, it finds itself
     alone too, and the synthetic task's ~1000 rounds a second alone could outrun a's lead.)
-    In local-steps mode too (a's last inner steps were once lost as both left at once)."""
-    peers = Peers(tmp_path, extra=mode)
+    In local-steps mode too (a's last inner steps were once lost as both left at once). A silence
+    of 5 s (``--peer-timeout``; the default is 10) is enough to drop the frozen peer."""
+    peers = Peers(tmp_path, extra=(*mode, "--peer-timeout", "5"))
     try:
         for name, least in (("a", "1"), ("b", "2")):
             peers.start(name, args=("--secret", "s", "--min-peers", least))
         peers.wait("rounds of 2", lambda: all(sum(r["members"] == 2 for r in peers.rounds(n)) >= 5 for n in "ab"))
         peers.procs["b"].send_signal(signal.SIGSTOP)
+        closed = time.monotonic()
         base = len(peers.rounds("a"))
+        peers.wait("a goes on alone", lambda: any(r["members"] == 1 for r in peers.rounds("a")[base:]))
+        assert time.monotonic() - closed < 10, "--peer-timeout 5: the default's 10 s silence should not be waited"
         peers.wait("a goes on alone", lambda: sum(r["members"] == 1 for r in peers.rounds("a")[base:]) >= 5)
         woke_at = time.time()
         peers.procs["b"].send_signal(signal.SIGCONT)
@@ -282,9 +286,10 @@ def test_discovery_alone_forms_one_ring_and_keeps_strangers_out(tmp_path, make_l
 @requires_netns
 def test_a_cable_pulled_splits_the_cluster_and_plugging_it_back_heals_it(tmp_path, make_lan):
     """Host c loses its link: a and b detect it and go on; c goes on alone (min peers 1).
-    Replugged, the smaller side (c) loads the bigger side's state; then all three agree."""
+    Replugged, the smaller side (c) loads the bigger side's state; then all three agree. The
+    link's silence is noticed after ``--peer-timeout`` (5 s here; the default is 10)."""
     lan = make_lan(3)
-    peers = Peers(tmp_path, lan=lan)
+    peers = Peers(tmp_path, lan=lan, extra=("--peer-timeout", "5"))
     try:
         for i, name in enumerate("abc"):
             peers.start(name, host=i)
@@ -297,6 +302,7 @@ def test_a_cable_pulled_splits_the_cluster_and_plugging_it_back_heals_it(tmp_pat
                                                    for n in "ab")
                    and sum(r["members"] == 1 for r in peers.rounds("c")[base["c"]:]) >= 5, timeout=120)
         detected = time.monotonic() - pulled
+        assert detected < 10, f"--peer-timeout 5, yet both sides went on {detected:.1f} s after the cable was pulled"
         lan.set_link(2, True)
         replugged = time.time()
         base = {n: len(peers.rounds(n)) for n in "abc"}

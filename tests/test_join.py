@@ -120,6 +120,7 @@ def test_alone_with_a_task_file_and_environment_options(tmp_path):
     (["--overlap", "--staleness", "1"], "--overlap is for --staleness 0 in gradient mode"),
     (["--overlap", "--sync-every", "8"], "--overlap is for --staleness 0 in gradient mode"),
     (["--reconcile-every", "-1"], "at least 0"),
+    (["--peer-timeout", "2"], "--peer-timeout: '2': expected a number, at least 5"),
     (["--data-rank", "-1"], "--data-rank: '-1': expected an integer, at least 0"),
     # (a folder: a traceback at the start for --metrics, and for --trace at the end, the trace lost)
     (["--metrics", tempfile.gettempdir()], "a folder, not a file; give a file's path in it"),

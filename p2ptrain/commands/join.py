@@ -27,6 +27,7 @@ from p2ptrain.commands.neighbours import CoreShare
 from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
+from p2ptrain.trainer.options import MIN_PEER_TIMEOUT, PEER_TIMEOUT
 from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
@@ -67,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0 = any free port)")
     g.add_argument("--min-peers", type=integer(1), default=_env("min_peers", "1"), help="train only while at least K peers "
                    "are members; below that, wait and say so (default 1)")
+    g.add_argument("--peer-timeout", type=number(at_least=MIN_PEER_TIMEOUT), default=_env("peer_timeout", str(PEER_TIMEOUT)),
+                   help="a peer silent this many seconds (a lid closed, a cable pulled) is dropped and the others "
+                   f"go on without it; it rejoins when it is heard again (default {PEER_TIMEOUT:g}, at least "
+                   f"{MIN_PEER_TIMEOUT:g})")
     g.add_argument("--connect-timeout", type=number(above=0), default=_env("connect_timeout"),
                    help="give up (exit 3) if --min-peers members have not formed after this many seconds "
                    "(default: wait)")
@@ -289,7 +294,7 @@ class _Join:
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction, overlap=a.overlap,
                          step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
-                         **kwargs)
+                         peer_timeout=a.peer_timeout, **kwargs)
         self._resume(peer, task)
         metrics = MetricsFile(a.metrics) if a.metrics else None
         self.output = JoinOutput()

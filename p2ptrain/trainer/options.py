@@ -8,11 +8,15 @@ import math
 from p2ptrain.cluster.rounds import RoundConfig, SyncPoint
 from p2ptrain.errors import ConfigError
 from p2ptrain.net.auth import MAX_CLUSTER_LEN
+from p2ptrain.net.mesh import KEEPALIVE
+
+PEER_TIMEOUT = RoundConfig.peer_timeout  # seconds a silent peer is waited for before the others go on (10)
+MIN_PEER_TIMEOUT = 5.0  # (peers ping each other every KEEPALIVE = 2 s: shorter would drop a peer for one late ping)
 
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,
                   weight_prediction, max_rounds=None, duration=None, cluster="default", sync_every=None,
-                  outer_lr=None, outer_momentum=None, overlap=False) -> None:
+                  outer_lr=None, outer_momentum=None, overlap=False, peer_timeout=PEER_TIMEOUT) -> None:
     """Raise ``ConfigError`` for the first keyword of ``AsyncPeer`` that is out of range."""
     if not isinstance(cluster, str) or not 1 <= len(cluster) <= MAX_CLUSTER_LEN or not cluster.isprintable():
         raise ConfigError(f"cluster must be a name of 1..{MAX_CLUSTER_LEN} printable characters, got {cluster!r}")
@@ -49,6 +53,9 @@ def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, re
     if type(reconcile_every) is not int or reconcile_every < 0:
         raise ConfigError(f"reconcile_every must be an int >= 0 (0: never compare parameters), got "
                           f"{reconcile_every!r}")
+    if not (isinstance(peer_timeout, (int, float)) and MIN_PEER_TIMEOUT <= peer_timeout < float("inf")):
+        raise ConfigError(f"peer_timeout must be a number of seconds >= {MIN_PEER_TIMEOUT:g} (peers ping each other "
+                          f"every {KEEPALIVE:g} s), got {peer_timeout!r}")
     if not step_timeout > 0:
         raise ConfigError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
     if max_rounds is not None and (type(max_rounds) is not int or max_rounds < 1):
@@ -110,14 +117,15 @@ START_LISTEN = 1.5
 
 
 def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None, duration: float | None,
-                 now: float, discovery: bool = True) -> RoundConfig:
+                 now: float, discovery: bool = True, peer_timeout: float = PEER_TIMEOUT) -> RoundConfig:
     """The round machine's settings; the run's limits (``cluster.ending``): the version this peer
     starts from (a checkpoint's, or 0) plus ``max_rounds``, and ``duration`` from ``now`` (the
     cluster's loop clock). ``discovery``: whether it is on (``START_LISTEN`` then; its beacons take
-    up to a second, while a ``peers`` address is dialled at once)."""
+    up to a second, while a ``peers`` address is dialled at once). ``peer_timeout``: a peer silent
+    this long is dead (``RoundConfig.peer_timeout``)."""
     return RoundConfig(min_peers=min_peers, max_version=(start.version if start else 0) + max_rounds if max_rounds
                        else 0, deadline=now + duration if duration else math.inf,
-                       listen=START_LISTEN if discovery else 0.0)
+                       listen=START_LISTEN if discovery else 0.0, peer_timeout=peer_timeout)
 
 
 def listen_address(listen: str) -> tuple[str, int]:

@@ -143,7 +143,7 @@ from p2ptrain.trainer.lifetime import Lifetime
 from p2ptrain.trainer.overlap import BackwardFeed, ScaledStep, unscale
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
-from p2ptrain.trainer.options import (check_model_and_optimizer, check_options, listen_address,
+from p2ptrain.trainer.options import (PEER_TIMEOUT, check_model_and_optimizer, check_options, listen_address,
                                       local_steps_defaults, own_module, round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
 from p2ptrain.trainer.solo import SoloLane
@@ -182,7 +182,8 @@ class AsyncPeer:
     ``SettingsError`` from ``step`` (``cluster.settings``). ``max_rounds``, ``duration``: the
     cluster's run ends at its version ``max_rounds`` after the one this peer starts from, or
     ``duration`` seconds after its leader started (on the leader's clock), for every member at
-    once; ``finished`` says so."""
+    once; ``finished`` says so. ``peer_timeout``: a member silent this many seconds (a lid closed,
+    a cable pulled) is dropped, and the others go on without it (default 10, at least 5)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
@@ -192,12 +193,12 @@ class AsyncPeer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
                  duration: float | None = None, sync_every: int | None = None, outer_lr: float | None = None,
-                 outer_momentum: float | None = None, overlap: bool = False):
+                 outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
                       duration=duration, cluster=cluster, sync_every=sync_every, outer_lr=outer_lr,
-                      outer_momentum=outer_momentum, overlap=overlap)
+                      outer_momentum=outer_momentum, overlap=overlap, peer_timeout=peer_timeout)
         check_model_and_optimizer(model, optimizer)
         check_numpy_bridge()
         outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum)
@@ -226,7 +227,7 @@ class AsyncPeer:
         self.clip_grad_norm, self.step_timeout = clip_grad_norm, step_timeout
         self.reconcile_every = reconcile_every
         self.target_batch_size = target_batch_size
-        self.max_rounds, self.duration = max_rounds, duration
+        self.max_rounds, self.duration, self.peer_timeout = max_rounds, duration, peer_timeout
         self._peers = peer_list(peers)
         self._cluster_name, self._secret, self._compression = cluster, auth.secret_from(secret), compression
         self._discovery_on, self._interface = discovery, interface
@@ -348,7 +349,8 @@ class AsyncPeer:
 
     async def _open(self) -> None:
         config = round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
-                              asyncio.get_running_loop().time(), discovery=bool(self._discovery_on))
+                              asyncio.get_running_loop().time(), discovery=bool(self._discovery_on),
+                              peer_timeout=self.peer_timeout)
         self.cluster = Cluster(peer_id=self.peer_id, trainer=self._contributor, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=config,

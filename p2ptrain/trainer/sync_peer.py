@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from p2ptrain.trainer.options import PEER_TIMEOUT
 from p2ptrain.trainer.peer import RECONCILE_EVERY, AsyncPeer, RoundMetrics, lifetime_of
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class Peer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
                  duration: float | None = None, sync_every: int | None = None, outer_lr: float | None = None,
-                 outer_momentum: float | None = None, overlap: bool = False):
+                 outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
@@ -48,7 +49,8 @@ class Peer:
                                step_timeout=step_timeout, reconcile_every=reconcile_every,
                                weight_prediction=weight_prediction, seed=seed,
                                max_rounds=max_rounds, duration=duration, sync_every=sync_every,
-                               outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
+                               outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap,
+                               peer_timeout=peer_timeout)
         self._lifetime = lifetime_of(self._peer)  # its loop thread: what start, step and close drive
 
     def __enter__(self) -> Self:
