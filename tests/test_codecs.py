@@ -515,3 +515,25 @@ def test_decode_add_rejects_what_decode_rejects():
     bad[-1] = 0  # last index delta 0: a repeated index
     with pytest.raises(CodecError):
         codec.decode_add(enc.params, bytes(bad), np.zeros(100, np.float32), np.zeros(100, np.float32))
+
+
+@pytest.mark.parametrize("spec", ALL)
+@settings(max_examples=25, deadline=None)
+@given(x=chunks)
+def test_encode_final_keeps_the_residual_and_adopts_the_decoded_values(spec, x):
+    """A segment's owner with error feedback: the residual is x - decode(encode(x)) and x becomes
+    what every receiver decodes, bit for bit as decoding, subtracting and copying back would
+    leave them (the ring's way before ``encode_final``), and the chunk sent is encode(x)'s."""
+    codec = parse_codec(spec)
+    final, residual = x.copy(), np.full(x.size, np.nan, np.float32)
+    y = sent_and_received(spec, x, codec.encode_final(final, residual))
+    with np.errstate(all="ignore"):
+        expect = x - y
+    assert np.array_equal(residual.view(np.uint32), expect.view(np.uint32))
+    assert np.array_equal(final.view(np.uint32), y.view(np.uint32))
+    with pytest.raises(ConfigError):
+        codec.encode_final(final, final)  # (the residual must be apart from x)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ConfigError):
+        codec.encode_final(frozen, residual)  # (x is written: the decoded values)

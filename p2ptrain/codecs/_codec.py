@@ -244,6 +244,31 @@ class Codec:
             residual.fill(0)
             return self.encode_decoded(x, None)
         params, raw, enc = self._encode_raw(x, zstd)
+        self._residual(params, raw, x, residual)
+        return enc
+
+    def encode_final(self, x: np.ndarray, residual: np.ndarray, zstd: bool = True) -> Encoded:
+        """``encode_residual(x, residual)``, then ``x`` replaced by ``decode`` of the chunk: a
+        segment's owner with error feedback, keeping what its final sum dropped and adopting
+        the values every receiver decodes. The same floats as decoding into a scratch array,
+        subtracting and copying back, in two passes over the chunk instead of four (the residual
+        from ``x``, then the decode into ``x`` itself)."""
+        _check_array(x, "input")
+        _check_array(residual, "output")
+        if residual.shape != x.shape or not residual.flags.writeable or not x.flags.writeable or (
+                residual is x or np.may_share_memory(residual, x)):
+            raise ConfigError("encode_final needs x and residual writeable, as long as each other, and apart")
+        if self._t is None:
+            residual.fill(0)
+            return self.encode_decoded(x, None)
+        params, raw, enc = self._encode_raw(x, zstd)
+        self._residual(params, raw, x, residual)
+        with np.errstate(all="ignore"):
+            self._t.decode_raw(x.shape[0], params, raw, x)  # (raw is apart from x: its own buffer)
+        return enc
+
+    def _residual(self, params: dict, raw, x: np.ndarray, residual: np.ndarray) -> None:
+        """``residual = x - decode(raw)``, in one pass where the transform has one (``residual_raw``)."""
         with np.errstate(all="ignore"):
             residual_raw = getattr(self._t, "residual_raw", None)
             if residual_raw is not None:
@@ -251,7 +276,6 @@ class Codec:
             else:
                 self._t.decode_raw(x.shape[0], params, raw, residual)
                 np.subtract(x, residual, out=residual)
-        return enc
 
     def _probe_pays(self, raw: np.ndarray) -> bool:
         """False when a slice of a large payload shows zstd will not pay (see ``_PROBE``)."""

@@ -212,9 +212,8 @@ class RingAllreduce:
         # A lossy codec's chunks may go raw (``linkpace``): their own buffers, and the link's pace.
         self._raw_pool = None if codec.is_identity else BufferPool(4 * chunk_elems)
         self._pace = None if codec.is_identity or not raw_chunks_enabled() else pace_of(send_link)
-        # One scratch per task: encode (sender) and decode-then-add (receiver) never share.
-        self._send_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
-        self._recv_scratch = np.empty_like(self._send_scratch)
+        # The receiver's scratch for decode-then-add (the sender's encodes need none: ``encode_final``).
+        self._recv_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
 
     async def run(self) -> AllreduceStats:
         if self.plan.size == 1 or len(self.work) == 0:
@@ -342,10 +341,7 @@ class RingAllreduce:
         if not final:
             enc = self.codec.encode_residual(src, residual, zstd)
             return enc.params, enc.buffers
-        decoded = self._send_scratch[: len(src)]
-        enc = self.codec.encode_decoded(src, decoded, zstd)
-        np.subtract(src, decoded, out=residual)
-        src[:] = decoded
+        enc = self.codec.encode_final(src, residual, zstd)  # (the owner adopts the decoded sum)
         return enc.params, enc.buffers
 
     def _link_behind(self, elems: int, queued: int | None) -> bool:
