@@ -218,9 +218,18 @@ class Codec:
                 self._t.decode_raw(x.shape[0], params, raw, out)
         return enc
 
-    def _encode_raw(self, x: np.ndarray, zstd: bool) -> tuple[dict, np.ndarray, Encoded]:
-        """The transform's (params, raw payload), and the chunk as sent (zstd where it pays)."""
-        params, raw = self._t.encode_raw(x)
+    def _encode_raw(self, x: np.ndarray, zstd: bool, residual: np.ndarray | None = None
+                    ) -> tuple[dict, np.ndarray, Encoded]:
+        """The transform's (params, raw payload), and the chunk as sent (zstd where it pays).
+        With ``residual``: ``x - decode`` written there (by the transform as it encodes, where
+        it can: ``encodes_residual``; else afterwards, ``_residual``)."""
+        if residual is not None and getattr(self._t, "encodes_residual", False):
+            with np.errstate(all="ignore"):
+                params, raw = self._t.encode_raw(x, residual)
+        else:
+            params, raw = self._t.encode_raw(x)
+            if residual is not None:
+                self._residual(params, raw, x, residual)
         buf: Any = raw
         applied = False
         if zstd and self._cctx is not None and raw.nbytes and self._probe_pays(raw):
@@ -243,9 +252,7 @@ class Codec:
         if self._t is None:
             residual.fill(0)
             return self.encode_decoded(x, None)
-        params, raw, enc = self._encode_raw(x, zstd)
-        self._residual(params, raw, x, residual)
-        return enc
+        return self._encode_raw(x, zstd, residual)[2]
 
     def encode_final(self, x: np.ndarray, residual: np.ndarray, zstd: bool = True) -> Encoded:
         """``encode_residual(x, residual)``, then ``x`` replaced by ``decode`` of the chunk: a
@@ -261,8 +268,7 @@ class Codec:
         if self._t is None:
             residual.fill(0)
             return self.encode_decoded(x, None)
-        params, raw, enc = self._encode_raw(x, zstd)
-        self._residual(params, raw, x, residual)
+        params, raw, enc = self._encode_raw(x, zstd, residual)
         with np.errstate(all="ignore"):
             self._t.decode_raw(x.shape[0], params, raw, x)  # (raw is apart from x: its own buffer)
         return enc
