@@ -53,7 +53,11 @@ class Int8:
     def raw_size(self, n: int, params: dict) -> int:
         return self.max_raw(n)
 
-    def encode_raw(self, x: np.ndarray) -> tuple[dict, np.ndarray]:
+    encodes_residual = True  # (``encode_raw(x, residual)``: one pass with the kernels, ``Codec``)
+
+    def encode_raw(self, x: np.ndarray, residual: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
+        """The payload; with ``residual`` (as long as ``x``, apart from it), ``x - decode`` there
+        too (as ``residual_raw`` would write it: with the kernels, in the same pass as the codes)."""
         n = x.size
         nb, full = _blocks(n), n // BLOCK * BLOCK
         buf = np.empty(4 * nb + n, np.uint8)
@@ -63,9 +67,15 @@ class Int8:
             return {}, buf
         kernels = _int8_kernels.load()
         if kernels is not None:
-            if not kernels.encode(x, scales, codes):
+            ok = kernels.encode(x, scales, codes) if residual is None else kernels.encode_residual(x, scales, codes,
+                                                                                                   residual)
+            if not ok:
                 check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
             return {}, buf
+        if residual is not None:
+            params, buf = self.encode_raw(x)
+            self.residual_raw(params, buf, x, residual)
+            return params, buf
         # torch's kernels (``tensor_of``): numpy's per-block max reduces each 256-value row alone.
         import torch
 
