@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.collective.linkpace import MARGIN, SETTLED_BYTES, LinkPace, raw_chunks_enabled
+from p2ptrain.collective.linkpace import MARGIN, SETTLED_BYTES, TRIAL_EACH, TRIAL_EVERY, LinkPace, raw_chunks_enabled
 from p2ptrain.errors import ConfigError
 
 N = 256 * 1024          # values in a chunk
@@ -143,14 +143,37 @@ def test_the_environment_switch(monkeypatch):
         raw_chunks_enabled()
 
 
-def test_a_peer_on_this_machine_gets_raw_chunks_once_the_link_has_carried_the_settled_bytes():
-    """Loopback: whatever the figures say (here a slow drain and a quick codec, which keep the
-    codec on a LAN link), the codec's passes only add to the cores both ends share."""
+def test_a_peer_on_this_machine_times_whole_calls_both_ways_and_keeps_the_quicker():
+    """Loopback: the figures say nothing there (the kernel copies on the cores the codec would
+    use; which way is sooner depends on the machine: raw on session 40's, the codec on 46's).
+    Once settled, calls go raw and encoded by their parity, TRIAL_EACH each, timed from the
+    first chunk's arrival; the quicker way is kept for TRIAL_EVERY calls, then timed again."""
     lan, local = LinkPace(), LinkPace(same_host=True)
     for pace in (lan, local):
         codec(pace, 0.5)
         drained_at(pace, 1e8, sends=SETTLED_BYTES // (1 << 20) - 1)
+        pace.call_began(0)
         assert not pace.send_raw(N, INT8, 0)  # (a short run: as asked)
+        pace.call_ended(N, 0.01)
         drained_at(pace, 1e8, sends=1)
-    assert local.send_raw(N, INT8, None) and local.send_raw(N, INT8, 1 << 30)
     assert not lan.send_raw(N, INT8, 0)
+    for quicker_raw in (False, True):
+        ways = []
+        for op in range(1, 1 + 2 * TRIAL_EACH):
+            local.call_began(op)
+            ways.append(local.send_raw(N, INT8, None))
+            raw_s, coded_s = (1.0, 2.0) if quicker_raw else (2.0, 1.0)
+            local.call_ended(N, raw_s if ways[-1] else coded_s)
+        assert ways == [op % 2 == 0 for op in range(1, 1 + 2 * TRIAL_EACH)]  # (the same on every peer)
+        assert local.chosen is quicker_raw
+        for op in range(TRIAL_EVERY):  # kept, whatever the later calls take
+            local.call_began(op)
+            assert local.send_raw(N, INT8, 1 << 30) is quicker_raw
+            local.call_ended(N, 9.0)
+        local.call_began(1)  # (then timed again)
+        assert local.chosen is None and not local.send_raw(N, INT8, None)
+        local.call_ended(N, None)  # (a call where no chunk came is not a sample)
+        local.call_began(2)
+        assert local.send_raw(N, INT8, None)
+        local.call_ended(N, 5.0)
+        local._timed = {True: [], False: []}  # (the next round of the loop starts its trial clean)

@@ -12,9 +12,9 @@ Chunks pass through a codec (``p2ptrain.codecs``):
   ends with bit-identical values, whatever the codec.
 - raw chunks (``linkpace``): a lossy codec's chunk goes as the float32 values themselves
   (header ``"raw": true``, exact, no residual) where the link carries them sooner than the
-  codec would turn them out: a fast LAN, CPUs too busy to encode in time, and always (once a
-  few MiB have gone) to a peer on this machine, where the wire is the same cores. Measured
-  per link as the ring runs (what the link still holds of ours counted at its rate). Every
+  codec would turn them out: a fast LAN, CPUs too busy to encode in time. Measured per link
+  as the ring runs (what the link still holds of ours counted at its rate); to a peer on this
+  machine, where the wire is the same cores, by timing whole calls both ways. Every
   peer takes the bytes that came, so replicas stay bit-identical whichever way each chunk went.
   A raw chunk is refused what the codec would refuse (NaN, inf: ``NotFiniteError``) where our
   own values go out (step 0) and where a segment's sum is final, which holds every peer's values:
@@ -224,6 +224,8 @@ class RingAllreduce:
             self.residual_owed = False  # (alone, the sum is exact)
             return self.stats
         self.recv_link.set_allocator(self._allocate)
+        if self._pace is not None:
+            self._pace.call_began(self.op_id)
         tasks = TaskSet()  # sender and receiver: neither outlives this call, however it ends
         try:
             sender, receiver = tasks.spawn(self._send_all()), tasks.spawn(self._recv_all())
@@ -235,6 +237,9 @@ class RingAllreduce:
         finally:
             await tasks.close()
             self.recv_link.set_allocator(wire.default_allocate)
+        if self._pace is not None:  # (a link to this machine times whole calls: ``linkpace``)
+            began = self.first_at
+            self._pace.call_ended(len(self.work), None if began is None else asyncio.get_running_loop().time() - began)
         if self.residual is not None:
             self.residual_owed = self._encoded
             for start, stop in self._raw_spans if self._encoded else ():

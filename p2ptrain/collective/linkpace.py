@@ -18,14 +18,18 @@ few small calls). Raw must win by ``MARGIN``: where the two come out about even,
 are the better use of a link that others may share (and of a rate that is only an estimate).
 
 A link to a peer on this machine (``Link.same_host``: loopback, two GPUs' peers on one
-desktop) goes raw once it has carried ``SETTLED_BYTES`` (a short run uses the codec as
-asked), whatever the figures say. Its "wire" is the kernel copying between processes on
-the same cores, so the codec adds to what is already the bottleneck, and the drain rate
-there (seldom measured: the kernel takes most chunks whole) is how fast the next peer
-reads, which its own decoding slows: the figures keep choosing the codec because they
-chose it. ``bench/allreduce.py`` on loopback (2 cores, 64 MiB), before -> after: int8 N = 2
-48-51 -> 26-28 ms, N = 4 99-101 -> 78-86 ms (``none``: 21-25 and 67-72 ms); fp16 N = 4, which
-the figures sent encoded once its codec got faster, 102-111 -> 78-85 ms.
+desktop) is not judged by the figures: its "wire" is the kernel copying between processes
+on the same cores, and the drain rate there (seldom measured: the kernel takes most chunks
+whole) is how fast the next peer reads, which its own decoding slows, so the figures keep
+choosing the codec because they chose it. Which way is sooner there depends on the machine:
+session 40's measured raw quicker (int8 N = 2 48-51 -> 26-28 ms, N = 4 99-101 -> 78-86 ms),
+session 46's the codec (the kernel's copies cost more there: 64 MiB at N = 4, raw 181.8 ms,
+40 ms of a peer's CPU in the kernel; encoded 113.6 ms, 7 ms; ``none`` 163.4 ms). So once the
+link has carried ``SETTLED_BYTES`` (a short run uses the codec as asked) whole calls are timed
+both ways: ``TRIAL_EACH`` calls raw and as many encoded, by the call's parity (every peer
+of a ring sends as many bytes a call, so all reach the trial at the same call and try the
+same way in each), from the first chunk's arrival to the end, per value; the quicker way is
+kept for ``TRIAL_EVERY`` calls, then timed again.
 
 Pure: no sockets and no clock of its own; the allreduce feeds it times and queue lengths.
 ``P2PTRAIN_RAW_CHUNKS=0`` turns it off (every chunk encoded, as a user may want to keep a
@@ -42,6 +46,8 @@ MARGIN = 2.0               # raw only where the codec would take this many times
 MIN_SAMPLE_BYTES = 64 << 10  # a drain figure over fewer bytes is the kernel's bursts, not the link
 MIN_SAMPLE_S = 100e-6
 SETTLED_BYTES = 8 << 20    # drained in the samples before the rate is trusted (a chunk may go raw)
+TRIAL_EACH = 3             # a link to this machine: calls timed raw, and as many encoded, before choosing
+TRIAL_EVERY = 256          # ... and calls the choice is kept before they are timed again
 
 
 def raw_chunks_enabled() -> bool:
@@ -65,6 +71,12 @@ class LinkPace:
         self.decode_s: float | None = None    # ... and to decode
         self._after: tuple[float, int] | None = None  # (time, queued bytes) when the last send returned
         self.measured = 0  # bytes drained in all the samples so far (not decayed)
+        # A link to this machine: the way of the call now running (None: the codec, as asked, until
+        # settled); seconds per value of the calls timed each way; the way chosen, for how many calls.
+        self._call_raw: bool | None = None
+        self._timed: dict[bool, list[float]] = {True: [], False: []}
+        self.chosen: bool | None = None
+        self._kept = 0
 
     # -- what the ring measured --------------------------------------------------------------
     def encoded(self, values: int, seconds: float) -> None:
@@ -106,12 +118,35 @@ class LinkPace:
         b, s = self._drained
         return b / s if s else None
 
+    # -- a link to this machine: whole calls timed both ways ----------------------------------
+    def call_began(self, op: int) -> None:
+        """A call (``op``: its number, the same on every peer) begins on this link."""
+        if not self.same_host or self.sent_bytes < SETTLED_BYTES:
+            self._call_raw = None
+        elif self.chosen is not None and self._kept < TRIAL_EVERY:
+            self._call_raw = self.chosen
+            self._kept += 1
+        else:
+            self.chosen, self._call_raw = None, op % 2 == 0  # (timing: the peers of the ring alike)
+
+    def call_ended(self, values: int, seconds: float | None) -> None:
+        """The call began last ended well, ``seconds`` from its first chunk's arrival (None: none came)."""
+        way, self._call_raw = self._call_raw, None
+        if way is None or self.chosen is not None or seconds is None or values <= 0:
+            return
+        timed = self._timed[way]
+        timed.append(seconds / values)
+        if min(len(t) for t in self._timed.values()) >= TRIAL_EACH:
+            raw, coded = (sorted(self._timed[w])[TRIAL_EACH // 2] for w in (True, False))
+            self.chosen, self._kept = raw < coded, 0
+            self._timed = {True: [], False: []}
+
     # -- the choice -----------------------------------------------------------------------
     def send_raw(self, values: int, encoded_bytes: int, queued: int | None) -> bool:
         """Whether ``values`` float32 reach the next peer sooner raw than as ``encoded_bytes``
         of codec (``queued``: our bytes the kernel holds now; None: the OS cannot tell)."""
         if self.same_host:
-            return self.sent_bytes >= SETTLED_BYTES
+            return bool(self._call_raw)
         rate = self.rate
         if queued is None or rate is None or self.encode_s is None or self.measured < SETTLED_BYTES:
             return False  # (nothing known, or a rate over too little traffic: as asked, encoded)
