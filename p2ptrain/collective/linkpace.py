@@ -38,6 +38,8 @@ shared link's bytes low whatever the speed).
 
 from __future__ import annotations
 
+import statistics
+
 from p2ptrain.switches import env_switch
 
 ENV = "P2PTRAIN_RAW_CHUNKS"
@@ -137,7 +139,7 @@ class LinkPace:
         timed = self._timed[way]
         timed.append(seconds / values)
         if min(len(t) for t in self._timed.values()) >= TRIAL_EACH:
-            raw, coded = (sorted(self._timed[w])[TRIAL_EACH // 2] for w in (True, False))
+            raw, coded = (statistics.median(self._timed[w]) for w in (True, False))
             self.chosen, self._kept = raw < coded, 0
             self._timed = {True: [], False: []}
 
