@@ -189,7 +189,9 @@ def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path, 
     (b trains only with others, --min-peers 2: woken after the silence timeout, it finds itself
     alone too, and the synthetic task's ~1000 rounds a second alone could outrun a's lead.)
     In local-steps mode too (a's last inner steps were once lost as both left at once). A silence
-    of 5 s (``--peer-timeout``; the default is 10) is enough to drop the frozen peer."""
+    of 5 s (``--peer-timeout``; the default is 10) is enough to drop the frozen peer. (Woken, b
+    once expired a before it read a's messages, and loaded a's state as from the other side of a
+    split: ``RoundMachine`` now takes a long gap between its own ticks for its own stillness.)"""
     peers = Peers(tmp_path, extra=(*mode, "--peer-timeout", "5"))
     try:
         for name, least in (("a", "1"), ("b", "2")):

@@ -13,6 +13,7 @@ from roundnet import GENESIS, Net, cluster
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.roundmsg import Contribute, Log, PutBack, Stall, StartRing
 from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.cluster.membership import DEAD, SYNCED
 from p2ptrain.cluster.leader import RUNNING
 
 
@@ -431,3 +432,19 @@ def test_random_cuts_never_apply_different_rounds_and_heal(steps):
     net.found()
     drive(net, steps, faults=True)
     heals_and_keeps_committing(net)
+
+
+def test_a_peer_that_stood_still_does_not_blame_the_others_for_its_silence():
+    """A lid closed 12 s (SIGSTOP): on its first tick after, b's table says a was last heard 12 s
+    ago, past the 10 s timeout, while a's messages wait unread in b's sockets. b expiring a
+    then made it load a's state as the smaller side of a split, not as a peer left behind
+    (``test_faults``' lid test, twice this session). A gap between ticks past half the timeout
+    is b's own stillness: a counts as heard then, and is expired only a full silence later."""
+    net = cluster("ab", run=0.3)
+    b = net.m["b"]
+    net.now += 12.0  # b stood still: no tick, nothing read
+    b.on_tick(net.now, {})
+    assert b.table.state("a") == SYNCED
+    for i in range(1, 106):  # (and a's own silence still counts, a tick every 0.1 s)
+        b.on_tick(net.now + 0.1 * i, {})
+    assert b.table.state("a") == DEAD

@@ -222,6 +222,15 @@ class PeerTable:
         e.state = SYNCED if synced else SYNCING
         e.version, e.digest, e.round = version, digest, round
 
+    def forgive(self, now: float) -> None:
+        """This process stood still (a lid closed, SIGSTOP): the silence was ours, not theirs.
+        Every peer not dead or leaving counts as heard now; one that is gone is found so a
+        silence later, and one that went on without us is heard from first (its messages wait
+        in our sockets), so that we load its state as a peer left behind, not of a split."""
+        for p, e in self._peers.items():
+            if p != self.self_id and e.state not in (DEAD, LEAVING):
+                e.last_heard = max(e.last_heard, now)
+
     def expire(self, now: float, timeout: float) -> list[str]:
         """Mark peers silent for ``timeout`` seconds dead; return them. Forget old tombstones."""
         newly = []

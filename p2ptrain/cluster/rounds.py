@@ -115,6 +115,7 @@ class RoundMachine:
         self._seen_r = -1  # the highest round number seen in any proposal
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
+        self._ticked_at: float | None = None  # (the last tick: a long gap since is our own stillness)
         self._tell: set = set()  # peers to send our STATUS once this event is handled
         self._left = False  # we said goodbye: every later event is ignored
         self._now = 0.0  # the time of the event being handled
@@ -387,6 +388,11 @@ class RoundMachine:
         if self.ending.ended is not None:
             return
         self.lineage.tick(now)
+        last, self._ticked_at = self._ticked_at, now
+        if last is not None and now - last > self.config.peer_timeout / 2:
+            # Ticks come every 0.1 s: this process stood still (a lid closed), and the messages of
+            # the peers it would expire wait unread in its sockets (``PeerTable.forgive``).
+            self.table.forgive(now)
         for peer in self.table.expire(now, self.config.peer_timeout):
             self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
         pending = self.member.pending

@@ -18,6 +18,7 @@ _F4 = np.dtype("<f4")
 # The smallest scale: keeps 1/scale finite and the scale a normal float32, so blocks of
 # zeros or of subnormals quantize like any other (at a 2**-127 absolute error floor).
 _MIN_SCALE = np.float32(2.0**-126)
+_NO_RESIDUAL = np.empty(0, np.float32)  # (the encode kernel's out where no residual is asked for)
 # The largest scale an honest encoder can send (absmax <= 2**127); decoding with it
 # cannot overflow float32.
 _MAX_SCALE = np.float32(MAX_ABS) / np.float32(127)
@@ -67,9 +68,8 @@ class Int8:
             return {}, buf
         kernels = _int8_kernels.load()
         if kernels is not None:
-            ok = kernels.encode(x, scales, codes) if residual is None else kernels.encode_residual(x, scales, codes,
-                                                                                                   residual)
-            if not ok:
+            if not kernels.encode(x, scales, codes, _NO_RESIDUAL if residual is None else residual,
+                                  residual is not None):
                 check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
             return {}, buf
         if residual is not None:

@@ -34,9 +34,9 @@ def _warm(k) -> None:
     x = np.linspace(-1, 1, BLOCK + 3, dtype=np.float32)
     nb = -(-x.size // BLOCK)
     scales, codes, out = np.empty(nb, np.float32), np.empty(x.size, np.int8), np.empty_like(x)
-    k.encode(x, scales, codes)
+    for with_residual in (False, True):
+        k.encode(x, scales, codes, out, with_residual)
     k.residual(x, scales, codes, out)
-    k.encode_residual(x, scales, codes, out)
     raw = bytes(scales.tobytes() + codes.tobytes())  # (received payloads are read-only views)
     for add in (False, True):
         k.decode(scales, codes, out, add)
@@ -53,9 +53,12 @@ def _compile(numba):
     f127, one = np.float32(127.0), np.float32(1.0)
 
     @njit
-    def encode(x, scales, codes):
-        """Scales of every block, then the codes; False (codes untouched) where a value is NaN,
-        inf or above 2**127 in magnitude. |x| as integer bits orders as |x| does."""
+    def encode(x, scales, codes, out, residual):
+        """Scales of every block, then the codes, and with ``residual`` what they drop,
+        ``x - code * scale`` (as ``residual`` computes it), into ``out``, a block at a time while
+        it is in the cache: two passes over the chunk, not three. False (codes and out untouched)
+        where a value is NaN, inf or above 2**127 in magnitude. |x| as integer bits orders as
+        |x| does."""
         n = x.size
         full = n // BLOCK
         bits = x.view(np.int32)
@@ -80,13 +83,20 @@ def _compile(numba):
             scales[b] = s
             inv = one / s
             lo = b * BLOCK
-            if lo + BLOCK <= n:
+            hi = min(lo + BLOCK, n)
+            if hi - lo == BLOCK:
                 xb, cb = x[lo : lo + BLOCK], codes[lo : lo + BLOCK]
                 for j in range(BLOCK):
                     cb[j] = np.int8(np.rint(xb[j] * inv))
+                if residual:
+                    ob = out[lo : lo + BLOCK]
+                    for j in range(BLOCK):
+                        ob[j] = xb[j] - np.float32(cb[j]) * s
             else:
-                for i in range(lo, n):
+                for i in range(lo, hi):
                     codes[i] = np.int8(np.rint(x[i] * inv))
+                    if residual:
+                        out[i] = x[i] - np.float32(codes[i]) * s
         return True
 
     @njit
@@ -125,50 +135,7 @@ def _compile(numba):
                 for i in range(lo, n):
                     out[i] = x[i] - np.float32(codes[i]) * s
 
-    @njit
-    def encode_residual(x, scales, codes, out):
-        """``encode`` then ``residual``, the codes and the residual of a block written together
-        while it is in the cache: two passes over the chunk (the maxima, checked before anything
-        is written; then the rest), where there were three. The same floats. False (codes and
-        out untouched) where a value is NaN, inf or above 2**127."""
-        n = x.size
-        full = n // BLOCK
-        bits = x.view(np.int32)
-        peaks = scales.view(np.int32)
-        worst = np.int32(0)
-        for b in range(full + (full * BLOCK < n)):
-            lo = b * BLOCK
-            m = np.int32(0)
-            if lo + BLOCK <= n:
-                block = bits[lo : lo + BLOCK]
-                for j in range(BLOCK):
-                    m = max(m, block[j] & abs_bits)
-            else:
-                for i in range(lo, n):
-                    m = max(m, bits[i] & abs_bits)
-            worst = max(worst, m)
-            peaks[b] = m
-        if worst > max_bits:
-            return False
-        for b in range(full + (full * BLOCK < n)):
-            s = max(scales[b] / f127, min_scale)
-            scales[b] = s
-            inv = one / s
-            lo = b * BLOCK
-            if lo + BLOCK <= n:
-                xb, cb, ob = x[lo : lo + BLOCK], codes[lo : lo + BLOCK], out[lo : lo + BLOCK]
-                for j in range(BLOCK):
-                    c = np.int8(np.rint(xb[j] * inv))
-                    cb[j] = c
-                    ob[j] = xb[j] - np.float32(c) * s
-            else:
-                for i in range(lo, n):
-                    c = np.int8(np.rint(x[i] * inv))
-                    codes[i] = c
-                    out[i] = x[i] - np.float32(c) * s
-        return True
-
-    return types.SimpleNamespace(encode=encode, decode=decode, residual=residual, encode_residual=encode_residual)
+    return types.SimpleNamespace(encode=encode, decode=decode, residual=residual)
 
 
 _KERNELS = jit.Kernels(_compile, _warm, "int8")
