@@ -244,15 +244,7 @@ class Codec:
         ``residual`` (as long as ``x``, apart from it): what error feedback keeps. The same
         floats as decoding and subtracting; a sparse codec copies ``x`` and zeroes the kept
         values instead (one pass over the chunk, not three)."""
-        _check_array(x, "input")
-        _check_array(residual, "output")
-        if residual.shape != x.shape or not residual.flags.writeable or (
-                residual is x or np.may_share_memory(residual, x)):
-            raise ConfigError("encode_residual needs residual writeable, as long as x, and apart from it")
-        if self._t is None:
-            residual.fill(0)
-            return self.encode_decoded(x, None)
-        return self._encode_raw(x, zstd, residual)[2]
+        return self._encode_keeping(x, residual, zstd, "encode_residual")[2]
 
     def encode_final(self, x: np.ndarray, residual: np.ndarray, zstd: bool = True) -> Encoded:
         """``encode_residual(x, residual)``, then ``x`` replaced by ``decode`` of the chunk: a
@@ -260,18 +252,27 @@ class Codec:
         the values every receiver decodes. The same floats as decoding into a scratch array,
         subtracting and copying back, in two passes over the chunk instead of four (the residual
         from ``x``, then the decode into ``x`` itself)."""
+        params, raw, enc = self._encode_keeping(x, residual, zstd, "encode_final", writes_x=True)
+        if self._t is not None:  # (the identity's decode is x itself)
+            with np.errstate(all="ignore"):
+                self._t.decode_raw(x.shape[0], params, raw, x)  # (raw is apart from x: its own buffer)
+        return enc
+
+    def _encode_keeping(self, x: np.ndarray, residual: np.ndarray, zstd: bool, caller: str, writes_x: bool = False
+                        ) -> tuple[dict, Any, Encoded]:
+        """``_encode_raw`` with the residual written, after the checks both callers share (the
+        identity drops nothing: its residual is zeros). ``writes_x``: the caller writes x too."""
         _check_array(x, "input")
         _check_array(residual, "output")
-        if residual.shape != x.shape or not residual.flags.writeable or not x.flags.writeable or (
+        if writes_x and not x.flags.writeable:
+            raise ConfigError(f"{caller} writes the decoded values into x: it must be writeable")
+        if residual.shape != x.shape or not residual.flags.writeable or (
                 residual is x or np.may_share_memory(residual, x)):
-            raise ConfigError("encode_final needs x and residual writeable, as long as each other, and apart")
+            raise ConfigError(f"{caller} needs residual writeable, as long as x, and apart from it")
         if self._t is None:
             residual.fill(0)
-            return self.encode_decoded(x, None)
-        params, raw, enc = self._encode_raw(x, zstd, residual)
-        with np.errstate(all="ignore"):
-            self._t.decode_raw(x.shape[0], params, raw, x)  # (raw is apart from x: its own buffer)
-        return enc
+            return {}, None, self.encode_decoded(x, None)
+        return self._encode_raw(x, zstd, residual)
 
     def _residual(self, params: dict, raw, x: np.ndarray, residual: np.ndarray) -> None:
         """``residual = x - decode(raw)``, in one pass where the transform has one (``residual_raw``)."""
