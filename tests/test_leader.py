@@ -292,8 +292,10 @@ def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
 
 def start_lost_to_c():
     """A net of a, b, c whose round r every member contributed to, the leader's START to c lost
-    (with a link that came back at once); nobody drives the rings yet. Returns (net, r)."""
-    net = cluster("abc", run=0.5)
+    (with a link that came back at once); nobody drives the rings yet. Returns (net, r). (A
+    silence of 20 s: the tests let c's deadline pass with no tick at the leader, which at the
+    default 10 s would take 6 s untouched for its own stillness, ``RoundMachine._notice_stillness``.)"""
+    net = cluster("abc", run=0.5, peer_timeout=20.0)
     net.auto = False
     net.tick()
     r = net.m["a"].lead.r

@@ -448,3 +448,40 @@ def test_a_peer_that_stood_still_does_not_blame_the_others_for_its_silence():
     for i in range(1, 106):  # (and a's own silence still counts, a tick every 0.1 s)
         b.on_tick(net.now + 0.1 * i, {})
     assert b.table.state("a") == DEAD
+
+
+def test_a_leader_that_stood_still_mid_round_aborts_it_and_loads_as_a_peer_left_behind():
+    """The lid closed on the leader of a round whose member had sent its DONE: the member, in
+    doubt, gave the leader up after the silence, aborted the round (no one had committed it) and
+    went on alone. Woken, the leader read that DONE before anything else and committed the
+    round: the two chains differed at it, and it loaded the state as from a split (``test_faults``'
+    lid test failed so in CI). The leader's first event after its stillness voids the round."""
+    net = Net("ab", auto=False)
+    net.found()
+    net.tick()
+    leader, other = ("a", "b") if net.m["a"].is_leader else ("b", "a")
+    for p in "ab":
+        net.contribute(p)
+    net.settle()
+    net.hold(other, leader)  # its DONE waits unread in the frozen leader's socket
+    for p in "ab":
+        net.finish_ring(p)
+    net.settle()
+    assert net.m[other].pending.phase == M.DONE  # (in doubt)
+    for _ in range(150):  # the leader stands still 15 s; the other goes on alone
+        net.now += 0.1
+        net.handle(other, net.m[other].on_tick(net.now, {}))
+        net.settle()
+        if any(net.asked[other].values()):
+            net.contribute(other)
+            net.settle()
+        if net.ring_ready(other):
+            net.finish_ring(other)
+            net.settle()
+    assert len(net.applied(other)) >= 10
+    net.release(other, leader)  # woken: the DONE is its first event
+    net.settle()
+    net.reconnect(leader, other)  # (the host tells the machine of the live link again on a tick)
+    heals_and_keeps_committing(net)
+    net.check_same_outcomes()
+    assert [reason.split(":")[0] for reason in net.resyncs[leader]] == ["behind"]

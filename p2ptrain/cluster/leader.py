@@ -192,6 +192,16 @@ class Leader:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
 
+    def stood_still(self, now: float, seconds: float) -> None:
+        """This process stood still ``seconds`` (``RoundMachine._notice_stillness``): a round
+        we lead is aborted, not committed on what waited in our sockets. A member in doubt
+        that gave us up took the lead and decided it without us (aborted: no one had committed
+        it), so committing it now would put the two chains apart. Aborting is always safe."""
+        lead = self.lead
+        if lead is not None and lead.phase in (COLLECTING, RUNNING):
+            self.abort(now, f"this peer stood still for {seconds:.0f} s (a lid closed?): its members may "
+                            "have decided the round without it", drop=[])
+
     def _ring_moves(self, lead: _Lead, now: float, deadline: float) -> bool:
         """Our ring of the led round received a chunk within the last quarter of its
         ``deadline`` (which allows 4x the ring's expected time, so a moving ring's chunks come

@@ -115,7 +115,7 @@ class RoundMachine:
         self._seen_r = -1  # the highest round number seen in any proposal
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
-        self._ticked_at: float | None = None  # (the last tick: a long gap since is our own stillness)
+        self._ran_at: float | None = None  # (the last event: a long gap since is our own stillness)
         self._tell: set = set()  # peers to send our STATUS once this event is handled
         self._left = False  # we said goodbye: every later event is ignored
         self._now = 0.0  # the time of the event being handled
@@ -273,6 +273,7 @@ class RoundMachine:
         self._out, self._now = [], now
         if self._left:
             return []
+        self._notice_stillness(now)
         fn(*args)
         for _ in range(1000):  # our own messages, deferred STATUS, the leader's next step: until quiet
             while self._loop:
@@ -288,6 +289,19 @@ class RoundMachine:
             if not self._loop and before == (lead and (lead.phase, lead.r)):
                 return self._out
         raise RuntimeError("round machine did not settle")  # our bug
+
+    def _notice_stillness(self, now: float) -> None:
+        """Events come at least a tick apart (0.1 s): a gap past half the peer timeout is this
+        process's own stillness (a lid closed, SIGSTOP), and the peers' messages wait unread in
+        its sockets, whichever event comes first. Every live peer counts as heard now
+        (``PeerTable.forgive``): expiring one made us load its state as from a split, not as a
+        peer left behind. A round we lead is void (``Leader.stood_still``): a member in doubt
+        may have given us up and decided it meanwhile, and committing it on the DONE that waited
+        in the socket split the chain."""
+        last, self._ran_at = self._ran_at, now
+        if last is not None and now - last > self.config.peer_timeout / 2:
+            self.table.forgive(now)
+            self.leader.stood_still(now, now - last)
 
     def _emit(self, action) -> None:
         self._out.append(action)
@@ -388,11 +402,6 @@ class RoundMachine:
         if self.ending.ended is not None:
             return
         self.lineage.tick(now)
-        last, self._ticked_at = self._ticked_at, now
-        if last is not None and now - last > self.config.peer_timeout / 2:
-            # Ticks come every 0.1 s: this process stood still (a lid closed), and the messages of
-            # the peers it would expire wait unread in its sockets (``PeerTable.forgive``).
-            self.table.forgive(now)
         for peer in self.table.expire(now, self.config.peer_timeout):
             self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
         pending = self.member.pending
