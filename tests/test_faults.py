@@ -188,11 +188,11 @@ def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path, 
     and trains in the view again, with nothing lost but its batch from before the lid closed.
     (b trains only with others, --min-peers 2: woken after the silence timeout, it finds itself
     alone too, and the synthetic task's ~1000 rounds a second alone could outrun a's lead.)
-    In local-steps mode too (a's last inner steps were once lost as both left at once). At the
-    default silence (10 s): at ``--peer-timeout 5`` it failed twice in session 46's clean-clone
-    runs, b loading a's state as from a split, once because woken b expired a before reading its
-    messages (``RoundMachine`` now takes a long gap between its own ticks for its own stillness),
-    once with a round in doubt at the freeze (not understood yet)."""
+    In local-steps mode too (a's last inner steps were once lost as both left at once). b loaded
+    a's state as from a split in two ways, both fixed (``RoundMachine._notice_stillness``): woken,
+    it expired a before reading its messages; and, leading the round in flight at the freeze, it
+    committed it on a's DONE that had waited in its socket, though a had aborted it in doubt
+    (both params failed so in one CI run, where b started first and led)."""
     peers = Peers(tmp_path, extra=mode)
     try:
         for name, least in (("a", "1"), ("b", "2")):
