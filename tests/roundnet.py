@@ -29,6 +29,7 @@ class Net:
 
     def __init__(self, ids, *, auto=True, **cfg):
         self.now = 0.0
+        self.asleep = Counter()  # peer -> seconds its machine slept: its monotonic clock is behind by that
         self.cfg = RoundConfig(**cfg)
         self.auto = auto
         self.m: dict[str, RoundMachine] = {}
@@ -61,20 +62,24 @@ class Net:
         for p in ids:
             self.add(p)
 
+    def clock(self, p):
+        """The time as peer p's machine reads it (its host's monotonic clock stopped while it slept)."""
+        return self.now - self.asleep[p]
+
     # -- building -----------------------------------------------------------------------------
     def add(self, p):
         self.m[p] = RoundMachine(p, self.cfg)
         for o in list(self.m):
             if o != p:
-                self.m[o].table.heard(p, None, self.now)
-                self.m[p].table.heard(o, None, self.now)
-                self.handle(o, self.m[o].on_connected(p, self.now))
-                self.handle(p, self.m[p].on_connected(o, self.now))
+                self.m[o].table.heard(p, None, self.clock(o))
+                self.m[p].table.heard(o, None, self.clock(p))
+                self.handle(o, self.m[o].on_connected(p, self.clock(o)))
+                self.handle(p, self.m[p].on_connected(o, self.clock(p)))
         return self.m[p]
 
     def found(self, *ids):
         for p in ids or list(self.m):
-            self.handle(p, self.m[p].on_synced(GENESIS, self.now))
+            self.handle(p, self.m[p].on_synced(GENESIS, self.clock(p)))
         self.settle()
 
     def sync_from(self, p, server):
@@ -82,7 +87,7 @@ class Net:
         self.needs_sync.pop(p, None)
         self.chain[p] = dict(self.chain[server])
         self.out[p].clear()
-        self.handle(p, self.m[p].on_synced(self.m[server].sync_point(), self.now, server))
+        self.handle(p, self.m[p].on_synced(self.m[server].sync_point(), self.clock(p), server))
 
     # -- fault injection (fluent) -------------------------------------------------------------
     def fail_at(self, peer, round):
@@ -122,14 +127,14 @@ class Net:
         for key in self.started:
             if a in key[1] and b in key[1]:
                 self.ring_bad.add(key)
-        self.handle(a, self.m[a].on_peer_lost(b, self.now))
-        self.handle(b, self.m[b].on_peer_lost(a, self.now))
+        self.handle(a, self.m[a].on_peer_lost(b, self.clock(a)))
+        self.handle(b, self.m[b].on_peer_lost(a, self.clock(b)))
         return self
 
     def reconnect(self, a, b):
         self.down.discard(frozenset((a, b)))
-        self.handle(a, self.m[a].on_connected(b, self.now))
-        self.handle(b, self.m[b].on_connected(a, self.now))
+        self.handle(a, self.m[a].on_connected(b, self.clock(a)))
+        self.handle(b, self.m[b].on_connected(a, self.clock(b)))
         return self
 
     # -- the fake host ------------------------------------------------------------------------
@@ -192,14 +197,14 @@ class Net:
 
     def deliver(self, src, dst):
         msg = msgpack.unpackb(self.q[(src, dst)].popleft(), raw=False)
-        self.handle(dst, self.m[dst].on_message(src, msg, self.now))
+        self.handle(dst, self.m[dst].on_message(src, msg, self.clock(dst)))
 
     def contribute(self, p, samples=None):
         r = min(r for r, n in self.asked[p].items() if n)
         self.asked[p][r] -= 1
         self.out[p][r] += 1
         n = samples if samples is not None else 10 + sorted(self.m).index(p)
-        self.handle(p, self.m[p].on_contribution_ready(r, n, self.now, nbytes=self.nbytes))
+        self.handle(p, self.m[p].on_contribution_ready(r, n, self.clock(p), nbytes=self.nbytes))
 
     def computed(self, p):
         """Whether p's contribution to its oldest asked round is computed (``compute``)."""
@@ -220,7 +225,7 @@ class Net:
     def finish_ring(self, p, ok=None, void=None):
         r, view, good = self.ring_ready(p)
         self.running[p].remove((r, view))
-        self.handle(p, self.m[p].on_ring_done(r, good if ok is None else ok, self.now, checksum=b"\x07",
+        self.handle(p, self.m[p].on_ring_done(r, good if ok is None else ok, self.clock(p), checksum=b"\x07",
                                               void=void))
 
     def live(self):
@@ -282,9 +287,9 @@ class Net:
         for p in self.live():  # beacons: every live peer hears every other live one
             for o in self.live():
                 if o != p and frozenset((o, p)) not in self.down:
-                    self.m[p].table.heard(o, None, self.now)
+                    self.m[p].table.heard(o, None, self.clock(p))
         for p in self.live():
-            self.handle(p, self.m[p].on_tick(self.now, self.moving(p)))
+            self.handle(p, self.m[p].on_tick(self.clock(p), self.moving(p)))
         self.settle()
 
     def moving(self, p):
@@ -292,7 +297,7 @@ class Net:
         every member started it, none failed and ``report_moving``; else when it last did."""
         for r, view in self.running[p]:
             if self.report_moving and (r, view) in self.full_at and (r, view) not in self.ring_bad:
-                self.moved_at[(p, r)] = self.now
+                self.moved_at[(p, r)] = self.clock(p)
         return {r: self.moved_at[(p, r)] for r, _ in self.running[p] if (p, r) in self.moved_at}
 
     def run(self, seconds, dt=0.1):

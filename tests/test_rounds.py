@@ -450,12 +450,15 @@ def test_a_peer_that_stood_still_does_not_blame_the_others_for_its_silence():
     assert b.table.state("a") == DEAD
 
 
-def test_a_leader_that_stood_still_mid_round_aborts_it_and_loads_as_a_peer_left_behind():
+@pytest.mark.parametrize("how", ["stopped", "slept"])
+def test_a_leader_that_stood_still_mid_round_aborts_it_and_loads_as_a_peer_left_behind(how):
     """The lid closed on the leader of a round whose member had sent its DONE: the member, in
     doubt, gave the leader up after the silence, aborted the round (no one had committed it) and
     went on alone. Woken, the leader read that DONE before anything else and committed the
     round: the two chains differed at it, and it loaded the state as from a split (``test_faults``'
-    lid test failed so in CI). The leader's first event after its stillness voids the round."""
+    lid test failed so in CI). The leader's first event after its stillness voids the round:
+    stopped (SIGSTOP), its clock shows the gap; slept (a suspended machine), its monotonic clock
+    stopped too, and the host says so (``on_woken``, from ``sleepwatch``) before that event."""
     net = Net("ab", auto=False)
     net.found()
     net.tick()
@@ -479,6 +482,9 @@ def test_a_leader_that_stood_still_mid_round_aborts_it_and_loads_as_a_peer_left_
             net.finish_ring(other)
             net.settle()
     assert len(net.applied(other)) >= 10
+    if how == "slept":
+        net.asleep[leader] = 15.0
+        net.handle(leader, net.m[leader].on_woken(net.clock(leader), 15.0))
     net.release(other, leader)  # woken: the DONE is its first event
     net.settle()
     net.reconnect(leader, other)  # (the host tells the machine of the live link again on a tick)

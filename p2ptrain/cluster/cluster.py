@@ -61,6 +61,7 @@ from p2ptrain.net.mesh import Mesh
 from p2ptrain.net.transport import hostport
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.cluster.sleepwatch import SleepWatch
 from p2ptrain.cluster.records import Loaded, RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
 from p2ptrain.cluster.statesync import LINEAGE, StateTransfer
@@ -93,6 +94,7 @@ class Cluster:
         self._secret = secret
         self.codec = parse_codec(compression)
         self.machine = RoundMachine(peer_id, config)
+        self._sleep = SleepWatch(self.machine.config.peer_timeout / 2)  # (a lid closed: ``on_woken``)
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
                          on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
                          on_admitted=self._on_admitted, on_state=lambda p, f: self.transfer.on_frame(p, f))
@@ -225,6 +227,9 @@ class Cluster:
             self._go_solo(loop.time())
             kind, args = await self._events.get()
             now = loop.time()
+            slept = self._sleep.slept(now, time.time())
+            if slept:  # before this event, which may be a message from before we slept
+                await self._carry_out(machine.on_woken(now, slept))
             if machine.solo:
                 await self._solo_commit(now, end=kind not in ("tick", "solo_commit")
                                         or not machine.solo_may_go_on(now))

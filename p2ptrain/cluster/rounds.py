@@ -62,7 +62,7 @@ from p2ptrain.cluster.lineage import LineageKeeper
 from p2ptrain.cluster.member import Member, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
 from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadcast, Commit, Done, End, Goodbye,
-                                       Message, Nack, Propose, Query, Ready, Send, Start, Status, parse)
+                                       Log, Message, Nack, Propose, Query, Ready, Send, Start, Status, parse)
 
 MAX_RATES = 256  # peers whose link rate a machine remembers (``learn_rate``; the oldest go first)
 
@@ -163,6 +163,12 @@ class RoundMachine:
     def on_connected(self, peer: str, now: float, addr: tuple | None = None) -> list:
         self.table.connected(peer, now, addr)
         return self._run(now, self._tell.add, peer)
+
+    def on_woken(self, now: float, seconds: float) -> list:
+        """This machine slept ``seconds`` (a lid closed) though ``now`` shows no gap: the
+        host's monotonic clock stops while it is suspended (``sleepwatch``). Handled as a gap
+        between events is (``_notice_stillness``); call it before the event that showed it."""
+        return self._run(now, self._stood_still, now, seconds)
 
     def on_peer_lost(self, peer: str, now: float) -> list:
         self.table.link_lost(peer, now)
@@ -300,8 +306,13 @@ class RoundMachine:
         in the socket split the chain."""
         last, self._ran_at = self._ran_at, now
         if last is not None and now - last > self.config.peer_timeout / 2:
-            self.table.forgive(now)
-            self.leader.stood_still(now, now - last)
+            self._stood_still(now, now - last)
+
+    def _stood_still(self, now: float, seconds: float) -> None:
+        self._emit(Log("info", f"this peer stood still for {seconds:.0f} s (a lid closed, or the process "
+                               "stopped): the others are heard before any is given up"))
+        self.table.forgive(now)
+        self.leader.stood_still(now, seconds)
 
     def _emit(self, action) -> None:
         self._out.append(action)
