@@ -11,7 +11,7 @@ from collections import Counter, defaultdict, deque
 
 import msgpack
 
-from p2ptrain.cluster.membership import genesis
+from p2ptrain.cluster.membership import DEAD, genesis
 from p2ptrain.cluster.roundmsg import Apply, Broadcast, Contribute, PutBack, Resync, Send, StartRing
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 
@@ -36,6 +36,7 @@ class Net:
         self.q = defaultdict(deque)  # (src, dst) -> messages in flight
         self.down = set()  # frozenset({a, b}): links that are cut
         self.crashed = set()
+        self.still = set()  # peers standing still (``stand_still``): not run, what comes to them waits
         self.held = set()  # (src, dst) links whose messages wait until released
         self.drops = []  # (src, dst, type) to drop once
         self.crash_at = {}  # peer -> round: crash when it starts that ring
@@ -117,6 +118,28 @@ class Net:
         for key in self.started:
             if p in key[1] and p in self.started[key]:
                 self.ring_bad.add(key)
+        return self
+
+    def stand_still(self, p, seconds, slept=False, dt=0.5):
+        """p stands still ``seconds`` (a lid closed): SIGSTOP, or with ``slept`` a suspended
+        machine, whose clock stops too (its host then tells it first, ``on_woken``). The others
+        go on, ticking every ``dt``; what they send p waits in its sockets, what it sent before
+        arrives. Then p runs again."""
+        into = {(o, p) for o in self.m if o != p} - self.held
+        self.held |= into
+        self.still.add(p)
+        for _ in range(round(seconds / dt)):
+            self.tick(dt)
+        self.still.discard(p)
+        self.held -= into
+        if slept:
+            self.asleep[p] += seconds
+            self.handle(p, self.m[p].on_woken(self.clock(p), seconds))
+        self.settle()  # (p reads what waited in its sockets)
+        for o in sorted(self.m):  # a host closes the link to a peer its machine found dead, and
+            if o != p and DEAD in (self.m[o].table.state(p), self.m[p].table.state(o)) \
+                    and frozenset((o, p)) not in self.down:  # the two dial each other again
+                self.cut(o, p).reconnect(o, p)
         return self
 
     def cut(self, a, b):
@@ -229,7 +252,7 @@ class Net:
                                               void=void))
 
     def live(self):
-        return [p for p in sorted(self.m) if p not in self.crashed and not self.m[p]._left]
+        return [p for p in sorted(self.m) if p not in self.crashed and p not in self.still and not self.m[p]._left]
 
     def commit_unheard(self, leader, unheard):
         """One round of every peer: ``leader`` commits it, and its COMMIT to ``unheard`` is held
