@@ -22,8 +22,10 @@ Chunks pass through a codec (``p2ptrain.codecs``):
   looked at).
 - zstd (the codec's lossless layer) only where the send link is behind: it still holds more
   of our bytes than the chunk would take raw (``Link.queued_bytes``). Elsewhere the link
-  keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). The
-  values never depend on it.
+  keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). Never to
+  a peer on this machine (``Link.same_host``), whose "wire" is the kernel's copies on the same
+  cores: zstd's ~2.8 ns a byte never pays there, and its queue is not looked at (a syscall a
+  look, three a chunk). The values never depend on it.
 - error feedback (optional): what a lossy encode dropped, ``x - decode(encode(x))``, is
   written per value into ``residual``; the caller adds it into the next call's input (the
   ``Group`` keeps it across calls, the ``Cluster`` until its round commits). Every value is
@@ -212,6 +214,7 @@ class RingAllreduce:
         # A lossy codec's chunks may go raw (``linkpace``): their own buffers, and the link's pace.
         self._raw_pool = None if codec.is_identity else BufferPool(4 * chunk_elems)
         self._pace = None if codec.is_identity or not raw_chunks_enabled() else pace_of(send_link)
+        self._same_host = send_link.same_host  # (no zstd, no queue to look at: see the module docstring)
         # The receiver's scratch for decode-then-add (the sender's encodes need none: ``encode_final``).
         self._recv_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
 
@@ -262,12 +265,12 @@ class RingAllreduce:
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
             elif t.reduce or t.step == owner_step:
                 began = time.perf_counter()
-                queued = self.send_link.queued_bytes()  # (one look serves both choices)
+                queued = None if self._same_host else self.send_link.queued_bytes()  # (one look, both choices)
                 raw = self._pace is not None and self._pace.send_raw(len(src), self.codec.max_payload(len(src)), queued)
                 if raw:
                     params, payload = self._raw(src, t)
                 else:
-                    zstd = self.codec.compresses and self._link_behind(len(src), queued)
+                    zstd = self.codec.compresses and not self._same_host and self._link_behind(len(src), queued)
                     params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd)
                     if self._pace is not None:
                         self._pace.encoded(len(src), time.perf_counter() - began)
@@ -301,12 +304,13 @@ class RingAllreduce:
         """One chunk's frame out; how fast the link drained meanwhile goes to its pace."""
         nbytes = sum(memoryview(p).nbytes for p in payload)
         pace = self._pace
-        queued = self.send_link.queued_bytes() if pace is not None else None
+        looks = pace is not None and not self._same_host  # (a link to this machine: calls are timed whole)
+        queued = self.send_link.queued_bytes() if looks else None
         began = time.perf_counter()
         await self.send_link.send(header, payload, timeout=self.timeout)
         ended = time.perf_counter()
         if pace is not None:
-            pace.sent(began, queued, ended, self.send_link.queued_bytes(), nbytes)
+            pace.sent(began, queued, ended, self.send_link.queued_bytes() if looks else None, nbytes)
         self.trace.span("send", "send", began, ended, round=self.op_id, step=t.g, chunk=t.chunk)
         self.stats.wire_bytes += nbytes
 
