@@ -102,6 +102,10 @@ def test_int8_bad_scales(bad, block):
     codec = parse_codec("int8")
     refused(codec, params, bytes(raw), n)
     refused(codec, {"z": True}, zstandard.ZstdCompressor().compress(bytes(raw)), n)
+    dst = np.full(n, 3.0, np.float32)  # a reduce-scatter hop: nothing added before the refusal
+    with pytest.raises(CodecError):
+        codec.decode_add(params, bytes(raw), dst, np.empty(n, np.float32))
+    assert (dst == 3.0).all()
 
 
 def topk_payload(indices, n, values=None, w=4):

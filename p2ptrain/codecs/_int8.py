@@ -105,11 +105,10 @@ class Int8:
     def decode_raw(self, n: int, params: dict, raw, out: np.ndarray) -> None:
         if n == 0:
             return
-        scales, codes = _payload(n, raw)
         kernels = _int8_kernels.load()
         if kernels is not None:
-            kernels.decode(scales, codes, out, False)
-            return
+            return _refuse_unless(kernels.decode(*_payload(n, raw), out, False))
+        scales, codes = _checked(*_payload(n, raw))
         nb, full = _blocks(n), n // BLOCK * BLOCK
         nfull = full // BLOCK
         # The codes widened into ``out`` first (exact), then scaled in place by torch: the same
@@ -129,7 +128,7 @@ class Int8:
             self.decode_raw(n, params, raw, scratch)
             np.add(dst, scratch, out=dst)
         elif n:
-            kernels.decode(*_payload(n, raw), dst, True)
+            _refuse_unless(kernels.decode(*_payload(n, raw), dst, True))
 
     def residual_raw(self, params: dict, raw, x: np.ndarray, out: np.ndarray) -> None:
         """``out = x - decoded`` (decoding then subtracting), in one pass where the kernels are in use."""
@@ -138,16 +137,25 @@ class Int8:
             self.decode_raw(x.shape[0], params, raw, out)
             np.subtract(x, out, out=out)
         elif x.shape[0]:
-            kernels.residual(x, *_payload(x.shape[0], raw), out)
+            kernels.residual(x, *_checked(*_payload(x.shape[0], raw)), out)
 
 
 def _payload(n: int, raw) -> tuple[np.ndarray, np.ndarray]:
-    """A payload's (scales, codes) for ``n`` values, its scales checked."""
+    """A payload's (scales, codes) for ``n`` values, not checked yet (the decode kernel checks
+    the scales as it reads them; elsewhere ``_checked``)."""
     nb = _blocks(n)
     scales = np.frombuffer(raw, _F4, nb)
     if not scales.flags.aligned:  # (a payload at an odd offset: numba would compile for it anew)
         scales = scales.copy()
-    # NaN fails both comparisons, so NaN, inf, negative and oversized scales are refused.
-    if not (scales.min() >= 0 and scales.max() <= _MAX_SCALE):
-        raise CodecError("int8 block scale is NaN, infinite, negative or too large")
     return scales, np.frombuffer(raw, np.int8, n, offset=4 * nb)
+
+
+def _checked(scales: np.ndarray, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # NaN fails both comparisons, so NaN, inf, negative and oversized scales are refused.
+    _refuse_unless(scales.min() >= 0 and scales.max() <= _MAX_SCALE)
+    return scales, codes
+
+
+def _refuse_unless(scales_ok: bool) -> None:
+    if not scales_ok:
+        raise CodecError("int8 block scale is NaN, infinite, negative or too large")
