@@ -31,6 +31,10 @@ class BufferCache:
     def give(self, buf: bytearray) -> None:
         size = len(buf)
         with self._lock:
+            if self._kept + size <= self.keep_bytes:  # (under the cap: nothing to drop, no loop)
+                self._free.setdefault(size, []).append(buf)
+                self._kept += size
+                return
             for other in [s for s in self._free if s != size]:
                 while self._kept + size > self.keep_bytes and self._free[other]:
                     self._free[other].pop()
