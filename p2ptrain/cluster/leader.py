@@ -199,7 +199,7 @@ class Leader:
         it), so committing it now would put the two chains apart. Aborting is always safe."""
         lead = self.lead
         if lead is not None and lead.phase in (COLLECTING, RUNNING):
-            self.abort(now, f"this peer stood still for {seconds:.0f} s (a lid closed?): its members may "
+            self.abort(now, f"this peer stood still for {seconds:.0f} s: its members may "
                             "have decided the round without it", drop=[])
 
     def _ring_moves(self, lead: _Lead, now: float, deadline: float) -> bool:

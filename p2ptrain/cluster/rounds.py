@@ -303,14 +303,15 @@ class RoundMachine:
         (``PeerTable.forgive``): expiring one made us load its state as from a split, not as a
         peer left behind. A round we lead is void (``Leader.stood_still``): a member in doubt
         may have given us up and decided it meanwhile, and committing it on the DONE that waited
-        in the socket split the chain."""
+        in the socket split the chain. An event loop held up as long (a host's long wait) reads
+        the same; forgiving and voiding cost nothing then but a round tried again."""
         last, self._ran_at = self._ran_at, now
         if last is not None and now - last > self.config.peer_timeout / 2:
             self._stood_still(now, now - last)
 
     def _stood_still(self, now: float, seconds: float) -> None:
-        self._emit(Log("info", f"this peer stood still for {seconds:.0f} s (a lid closed, or the process "
-                               "stopped): the others are heard before any is given up"))
+        self._emit(Log("info", f"this peer stood still for {seconds:.0f} s (its machine slept, its process was "
+                               "stopped, or its event loop was held up): the others are heard before any is given up"))
         self.table.forgive(now)
         self.leader.stood_still(now, seconds)
 
