@@ -75,6 +75,29 @@ async def test_three_peers_commit_the_same_rounds():
     assert pending_tasks() == []  # (closed while rounds ran: actors, tickers, rings, mesh readers, pings)
 
 
+
+async def test_a_machine_that_slept_says_so_and_its_peers_go_on_with_it(monkeypatch, caplog):
+    """A suspended machine's monotonic clock stops, so the loop's time shows no gap when its lid
+    opens; its wall clock went on. The cluster tells its round machine (``SleepWatch``,
+    ``on_woken``) before the next event, which says so; rounds go on with both peers after."""
+    import logging
+    from p2ptrain.cluster import cluster as cluster_module
+
+    trainers, clusters = await linked(["a", "b"], RoundConfig(min_peers=2))
+    try:
+        await until(lambda: all(len(t.applied) >= 3 for t in trainers), timeout=20)
+        real = cluster_module.time.time
+        with caplog.at_level(logging.INFO, logger="p2ptrain.cluster.cluster"):
+            monkeypatch.setattr(cluster_module.time, "time", lambda: real() + 15.0)  # the lid opens
+            await until(lambda: "this peer stood still for 15 s" in caplog.text, timeout=5)
+            counts = [len(t.applied) for t in trainers]
+            await until(lambda: all(len(t.applied) >= c + 3 for t, c in zip(trainers, counts)), timeout=20)
+        n = min(len(t.applied) for t in trainers)
+        assert trainers[0].applied[:n] == trainers[1].applied[:n]
+    finally:
+        for c in clusters:
+            await c.close()
+
 @pytest.mark.parametrize("how", ["goodbye", "crash"])
 async def test_a_peer_that_leaves_or_dies_is_dropped_and_no_sample_is_lost(how):
     trainers, clusters = await linked(["a", "b", "c"], RoundConfig(min_peers=2))
