@@ -31,16 +31,13 @@ class BufferCache:
     def give(self, buf: bytearray) -> None:
         size = len(buf)
         with self._lock:
-            if self._kept + size <= self.keep_bytes:  # (under the cap: nothing to drop, no loop)
-                self._free.setdefault(size, []).append(buf)
-                self._kept += size
-                return
-            for other in [s for s in self._free if s != size]:
-                while self._kept + size > self.keep_bytes and self._free[other]:
-                    self._free[other].pop()
-                    self._kept -= other
-                if not self._free[other]:
-                    del self._free[other]
+            if self._kept + size > self.keep_bytes:  # (over the cap only: other sizes' buffers go first)
+                for other in [s for s in self._free if s != size]:
+                    while self._kept + size > self.keep_bytes and self._free[other]:
+                        self._free[other].pop()
+                        self._kept -= other
+                    if not self._free[other]:
+                        del self._free[other]
             if self._kept + size <= self.keep_bytes:
                 self._free.setdefault(size, []).append(buf)
                 self._kept += size
