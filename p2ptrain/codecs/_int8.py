@@ -54,11 +54,15 @@ class Int8:
     def raw_size(self, n: int, params: dict) -> int:
         return self.max_raw(n)
 
-    encodes_residual = True  # (``encode_raw(x, residual)``: one pass with the kernels, ``Codec``)
+    @property
+    def encodes_residual(self) -> bool:
+        """``encode_raw(x, residual)`` writes the residual in the codes' pass: with the kernels
+        only (``Codec`` encodes, then ``residual_raw``, where it is False)."""
+        return self.compiled
 
     def encode_raw(self, x: np.ndarray, residual: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
-        """The payload; with ``residual`` (as long as ``x``, apart from it), ``x - decode`` there
-        too (as ``residual_raw`` would write it: with the kernels, in the same pass as the codes)."""
+        """The payload; with ``residual`` (as long as ``x``, apart from it; only where
+        ``encodes_residual``), ``x - decode`` there too, as ``residual_raw`` would write it."""
         n = x.size
         nb, full = _blocks(n), n // BLOCK * BLOCK
         buf = np.empty(4 * nb + n, np.uint8)
@@ -72,10 +76,6 @@ class Int8:
                                   residual is not None):
                 check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
             return {}, buf
-        if residual is not None:
-            params, buf = self.encode_raw(x)
-            self.residual_raw(params, buf, x, residual)
-            return params, buf
         # torch's kernels (``tensor_of``): numpy's per-block max reduces each 256-value row alone.
         import torch
 
