@@ -11,8 +11,9 @@ import pytest
 
 from helpers import pending_tasks, until
 
-from p2ptrain.codecs import parse_codec
-from p2ptrain.collective.allreduce import RingAllreduce, buffer_digest
+from p2ptrain.codecs import Codec, parse_codec
+from p2ptrain.collective.allreduce import RingAllreduce
+from p2ptrain.collective.digest import buffer_digest
 from p2ptrain.collective.linkpace import LinkPace
 from p2ptrain.collective.ring import split
 from p2ptrain.errors import ConfigError, FrameError, GroupError, LinkError, NotFiniteError, RemoteProtocolError
@@ -72,6 +73,57 @@ async def test_every_peer_gets_the_same_sum_and_the_same_digest_of_it(n, codec, 
     finally:
         if executor:
             executor.shutdown()
+        for m in ms:
+            await m.close()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_an_owner_that_adds_its_sums_last_chunk_as_it_encodes_gets_the_same_bits(n, monkeypatch):
+    # int8's owner completes each of its segment's chunks in one pass (``Codec.add_encode_final``):
+    # the same results, digests and residuals as adding, encoding and decoding one after the
+    # other, also where some sums go raw (every other send of each link, as the plan orders them).
+    ids, ms = await meshes(n)
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(30_007).astype(np.float32) for _ in range(n)]
+    owed, sends = [], {}  # (chunks added by the sender: as it encodes, or before a raw send)
+    add_encode_final, add_owed = Codec.add_encode_final, RingAllreduce._add_owed
+
+    def counted(method):
+        def call(self, *args, **kwargs):
+            owed.append(method.__name__)
+            return method(self, *args, **kwargs)
+        return call
+
+    def every_other(self, *args):
+        sends[id(self)] = sends.get(id(self), 0) + 1
+        return sends[id(self)] % 2 == 0
+
+    monkeypatch.setattr(Codec, "add_encode_final", counted(add_encode_final))
+    monkeypatch.setattr(RingAllreduce, "_add_owed", counted(add_owed))
+    added = set()
+    try:
+        seen = {}
+        for op_id, (fused, some_raw) in enumerate(itertools.product((True, False), (False, True)), start=1):
+            monkeypatch.setattr(Codec, "fuses_add_encode", property(lambda self, on=fused: on and self.name == "int8"))
+            monkeypatch.setattr(LinkPace, "send_raw", every_other if some_raw else lambda self, *args: False)
+            sends.clear()
+            owed.clear()
+            data, residuals = [x.copy() for x in inputs], [np.full_like(x, np.nan) for x in inputs]
+            runs = await allreduce(ms, ids, data, "int8", op_id=op_id, chunk_elems=5000, residuals=residuals)
+            assert bool(owed) == fused
+            if fused:
+                added |= set(owed)
+            assert all(np.array_equal(d.view(np.uint32), data[0].view(np.uint32)) for d in data)
+            seen[fused, some_raw] = (data[0], np.concatenate(residuals), runs[0].sum_digest())
+        for some_raw in (False, True):
+            (a, ra, da), (b, rb, db) = seen[True, some_raw], seen[False, some_raw]
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)) and da == db
+            assert np.array_equal(ra.view(np.uint32), rb.view(np.uint32))
+        assert not np.array_equal(seen[True, False][0], seen[True, True][0])  # (some sums did go raw)
+        # Both ways of adding it: as the sum is encoded, and (at N = 3, where a link's 8th send is
+        # an owner's raw one after an encoded chunk came in) on its own before the sum goes raw.
+        assert added == ({"add_encode_final", "_add_owed"} if n == 3 else {"add_encode_final"})
+    finally:
         for m in ms:
             await m.close()
 
@@ -449,23 +501,16 @@ async def test_nan_anywhere_fails_the_call_when_every_chunk_goes_raw(monkeypatch
         for m in ms:
             await m.close()
 
-async def test_a_raw_mark_where_none_can_come_is_refused_naming_the_peer():
+async def test_a_raw_chunk_larger_than_a_chunk_of_float32_is_refused_before_it_is_read():
     ids, ms = await meshes(2)
     try:
-        def ring(codec):
-            return RingAllreduce(np.ones(10_000, np.float32), rank=0, size=2, send_link=ms[0].channel(ids[1]),
-                                 recv_link=ms[0].channel(ids[1]), codec=parse_codec(codec), op_id=1,
-                                 chunk_elems=1000, timeout=10)
-        t = ring("int8").plan.recvs[0]
-        header = {"t": wire.CHUNK, "op": 1, "g": t.g, "c": t.chunk, "n": 10_000, "p": {}}
-        for codec, raw in (("int8", "yes"), ("int8", 1), ("none", True)):
-            run = ring(codec)
-            with pytest.raises(RemoteProtocolError, match=f"b sent a chunk marked raw={raw!r}"):
-                run._check(wire.Frame({**header, "z": run.codec.spec, "raw": raw}, memoryview(b"")), t)
-        run = ring("int8")
-        assert run._check(wire.Frame({**header, "z": run.codec.spec, "raw": True}, memoryview(b"")), t) == ({}, True)
-        with pytest.raises(FrameError, match="raw chunk of"):  # (more than a chunk's float32)
-            ring("int8")._allocate({**header, "raw": True}, 4 * 1000 + 4)
+        run = RingAllreduce(np.ones(10_000, np.float32), rank=0, size=2, send_link=ms[0].channel(ids[1]),
+                            recv_link=ms[0].channel(ids[1]), codec=parse_codec("int8"), op_id=1,
+                            chunk_elems=1000, timeout=10)
+        t = run.plan.recvs[0]
+        header = {"t": wire.CHUNK, "op": 1, "g": t.g, "c": t.chunk, "n": 10_000, "p": {}, "raw": True}
+        with pytest.raises(FrameError, match="raw chunk of"):
+            run._allocate(header, 4 * 1000 + 4)
     finally:
         for m in ms:
             await m.close()

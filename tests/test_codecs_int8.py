@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 
 from p2ptrain import jit
 from p2ptrain.codecs import _int8_kernels, parse_codec
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, NotFiniteError
 from test_codecs import KINDS, make_chunk
 
 BLOCK = 256
@@ -78,6 +78,17 @@ def assert_same_as_reference(x: np.ndarray) -> None:
     inplace = x.copy()  # (the ring's owner decodes its final sum over itself)
     assert codec.encode_decoded(inplace, inplace).tobytes() == payload
     assert np.array_equal(inplace.view(np.uint32), want.view(np.uint32))
+    # A segment's owner completing its sum (one pass with the kernels): the sum's payload, what
+    # it drops and its decoded values, each as the reference makes them from the sum.
+    total = np.linspace(-3, 3, x.size, dtype=np.float32) + want
+    total_payload = reference_encode(total)
+    total_decoded = reference_decode(x.size, total_payload)
+    for residual in (None, np.full(x.size, np.nan, np.float32)):
+        dst = np.linspace(-3, 3, x.size, dtype=np.float32)
+        assert codec.add_encode_final(enc.params, payload, dst, residual).tobytes() == total_payload
+        assert np.array_equal(dst.view(np.uint32), total_decoded.view(np.uint32))
+        if residual is not None:
+            assert np.array_equal(residual.view(np.uint32), (total - total_decoded).view(np.uint32))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -127,6 +138,17 @@ def test_int8_refusal_leaves_the_values_and_the_residual_as_they_were(bad):
             call()
         assert np.array_equal(x.view(np.uint32), before.view(np.uint32))
         assert (residual == 7.0).all()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
+def test_a_sum_that_int8_cannot_carry_is_refused_as_its_encode_is(bad):
+    x = make_chunk(1000, "normal", 5)
+    codec = parse_codec("int8")
+    enc = codec.encode(x)
+    dst = np.ones(1000, np.float32)
+    dst[600] = bad
+    with pytest.raises(NotFiniteError):
+        codec.add_encode_final(enc.params, enc.tobytes(), dst, np.empty(1000, np.float32))
 
 
 def test_int8_accepts_two_to_the_127_exactly():

@@ -106,6 +106,11 @@ def test_int8_bad_scales(bad, block):
     with pytest.raises(CodecError):
         codec.decode_add(params, bytes(raw), dst, np.empty(n, np.float32))
     assert (dst == 3.0).all()
+    residual = np.full(n, 7.0, np.float32)  # a segment's owner completing its sum: nothing written either
+    for kept in (None, residual):
+        with pytest.raises(CodecError):
+            codec.add_encode_final(params, bytes(raw), dst, kept)
+        assert (dst == 3.0).all() and (residual == 7.0).all()
 
 
 def topk_payload(indices, n, values=None, w=4):

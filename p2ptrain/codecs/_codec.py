@@ -119,6 +119,13 @@ def _check_array(x: Any, what: str) -> None:
         raise ConfigError(f"codec {what} must be a 1-D C-contiguous float32 numpy array, got {got}")
 
 
+def _check_residual(x: np.ndarray, residual: Any, caller: str) -> None:
+    _check_array(residual, "output")
+    if residual.shape != x.shape or not residual.flags.writeable or (
+            residual is x or np.may_share_memory(residual, x)):
+        raise ConfigError(f"{caller} needs residual writeable, as long as x, and apart from it")
+
+
 def _byte_view(payload: Any) -> memoryview:
     try:
         mv = memoryview(payload)
@@ -230,6 +237,10 @@ class Codec:
             params, raw = self._t.encode_raw(x)
             if residual is not None:
                 self._residual(params, raw, x, residual)
+        return params, raw, self._sent(params, raw, zstd)
+
+    def _sent(self, params: dict, raw: np.ndarray, zstd: bool) -> Encoded:
+        """The transform's payload as it goes: zstd'd where asked and where that pays."""
         buf: Any = raw
         applied = False
         if zstd and self._cctx is not None and raw.nbytes and self._probe_pays(raw):
@@ -237,7 +248,7 @@ class Codec:
             if len(packed) < ZSTD_PAYS * raw.nbytes:
                 buf, applied = packed, True
         mv = memoryview(buf).cast("B")
-        return params, raw, Encoded({"z": applied, **params}, [mv], mv.nbytes)
+        return Encoded({"z": applied, **params}, [mv], mv.nbytes)
 
     def encode_residual(self, x: np.ndarray, residual: np.ndarray, zstd: bool = True) -> Encoded:
         """``encode(x)``, and what it drops, ``x - decode(encode(x))``, written into
@@ -263,16 +274,38 @@ class Codec:
         """``_encode_raw`` with the residual written, after the checks both callers share (the
         identity drops nothing: its residual is zeros). ``writes_x``: the caller writes x too."""
         _check_array(x, "input")
-        _check_array(residual, "output")
         if writes_x and not x.flags.writeable:
             raise ConfigError(f"{caller} writes the decoded values into x: it must be writeable")
-        if residual.shape != x.shape or not residual.flags.writeable or (
-                residual is x or np.may_share_memory(residual, x)):
-            raise ConfigError(f"{caller} needs residual writeable, as long as x, and apart from it")
+        _check_residual(x, residual, caller)
         if self._t is None:
             residual.fill(0)
             return {}, None, self.encode_decoded(x, None)
         return self._encode_raw(x, zstd, residual)
+
+    @property
+    def fuses_add_encode(self) -> bool:
+        """Whether ``add_encode_final`` is one pass over the chunk (int8's kernels)."""
+        return bool(getattr(self._t, "fuses_add_encode", False))
+
+    def add_encode_final(self, params: Any, payload: Any, dst: np.ndarray, residual: np.ndarray | None,
+                         zstd: bool = True) -> Encoded:
+        """A segment's owner completing its sum: ``decode_add(params, payload, dst)``, then
+        ``encode_final(dst, residual)`` (without ``residual``: ``encode_decoded(dst, dst)``).
+        One pass over ``dst`` where the transform fuses them (``fuses_add_encode``), three or
+        four elsewhere; the same floats either way. A bad payload raises CodecError as
+        ``decode_add`` does (where fused, before ``dst`` is written); a sum that cannot be
+        encoded raises as ``encode`` does."""
+        if not self.fuses_add_encode:
+            self.decode_add(params, payload, dst, np.empty_like(dst))
+            if residual is None:
+                return self.encode_decoded(dst, dst, zstd)
+            return self.encode_final(dst, residual, zstd)
+        raw = self._validated_raw(params, payload, dst)
+        if residual is not None:
+            _check_residual(dst, residual, "add_encode_final")
+        with np.errstate(all="ignore"):
+            sum_params, sum_raw = self._t.add_encode_raw(dst.shape[0], params, raw, dst, residual)
+        return self._sent(sum_params, sum_raw, zstd)
 
     def _residual(self, params: dict, raw, x: np.ndarray, residual: np.ndarray) -> None:
         """``residual = x - decode(raw)``, in one pass where the transform has one (``residual_raw``)."""

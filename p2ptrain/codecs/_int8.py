@@ -130,6 +130,28 @@ class Int8:
         elif n:
             _refuse_unless(kernels.decode(*_payload(n, raw), dst, True))
 
+    @property
+    def fuses_add_encode(self) -> bool:
+        """``add_encode_raw`` is one pass: with the kernels only (``Codec.add_encode_final``)."""
+        return self.compiled
+
+    def add_encode_raw(self, n: int, params: dict, raw, dst: np.ndarray,
+                       residual: np.ndarray | None) -> tuple[dict, np.ndarray]:
+        """``add_raw(raw, dst)``, the payload of the sum (with ``residual``: what it drops,
+        there), and ``dst`` replaced by its decoded values, in one pass (the kernels only:
+        ``fuses_add_encode``). A bad received scale refuses the chunk before anything is
+        written (CodecError); a sum that cannot be encoded raises as ``encode_raw`` does."""
+        nb = _blocks(n)
+        buf = np.empty(4 * nb + n, np.uint8)
+        if n == 0:
+            return {}, buf
+        done = _int8_kernels.load().add_encode(*_payload(n, raw), dst, buf[: 4 * nb].view(_F4), buf[4 * nb :].view(np.int8),
+                                               _NO_RESIDUAL if residual is None else residual, residual is not None)
+        _refuse_unless(done != 0)
+        if done < 0:
+            check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
+        return {}, buf
+
     def residual_raw(self, params: dict, raw, x: np.ndarray, out: np.ndarray) -> None:
         """``out = x - decoded`` (decoding then subtracting), in one pass where the kernels are in use."""
         kernels = _int8_kernels.load()

@@ -41,6 +41,10 @@ def _warm(k) -> None:
     for add in (False, True):
         k.decode(scales, codes, out, add)
         k.decode(np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb), out, add)
+    got_scales, got_codes = np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb)
+    for with_residual in (False, True):
+        k.add_encode(got_scales, got_codes, out, np.empty(nb, np.float32), np.empty(x.size, np.int8),
+                     np.empty_like(x), with_residual)
 
 
 def _compile(numba):
@@ -160,7 +164,62 @@ def _compile(numba):
                     out[i] = np.float32(codes[i]) * s
         return True
 
-    return types.SimpleNamespace(encode=encode, decode=decode, residual=residual)
+    @njit
+    def add_encode(got_scales, got_codes, dst, scales, codes, out, residual):
+        """A segment's owner completing its sum: ``dst + got_code * got_scale`` (as ``decode`` adds)
+        encoded into ``scales`` and ``codes`` (as ``encode`` does), with ``residual`` what that
+        drops into ``out``, and ``dst`` replaced by the decoded sum (as ``decode`` writes it). The
+        same floats as those three calls, a block at a time while it is in the cache: 8 M values
+        in 512 K chunks from memory, 10.3-11.3 -> 6.7-7.0 ms (12.8-13.4 -> 7.9-8.8 with the
+        residual). Returns 0, nothing written, where a received scale is bad (as ``decode``);
+        -1 where the sum holds NaN, inf or a value above 2**127 (``dst`` then holds garbage);
+        else 1."""
+        for b in range(got_scales.size):
+            if not (got_scales[b] >= zero and got_scales[b] <= max_scale):  # (NaN fails both)
+                return 0
+        n = dst.size
+        peaks = scales.view(np.int32)
+        total = np.empty(BLOCK, np.float32)  # (one block of the sum, in the cache)
+        total_bits = total.view(np.int32)
+        worst = np.int32(0)
+        for b in range(got_scales.size):
+            lo = b * BLOCK
+            hi = min(lo + BLOCK, n)
+            got = got_scales[b]
+            m = np.int32(0)
+            if hi - lo == BLOCK:
+                db, gb = dst[lo : lo + BLOCK], got_codes[lo : lo + BLOCK]
+                for j in range(BLOCK):
+                    total[j] = db[j] + np.float32(gb[j]) * got
+                for j in range(BLOCK):
+                    m = max(m, total_bits[j] & abs_bits)
+            else:
+                for i in range(lo, hi):
+                    total[i - lo] = dst[i] + np.float32(got_codes[i]) * got
+                    m = max(m, total_bits[i - lo] & abs_bits)
+            worst = max(worst, m)
+            peaks[b] = m
+            s = max(scales[b] / f127, min_scale)
+            scales[b] = s
+            inv = one / s
+            if hi - lo == BLOCK:
+                db, cb, ob = dst[lo : lo + BLOCK], codes[lo : lo + BLOCK], out[lo : lo + BLOCK]
+                for j in range(BLOCK):
+                    cb[j] = np.int8(np.rint(total[j] * inv))
+                if residual:
+                    for j in range(BLOCK):
+                        ob[j] = total[j] - np.float32(cb[j]) * s
+                for j in range(BLOCK):
+                    db[j] = np.float32(cb[j]) * s
+            else:
+                for i in range(lo, hi):
+                    codes[i] = np.int8(np.rint(total[i - lo] * inv))
+                    if residual:
+                        out[i] = total[i - lo] - np.float32(codes[i]) * s
+                    dst[i] = np.float32(codes[i]) * s
+        return 1 if worst <= max_bits else -1
+
+    return types.SimpleNamespace(encode=encode, decode=decode, residual=residual, add_encode=add_encode)
 
 
 _KERNELS = jit.Kernels(_compile, _warm, "int8")

@@ -6,7 +6,10 @@ added to), so sending, receiving and adding overlap across chunks.
 
 Chunks pass through a codec (``p2ptrain.codecs``):
 
-- reduce-scatter: each hop decodes what it received, adds its own values, re-encodes;
+- reduce-scatter: each hop decodes what it received, adds its own values, re-encodes; the
+  hop that completes one of our own segments' sums leaves that chunk to the sender, which adds
+  it as it encodes the sum, where the codec fuses the two (int8: ``Codec.add_encode_final``,
+  one pass over the chunk instead of three; ``_completes``);
 - all-gather: the owner of a segment encodes its final sum once, and every peer, the owner
   too, decodes those same bytes, which are forwarded unchanged around the ring. So every peer
   ends with bit-identical values, whatever the codec.
@@ -45,12 +48,9 @@ codec's steps that only hash (or do nothing) stay on the event loop: only its ad
 and a compiled codec's stay there too on a machine of few cores (``pool.inline_for``).
 Sender and receiver each use their own codec instance: zstd contexts are not thread-safe.
 
-With ``digest=True`` every chunk's final values are hashed (xxh3-64) where they become
-final: by the owner after encoding its sum, by every other peer after decoding the
-all-gather's bytes. ``sum_digest()`` combines them in buffer order: 16 bytes equal on two
-peers exactly when their results are bit-identical (up to a 64-bit hash collision per
-chunk), computed a chunk at a time while the ring runs, never over the whole buffer at
-its end.
+With ``digest=True`` every chunk's final values are hashed where they become final, and
+``sum_digest()`` combines them (``digest``): 16 bytes equal on two peers exactly when their
+results are bit-identical, computed a chunk at a time while the ring runs.
 
 Our values still being written (``ready``: a round's gradient while backward runs, issue 16's
 overlap): each read of our own values (a bucket's first send, a reduce-scatter's add) first
@@ -66,21 +66,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
-import xxhash
 
 from p2ptrain.net import wire
-from p2ptrain.net.auth import refusal_reason
 from p2ptrain.codecs import Codec, parse_codec
 from p2ptrain.codecs._codec import check_domain
-from p2ptrain.errors import CodecError, FrameError, GroupError, LinkError, RemoteProtocolError
+from p2ptrain.errors import CodecError, FrameError, LinkError, RemoteProtocolError
 from p2ptrain.collective.buffers import BufferPool
-from p2ptrain.collective.linkpace import LinkPace, raw_chunks_enabled
+from p2ptrain.collective.chunk_header import check_chunk_header, chunk_header
+from p2ptrain.collective.digest import buffer_digest, chunk_digest, combine
+from p2ptrain.collective.linkpace import pace_of, raw_chunks_enabled
 from p2ptrain.collective.pool import inline_for
 from p2ptrain.collective.ring import MIN_CHUNK_ELEMS, RingPlan, Transfer
 from p2ptrain.taskset import TaskSet
@@ -93,6 +92,14 @@ class Ready(Protocol):
 
     async def until(self, start: int, stop: int) -> None: ...  # returns once [start, stop) is written;
     #                                                          raises to withdraw them (the call fails)
+
+
+class Owed(NamedTuple):
+    """A received chunk not yet added: the last of one of our segments' sums (``_completes``)."""
+
+    key: tuple[int, int]  # (step, chunk), as it came
+    params: dict
+    payload: memoryview
 
 
 @dataclass
@@ -115,17 +122,6 @@ _SPARSE_CHUNK_ELEMS = 1 << 19
 INLINE_ELEMS = MIN_CHUNK_ELEMS
 
 
-_PACES: "weakref.WeakKeyDictionary[Link, LinkPace]" = weakref.WeakKeyDictionary()
-
-
-def pace_of(link: Link) -> LinkPace:
-    """The link's ``LinkPace``, kept as long as the link: what it measured serves later calls."""
-    pace = _PACES.get(link)
-    if pace is None:
-        pace = _PACES[link] = LinkPace(same_host=link.same_host)
-    return pace
-
-
 def _check_finite(name: str, values: np.ndarray) -> None:
     """Refuse NaN and inf in a raw chunk, as the codec would have (max and min propagate NaN;
     two passes of ~25 us per 256 K values)."""
@@ -146,19 +142,6 @@ def _chunk_elems(codec: Codec, chunk_elems: int, length: int, size: int) -> int:
         return chunk_elems
     segment = -(-length // max(1, size))
     return max(min(chunk_elems, _SPARSE_CHUNK_ELEMS), min(_SPARSE_CHUNK_ELEMS, -(-segment // 8)))
-
-
-def buffer_digest(values: np.ndarray, plan: RingPlan) -> bytes:
-    """What ``RingAllreduce.sum_digest`` gives for a result ``values`` under ``plan``, from the
-    whole buffer at once (for checks and tests; the ring hashes chunks as they become final)."""
-    return _combine({a: xxhash.xxh3_64_intdigest(values[a:b]) for a, b in plan.final_chunks})
-
-
-def _combine(digests: dict[int, int]) -> bytes:
-    """Chunk digests (start -> xxh3-64) in buffer order, as one 16-byte digest."""
-    starts = sorted(digests)
-    table = np.array([starts, [digests[s] for s in starts]], np.uint64)
-    return xxhash.xxh3_128_digest(table.T.copy())
 
 
 class RingAllreduce:
@@ -217,6 +200,13 @@ class RingAllreduce:
         self._same_host = send_link.same_host  # (no zstd, no queue to look at: see the module docstring)
         # The receiver's scratch for decode-then-add (the sender's encodes need none: ``encode_final``).
         self._recv_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
+        # The chunks that complete our own segments' sums: where the codec fuses it, the sender
+        # adds each as it encodes the sum (``Codec.add_encode_final``), so the receiver leaves
+        # it owed here, with the chunk's values already ours (``_absorb``).
+        owner_step = self.plan.size - 1
+        self._completes = frozenset(t.after for t in self.plan.sends if t.step == owner_step and not t.reduce
+                                    ) if codec.fuses_add_encode and self.plan.size > 1 else frozenset()
+        self._owed: dict[tuple[int, int], Owed] = {}
 
     async def run(self) -> AllreduceStats:
         if self.plan.size == 1 or len(self.work) == 0:
@@ -267,12 +257,15 @@ class RingAllreduce:
                 began = time.perf_counter()
                 queued = None if self._same_host else self.send_link.queued_bytes()  # (one look, both choices)
                 raw = self._pace is not None and self._pace.send_raw(len(src), self.codec.max_payload(len(src)), queued)
+                owed = self._owed.pop(t.after, None)  # (our sum's last chunk, not added yet: ``_completes``)
                 if raw:
+                    if owed is not None:
+                        await self._offload(len(src), self._add_owed, owed, src)
                     params, payload = self._raw(src, t)
                 else:
                     zstd = self.codec.compresses and not self._same_host and self._link_behind(len(src), queued)
-                    params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd)
-                    if self._pace is not None:
+                    params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd, owed)
+                    if self._pace is not None and owed is None:  # (a fused add is no encode's cost)
                         self._pace.encoded(len(src), time.perf_counter() - began)
                 self.trace.span("raw" if raw else "encode", "encode", began, time.perf_counter(), round=self.op_id,
                                 step=t.g, chunk=t.chunk)
@@ -281,11 +274,7 @@ class RingAllreduce:
             else:  # an all-gather chunk on its way round, as it came (raw ones were received in place)
                 params, forwarded, raw = self._forward.pop(t.after)
                 payload = [memoryview(src) if raw else forwarded]
-            header = {"t": wire.CHUNK, "op": self.op_id, "g": t.g, "c": t.chunk, "n": self.plan.length,
-                      "z": self.codec.spec, "p": params}
-            if raw:
-                header["raw"] = True
-            await self._send(header, payload, t)
+            await self._send(chunk_header(self.op_id, t, self.plan.length, self.codec.spec, params, raw), payload, t)
             self.stats.raw_bytes += src.nbytes
             if forwarded is not None and not raw:
                 self._pool.give(forwarded)
@@ -314,19 +303,29 @@ class RingAllreduce:
         self.trace.span("send", "send", began, ended, round=self.op_id, step=t.g, chunk=t.chunk)
         self.stats.wire_bytes += nbytes
 
-    def _encode(self, src: np.ndarray, final: bool, start: int, zstd: bool) -> tuple[dict, list]:
+    def _encode(self, src: np.ndarray, final: bool, start: int, zstd: bool, owed: Owed | None = None
+                ) -> tuple[dict, list]:
         """Encode our values; keep the residual; the owner adopts its own decoded final sum
         (and hashes it: ``start`` is where ``src`` begins in the buffer). ``zstd``: whether
-        the codec's zstd layer may run (``_link_behind``)."""
-        params, buffers = self._encode_values(src, final, start, zstd)
+        the codec's zstd layer may run (``_link_behind``). ``owed``: the received chunk that
+        completes this final sum, added as it is encoded (``_completes``)."""
+        params, buffers = self._encode_values(src, final, start, zstd, owed)
         if final:
             self._finished(start, src)
         return params, buffers
 
+    def _add_owed(self, owed: Owed, dst: np.ndarray) -> None:
+        """The owed chunk added on its own: our sum goes raw (``linkpace``), exact."""
+        try:
+            self.codec.decode_add(owed.params, owed.payload, dst, np.empty_like(dst))
+        except CodecError as exc:
+            raise self._bad_chunk(owed.key, exc) from None
+        self._pool.give(owed.payload)
+
     def _finished(self, start: int, values: np.ndarray) -> None:
         """``values`` (from ``start``) hold their final sum here."""
         if self._digests is not None:
-            self._digests[start] = xxhash.xxh3_64_intdigest(values)
+            self._digests[start] = chunk_digest(values)
 
     def sum_digest(self) -> bytes:
         """After ``run``, with ``digest=True``: 16 bytes, the same on two peers exactly when
@@ -336,21 +335,26 @@ class RingAllreduce:
             raise ValueError("this allreduce was not asked for a digest (digest=True)")
         if self.plan.size == 1 or len(self.work) == 0:
             return buffer_digest(self.work, self.plan)
-        return _combine(self._digests)
+        return combine(self._digests)
 
-    def _encode_values(self, src: np.ndarray, final: bool, start: int, zstd: bool) -> tuple[dict, list]:
+    def _encode_values(self, src: np.ndarray, final: bool, start: int, zstd: bool, owed: Owed | None
+                       ) -> tuple[dict, list]:
         if self.codec.is_identity:
             return {}, [memoryview(src)]
-        if self.residual is None:
-            # The owner's final sum is decoded straight into place (the payload is apart).
+        residual = None if self.residual is None else self.residual[start : start + len(src)]
+        if owed is not None:
+            try:
+                enc = self.codec.add_encode_final(owed.params, owed.payload, src, residual, zstd)
+            except CodecError as exc:
+                raise self._bad_chunk(owed.key, exc) from None
+            self._pool.give(owed.payload)
+        elif residual is None:  # (the owner's final sum is decoded straight into place: the payload is apart)
             enc = self.codec.encode_decoded(src, src, zstd) if final else self.codec.encode(src, zstd)
-            return enc.params, enc.buffers
-        residual = self.residual[start : start + len(src)]
-        self._encoded = True
-        if not final:
+        elif final:
+            enc = self.codec.encode_final(src, residual, zstd)  # (the owner adopts the decoded sum)
+        else:
             enc = self.codec.encode_residual(src, residual, zstd)
-            return enc.params, enc.buffers
-        enc = self.codec.encode_final(src, residual, zstd)  # (the owner adopts the decoded sum)
+        self._encoded |= residual is not None
         return enc.params, enc.buffers
 
     def _link_behind(self, elems: int, queued: int | None) -> bool:
@@ -403,7 +407,8 @@ class RingAllreduce:
             if self.first_at is None:
                 self.first_at = loop.time()
             self.trace.span("receive", "receive", began, arrived, round=self.op_id, step=t.g, chunk=t.chunk)
-            params, raw = self._check(frame, t)
+            params, raw = check_chunk_header(frame.header, self.recv_link.name, self.op_id, t, self.plan.length,
+                                             self.codec.spec, not self.codec.is_identity)
             if t.reduce and self._ready is not None:
                 await self._ready.until(t.start, t.stop)
             try:
@@ -414,10 +419,13 @@ class RingAllreduce:
                 self.trace.span("reduce" if t.reduce else "decode", "reduce", arrived, self.trace.now(),
                                 round=self.op_id, step=t.g, chunk=t.chunk)
             except CodecError as exc:
-                raise CodecError(f"{self.recv_link.name} sent a bad chunk (step {t.g}, chunk {t.chunk}): {exc}") from None
+                raise self._bad_chunk((t.g, t.chunk), exc) from None
             self._arrived.add((t.g, t.chunk))
             self._progress.set()
             self.moved_at = loop.time()
+
+    def _bad_chunk(self, key: tuple[int, int], exc: CodecError) -> CodecError:
+        return CodecError(f"{self.recv_link.name} sent a bad chunk (step {key[0]}, chunk {key[1]}): {exc}")
 
     async def _recv(self) -> wire.Frame:
         """The receive link's next frame within ``timeout``, or later while ``patient`` (a link
@@ -430,7 +438,7 @@ class RingAllreduce:
                     raise
 
     async def _recv_chunk(self, t: Transfer, early: dict[tuple, wire.Frame]) -> wire.Frame:
-        """The next frame for ``t``, or one that ``_check`` refuses. Chunks of this call that
+        """The next frame for ``t``, or one that ``check_chunk_header`` refuses. Chunks of this call that
         come ahead of their turn wait in ``early``: while a duplicate link to the peer closes,
         each of the two links has its own reader, so the peer's chunks may arrive out of order.
         A chunk of a later call goes back to the link for that call (the peer is past this
@@ -448,33 +456,8 @@ class RingAllreduce:
                 raise RemoteProtocolError(f"{self.recv_link.name} is already on call {op}, past this one "
                                           f"({self.op_id}): peers out of step")
             if key not in self._recv_index or key in early or key in self._arrived:
-                return frame  # (``_check`` says what is wrong with it)
+                return frame  # (``check_chunk_header`` says what is wrong with it)
             early[key] = frame
-
-    def _check(self, frame: wire.Frame, t: Transfer) -> tuple[dict, bool]:
-        """The chunk's codec parameters, and whether it came raw (``linkpace``)."""
-        h = frame.header
-        who = self.recv_link.name
-        if h.get("t") == wire.REJECT:  # (it closes the link, and may say why: ``Group``)
-            raise GroupError(f"{who} closed the link: {refusal_reason(h)}")
-        if h.get("t") != wire.CHUNK:
-            raise RemoteProtocolError(f"{who} sent a {h.get('t')!r} frame in the middle of an allreduce")
-        if h.get("n") != self.plan.length:
-            raise GroupError(f"{who} allreduces {h.get('n')} values and this peer {self.plan.length}: "
-                             "every peer must pass tensors of the same shapes, in the same order")
-        if h.get("z") != self.codec.spec:
-            raise GroupError(f"{who} uses compression {h.get('z')!r} and this peer {self.codec.spec!r}: "
-                             "pass the same compression everywhere")
-        if (h.get("op"), h.get("g"), h.get("c")) != (self.op_id, t.g, t.chunk):
-            raise RemoteProtocolError(f"{who} sent chunk {(h.get('op'), h.get('g'), h.get('c'))} where "
-                                      f"{(self.op_id, t.g, t.chunk)} was due: peers out of step")
-        params = h.get("p")
-        if not isinstance(params, dict):
-            raise RemoteProtocolError(f"{who} sent a chunk without codec parameters")
-        raw = h.get("raw", False)
-        if raw is not False and (raw is not True or self.codec.is_identity):
-            raise RemoteProtocolError(f"{who} sent a chunk marked raw={raw!r}, which {self.codec.spec!r} never sends")
-        return params, raw
 
     def _absorb(self, t: Transfer, params: dict, payload: memoryview, raw: bool = False) -> None:
         dst = self.work[t.start : t.stop]
@@ -497,6 +480,9 @@ class RingAllreduce:
         if t.reduce:
             if self.own is not self.work:
                 dst[:] = self.own[t.start : t.stop]
+            if (t.g, t.chunk) in self._completes:
+                self._owed[(t.g, t.chunk)] = Owed((t.g, t.chunk), params, payload)  # (checked and added by the sender)
+                return
             self._recv_codec.decode_add(params, payload, dst, self._recv_scratch[:n])
             self._pool.give(payload)
         else:

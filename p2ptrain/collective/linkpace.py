@@ -39,6 +39,7 @@ shared link's bytes low whatever the speed).
 from __future__ import annotations
 
 import statistics
+import weakref
 
 from p2ptrain.switches import env_switch
 
@@ -158,3 +159,15 @@ class LinkPace:
         saved_s = (4 * values - encoded_bytes) / rate
         codec_s = values * (self.encode_s + (self.decode_s or 0.0)) - queued / rate
         return MARGIN * saved_s < codec_s
+
+
+_PACES: "weakref.WeakKeyDictionary[object, LinkPace]" = weakref.WeakKeyDictionary()
+
+
+def pace_of(link) -> LinkPace:
+    """The link's ``LinkPace`` (a ``transport.Link``), kept as long as the link: what it
+    measured serves later calls."""
+    pace = _PACES.get(link)
+    if pace is None:
+        pace = _PACES[link] = LinkPace(same_host=link.same_host)
+    return pace
