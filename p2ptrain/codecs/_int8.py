@@ -145,7 +145,8 @@ class Int8:
         buf = np.empty(4 * nb + n, np.uint8)
         if n == 0:
             return {}, buf
-        done = _int8_kernels.load().add_encode(*_payload(n, raw), dst, buf[: 4 * nb].view(_F4), buf[4 * nb :].view(np.int8),
+        scales, codes = buf[: 4 * nb].view(_F4), buf[4 * nb :].view(np.int8)
+        done = _int8_kernels.load().add_encode(*_payload(n, raw), dst, scales, codes,
                                                _NO_RESIDUAL if residual is None else residual, residual is not None)
         _refuse_unless(done != 0)
         if done < 0:

@@ -264,8 +264,9 @@ class RingAllreduce:
                     params, payload = self._raw(src, t)
                 else:
                     zstd = self.codec.compresses and not self._same_host and self._link_behind(len(src), queued)
-                    params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start, zstd, owed)
-                    if self._pace is not None and owed is None:  # (a fused add is no encode's cost)
+                    params, payload = await self._offload(len(src), self._encode, src, not t.reduce, t.start,
+                                                          zstd, owed)
+                    if self._pace is not None and owed is None:  # (a fused call's time holds an add too)
                         self._pace.encoded(len(src), time.perf_counter() - began)
                 self.trace.span("raw" if raw else "encode", "encode", began, time.perf_counter(), round=self.op_id,
                                 step=t.g, chunk=t.chunk)
@@ -317,7 +318,7 @@ class RingAllreduce:
     def _add_owed(self, owed: Owed, dst: np.ndarray) -> None:
         """The owed chunk added on its own: our sum goes raw (``linkpace``), exact."""
         try:
-            self.codec.decode_add(owed.params, owed.payload, dst, np.empty_like(dst))
+            self.codec.decode_add(owed.params, owed.payload, dst, np.empty_like(dst))  # (int8 adds in place: untouched)
         except CodecError as exc:
             raise self._bad_chunk(owed.key, exc) from None
         self._pool.give(owed.payload)
