@@ -78,15 +78,17 @@ async def test_every_peer_gets_the_same_sum_and_the_same_digest_of_it(n, codec, 
 
 
 @pytest.mark.parametrize("n", [2, 3])
-async def test_an_owner_that_adds_its_sums_last_chunk_as_it_encodes_gets_the_same_bits(n, monkeypatch):
-    # int8's owner completes each of its segment's chunks in one pass (``Codec.add_encode_final``):
-    # the same results, digests and residuals as adding, encoding and decoding one after the
-    # other, also where some sums go raw (every other send of each link, as the plan orders them).
+async def test_hops_that_add_what_came_as_they_encode_get_the_same_bits(n, monkeypatch):
+    # int8's reduce-scatter hops add what came as they encode the sum, in one pass
+    # (``Codec.add_encode``; the owner adopting its decoded sum too): the same results, digests
+    # and residuals as adding, encoding and decoding one after the other, also where some sums
+    # go raw (every fifth send of each link, as the plan orders them: at either N a raw send
+    # then meets a chunk that came encoded, which it adds on its own first).
     ids, ms = await meshes(n)
     rng = np.random.default_rng(3)
     inputs = [rng.standard_normal(30_007).astype(np.float32) for _ in range(n)]
     owed, sends = [], {}  # (chunks added by the sender: as it encodes, or before a raw send)
-    add_encode_final, add_owed = Codec.add_encode_final, RingAllreduce._add_owed
+    add_encode, add_owed = Codec.add_encode, RingAllreduce._add_owed
 
     def counted(method):
         def call(self, *args, **kwargs):
@@ -94,18 +96,18 @@ async def test_an_owner_that_adds_its_sums_last_chunk_as_it_encodes_gets_the_sam
             return method(self, *args, **kwargs)
         return call
 
-    def every_other(self, *args):
+    def every_fifth(self, *args):
         sends[id(self)] = sends.get(id(self), 0) + 1
-        return sends[id(self)] % 2 == 0
+        return sends[id(self)] % 5 == 0
 
-    monkeypatch.setattr(Codec, "add_encode_final", counted(add_encode_final))
+    monkeypatch.setattr(Codec, "add_encode", counted(add_encode))
     monkeypatch.setattr(RingAllreduce, "_add_owed", counted(add_owed))
     added = set()
     try:
         seen = {}
         for op_id, (fused, some_raw) in enumerate(itertools.product((True, False), (False, True)), start=1):
             monkeypatch.setattr(Codec, "fuses_add_encode", property(lambda self, on=fused: on and self.name == "int8"))
-            monkeypatch.setattr(LinkPace, "send_raw", every_other if some_raw else lambda self, *args: False)
+            monkeypatch.setattr(LinkPace, "send_raw", every_fifth if some_raw else lambda self, *args: False)
             sends.clear()
             owed.clear()
             data, residuals = [x.copy() for x in inputs], [np.full_like(x, np.nan) for x in inputs]
@@ -120,9 +122,7 @@ async def test_an_owner_that_adds_its_sums_last_chunk_as_it_encodes_gets_the_sam
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)) and da == db
             assert np.array_equal(ra.view(np.uint32), rb.view(np.uint32))
         assert not np.array_equal(seen[True, False][0], seen[True, True][0])  # (some sums did go raw)
-        # Both ways of adding it: as the sum is encoded, and (at N = 3, where a link's 8th send is
-        # an owner's raw one after an encoded chunk came in) on its own before the sum goes raw.
-        assert added == ({"add_encode_final", "_add_owed"} if n == 3 else {"add_encode_final"})
+        assert added == {"add_encode", "_add_owed"}  # (both ways: as the sum is encoded; before it goes raw)
     finally:
         for m in ms:
             await m.close()

@@ -7,6 +7,8 @@ same decoded floats for every input, or peers running different versions would d
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -78,15 +80,17 @@ def assert_same_as_reference(x: np.ndarray) -> None:
     inplace = x.copy()  # (the ring's owner decodes its final sum over itself)
     assert codec.encode_decoded(inplace, inplace).tobytes() == payload
     assert np.array_equal(inplace.view(np.uint32), want.view(np.uint32))
-    # A segment's owner completing its sum (one pass with the kernels): the sum's payload, what
-    # it drops and its decoded values, each as the reference makes them from the sum.
+    # A reduce-scatter hop adding what came as it encodes the sum (one pass with the kernels):
+    # the sum's payload and what it drops, each as the reference makes them from the sum; at
+    # the sum's owner (final) the decoded sum in place, elsewhere the values left as they were.
     total = np.linspace(-3, 3, x.size, dtype=np.float32) + want
     total_payload = reference_encode(total)
     total_decoded = reference_decode(x.size, total_payload)
-    for residual in (None, np.full(x.size, np.nan, np.float32)):
+    for final, residual in itertools.product((False, True), (None, np.full(x.size, np.nan, np.float32))):
         dst = np.linspace(-3, 3, x.size, dtype=np.float32)
-        assert codec.add_encode_final(enc.params, payload, dst, residual).tobytes() == total_payload
-        assert np.array_equal(dst.view(np.uint32), total_decoded.view(np.uint32))
+        assert codec.add_encode(enc.params, payload, dst, residual, final).tobytes() == total_payload
+        after = total_decoded if final else np.linspace(-3, 3, x.size, dtype=np.float32)
+        assert np.array_equal(dst.view(np.uint32), after.view(np.uint32))
         if residual is not None:
             assert np.array_equal(residual.view(np.uint32), (total - total_decoded).view(np.uint32))
 
@@ -148,7 +152,7 @@ def test_a_sum_that_int8_cannot_carry_is_refused_as_its_encode_is(bad):
     dst = np.ones(1000, np.float32)
     dst[600] = bad
     with pytest.raises(NotFiniteError):
-        codec.add_encode_final(enc.params, enc.tobytes(), dst, np.empty(1000, np.float32))
+        codec.add_encode(enc.params, enc.tobytes(), dst, np.empty(1000, np.float32), final=True)
 
 
 def test_int8_accepts_two_to_the_127_exactly():

@@ -6,6 +6,7 @@ The fuzzers check one rule, h11-style: decode succeeds or raises CodecError.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 
 import numpy as np
@@ -106,10 +107,10 @@ def test_int8_bad_scales(bad, block):
     with pytest.raises(CodecError):
         codec.decode_add(params, bytes(raw), dst, np.empty(n, np.float32))
     assert (dst == 3.0).all()
-    residual = np.full(n, 7.0, np.float32)  # a segment's owner completing its sum: nothing written either
-    for kept in (None, residual):
+    residual = np.full(n, 7.0, np.float32)  # a hop adding as it encodes: nothing written either
+    for final, kept in itertools.product((False, True), (None, residual)):
         with pytest.raises(CodecError):
-            codec.add_encode_final(params, bytes(raw), dst, kept)
+            codec.add_encode(params, bytes(raw), dst, kept, final)
         assert (dst == 3.0).all() and (residual == 7.0).all()
 
 

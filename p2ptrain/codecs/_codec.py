@@ -284,27 +284,30 @@ class Codec:
 
     @property
     def fuses_add_encode(self) -> bool:
-        """Whether ``add_encode_final`` is one pass over the chunk (int8's kernels)."""
+        """Whether ``add_encode`` is one pass over the chunk (int8's kernels)."""
         return bool(getattr(self._t, "fuses_add_encode", False))
 
-    def add_encode_final(self, params: Any, payload: Any, dst: np.ndarray, residual: np.ndarray | None,
-                         zstd: bool = True) -> Encoded:
-        """A segment's owner completing its sum: ``decode_add(params, payload, dst)``, then
-        ``encode_final(dst, residual)`` (without ``residual``: ``encode_decoded(dst, dst)``).
-        One pass over ``dst`` where the transform fuses them (``fuses_add_encode``), three or
-        four elsewhere; the same floats either way. A bad payload raises CodecError as
-        ``decode_add`` does (where fused, before ``dst`` is written); a sum that cannot be
-        encoded raises as ``encode`` does."""
+    def add_encode(self, params: Any, payload: Any, dst: np.ndarray, residual: np.ndarray | None,
+                   final: bool, zstd: bool = True) -> Encoded:
+        """A reduce-scatter hop: ``dst`` plus ``decode(params, payload)`` encoded, with
+        ``residual`` (as ``encode_residual``) what that drops written there. ``final`` (the sum
+        is one of the caller's own segments'): ``dst`` then holds the decoded sum, as
+        ``encode_final`` (or ``encode_decoded(dst, dst)``) leaves it; else ``dst`` is only read.
+        One pass over ``dst`` where the transform fuses it (``fuses_add_encode``), three or four
+        elsewhere; the same floats either way. A bad payload raises CodecError as ``decode_add``
+        does (where fused, before anything is written); a sum that cannot be encoded raises as
+        ``encode`` does."""
         if not self.fuses_add_encode:
-            self.decode_add(params, payload, dst, np.empty_like(dst))
+            total = dst if final else dst.copy()
+            self.decode_add(params, payload, total, np.empty_like(dst))
             if residual is None:
-                return self.encode_decoded(dst, dst, zstd)
-            return self.encode_final(dst, residual, zstd)
+                return self.encode_decoded(total, total, zstd) if final else self.encode(total, zstd)
+            return self.encode_final(total, residual, zstd) if final else self.encode_residual(total, residual, zstd)
         raw = self._validated_raw(params, payload, dst)
         if residual is not None:
-            _check_residual(dst, residual, "add_encode_final")
+            _check_residual(dst, residual, "add_encode")
         with np.errstate(all="ignore"):
-            sum_params, sum_raw = self._t.add_encode_raw(dst.shape[0], params, raw, dst, residual)
+            sum_params, sum_raw = self._t.add_encode_raw(dst.shape[0], params, raw, dst, residual, final)
         return self._sent(sum_params, sum_raw, zstd)
 
     def _residual(self, params: dict, raw, x: np.ndarray, residual: np.ndarray) -> None:

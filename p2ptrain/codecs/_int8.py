@@ -132,13 +132,13 @@ class Int8:
 
     @property
     def fuses_add_encode(self) -> bool:
-        """``add_encode_raw`` is one pass: with the kernels only (``Codec.add_encode_final``)."""
+        """``add_encode_raw`` is one pass: with the kernels only (``Codec.add_encode``)."""
         return self.compiled
 
-    def add_encode_raw(self, n: int, params: dict, raw, dst: np.ndarray,
-                       residual: np.ndarray | None) -> tuple[dict, np.ndarray]:
-        """``add_raw(raw, dst)``, the payload of the sum (with ``residual``: what it drops,
-        there), and ``dst`` replaced by its decoded values, in one pass (the kernels only:
+    def add_encode_raw(self, n: int, params: dict, raw, dst: np.ndarray, residual: np.ndarray | None,
+                       final: bool) -> tuple[dict, np.ndarray]:
+        """The payload of ``dst`` plus ``raw``'s values (with ``residual``: what it drops, there),
+        and with ``final`` ``dst`` replaced by its decoded values, in one pass (the kernels only:
         ``fuses_add_encode``). A bad received scale refuses the chunk before anything is
         written (CodecError); a sum that cannot be encoded raises as ``encode_raw`` does."""
         nb = _blocks(n)
@@ -147,7 +147,8 @@ class Int8:
             return {}, buf
         scales, codes = buf[: 4 * nb].view(_F4), buf[4 * nb :].view(np.int8)
         done = _int8_kernels.load().add_encode(*_payload(n, raw), dst, scales, codes,
-                                               _NO_RESIDUAL if residual is None else residual, residual is not None)
+                                               _NO_RESIDUAL if residual is None else residual, residual is not None,
+                                               final)
         _refuse_unless(done != 0)
         if done < 0:
             check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)

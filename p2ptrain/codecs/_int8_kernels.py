@@ -43,8 +43,9 @@ def _warm(k) -> None:
         k.decode(np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb), out, add)
     got_scales, got_codes = np.frombuffer(raw, np.float32, nb), np.frombuffer(raw, np.int8, x.size, 4 * nb)
     for with_residual in (False, True):
-        k.add_encode(got_scales, got_codes, out, np.empty(nb, np.float32), np.empty(x.size, np.int8),
-                     np.empty_like(x), with_residual)
+        for final in (False, True):
+            k.add_encode(got_scales, got_codes, out, np.empty(nb, np.float32), np.empty(x.size, np.int8),
+                         np.empty_like(x), with_residual, final)
 
 
 def _compile(numba):
@@ -165,15 +166,15 @@ def _compile(numba):
         return True
 
     @njit
-    def add_encode(got_scales, got_codes, dst, scales, codes, out, residual):
-        """A segment's owner completing its sum: ``dst + got_code * got_scale`` (as ``decode`` adds)
-        encoded into ``scales`` and ``codes`` (as ``encode`` does), with ``residual`` what that
-        drops into ``out``, and ``dst`` replaced by the decoded sum (as ``decode`` writes it). The
-        same floats as those three calls, a block at a time while it is in the cache: 8 M values
-        in 512 K chunks from memory, 10.3-11.3 -> 6.7-7.0 ms (12.8-13.4 -> 7.9-8.8 with the
-        residual). Returns 0, nothing written, where a received scale is bad (as ``decode``);
-        -1 where the sum holds NaN, inf or a value above 2**127 (``dst`` then holds garbage);
-        else 1."""
+    def add_encode(got_scales, got_codes, dst, scales, codes, out, residual, final):
+        """A reduce-scatter hop: ``dst + got_code * got_scale`` (as ``decode`` adds) encoded into
+        ``scales`` and ``codes`` (as ``encode`` does), with ``residual`` what that drops into
+        ``out``, and with ``final`` (the sum is one of our own segments') ``dst`` replaced by the
+        decoded sum (as ``decode`` writes it); without, ``dst`` is only read. The same floats as
+        those calls, a block at a time while it is in the cache: 8 M values in 512 K chunks from
+        memory, final, 10.3-11.3 -> 6.7-7.0 ms (12.8-13.4 -> 7.9-8.8 with the residual). Returns
+        0, nothing written, where a received scale is bad (as ``decode``); -1 where the sum holds
+        NaN, inf or a value above 2**127 (``dst`` may then hold garbage); else 1."""
         for b in range(got_scales.size):
             if not (got_scales[b] >= zero and got_scales[b] <= max_scale):  # (NaN fails both)
                 return 0
@@ -209,14 +210,16 @@ def _compile(numba):
                 if residual:
                     for j in range(BLOCK):
                         ob[j] = total[j] - np.float32(cb[j]) * s
-                for j in range(BLOCK):
-                    db[j] = np.float32(cb[j]) * s
+                if final:
+                    for j in range(BLOCK):
+                        db[j] = np.float32(cb[j]) * s
             else:
                 for i in range(lo, hi):
                     codes[i] = np.int8(np.rint(total[i - lo] * inv))
                     if residual:
                         out[i] = total[i - lo] - np.float32(codes[i]) * s
-                    dst[i] = np.float32(codes[i]) * s
+                    if final:
+                        dst[i] = np.float32(codes[i]) * s
         return 1 if worst <= max_bits else -1
 
     return types.SimpleNamespace(encode=encode, decode=decode, residual=residual, add_encode=add_encode)

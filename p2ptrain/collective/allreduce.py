@@ -6,10 +6,10 @@ added to), so sending, receiving and adding overlap across chunks.
 
 Chunks pass through a codec (``p2ptrain.codecs``):
 
-- reduce-scatter: each hop decodes what it received, adds its own values, re-encodes; the
-  hop that completes one of our own segments' sums leaves that chunk to the sender, which adds
-  it as it encodes the sum, where the codec fuses the two (int8: ``Codec.add_encode_final``,
-  one pass over the chunk instead of three; ``_completes``);
+- reduce-scatter: each hop decodes what it received, adds its own values, re-encodes. Where
+  the codec fuses the two (int8: ``Codec.add_encode``, one pass over the chunk instead of two,
+  or three where the sum is one of our own segments' and we adopt its decoded values), the
+  receiver leaves the chunk owed and the sender adds it as it encodes the sum (``_owes``);
 - all-gather: the owner of a segment encodes its final sum once, and every peer, the owner
   too, decodes those same bytes, which are forwarded unchanged around the ring. So every peer
   ends with bit-identical values, whatever the codec.
@@ -95,7 +95,7 @@ class Ready(Protocol):
 
 
 class Owed(NamedTuple):
-    """A received chunk not yet added: the last of one of our segments' sums (``_completes``)."""
+    """A received reduce-scatter chunk not added yet: the sender adds it as it encodes the sum (``_owes``)."""
 
     key: tuple[int, int]  # (step, chunk), as it came
     params: dict
@@ -200,12 +200,12 @@ class RingAllreduce:
         self._same_host = send_link.same_host  # (no zstd, no queue to look at: see the module docstring)
         # The receiver's scratch for decode-then-add (the sender's encodes need none: ``encode_final``).
         self._recv_scratch = np.empty(min(chunk_elems, len(work)), np.float32)
-        # The chunks that complete our own segments' sums: where the codec fuses it, the sender
-        # adds each as it encodes the sum (``Codec.add_encode_final``), so the receiver leaves
-        # it owed here, with the chunk's values already ours (``_absorb``).
+        # The reduce-scatter chunks we send on: where the codec fuses it, the sender adds each
+        # as it encodes the sum (``Codec.add_encode``), so the receiver leaves it owed here, with
+        # the chunk's values already ours (``_absorb``).
         owner_step = self.plan.size - 1
-        self._completes = frozenset(t.after for t in self.plan.sends if t.step == owner_step and not t.reduce
-                                    ) if codec.fuses_add_encode and self.plan.size > 1 else frozenset()
+        self._owes = frozenset(t.after for t in self.plan.sends if t.after is not None and (
+            t.reduce or t.step == owner_step)) if codec.fuses_add_encode else frozenset()
         self._owed: dict[tuple[int, int], Owed] = {}
 
     async def run(self) -> AllreduceStats:
@@ -257,7 +257,7 @@ class RingAllreduce:
                 began = time.perf_counter()
                 queued = None if self._same_host else self.send_link.queued_bytes()  # (one look, both choices)
                 raw = self._pace is not None and self._pace.send_raw(len(src), self.codec.max_payload(len(src)), queued)
-                owed = self._owed.pop(t.after, None)  # (our sum's last chunk, not added yet: ``_completes``)
+                owed = self._owed.pop(t.after, None)  # (what came for this sum, not added yet: ``_owes``)
                 if raw:
                     if owed is not None:
                         await self._offload(len(src), self._add_owed, owed, src)
@@ -309,14 +309,14 @@ class RingAllreduce:
         """Encode our values; keep the residual; the owner adopts its own decoded final sum
         (and hashes it: ``start`` is where ``src`` begins in the buffer). ``zstd``: whether
         the codec's zstd layer may run (``_link_behind``). ``owed``: the received chunk that
-        completes this final sum, added as it is encoded (``_completes``)."""
+        this sum still lacks, added as it is encoded (``_owes``)."""
         params, buffers = self._encode_values(src, final, start, zstd, owed)
         if final:
             self._finished(start, src)
         return params, buffers
 
     def _add_owed(self, owed: Owed, dst: np.ndarray) -> None:
-        """The owed chunk added on its own: our sum goes raw (``linkpace``), exact."""
+        """The owed chunk added on its own: the sum goes raw (``linkpace``), exact."""
         try:
             self.codec.decode_add(owed.params, owed.payload, dst, np.empty_like(dst))  # (int8 adds in place: untouched)
         except CodecError as exc:
@@ -345,7 +345,7 @@ class RingAllreduce:
         residual = None if self.residual is None else self.residual[start : start + len(src)]
         if owed is not None:
             try:
-                enc = self.codec.add_encode_final(owed.params, owed.payload, src, residual, zstd)
+                enc = self.codec.add_encode(owed.params, owed.payload, src, residual, final, zstd)
             except CodecError as exc:
                 raise self._bad_chunk(owed.key, exc) from None
             self._pool.give(owed.payload)
@@ -481,7 +481,7 @@ class RingAllreduce:
         if t.reduce:
             if self.own is not self.work:
                 dst[:] = self.own[t.start : t.stop]
-            if (t.g, t.chunk) in self._completes:
+            if (t.g, t.chunk) in self._owes:
                 self._owed[(t.g, t.chunk)] = Owed((t.g, t.chunk), params, payload)  # (checked and added by the sender)
                 return
             self._recv_codec.decode_add(params, payload, dst, self._recv_scratch[:n])
