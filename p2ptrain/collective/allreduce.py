@@ -415,6 +415,8 @@ class RingAllreduce:
             try:
                 if (self.codec.is_identity or raw) and not t.reduce:
                     self._absorb(t, params, frame.payload, raw)  # already in place: at most a hash, inline
+                elif not raw and (t.g, t.chunk) in self._owes and self.own is self.work:
+                    self._absorb(t, params, frame.payload)  # left owed to the sender: nothing to compute
                 else:
                     await self._offload(t.stop - t.start, self._absorb, t, params, frame.payload, raw)
                 self.trace.span("reduce" if t.reduce else "decode", "reduce", arrived, self.trace.now(),
