@@ -84,6 +84,8 @@ async def test_hops_that_add_what_came_as_they_encode_get_the_same_bits(n, monke
     # and residuals as adding, encoding and decoding one after the other, also where some sums
     # go raw (every fifth send of each link, as the plan orders them: at either N a raw send
     # then meets a chunk that came encoded, which it adds on its own first).
+    if not parse_codec("int8").fuses_add_encode:
+        pytest.skip("int8's kernels are not in use (numba missing, or P2PTRAIN_NUMBA=0): nothing fuses")
     ids, ms = await meshes(n)
     rng = np.random.default_rng(3)
     inputs = [rng.standard_normal(30_007).astype(np.float32) for _ in range(n)]
