@@ -416,3 +416,31 @@ def test_addresses_are_shown_as_a_user_would_type_them_back():
     assert hostport("10.0.0.2", 7000) == "10.0.0.2:7000"
     assert hostport("::1", 7000) == "[::1]:7000"  # (not "::1:7000", which reads as an address)
     assert hostport("fe80::1%eth0", 7000) == "[fe80::1%eth0]:7000"
+
+
+async def test_a_lan_link_reads_a_large_payload_once_it_has_all_come_and_small_frames_at_once(io_mode, monkeypatch):
+    # (loopback stands in for a LAN link here: on a real one the socket's low-water mark is set)
+    import socket
+
+    monkeypatch.setattr(transport, "_reads_whole_payloads", lambda sock: True)
+    async with Server() as srv:
+        client, server_side = await srv.good_client()
+        sock = server_side._transport.get_extra_info("socket")
+        payload = os.urandom(300_000)
+        head = wire.pack_header({"t": "chunk", "i": 1}, len(payload))
+        client._transport.write(head + payload[:100_000])  # the frame begun, two thirds still to come
+        await asyncio.sleep(0.2)
+        assert not server_side._frames
+        if io_mode != "threads":  # (there a thread reads, blocking: the mark does not apply)
+            assert server_side._decoder.payload_left >= 200_000 - (1 << 16)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == server_side._decoder.payload_left
+        client._transport.write(payload[100_000:])
+        frame = await server_side.recv(timeout=5)
+        assert frame.header["i"] == 1 and bytes(frame.payload) == payload
+        await until(lambda: client._transport.get_write_buffer_size() == 0)
+        await client.send({"t": "chunk", "i": 2}, [b"abc"])  # a small frame is not held back
+        frame = await server_side.recv(timeout=1)
+        assert frame.header["i"] == 2 and bytes(frame.payload) == b"abc"
+        if io_mode != "threads":
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        client.close()

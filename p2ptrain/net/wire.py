@@ -167,6 +167,11 @@ class FrameDecoder:
         return self.pop_frames()
 
     @property
+    def payload_left(self) -> int:
+        """Bytes of the current frame's payload still to come (0 outside a payload)."""
+        return 0 if self._payload is None else len(self._payload) - self._payload_have
+
+    @property
     def idle(self) -> bool:
         """True between frames (nothing partial buffered): a clean place for the peer to stop."""
         return self._payload is None and self._have == 0
