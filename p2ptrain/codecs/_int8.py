@@ -64,16 +64,13 @@ class Int8:
         """The payload; with ``residual`` (as long as ``x``, apart from it; only where
         ``encodes_residual``), ``x - decode`` there too, as ``residual_raw`` would write it."""
         n = x.size
-        nb, full = _blocks(n), n // BLOCK * BLOCK
-        buf = np.empty(4 * nb + n, np.uint8)
-        scales = buf[: 4 * nb].view(_F4)
-        codes = buf[4 * nb :].view(np.int8)
+        full = n // BLOCK * BLOCK
+        buf, scales, codes = _new_payload(n)
         if n == 0:
             return {}, buf
         kernels = _int8_kernels.load()
         if kernels is not None:
-            if not kernels.encode(x, scales, codes, _NO_RESIDUAL if residual is None else residual,
-                                  residual is not None):
+            if not kernels.encode(x, scales, codes, *_residual_out(residual)):
                 check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
             return {}, buf
         # torch's kernels (``tensor_of``): numpy's per-block max reduces each 256-value row alone.
@@ -141,14 +138,10 @@ class Int8:
         and with ``final`` ``dst`` replaced by its decoded values, in one pass (the kernels only:
         ``fuses_add_encode``). A bad received scale refuses the chunk before anything is
         written (CodecError); a sum that cannot be encoded raises as ``encode_raw`` does."""
-        nb = _blocks(n)
-        buf = np.empty(4 * nb + n, np.uint8)
+        buf, scales, codes = _new_payload(n)
         if n == 0:
             return {}, buf
-        scales, codes = buf[: 4 * nb].view(_F4), buf[4 * nb :].view(np.int8)
-        done = _int8_kernels.load().add_encode(*_payload(n, raw), dst, scales, codes,
-                                               _NO_RESIDUAL if residual is None else residual, residual is not None,
-                                               final)
+        done = _int8_kernels.load().add_encode(*_payload(n, raw), dst, scales, codes, *_residual_out(residual), final)
         _refuse_unless(done != 0)
         if done < 0:
             check_domain(self.name, float("nan"))  # (raises: NaN, inf or too large)
@@ -162,6 +155,18 @@ class Int8:
             np.subtract(x, out, out=out)
         elif x.shape[0]:
             kernels.residual(x, *_checked(*_payload(x.shape[0], raw)), out)
+
+
+def _new_payload(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A fresh payload buffer for ``n`` values, and its scales and codes as views of it."""
+    nb = _blocks(n)
+    buf = np.empty(4 * nb + n, np.uint8)
+    return buf, buf[: 4 * nb].view(_F4), buf[4 * nb :].view(np.int8)
+
+
+def _residual_out(residual: np.ndarray | None) -> tuple[np.ndarray, bool]:
+    """The kernels' (out, residual) arguments for an optional residual."""
+    return (_NO_RESIDUAL, False) if residual is None else (residual, True)
 
 
 def _payload(n: int, raw) -> tuple[np.ndarray, np.ndarray]:

@@ -317,11 +317,16 @@ class RingAllreduce:
 
     def _add_owed(self, owed: Owed, dst: np.ndarray) -> None:
         """The owed chunk added on its own: the sum goes raw (``linkpace``), exact."""
+        self._use_owed(owed, self.codec.decode_add, dst, np.empty_like(dst))  # (int8 adds in place: untouched)
+
+    def _use_owed(self, owed: Owed, codec_call, *args):
+        """``codec_call(params, payload, *args)`` on the owed chunk: a bad one blamed on its sender."""
         try:
-            self.codec.decode_add(owed.params, owed.payload, dst, np.empty_like(dst))  # (int8 adds in place: untouched)
+            result = codec_call(owed.params, owed.payload, *args)
         except CodecError as exc:
             raise self._bad_chunk(owed.key, exc) from None
         self._pool.give(owed.payload)
+        return result
 
     def _finished(self, start: int, values: np.ndarray) -> None:
         """``values`` (from ``start``) hold their final sum here."""
@@ -344,11 +349,7 @@ class RingAllreduce:
             return {}, [memoryview(src)]
         residual = None if self.residual is None else self.residual[start : start + len(src)]
         if owed is not None:
-            try:
-                enc = self.codec.add_encode(owed.params, owed.payload, src, residual, final, zstd)
-            except CodecError as exc:
-                raise self._bad_chunk(owed.key, exc) from None
-            self._pool.give(owed.payload)
+            enc = self._use_owed(owed, self.codec.add_encode, src, residual, final, zstd)
         elif residual is None:  # (the owner's final sum is decoded straight into place: the payload is apart)
             enc = self.codec.encode_decoded(src, src, zstd) if final else self.codec.encode(src, zstd)
         elif final:
