@@ -153,6 +153,19 @@ def test_the_doc_checks_see_a_missing_row_an_unknown_row_and_a_bad_command():
         build_parser().parse_args(argv)
 
 
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_within_the_readme_leads_to_a_heading():
+    text = readme()
+    anchors = {github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert links, "the README links none of its sections"
+    assert not sorted(set(links) - anchors), f"links to no heading: {sorted(set(links) - anchors)}"
+
+
 # A numbered stage of the work ("session 12", "stage 3", "wave 2"), or "before this change".
 HISTORY = re.compile(r"\b(?:session|stage|wave)s?\s+#?[0-9]|\bbefore this change\b", re.I)
 
