@@ -40,7 +40,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 MAX_RUNS = 50
 FLOOR_LEAD_S = 20.0  # seconds from the floor's meeting to its lone peers' first batch (with 8, one of 4 joins
-# on 2 cores still started 0.7-1.4 s late; with 20, none did in this session's floors)
+# on 2 cores started 0.7-1.4 s late; with 20 none did, in `lan.py --local 4 --floor` runs)
 
 
 class Progress:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one session, in one call (a lent machine's time is short: about 15 minutes,
+# The GPU checks in one call (a lent machine's time is short: about 15 minutes,
 # start included). Runs the trainer's tests on CUDA, then the synchronous and asynchronous
 # benchmarks on the GPU beside DDP, each step under its own time limit, and ends with a
 # summary of every table (printed as each step ends, and kept in $OUT/summary.txt), within
@@ -7,8 +7,8 @@
 # tool's, or ./device-out), since a lent machine gives back a few files only.
 #
 # The GPU image has torch, numpy, msgpack, xxhash, uvloop and pytest but not zstandard or
-# pytest-asyncio: carry their wheels (and py-spy's, for the profile at the end). Once per
-# session, on the machine you work on:
+# pytest-asyncio: carry their wheels (and py-spy's, for the profile at the end). Once, on the
+# machine you work on:
 #   python -m pip download zstandard pytest-asyncio py-spy --only-binary :all: --python-version 3.12 \
 #       --platform manylinux_2_17_x86_64 -d .wheels          # (.wheels/ is in .gitignore)
 # then run `bash bench/device_check.sh` there with `.wheels` carried, with a limit of 560 s.
@@ -68,15 +68,15 @@ fi
 # 1. Correctness on the device: bit-identical replicas, DDP's mathematics, a peer alone = the plain loop.
 step tests 150 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_devices.py tests/test_device.py \
     tests/test_trainer_overlap.py -rs
-# 2. Issue 16: a peer alone against the plain loop (goal >= 0.97 of its steps/s at 10 M parameters).
+# 2. A peer alone against the plain loop (goal >= 0.97 of its steps/s at 10 M parameters).
 step overhead 100 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size $SIZE \
     --staleness 0,1 --reps $REPS --seconds $SECS
 #    And at 100 K parameters: what a step costs a peer alone when the step is short (0.4 ms on a CPU).
 step overhead-small 40 $PY bench/overhead.py --device $DEVICE --task synthetic --model-size 100k \
     --batch-size 8 --staleness 0 --reps $REPS --seconds $SECS
-# 3. Issue 16: two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
+# 3. Two peers on loopback sharing the GPU, fp32 and int8, beside DDP (gloo) and alone
 #    (the issue's table: 9 M parameters, AdamW, batch 64; goal fp32 <= 1.1x DDP), and with overlap
-#    (issue 16 item 2: the ring during backward); Chrome traces of the last p2ptrain run of each
+#    (the ring during backward); Chrome traces of the last p2ptrain run of each
 #    codec in $OUT/trace, and where their time went (bench/trace_spans.py).
 step train-loopback 170 $PY bench/train.py --device $DEVICE --n 2 --codecs none,int8 --batch-size 64 \
     --steps $STEPS --reps 1 --modes ddp,p2ptrain,overlap,alone --trace "$OUT/trace"
@@ -107,11 +107,11 @@ if $PY -m pip install -q --no-index --find-links .wheels py-spy >/dev/null 2>&1 
     step py-spy 60 py-spy record --subprocesses --threads --idle --rate 97 --format raw -o "$OUT/py-spy-int8.txt" -- \
         $PY bench/train.py --device $DEVICE --n 2 --codecs int8 --batch-size 64 --steps $STEPS --reps 1 --modes p2ptrain
 fi
-# 5. Issue 17: staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback;
-#    measured on an H200 in session 18, so late in the order: a short budget skips it first).
+# 5. Staleness 1 and local steps against staleness 0 and DDP, time to a loss (loopback; the
+#    least urgent step, so late in the order: a short budget skips it first).
 step lan-loopback 150 $PY bench/lan.py --local 2 --device $DEVICE --no-allreduce --model-size 1m --batch-size 64 \
     --train-codecs int8 --staleness 0,1 --sync-every 16 --outer-lr 0.8 --outer-momentum 0.6 --rounds $ROUNDS --scaling 2
-# 6. Issues 16 and 17 across emulated 1 Gbit/s hosts, where the sandbox allows namespaces.
+# 6. Steps 3 and 5 across emulated 1 Gbit/s hosts, where the sandbox allows namespaces.
 if can_netns; then
     step train-1gbit 150 $PY bench/train.py --device $DEVICE --netns 1gbit --n 2 --codecs int8 --batch-size 64 \
         --steps 30 --reps 1 --modes ddp,p2ptrain,overlap,alone

@@ -50,7 +50,7 @@ def test_a_fast_link_beside_a_slow_codec_goes_raw_unless_its_queue_outlasts_the_
     codec(pace, 10)         # a codec at 10 ns a value (a busy machine's wall time): 2.6 ms a chunk
     assert pace.send_raw(N, INT8, 0)
     # Behind by a few chunks (the next peer busy reading): drained in 0.8 ms, long before the
-    # codec would be done, so raw is still sooner. Encoding here (as before session 21) made
+    # codec would be done, so raw is still sooner. Encoding here made
     # int8 train 8-15 % slower than fp32 on loopback, both ends busier for bytes that cost nothing.
     assert pace.send_raw(N, INT8, 4 * 4 * N)
     # A queue that takes longer to drain than the codec takes: the link sets the pace, fewer
@@ -145,7 +145,7 @@ def test_the_environment_switch(monkeypatch):
 
 def test_a_peer_on_this_machine_times_whole_calls_both_ways_and_keeps_the_quicker():
     """Loopback: the figures say nothing there (the kernel copies on the cores the codec would
-    use; which way is sooner depends on the machine: raw on session 40's, the codec on 46's).
+    use; which way is sooner depends on the machine: raw on one 2-core VM, the codec on another).
     Once settled, calls go raw and encoded by their parity, TRIAL_EACH each, timed from the
     first chunk's arrival; the quicker way is kept for TRIAL_EVERY calls, then timed again."""
     lan, local = LinkPace(), LinkPace(same_host=True)

@@ -440,7 +440,7 @@ def test_a_peer_that_stood_still_does_not_blame_the_others_for_its_silence():
     """A lid closed 12 s (SIGSTOP): on its first tick after, b's table says a was last heard 12 s
     ago, past the 10 s timeout, while a's messages wait unread in b's sockets. b expiring a
     then made it load a's state as the smaller side of a split, not as a peer left behind
-    (``test_faults``' lid test, twice this session). A gap between ticks past half the timeout
+    (seen twice in ``test_faults``' lid test). A gap between ticks past half the timeout
     is b's own stillness: a counts as heard then, and is expired only a full silence later."""
     net = cluster("ab", run=0.3)
     b = net.m["b"]

@@ -203,9 +203,9 @@ def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
 def test_a_gradient_with_nan_is_left_out_at_once_however_chunks_travel(caplog, monkeypatch, chunks, where):
     """int8 cannot carry NaN. A NaN sample (every gradient NaN), or one NaN in one parameter's
     gradient (as an overflow leaves). The failed round's contribution used to be put back for the
-    next round, which failed too, every round, until every peer's step timed out (session 22
-    mended that). Chunks that went raw (a fast link: ``linkpace``) could carry a NaN past every
-    check: the round committed it into every replica. Encoded, the round waited out its deadline
+    next round, which failed too, every round, until every peer's step timed out. Chunks that
+    went raw (a fast link: ``linkpace``) could carry a NaN past every check: the round committed
+    it into every replica. Encoded, the round waited out its deadline
     (5 s). Now, either way, the peer whose sum holds it says so in its DONE and the leader aborts
     at once; that round's batches are left out on every member (counted, and said), as DDP with
     GradScaler skips the step on every rank, and both replicas end identical."""

@@ -52,8 +52,8 @@ With ``digest=True`` every chunk's final values are hashed where they become fin
 ``sum_digest()`` combines them (``digest``): 16 bytes equal on two peers exactly when their
 results are bit-identical, computed a chunk at a time while the ring runs.
 
-Our values still being written (``ready``: a round's gradient while backward runs, issue 16's
-overlap): each read of our own values (a bucket's first send, a reduce-scatter's add) first
+Our values still being written (``ready``: a round's gradient while backward runs,
+``overlap=True``): each read of our own values (a bucket's first send, a reduce-scatter's add) first
 awaits ``ready.until(start, stop)``; everything else (forwarding, the all-gather) never waits
 for it. ``ready`` raises to withdraw the values, and the call fails as on any error.
 

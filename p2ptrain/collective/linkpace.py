@@ -22,8 +22,8 @@ desktop) is not judged by the figures: its "wire" is the kernel copying between 
 on the same cores, and the drain rate there (seldom measured: the kernel takes most chunks
 whole) is how fast the next peer reads, which its own decoding slows, so the figures keep
 choosing the codec because they chose it. Which way is sooner there depends on the machine:
-session 40's measured raw quicker (int8 N = 2 48-51 -> 26-28 ms, N = 4 99-101 -> 78-86 ms),
-session 46's the codec (the kernel's copies cost more there: 64 MiB at N = 4, raw 181.8 ms,
+on one 2-core VM raw was quicker (int8 N = 2 48-51 -> 26-28 ms, N = 4 99-101 -> 78-86 ms), on
+another the codec (the kernel's copies cost more there: 64 MiB at N = 4, raw 181.8 ms,
 40 ms of a peer's CPU in the kernel; encoded 113.6 ms, 7 ms; ``none`` 163.4 ms). So once the
 link has carried ``SETTLED_BYTES`` (a short run uses the codec as asked) whole calls are timed
 both ways: ``TRIAL_EACH`` calls raw and as many encoded, by the call's parity (every peer

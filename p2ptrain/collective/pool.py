@@ -12,13 +12,13 @@ rings, created on first use.
 A compiled codec (``Codec.compiled``: int8 where numba is in use) keeps its chunks on the
 event loop where the machine has fewer than ``COMPILED_INLINE_BELOW`` cores: its pass over a
 chunk costs about what the hop to a thread and back does, and on 2 cores the threads only
-took turns with the other peers' (session 43, 1 Gbit/s, int8, every figure inline against 2
-threads: 9 M parameters, batch 64, N = 2, three interleaved pairs, 882-904 against 754-776
-samples/s, time to loss 0.39x DDP's against 0.44x; ``bench/allreduce.py --netns 1gbit``,
-16 and 64 MiB, N = 2 and 4, as fast or faster, at 15.1-74.7 against 20.8-86.2 ms of CPU a
-peer; N = 4 training 732-743 against 755-760 samples/s, within the machine's spread). The
-rule was set when int8 ran torch's passes; with more cores (unmeasured with the kernels: no
-lent GPU machine yet) the pool stays.
+took turns with the other peers'. Measured on 2 cores at 1 Gbit/s, int8, inline against 2
+threads: training 9 M parameters, batch 64, N = 2 (``bench/lan.py --local 2 --netns 1gbit
+--model-size 9m --batch-size 64 --train-codecs int8``, three interleaved pairs) 882-904 against
+754-776 samples/s, time to loss 0.39x DDP's against 0.44x; N = 4 732-743 against 755-760
+samples/s, within the machine's spread; ``bench/allreduce.py --netns 1gbit``, 16 and 64 MiB,
+N = 2 and 4, as fast or faster, at 15.1-74.7 against 20.8-86.2 ms of CPU a peer. With more
+cores the pool stays: the kernels have not been measured there.
 """
 
 from __future__ import annotations
