@@ -202,6 +202,14 @@ def _close_all() -> None:
         lan.close()
 
 
+def live_subnets() -> dict[str, str]:
+    """The host namespaces of every live LAN -> its subnet (``"10.77.0.0/24"``): where a process
+    inside one of them sends, the only way out is the LAN's bridge. tests/netguard.py consults
+    this to let a test that entered one of its namespaces send there, and nowhere else."""
+    with _LIVE_LOCK:
+        return {h.ns: f"{lan.subnet}.0/24" for lan in _LIVE for h in lan.hosts}
+
+
 def _install_hooks() -> None:
     if _HOOKS_INSTALLED[0]:
         return

@@ -1,6 +1,78 @@
-"""What every test runs under."""
+"""What every test runs under: cores to spare (``spare_cores``), and no traffic off this machine.
+
+The network guard (tests/netguard.py) refuses, in this process and in every Python process a
+test starts, a connection or datagram to an address that is neither loopback nor inside a
+network namespace the tests built, and fails the test that made it with one line saying so,
+even when the code under test caught the error or a child process made it.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+
+import netguard
+
+_TESTS = Path(__file__).resolve().parent
+if str(_TESTS.parent / "bench") not in sys.path:
+    sys.path.insert(0, str(_TESTS.parent / "bench"))
+import netns  # noqa: E402  (bench/ is a folder of scripts; its live_subnets() is the guard's registry)
+
+_LOG: list[str] = []  # this process's refusal log (children append to it through $P2PTRAIN_NETGUARD_LOG)
+
+
+def pytest_configure(config):
+    guard = netguard.install()
+    fd, path = tempfile.mkstemp(prefix="p2ptrain-netguard-", suffix=".log")
+    os.close(fd)
+    _LOG.append(path)
+    os.environ[netguard.LOG_ENV] = path
+    os.environ[netguard.HOME_ENV] = str(guard.home or "")
+    os.environ[netguard.NS_PREFIX_ENV] = f"{netns.NS_PREFIX}-"
+    site = str(_TESTS / "netguard_site")
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if site not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([site, *filter(None, paths)])
+
+
+def pytest_unconfigure(config):
+    for path in _LOG:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _refusals_during():
+    """Run one phase of a test; if it (or a process it started) sent where tests must not, fail it."""
+    path = _LOG[-1]  # (not the environment's: a test may point its own refusals elsewhere)
+    before = os.path.getsize(path)
+    try:
+        return (yield)
+    finally:
+        with open(path) as f:
+            f.seek(before)
+            refused = [line.strip() for line in f if line.strip()]
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise pytest.fail.Exception(f"{refused[0]}{more}", pytrace=False) from None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _refusals_during())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _refusals_during())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield from _refusals_during())
 
 
 @pytest.fixture(autouse=True)

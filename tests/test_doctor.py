@@ -1,15 +1,16 @@
-"""``python -m p2ptrain doctor``, run for real as a subprocess: on this machine, with a port
-taken, and in an emulated LAN where another host hears the doctor's beacons."""
+"""``python -m p2ptrain doctor``, run for real as a subprocess, always inside an emulated LAN the
+test builds (bench/netns.py): the doctor sends beacons to the multicast group and to every
+interface's broadcast address, which a test must never send onto this machine's own network.
+Its checks one by one, with a port taken, and with another host hearing its beacons."""
 
 import random
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 from p2ptrain.device import pick_device
-from netns_util import REPO, make_lan, requires_netns, wait_line  # noqa: F401  (make_lan is a fixture)
+from netns_util import REPO, TCP_ECHO, make_lan, py, requires_netns, wait_line  # noqa: F401  (make_lan is a fixture)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -18,6 +19,7 @@ LINE = re.compile(r"^  (ok|warn|FAIL) +(.+?): (.+)$")
 
 
 def doctor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """The doctor's options parsed and refused: it exits before sending anything, so it may run here."""
     p = subprocess.Popen([sys.executable, "-m", "p2ptrain", "doctor", *args], cwd=REPO,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -44,8 +46,11 @@ def free_udp_port() -> int:
     return random.randrange(20000, 29000)  # below the ephemeral range; not the default, which tests share
 
 
-def test_every_check_has_a_line_and_exit_code_follows_them():
-    out = doctor("--port", "0", "--discovery-port", str(free_udp_port()))
+@requires_netns
+def test_every_check_has_a_line_and_exit_code_follows_them(make_lan):  # noqa: F811  (the fixture)
+    lan = make_lan(1)
+    out = lan.run(0, [sys.executable, "-m", "p2ptrain", "doctor", "--port", "0", "--discovery-port",
+                      str(free_udp_port())], cwd=REPO, timeout=60)
     found = lines(out.stdout)
     assert set(CHECKS) <= set(found), out.stdout + out.stderr
     versions = found["versions"][1]
@@ -104,15 +109,15 @@ def test_a_torch_that_cannot_hand_tensors_to_numpy_fails_the_accelerator_line(mo
     assert 'pip install "numpy<2"' in check.detail
 
 
-def test_a_port_in_use_fails_naming_it_and_what_to_do():
-    taken = socket.socket()
-    try:
-        taken.bind(("0.0.0.0", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        out = doctor("--port", str(port), "--discovery-port", str(free_udp_port()))
-    finally:
-        taken.close()
+@requires_netns
+def test_a_port_in_use_fails_naming_it_and_what_to_do(make_lan):  # noqa: F811  (the fixture)
+    lan = make_lan(1)
+    port = random.randrange(20000, 29000)  # a fresh namespace: every port is free until the listener takes one
+    taken = lan.popen(0, py(TCP_ECHO, "0.0.0.0", port, 60), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)  # (killed by the LAN when the test ends)
+    wait_line(taken, "READY", timeout=20)
+    out = lan.run(0, [sys.executable, "-m", "p2ptrain", "doctor", "--port", str(port), "--discovery-port",
+                      str(free_udp_port())], cwd=REPO, timeout=60)
     status, detail = lines(out.stdout)["TCP port"]
     assert status == "FAIL", out.stdout
     assert f"TCP port {port}: cannot listen" in out.stdout
