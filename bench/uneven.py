@@ -11,9 +11,10 @@ against the fast peer(s) alone, in one run.
 Every peer is a process running the library's ``p2ptrain.Peer`` on the built-in ``synthetic`` task
 (a student MLP 32 -> w -> w -> 10, labels from a fixed random teacher; ``--model 9m``: 9.0 M
 parameters, ``1m`` the task's default size), AdamW (lr 1e-3), ``--batch-size`` (64) fresh samples a
-step, one torch thread. The last peer is the slow one: it sleeps after each step, ``(factor - 1)`` times the fast
-peer's step time as measured alone (``--delay`` gives the seconds instead). A sleep frees its core,
-as a slower device on another machine would. Rows, per N and factor:
+step, one torch thread. The last peer is the slow one: it sleeps after each step, ``(factor - 1)`` times
+a fast peer's step time in the ``fast alone`` row of the same N (for N > 2 that row's steps include
+its synchronous rounds; ``--delay`` gives the seconds instead). A sleep frees its core, as a slower
+device on another machine would. Rows, per N and factor:
 
 - ``fast alone``: the N - 1 fast peers without the slow one, synchronous fp32 (for N = 2 one lone
   peer: the plain loop). The time every other row is read against (``time / fast``).
@@ -62,8 +63,8 @@ STRIDE = 4  # snapshots between two looked at first, when finding where the loss
 LR = 1e-3
 # --model: the task's size, a target evaluation loss the fast peer alone reaches in about a third
 # of --seconds on these 2 cores (shared), and the S of the loss @ S column.
-MODELS = {"9m": {"size": "9m", "target": 0.9, "seconds": 60.0, "samples": 6000},
-          "1m": {"size": "1m", "target": 0.9, "seconds": 40.0, "samples": 6000}}
+MODELS = {"9m": {"size": "9m", "target": 0.9, "seconds": 60.0, "samples": 3000},
+          "1m": {"size": "1m", "target": 0.65, "seconds": 40.0, "samples": 10000}}
 DEFAULT_RUNS = "--compression int8 --staleness 1;--compression int8 --staleness 1 --sync-every 16"
 
 
