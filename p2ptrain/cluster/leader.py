@@ -3,7 +3,8 @@
 ``Leader`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine`` (``machine.leader``). It
 owns the attempts this peer sequences (``lead``), the decisions it took, the holds for joiners
 catching up, the back-off from a rival, and, as a part of its own, the refusals under partial
-connectivity (``refusals``: ``p2ptrain.cluster.refusals``). It reads and advances the machine's
+connectivity (``refusals``: ``p2ptrain.cluster.refusals``) and who held its rounds more than its
+samples were worth (``worth``: ``p2ptrain.cluster.worth``; one line, at a commit). It reads and advances the machine's
 core (``table``, ``history``, ``round``, the attempt log) and sends through it (``_send``,
 ``_broadcast``, ``_emit``). ``rounds`` tells the round itself, ``member`` the member side; this
 module is what only the peer that sequences rounds does. The machine calls ``drive`` after every
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.refusals import Refusals
+from p2ptrain.cluster.worth import Worth
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, VOID, WITHDRAWN,
                                        Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse)
 
@@ -84,6 +86,7 @@ class _Lead:  # the attempts this peer sequences as leader
     failed: set = field(default_factory=set)
     mark: float = 0.5
     early: dict = field(default_factory=dict)  # DONEs that came while collecting (rings start as members contribute)
+    ready_at: dict = field(default_factory=dict)  # member -> seconds from the proposal to its READY (``worth``)
 
 
 class Leader:
@@ -98,6 +101,7 @@ class Leader:
         self._held: dict = {}  # the version a joiner had when we last held for it
         self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
         self.refusals = Refusals(machine)  # peers our views leave out: a member could not reach them
+        self.worth = Worth()  # who held our rounds more than its samples were worth (said once)
         self._waiting_since: float | None = None  # too few synced peers to train since then
         self._remind_at = WAIT_REMINDERS[0]  # seconds of it at which the next Waiting is said
 
@@ -110,6 +114,7 @@ class Leader:
         """Peer s can no longer take part: the round we lead with it aborts at once; a rival we
         backed off from that is lost (link, goodbye, silence), not just behind, is forgotten."""
         lead = self.lead
+        self.worth.forget(s)
         if lead is not None and lead.phase == QUERYING:
             lead.waiting.discard(s)
         elif lead is not None and lead.phase in (COLLECTING, RUNNING) and s in lead.view:
@@ -334,7 +339,7 @@ class Leader:
             return  # (peers left out for a while: wait for them)
         lead.phase, lead.view = move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
-        lead.waiting, lead.got, lead.failed, lead.early = set(lead.view), {}, set(), {}
+        lead.waiting, lead.got, lead.failed, lead.early, lead.ready_at = set(lead.view), {}, set(), {}, {}
         machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
                             "end": machine.ending.limits_msg(now)}, lead.view)
 
@@ -360,7 +365,7 @@ class Leader:
         if (message.version, message.digest) != (machine.history.version, machine.history.digest):
             machine.table.unsynced(sender)
             return self.abort(now, f"{sender} holds another state", drop=[sender])
-        lead.got[sender] = message.samples
+        lead.got[sender], lead.ready_at[sender] = message.samples, now - lead.since
         if not lead.waiting:
             machine.timers["ready"].record(now - lead.since)
             lead.phase, lead.since, lead.mark = move(_LEADER, lead.phase, START), now, machine.config.stall_warn
@@ -446,6 +451,9 @@ class Leader:
         machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b), "total": sum(lead.got.values())},
                            sorted(set(lead.view) | set(out)))
         lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
+        slow = self.worth.round(lead.ready_at, lead.got, max(lead.ready_at.values(), default=0.0) + now - lead.since)
+        if slow:
+            machine._emit(Log("warning", slow))
 
     def abort(self, now: float, reason: str, drop, tell=True, routine=False, void: str | None = None) -> None:
         """Abort the round we lead, for ``reason`` (one line); ``routine`` (a goodbye, not a

@@ -33,6 +33,8 @@ with the cluster's state, and a member started with others on different ones dri
 
 from __future__ import annotations
 
+from p2ptrain.cluster.sync_every import parse_sync_every
+
 FLAGS = {"compression": "--compression", "staleness": "--staleness", "target_batch_size": "--target-batch-size",
          "seed": "--seed", "sync_every": "--sync-every", "outer_lr": "--outer-lr",
          "outer_momentum": "--outer-momentum"}
@@ -40,12 +42,13 @@ MAX_SHOWN = 40  # characters of a peer's value quoted in a log line
 
 
 def shared(*, compression: str, staleness: int, target_batch_size: int | None = None,
-           seed: int | None = None, sync_every: int | None = None, outer_lr: float = 0.0,
+           seed: int | None = None, sync_every: int | str | None = None, outer_lr: float = 0.0,
            outer_momentum: float = 0.0) -> dict:
     """This peer's settings as its handshake states them (``seed`` None: not compared;
-    ``sync_every`` None: gradient mode, stated as 0)."""
+    ``sync_every`` None: gradient mode, stated as 0; a count as an int, a window or ``auto`` as
+    its canonical text, ``sync_every.SyncEvery.canonical``)."""
     out = {"compression": compression, "staleness": staleness, "target_batch_size": target_batch_size or 0,
-           "sync_every": sync_every or 0}
+           "sync_every": parse_sync_every(sync_every).canonical() if sync_every else 0}
     if seed is not None:
         out["seed"] = seed
     if sync_every:

@@ -24,7 +24,8 @@ from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
 from p2ptrain.commands.join_output import JoinOutput, MetricsFile
 from p2ptrain.commands.neighbours import CoreShare
-from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
+from p2ptrain.commands.options import (check_env_flags, env as _env, env_flag as _flag, integer, name, number, port,
+                                       sync_every)
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.options import MIN_PEER_TIMEOUT, PEER_TIMEOUT
@@ -83,10 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-batch-size", type=integer(1), default=_env("target_batch_size"),
                    help="with --staleness >= 1: the most samples one update averages, each peer contributing at "
                    "most its share (default: members x --batch-size, DDP's global batch)")
-    g.add_argument("--sync-every", type=integer(1), default=_env("sync_every"), metavar="H",
+    g.add_argument("--sync-every", type=sync_every(), default=_env("sync_every"), metavar="H|TIME|auto",
                    help="local-steps mode (DiLoCo): each peer takes H steps with its own optimizer, then a round "
                    "averages the parameter change and every peer applies the same outer step; a faster peer "
-                   "steps on while a round waits (default: off, gradient mode)")
+                   "steps on while a round waits (default: off, gradient mode). TIME (2s, 500ms) or auto: "
+                   "rounds by time, each peer taking the steps that fit")
     g.add_argument("--outer-lr", type=number(above=0), default=_env("outer_lr"),
                    help="with --sync-every: the outer SGD's learning rate (default 0.7)")
     g.add_argument("--outer-momentum", type=number(at_least=0, note=", below 1"), default=_env("outer_momentum"),

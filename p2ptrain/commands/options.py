@@ -106,6 +106,18 @@ def name(max_len: int):
                     lambda v: 1 <= len(v) <= max_len and v.isprintable())
 
 
+def sync_every():
+    """``--sync-every``: a count of inner steps (an int, as the library takes it), or a window of
+    time or ``auto`` (their canonical text: ``2s``, ``500ms``, ``auto``; ``cluster.sync_every``)."""
+    from p2ptrain.cluster.sync_every import MAX_WINDOW_S, MIN_WINDOW_S, parse_sync_every
+
+    def kind(text: str):
+        every = parse_sync_every(text)  # (a ConfigError is a ValueError: the one line below)
+        return every.steps if every.steps is not None else str(every)
+    return _checked(kind, f"a count of inner steps >= 1 (e.g. 16), a window of time {MIN_WINDOW_S * 1e3:g}ms.."
+                          f"{MAX_WINDOW_S:g}s (e.g. 2s, 500ms) or auto", lambda v: True)
+
+
 def port(low: int = 0):
     return integer(low, 65535, " (0: any free port)" if low == 0 else "")
 
