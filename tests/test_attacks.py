@@ -66,8 +66,8 @@ async def test_a_relay_between_two_peers_is_refused_and_each_says_so_once(caplog
         relay_ports = wa.get_extra_info("sockname")[1], wb.get_extra_info("sockname")[1]
         relays = [asyncio.ensure_future(pipe(ra, wb)), asyncio.ensure_future(pipe(rb, wa))]
         await asyncio.wait(relays, timeout=TIMEOUT + 3)  # (both peers close at their timeout)
-        assert all(r.done() for r in relays), "both peers must close the relayed connections"
         assert a.admitted == [] and b.admitted == [] and a.mesh.peers == [] and b.mesh.peers == []
+        assert all(r.done() for r in relays), "both peers must close the relayed connections"
         for port in relay_ports:
             await until(lambda: refusals(caplog, port), timeout=3)
             lines = refusals(caplog, port)
