@@ -11,8 +11,8 @@ def hs(pid, secret=None, cluster="lab", **kw):
 
 
 def run(a, b):
-    """Deliver messages until quiet; returns (error_a, error_b, rejects seen by a, by b)."""
-    to_b, to_a = list(a.start()), list(b.start())
+    """``a`` dials ``b``: deliver messages until quiet; returns (error_a, error_b)."""
+    to_b, to_a = list(a.start(dialer=True)), list(b.start(dialer=False))
     errors = {"a": None, "b": None}
     for _ in range(10):
         for side, me, inbox, outbox in (("a", a, to_a, to_b), ("b", b, to_b, to_a)):
@@ -60,15 +60,82 @@ def test_connected_to_itself():
     assert ea.reason == auth.REASON_SELF
 
 
-def test_replayed_or_reflected_proof_fails():
-    # An attacker without the secret reflects our own proof back at us.
+def hello(pid="m", nonce=b"\2" * 32, auth=True):
+    return {"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": "lab", "id": pid, "nonce": nonce, "auth": auth,
+            "info": {}}
+
+
+@pytest.mark.parametrize("nonce", [b"\2" * 32, b"\1" * 32], ids=["fresh nonce", "our own nonce"])
+def test_a_dialers_proof_reflected_back_at_it_fails(nonce):
+    # An attacker without the secret, dialed by us, sends our own proof back as its own.
     a = hs("a", b"k", nonce=b"\1" * 32)
-    a.start()
-    their_nonce = b"\2" * 32
-    (proof,) = a.receive({"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": "lab", "id": "m",
-                          "nonce": their_nonce, "auth": True, "info": {}})
+    a.start(dialer=True)
+    (proof,) = a.receive(hello(nonce=nonce))
     with pytest.raises(HandshakeError, match="wrong secret"):
         a.receive(proof)
+
+
+def test_a_listener_proves_nothing_until_the_dialer_has():
+    """A listener that proved itself on any hello signed a stranger's nonce: relayed to the
+    peer whose hello the stranger copied, that proof admitted the stranger as this listener."""
+    b = hs("b", b"k")
+    b.start(dialer=False)
+    assert b.receive(hello("a")) == []
+    with pytest.raises(HandshakeError, match="wrong secret"):
+        b.receive({"t": "proof", "mac": b"\0" * 32})
+    assert not b.done
+
+
+def test_the_relay_of_a_proof_between_two_listeners_fails():
+    """A third party dials A and B, and forwards everything one says to the other: each sees
+    the other's hello, neither proves, so there is nothing to forward (old code: both admitted)."""
+    a, b = hs("a", b"k"), hs("b", b"k")
+    to_b, to_a = a.start(dialer=False), b.start(dialer=False)
+    assert a.receive(to_a[0]) == [] and b.receive(to_b[0]) == []
+    assert not a.done and not b.done
+
+
+def test_proofs_name_role_ids_nonces_cluster_and_version(monkeypatch):
+    """Each field changes the MAC: a proof made for anything else is refused."""
+    def dialer_proof(**kw):
+        d = hs(kw.get("me", "a"), b"k", cluster=kw.get("cluster", "lab"), nonce=kw.get("mine", b"\1" * 32))
+        d.start(dialer=kw.get("dialer", True))
+        their = hello(kw.get("them", "b"), kw.get("theirs", b"\2" * 32))
+        their["cluster"] = kw.get("cluster", "lab")
+        d.receive(their)
+        return d._mac(auth.DIALER)
+    base = dialer_proof()
+    assert len(base) == 32
+    for change in [{"me": "c"}, {"them": "c"}, {"mine": b"\3" * 32}, {"theirs": b"\3" * 32}, {"cluster": "x"},
+                   {"dialer": False}]:
+        assert dialer_proof(**change) != base, change
+    monkeypatch.setattr(wire, "PROTOCOL_VERSION", wire.PROTOCOL_VERSION + 1)
+    assert dialer_proof() != base
+
+
+def test_without_a_secret_ids_and_nonces_are_exchanged_in_the_same_order():
+    a, b = hs("a"), hs("b")
+    to_b, to_a = a.start(dialer=True), b.start(dialer=False)
+    assert b.receive(to_b[0]) == []
+    (proof,) = a.receive(to_a[0])
+    assert proof == {"t": "proof", "mac": b""}
+    (back,) = b.receive(proof)
+    assert back == {"t": "proof", "mac": b""} and not b.done
+    assert a.receive(back) == [{"t": "welcome"}] and a.done
+    assert b.receive({"t": "welcome"}) == [] and b.done
+
+
+def test_a_dialer_takes_no_welcome_and_a_listener_no_early_one():
+    a = hs("a")
+    a.start(dialer=True)
+    a.receive(hello(auth=False))
+    with pytest.raises(HandshakeError, match="malformed"):
+        a.receive({"t": "welcome"})
+    b = hs("b")
+    b.start(dialer=False)
+    b.receive(hello(auth=False))
+    with pytest.raises(HandshakeError, match="malformed"):
+        b.receive({"t": "welcome"})
 
 
 @pytest.mark.parametrize("hello", [
@@ -82,14 +149,14 @@ def test_replayed_or_reflected_proof_fails():
 ])
 def test_malformed_or_out_of_order(hello):
     a = hs("a")
-    a.start()
+    a.start(dialer=False)
     with pytest.raises(HandshakeError):
         a.receive(hello)
 
 
 def test_other_version_in_hello():
     a = hs("a")
-    a.start()
+    a.start(dialer=True)
     with pytest.raises(HandshakeError, match="version") as err:
         a.receive({"t": "hello", "v": 99, "cluster": "lab", "id": "b", "nonce": b"\0" * 32,
                    "auth": False, "info": {}})
@@ -98,6 +165,7 @@ def test_other_version_in_hello():
 
 def test_reject_reason_is_sanitised():
     a = hs("a")
+    a.start(dialer=True)
     with pytest.raises(HandshakeError) as err:
         a.receive({"t": "reject", "reason": "evil\x1b[2J" + "x" * 500})
     assert "\x1b" not in str(err.value) and len(str(err.value)) < 260

@@ -130,18 +130,18 @@ def test_filter_drops_and_counts_each_reason():
         (encode_beacon(B, b"wrong"), "bad_tag"),
         (encode_beacon(B, None), "bad_tag"),
         (b"\x00" * 20, "malformed"),
-        (raw({**FIELDS, "v": 7}), "other_version"),
+        (raw({**FIELDS, "v": 99}), "other_version"),
     ]
     for data, reason in cases:
         before = dict(f.counts)
         assert f.accept(data, "10.0.0.7", 1.0) is None, reason
         assert f.counts[reason] == before[reason] + 1, reason
     assert f.counts["accepted"] == 0
-    assert f.last_other_version == 7 and f.last_other_version_from == "10.0.0.7"
+    assert f.last_other_version == 99 and f.last_other_version_from == "10.0.0.7"
     assert f.dropped == len(cases) - 1  # own beacons are not "dropped"
     text = f.describe_drops()
     assert "2 with a bad tag (last from 10.0.0.7)" in text and "2 of another cluster" in text
-    assert "protocol version 7" in text
+    assert "protocol version 99" in text
 
 
 def test_filter_without_a_secret_drops_tagged_beacons():
@@ -234,11 +234,11 @@ def test_log_line_summarises_several_hosts_and_reasons_in_one_line():
     for ip in ("10.0.0.7", "10.0.0.7", "10.0.0.8"):
         f.accept(encode_beacon(B, b"wrong"), ip, 1.0)
     f.accept(encode_beacon(B, None), "10.0.0.9", 1.0)
-    f.accept(raw({**FIELDS, "v": 7}), "10.0.0.10", 1.0)
+    f.accept(raw({**FIELDS, "v": 99}), "10.0.0.10", 1.0)
     (line,) = f.take_log_lines(1.0)
     assert "\n" not in line
     assert "dropped 3 beacons with a bad tag from 10.0.0.7 and 1 other host:" in line
-    assert "without a tag from 10.0.0.9" in line and "1 beacon of protocol version 7 from 10.0.0.10" in line
+    assert "without a tag from 10.0.0.9" in line and "1 beacon of protocol version 99 from 10.0.0.10" in line
 
 
 def test_other_clusters_and_own_beacons_are_never_logged():

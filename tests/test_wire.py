@@ -93,3 +93,42 @@ def test_fuzz_valid_prefix_random_header(body, payload_len):
         wire.FrameDecoder(max_payload=1 << 20).feed(data)
     except FrameError:
         pass
+
+
+def test_before_admission_a_frame_announcing_a_payload_is_held_at_its_prefix_unallocated():
+    """A stranger's 16-byte prefix announcing 1 GiB allocated 1 GiB (issue 59): before the
+    handshake admits a link nothing is read past such a prefix, and nothing is allocated."""
+    calls = []
+    dec = wire.FrameDecoder(allocate=lambda h, n: calls.append(n) or memoryview(bytearray(n)), admitted=False)
+    hello = wire.frame_bytes({"t": "hello"})
+    big = wire.pack_header({"t": "chunk"}, 1 << 30)
+    assert [f.type for f in dec.feed(hello)] == ["hello"]  # (payload-less frames pass)
+    buf = dec.get_buffer()
+    buf[:wire.PREFIX_SIZE] = big[:wire.PREFIX_SIZE]
+    dec.buffer_updated(wire.PREFIX_SIZE)
+    assert dec.held and len(dec.get_buffer()) == 0 and calls == []
+
+
+def test_a_held_frame_goes_on_once_admitted():
+    dec = wire.FrameDecoder(admitted=False)
+    data = wire.frame_bytes({"t": "welcome"}) + wire.frame_bytes({"t": "chunk", "i": 1}, b"abc")
+    got = []
+    while data and not dec.held:  # (as a transport does: as much as the decoder has room for)
+        buf = dec.get_buffer()
+        n = min(len(buf), len(data))
+        buf[:n], data = data[:n], data[n:]
+        dec.buffer_updated(n)
+        got += dec.pop_frames()
+    assert [f.type for f in got] == ["welcome"] and dec.held
+    dec.admit()
+    assert not dec.held
+    (chunk,) = dec.feed(data)
+    assert chunk.header["i"] == 1 and bytes(chunk.payload) == b"abc"
+
+
+def test_an_admitted_decoder_limits_as_before():
+    dec = wire.FrameDecoder(max_payload=100, admitted=False)
+    dec.admit()
+    assert bytes(dec.feed(wire.frame_bytes({"t": "chunk"}, b"x" * 100))[0].payload) == b"x" * 100
+    with pytest.raises(FrameError, match="exceeds"):
+        wire.FrameDecoder(max_payload=100, admitted=False).feed(wire.pack_header({"t": "chunk"}, 101))

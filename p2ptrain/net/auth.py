@@ -1,19 +1,37 @@
 """Who may talk to us: the connection handshake and beacon tags. Pure code, no I/O.
 
-Theory of operation. Both ends of a new TCP connection run the same ``Handshake``:
+Theory of operation. The end that opened the TCP connection is the *dialer* (D), the end
+that accepted it the *listener* (L); each runs a ``Handshake`` started with its role:
 
-    1. each sends HELLO   {cluster, id, nonce, auth, info}        (at once, no waiting)
-    2. on the other's HELLO: check cluster, id, auth mode; send PROOF {mac}
-    3. on the other's PROOF: check the mac; send WELCOME
-    4. on the other's WELCOME: we were accepted
+    D -> L  HELLO   {v, cluster, id, nonce, auth, info}     (both send at once, no waiting)
+    L -> D  HELLO   {v, cluster, id, nonce, auth, info}
+    D -> L  PROOF   {mac: MAC("dialer")}                    (D, once it has L's HELLO)
+    L -> D  PROOF   {mac: MAC("listener")}                  (L, only once D's PROOF verified)
+    D -> L  WELCOME                                         (D, once L's PROOF verified)
 
-The connection is admitted when we checked their PROOF *and* got their WELCOME. Any failed
-check sends REJECT {reason} with one of the fixed reasons below and raises ``HandshakeError``;
-a REJECT received raises it too, with the peer's (sanitised) reason and ``by_peer`` set.
+    MAC(role) = HMAC-SHA256(key, [protocol version, role, cluster,
+                                  dialer id, listener id, dialer nonce, listener nonce])
 
-With a secret the mac is HMAC-SHA256 over both ids and both fresh nonces, prover first, so
-a proof cannot be replayed on another connection or reflected back at its sender. Without
-a secret the mac is empty and anyone on the network can join (the caller logs that once).
+D is admitted (``done``) when L's PROOF verifies (L sends it only after admitting D); L is
+admitted on the WELCOME. Any failed check sends REJECT {reason} with one of the fixed reasons
+below and raises ``HandshakeError``; a REJECT received raises it too, with the peer's
+(sanitised) reason and ``by_peer`` set.
+
+Why this order and these fields. Each MAC names its role, so a dialer's proof is never a
+listener's; both ids and both fresh nonces, so it is good on this connection between these
+two peers only; the cluster and the version, so it is good nowhere else. The listener, which
+anyone may reach, proves nothing until the dialer has: it is not an oracle that signs
+whatever nonce a stranger brings, so a third party that dials two peers and forwards one's
+messages to the other gets no proof from either (both wait, and close at their timeout), and
+a proof sent back to its maker is refused (it names the other role).
+
+What it does not prove: that the TCP connection is the one the proofs were made on. A third
+party that an honest peer dials (it had that peer's address and answered there) can pass the
+whole exchange between two peers that know the secret, and then sees and may alter their
+traffic: nothing is encrypted or integrity-checked after admission (that waits for TLS).
+
+Without a secret the MACs are empty (ids and nonces are still exchanged, in the same order)
+and anyone on the network can join (the caller logs that once).
 """
 
 from __future__ import annotations
@@ -24,6 +42,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+import msgpack
+
 from p2ptrain.net import wire
 from p2ptrain.errors import ConfigError, HandshakeError
 
@@ -31,6 +51,7 @@ NONCE_BYTES = 32
 MAX_ID_LEN = 64
 MAX_CLUSTER_LEN = 64
 _MAC_LEN = hashlib.sha256().digest_size
+DIALER, LISTENER = "dialer", "listener"  # the roles a MAC names
 
 # The only reasons ever sent to a peer: fixed strings, nothing internal.
 REASON_CLUSTER = "wrong cluster"
@@ -107,8 +128,9 @@ class PeerHello:
 
 
 class Handshake:
-    """One end of the handshake. Call ``start()`` once, then ``receive()`` per frame header;
-    send every header they return, in order. ``done`` turns True once admitted both ways."""
+    """One end of the handshake. Call ``start(dialer=...)`` once, then ``receive()`` per frame
+    header; send every header they return, in order. ``done`` turns True once admitted both
+    ways (see the module docstring for who sends what, when)."""
 
     def __init__(self, *, cluster: str, peer_id: str, secret: bytes | None, info: dict | None = None,
                  nonce: bytes | None = None):
@@ -119,10 +141,11 @@ class Handshake:
         self._key = derive_key(secret, "handshake") if secret else None
         self._nonce = nonce if nonce is not None else os.urandom(NONCE_BYTES)
         self._info = info or {}
+        self._dialer: bool | None = None  # our role: set by start()
         self._their: PeerHello | None = None
         self._their_nonce = b""
-        self._verified = False
-        self._welcomed = False
+        self._verified = False  # their PROOF checked
+        self._welcomed = False  # they admitted us (the dialer: their PROOF says so)
 
     @property
     def done(self) -> bool:
@@ -134,13 +157,19 @@ class Handshake:
             raise RuntimeError("handshake has not received the peer's hello")
         return self._their
 
-    def start(self) -> list[dict]:
+    def start(self, *, dialer: bool) -> list[dict]:
+        """Our HELLO. ``dialer``: we opened the connection (the proofs name the role)."""
+        if self._dialer is not None:
+            raise RuntimeError("handshake started twice")
+        self._dialer = dialer
         return [{"t": wire.HELLO, "v": wire.PROTOCOL_VERSION, "cluster": self.cluster, "id": self.peer_id,
                  "nonce": self._nonce, "auth": self._key is not None, "info": self._info}]
 
     def receive(self, header: dict) -> list[dict]:
         """Advance on one received header. Raises HandshakeError (after which: send
         ``reject(err.reason)`` unless ``err.by_peer``, then close)."""
+        if self._dialer is None:
+            raise RuntimeError("receive() before start()")
         t = header.get("t")
         if t == wire.REJECT:
             raise HandshakeError(refusal_reason(header), by_peer=True)
@@ -148,7 +177,7 @@ class Handshake:
             return self._on_hello(header)
         if t == wire.PROOF and self._their is not None and not self._verified:
             return self._on_proof(header)
-        if t == wire.WELCOME and self._verified and not self._welcomed:
+        if t == wire.WELCOME and not self._dialer and self._verified and not self._welcomed:
             self._welcomed = True
             return []
         raise HandshakeError(REASON_MALFORMED)
@@ -164,12 +193,12 @@ class Handshake:
     # -- steps ----------------------------------------------------------------------------
     def _on_hello(self, h: dict) -> list[dict]:
         cluster, pid, nonce, auth, info = h.get("cluster"), h.get("id"), h.get("nonce"), h.get("auth"), h.get("info", {})
+        if h.get("v") != wire.PROTOCOL_VERSION:
+            raise HandshakeError(REASON_VERSION)
         if not (isinstance(cluster, str) and isinstance(pid, str) and 0 < len(pid) <= MAX_ID_LEN
                 and isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES and isinstance(auth, bool)
                 and isinstance(info, dict)):
             raise HandshakeError(REASON_MALFORMED)
-        if h.get("v") != wire.PROTOCOL_VERSION:
-            raise HandshakeError(REASON_VERSION)
         if cluster != self.cluster:
             raise HandshakeError(REASON_CLUSTER)
         if pid == self.peer_id:
@@ -178,23 +207,31 @@ class Handshake:
             raise HandshakeError(REASON_SECRET_MODE)
         self._their = PeerHello(pid, cluster, info)
         self._their_nonce = nonce
-        return [{"t": wire.PROOF, "mac": self._mac(self.peer_id, pid, self._their_nonce, self._nonce)}]
+        # The dialer proves first; the listener waits for that proof (it is no oracle).
+        return [{"t": wire.PROOF, "mac": self._mac(DIALER)}] if self._dialer else []
 
     def _on_proof(self, h: dict) -> list[dict]:
         mac = h.get("mac")
         if not isinstance(mac, bytes) or len(mac) > _MAC_LEN:
             raise HandshakeError(REASON_MALFORMED)
-        expected = self._mac(self._their.peer_id, self.peer_id, self._nonce, self._their_nonce)
-        if not hmac.compare_digest(mac, expected):
+        if not hmac.compare_digest(mac, self._mac(LISTENER if self._dialer else DIALER)):
             raise HandshakeError(REASON_SECRET)
         self._verified = True
-        return [{"t": wire.WELCOME}]
+        if self._dialer:  # (the listener proves only after it verified us: it admitted us)
+            self._welcomed = True
+            return [{"t": wire.WELCOME}]
+        return [{"t": wire.PROOF, "mac": self._mac(LISTENER)}]
 
-    def _mac(self, prover: str, verifier: str, verifier_nonce: bytes, prover_nonce: bytes) -> bytes:
+    def _mac(self, role: str) -> bytes:
+        """The proof that ``role``'s end knows the secret, on this connection only (module docstring)."""
         if self._key is None:
             return b""
-        msg = b"\0".join([b"proof", self.cluster.encode(), prover.encode(), verifier.encode(),
-                          verifier_nonce, prover_nonce])
+        ids = (self.peer_id, self._their.peer_id)
+        nonces = (self._nonce, self._their_nonce)
+        if not self._dialer:
+            ids, nonces = ids[::-1], nonces[::-1]
+        msg = msgpack.packb(["p2ptrain/handshake", wire.PROTOCOL_VERSION, role, self.cluster, *ids, *nonces],
+                            use_bin_type=True)
         return hmac.new(self._key, msg, hashlib.sha256).digest()
 
 

@@ -123,12 +123,14 @@ class Mesh:
                  on_lost: Callable[[str, str], None] = lambda p, why: None,
                  on_admitted: Callable[[str, dict], None] = lambda p, info: None,
                  on_state: Callable[[str, wire.Frame], None] = lambda p, frame: None,
-                 own_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "0.0.0.0"})):
+                 own_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "0.0.0.0"}),
+                 handshake_timeout: float = transport.HANDSHAKE_TIMEOUT):
         self.cluster, self.peer_id, self._secret = cluster, peer_id, secret
         self.host, self.port = host, port
         self.info = dict(info or {})
         self._on_message, self._on_lost, self._on_admitted = on_message, on_lost, on_admitted
         self._on_state = on_state
+        self.handshake_timeout = handshake_timeout  # (each way: a connection that takes longer is closed)
         self._own_hosts = own_hosts | {host}
         self._links: dict[str, transport.Link] = {}
         self._dialer: dict[str, str] = {}  # peer id -> which end opened our link to it
@@ -156,7 +158,8 @@ class Mesh:
     async def start(self) -> None:
         """Listen. A port taken or an address not of this machine is a ``ConfigError``."""
         try:
-            self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming)
+            self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming,
+                                                   timeout=self.handshake_timeout)
         except OSError as exc:  # (EADDRINUSE, EADDRNOTAVAIL, a name that does not resolve)
             why = exc.strerror or str(exc)
             raise ConfigError(f"cannot listen on {self.host}:{self.port}: {why}; pick another port (--port, "
@@ -279,7 +282,7 @@ class Mesh:
 
     async def _dial(self, host: str, port: int) -> None:
         try:
-            link = await transport.open_link(host, port, self._handshake(), timeout=5.0)
+            link = await transport.open_link(host, port, self._handshake(), timeout=self.handshake_timeout)
         except auth.HandshakeError as exc:
             self._refused_by((host, port), exc)
             return

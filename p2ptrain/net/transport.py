@@ -15,8 +15,12 @@
   ``queued_bytes`` tells how much the kernel holds that the peer has not acknowledged: how
   far the link is behind us (the ring compresses only then).
 - Admission: ``open_link`` and ``serve`` run the ``auth.Handshake`` under a deadline; a peer
-  that fails it is logged in one line, sent a fixed reason, and closed. The listener keeps
-  serving everyone else.
+  that fails it is logged in one line (one per source address a minute: ``admission``), sent a
+  fixed reason, and closed. The listener keeps serving everyone else. Until a link is admitted
+  its frames carry no payload (``wire.PENDING_MAX_PAYLOAD_BYTES``: one that announces a
+  payload is held unread), it is read on the loop, and a listener holds at most
+  ``admission.MAX_PENDING_PER_SOURCE`` such links per source address, ``admission.MAX_PENDING``
+  in all; one more is closed on accept.
 
 Failures surface as ``LinkError`` (closed, reset, timed out) or ``RemoteProtocolError``
 (bad frame, refused handshake). Every wait has a timeout.
@@ -26,13 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
 import os
 import socket
 from typing import Awaitable, Callable
 
-from p2ptrain.net import auth, wire
+from p2ptrain.net import admission, auth, wire
+from p2ptrain.net.sockopts import (LOOPBACK_SNDBUF, WHOLE_PAYLOAD_BYTES, _is_loopback,  # noqa: F401 (tests')
+                                   _reads_whole_payloads, _same_host, _tune_socket)
 from p2ptrain.net.reader import ThreadReader
 from p2ptrain.net.sender import DirectSender, direct_sender, queued_reader
 from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
@@ -42,7 +47,7 @@ from p2ptrain.waiting import wait_set
 log = logging.getLogger("p2ptrain.net.transport")
 
 MAX_QUEUED_FRAMES = 64  # received frames waiting for their consumer before reading pauses
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 5.0  # seconds a connection may take to pass the handshake
 MAX_SAID = 1024  # (remote host, reason) pairs a listener remembers having logged
 
 
@@ -59,56 +64,6 @@ def install_uvloop() -> bool:
         return False
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True
-
-
-# The send buffer of a loopback link (the kernel doubles it). On loopback the bandwidth-delay
-# product is nil and the two copies (sender into the socket, receiver out of it) are the whole
-# cost; an autotuned buffer grows to tcp_wmem's 4 MiB, and data that waits that long has left
-# the core's cache before the receiver copies it. Measured on 2 cores (AMD EPYC, 1 MiB of L2),
-# fp32 allreduce of 64 MiB: 29-31 -> 19-21 ms (N=2), 98-110 -> 73-83 ms (N=4); at 1.5 MiB it
-# falls off again. LAN links keep autotuning: there the buffer must cover the link's BDP.
-LOOPBACK_SNDBUF = 384 << 10
-
-# A large payload on a LAN link is read once it has all come (SO_RCVLOWAT, set to what the
-# payload still lacks), not in the ~60 KB pieces the kernel hands up as they arrive: at 1 Gbit/s
-# a 512 K-value int8 chunk woke its reader about 9 times, now 3 (prefix, header, payload), and a
-# 64 MiB int8 call at N = 4 costs a peer 4-6 ms less CPU (5-9 %). Those bytes are on their way
-# (the frame has begun), so nothing is read later than it is needed; a link that closes or fails
-# wakes its reader anyway. Not on a link to this machine: there data that waits leaves the core's
-# cache before it is copied (``LOOPBACK_SNDBUF``). Where the OS lacks the option, as before.
-WHOLE_PAYLOAD_BYTES = 64 << 10
-
-
-def _reads_whole_payloads(sock: socket.socket) -> bool:
-    return hasattr(socket, "SO_RCVLOWAT") and not _same_host(sock)
-
-
-def _is_loopback(sock: socket.socket) -> bool:
-    try:
-        addr = ipaddress.ip_address(sock.getpeername()[0].split("%")[0])
-    except (OSError, ValueError, IndexError):
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
-
-
-def _same_host(sock: socket.socket) -> bool:
-    """The peer runs on this machine: a loopback address, or ours at both ends."""
-    if _is_loopback(sock):
-        return True
-    try:
-        return sock.getpeername()[0] == sock.getsockname()[0]
-    except (OSError, IndexError):
-        return False
-
-
-def _tune_socket(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if _is_loopback(sock):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF)
 
 
 class _FrameProtocol(asyncio.BufferedProtocol):
@@ -159,7 +114,7 @@ class Link:
     def __init__(self, name: str = "?", max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES):
         self.name = name
         self.peer: auth.PeerHello | None = None
-        self._decoder = wire.FrameDecoder(max_payload=max_payload)
+        self._decoder = wire.FrameDecoder(max_payload=max_payload, admitted=False)
         self._transport: asyncio.Transport | None = None
         self._frames: collections.deque[wire.Frame] = collections.deque()
         self._frame_ready = asyncio.Event()
@@ -175,6 +130,8 @@ class Link:
         self._queued: Callable[[], int | None] = lambda: None
         self._lowat_sock: socket.socket | None = None  # (a LAN link's: ``WHOLE_PAYLOAD_BYTES``)
         self._lowat = 1
+        self._held = False  # reading paused: a frame announced a payload before admission
+        self._reader_sock: socket.socket | None = None  # (P2PTRAIN_IO_THREADS=1: read there once admitted)
 
     # -- configuration --------------------------------------------------------------------
     def set_allocator(self, allocate: wire.Allocator) -> None:
@@ -253,7 +210,8 @@ class Link:
         frame = self._frames.popleft()
         if self._reader is not None and len(self._frames) <= MAX_QUEUED_FRAMES // 2:
             self._reader.room.set()
-        if self._reading_paused and len(self._frames) <= MAX_QUEUED_FRAMES // 2 and not self.closed:
+        if (self._reading_paused and len(self._frames) <= MAX_QUEUED_FRAMES // 2 and not self.closed
+                and not self._held):
             self._reading_paused = False
             self._transport.resume_reading()
         return frame
@@ -302,9 +260,21 @@ class Link:
             if _reads_whole_payloads(sock):
                 self._lowat_sock = sock
         if self._direct is not None and self._direct.threaded:  # (P2PTRAIN_IO_THREADS=1)
-            # Once connection_made has returned: uvloop starts reading an accepted connection
-            # after it, whatever it paused (two readers of one stream garbled frames).
-            asyncio.get_running_loop().call_soon(self._start_reader, sock)
+            self._reader_sock = sock  # (the handshake is read on the loop: ``_admitted``)
+
+    def _admitted(self) -> None:
+        """The handshake passed (called at once, before anything more is read): payloads up to
+        the link's limit from now on, and the frame held back for one goes on."""
+        self._decoder.admit()
+        if self._held:
+            self._held = False
+            if not self._reading_paused and not self.closed:
+                self._transport.resume_reading()
+        if self._reader_sock is not None:
+            # Soon, not now: uvloop starts reading an accepted connection after connection_made,
+            # whatever it paused (two readers of one stream garbled frames).
+            asyncio.get_running_loop().call_soon(self._start_reader, self._reader_sock)
+            self._reader_sock = None
 
     def _start_reader(self, sock: socket.socket) -> None:
         transport = self._transport
@@ -337,6 +307,9 @@ class Link:
         frames = self._decoder.pop_frames()
         if frames:
             self._deliver(frames)
+        if self._decoder.held and not self._held:  # (no room to read into until admitted)
+            self._held = True
+            self._transport.pause_reading()
         if self._lowat_sock is not None:
             self._wake_for_whole_payloads()
 
@@ -386,10 +359,10 @@ class Link:
 
 
 async def _admit(link: Link, hs: auth.Handshake, timeout: float,
-                 expect: Callable[[auth.PeerHello], bool] | None) -> None:
+                 expect: Callable[[auth.PeerHello], bool] | None, *, dialer: bool) -> None:
     """Run the handshake on a fresh link. Raises HandshakeError / LinkError / FrameError."""
     try:
-        for h in hs.start():
+        for h in hs.start(dialer=dialer):
             await link.send(h, timeout=timeout)
         async def steps():
             while not hs.done:
@@ -397,6 +370,8 @@ async def _admit(link: Link, hs: auth.Handshake, timeout: float,
                 out = hs.receive(frame.header)
                 if expect is not None and frame.type == wire.HELLO:
                     hs.check_expected(expect(hs.peer))
+                if hs.done:  # (before the last send: the peer's first frame may follow ours at once)
+                    link._admitted()
                 for h in out:
                     await link.send(h, timeout=timeout)
         await asyncio.wait_for(steps(), timeout)
@@ -425,7 +400,12 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
         errno = getattr(exc, "errno", None)  # (asyncio's own words name the address again: the errno's)
         why = os.strerror(errno) if errno and errno > 0 else getattr(exc, "strerror", None) or str(exc) or "timed out"
         raise LinkError(f"cannot connect to {hostport(host, port)}: {why}") from None
-    await _admit(link, hs, timeout, expect)
+    try:
+        await _admit(link, hs, timeout, expect, dialer=True)
+    except FrameError as exc:
+        if exc.peer_version is None:
+            raise
+        raise HandshakeError(auth.REASON_VERSION) from None  # (it speaks another version: a setting)
     return link
 
 
@@ -453,37 +433,42 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
                 on_link: Callable[[Link], Awaitable[None] | None], *,
                 timeout: float = HANDSHAKE_TIMEOUT,
                 expect: Callable[[auth.PeerHello], bool] | None = None,
-                max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> Listener:
+                max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
+                pending: admission.PendingHandshakes | None = None) -> Listener:
     """Listen on ``host:port``; every connection that passes the handshake goes to ``on_link``.
 
-    Failures never stop the listener; each is logged one line, once per remote host and
-    reason (a peer with a wrong secret dials again every few seconds), and at debug after that.
+    Failures never stop the listener; each is logged one line, at most one per source address
+    a minute (a peer with a wrong secret dials again every few seconds; a flood of connections
+    is one line), and at debug otherwise. A connection beyond ``pending``'s limits
+    (``admission.PendingHandshakes()`` unless given) is closed on accept, unanswered.
     The caller owns the returned ``Listener`` and closes it.
     """
     loop = asyncio.get_running_loop()
     admissions = TaskSet()  # the handshakes in progress
-    said: set[tuple[str, str]] = set()  # (remote host, reason) logged
+    pending = admission.PendingHandshakes() if pending is None else pending
+    said = admission.SaidPerSource()
 
     def refused(remote: str, exc: P2PTrainError) -> None:
-        key = (remote.rpartition(":")[0], str(exc))
         if isinstance(exc, HandshakeError) and exc.reason == auth.REASON_SELF:
             log.debug("refused connection from %s: %s", remote, exc)  # (our own --peers entry: no fault)
             return
-        if key in said:
-            log.debug("refused connection from %s again: %s", remote, exc)
+        quiet = said.say(admission.source_of(remote), loop.time())
+        if quiet is None:
+            log.debug("refused connection from %s: %s", remote, exc)
             return
-        if len(said) >= MAX_SAID:
-            said.clear()
-        said.add(key)
         fix = auth.advice(exc.reason) if isinstance(exc, HandshakeError) else None
-        log.warning("refused connection from %s: %s%s", remote, exc, f"; {fix}" if fix else "")
+        more = f" ({quiet} more from that address since the last such line)" if quiet else ""
+        log.warning("refused connection from %s: %s%s%s", remote, exc, f"; {fix}" if fix else "", more)
 
     def factory():
         link = Link("incoming", max_payload)
 
-        async def admit():
+        async def admit(source: str):
             try:
-                await _admit(link, make_handshake(), timeout, expect)
+                try:
+                    await _admit(link, make_handshake(), timeout, expect, dialer=False)
+                finally:
+                    pending.end(source)
             except P2PTrainError as exc:
                 refused(link.remote, exc)
                 return
@@ -491,7 +476,17 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
             if asyncio.iscoroutine(result):
                 await result
 
-        return _FrameProtocol(link, lambda: admissions.spawn(admit()))
+        def connected():
+            source = admission.source_of(link.remote)
+            if pending.begin(source):
+                admissions.spawn(admit(source))
+                return
+            link.close()
+            refused(link.remote, LinkError(
+                f"{len(pending)} handshakes in progress, at most {pending.per_source} from one address and "
+                f"{pending.total} in all: closed unanswered"))
+
+        return _FrameProtocol(link, connected)
 
     server = await loop.create_server(factory, host, port, reuse_address=True)
     return Listener(server, admissions)

@@ -13,7 +13,10 @@ straight into the buffer its ``allocate`` callback hands out (zero copies in Pyt
 
 Call order: ``buf = dec.get_buffer()``; write n bytes into ``buf[:n]``; ``dec.buffer_updated(n)``;
 then drain ``dec.pop_frames()``. ``feed(data)`` does the three steps for tests and fuzzers.
-After a ``FrameError`` the decoder is dead: close the connection.
+After a ``FrameError`` the decoder is dead: close the connection. A decoder made with
+``admitted=False`` (a link whose handshake runs) takes frames without payload only; one that
+announces a payload leaves it ``held`` (stop reading: ``get_buffer`` has no room) until
+``admit()``, which a legitimate peer's first frame after the handshake may need.
 """
 
 from __future__ import annotations
@@ -27,17 +30,22 @@ import msgpack
 from p2ptrain.errors import FrameError
 
 MAGIC = b"P2PT"
-PROTOCOL_VERSION = 6  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings;
+PROTOCOL_VERSION = 7  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings;
 #                     3: small segments are cut into fewer chunks (ring.MIN_CHUNK_ELEMS 128 K values, was 16 K);
 #                     4: a lossy codec's chunk may come raw (header "raw": collective.linkpace);
 #                     5: DONE says why a ring failed with nobody at fault ("void", was "withdrawn")
 #                     6: model fingerprints say which parameters train (four fields, were three)
+#                     7: the handshake's proofs name their role; the listener proves after the dialer (auth)
 PREFIX = struct.Struct("<4sBBHQ")
 PREFIX_SIZE = PREFIX.size  # 16
 
 # Security limits: a header is small metadata; a payload is at most one chunk or one snapshot part.
 MAX_HEADER_BYTES = 16 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+# Before the handshake admits a peer nothing it sends has a payload (the handshake has none): a
+# frame that announces one is held at its 16-byte prefix, unread and unallocated, until the link
+# is admitted (``FrameDecoder.admit``), and a stranger's is closed with its handshake.
+PENDING_MAX_PAYLOAD_BYTES = 0
 
 # Message types (the header's "t").
 HELLO = "hello"
@@ -111,9 +119,12 @@ def unpack_header(body: bytes | memoryview) -> dict:
 class FrameDecoder:
     """Incremental frame parser. See the module docstring for the call order."""
 
-    def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES, allocate: Allocator = default_allocate):
+    def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES, allocate: Allocator = default_allocate, *,
+                 admitted: bool = True):
         self.max_payload = max_payload
         self.allocate = allocate
+        self._admitted = admitted
+        self._held = False  # a prefix announcing a payload before admission: nothing more is read
         # Prefix and header are read into a scratch area; a payload goes to its own buffer.
         self._scratch = bytearray(PREFIX_SIZE + MAX_HEADER_BYTES)
         self._scratch_view = memoryview(self._scratch)
@@ -126,11 +137,27 @@ class FrameDecoder:
         self._frames: list[Frame] = []
         self._dead = False
 
+    @property
+    def held(self) -> bool:
+        """A frame announced a payload before admission: stop reading until ``admit()``."""
+        return self._held
+
+    def admit(self) -> None:
+        """The peer passed the handshake: payloads up to ``max_payload`` from now on, and the
+        held frame (if any) goes on (its length was checked against ``max_payload`` already)."""
+        self._admitted = True
+        if self._held:
+            self._held = False
+            self._advance()
+
     # -- BufferedProtocol side ------------------------------------------------------------
     def get_buffer(self) -> memoryview:
-        """Where the next received bytes go: the payload's remaining space, or scratch."""
+        """Where the next received bytes go: the payload's remaining space, or scratch
+        (no room while ``held``)."""
         if self._dead:
             raise FrameError("frame decoder used after a protocol error")
+        if self._held:
+            return self._scratch_view[self._have : self._have]
         if self._payload is not None:
             return self._payload[self._payload_have :]
         # Scratch: read only up to what the current step needs, so that no payload bytes
@@ -181,6 +208,8 @@ class FrameDecoder:
         while self._have >= self._need:
             if self._header_len < 0:
                 self._parse_prefix()
+                if self._held:
+                    return
             elif self._header is None:
                 self._parse_header()
                 return
@@ -205,6 +234,7 @@ class FrameDecoder:
         self._header_len = header_len
         self._payload_len = payload_len
         self._need = PREFIX_SIZE + header_len
+        self._held = not self._admitted and payload_len > PENDING_MAX_PAYLOAD_BYTES
 
     def _parse_header(self) -> None:
         self._header = unpack_header(self._scratch_view[PREFIX_SIZE : self._need])
