@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from p2ptrain.trainer import _local_kernels
-from p2ptrain.trainer.accumulator import param_starts, param_views
+from p2ptrain.trainer.flat import param_starts, param_views
 from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
