@@ -33,7 +33,7 @@ Gradient mode: every batch finished since the last contribution goes in, bounded
 below with ``patience`` replaced by the grace, a new ``WAIT`` reason when the window is not over.
 A per-parameter "had a gradient" mask (DDP's rule for parameters without one) is not decided
 here: it travels with the contribution (``accumulator.Outgoing``) and is written where the
-batch is (``Accumulator.add``, ``overlap.BackwardFeed.filled``).
+batch is (``Accumulator.add``, ``backward_feed.BackwardFeed.filled``).
 """
 
 from __future__ import annotations

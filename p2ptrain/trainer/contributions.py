@@ -220,7 +220,7 @@ class Contributor:
         self._look = True
 
     def check_diverged(self) -> None:
-        """(``step``, ``_params_lock`` held) Once a contribution was left out as not finite, or a
+        """(``step``, ``params_lock`` held) Once a contribution was left out as not finite, or a
         sketch of the parameters was not (``look``), since the last look, raise DivergedError where
         training cannot go on: the parameters (the outer ones in local-steps mode) hold NaN or inf;
         or our own gradients were not finite OWN_NAN_LIMIT rounds in a row (this peer's data, or

@@ -4,7 +4,7 @@ rest, as DDP's reducer does; a step costs about max(backward, ring), not their s
 
 How. A hook per parameter (``register_post_accumulate_grad_hook``) fires once backward has
 accumulated that parameter's gradient. The first hook after a ``step`` decides whether this
-backward feeds a round (``BackwardFeed``, the peer's ``_feed``: staleness 0, gradient mode,
+backward feeds a round (``backward_feed.BackwardFeed``, the peer's ``_feed``: staleness 0, gradient mode,
 others to train with, nothing else accumulated); each then writes ``batch x grad`` into the
 accumulator's buffer (the batch: the last one ``step`` was given, a guess), and once the ring's
 first bucket is written (the buffer's end, where backward starts) the round may take that

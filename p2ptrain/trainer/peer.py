@@ -24,45 +24,20 @@ cluster's thread and back for nothing: ``step`` applies the batch at once, as th
 would, and the cluster commits its round afterwards (``solo``, ``cluster.trainer_api``), leaving
 that mode before anything else happens (a peer linked, a state asked for).
 
-Who owns what. ``AsyncPeer`` is one object holding three parts, each a plain class in its own
-module that owns the state only it uses (set in its ``__init__``; nothing else assigns it):
-``_lifetime`` (``lifetime.Lifetime``): the loop thread (``thread``, ``loop``) and ``closed``,
-and the crossings to that thread both front ends make (opening, a step's wait, closing, each a
-future that ``AsyncPeer`` awaits and ``sync_peer.Peer`` blocks on; ``lifetime_of`` hands it to
-the latter).
-``_contributor`` (``contributions.Contributor``): the trainer the cluster is given
-(``cluster.trainer_api.Contributions``, ``SoloTrainer``: ``take``, ``apply``, ``put_back``,
-``snapshot``, ``restore``, ``reconcile``, ``finish``, ``solo_*``), the ``wait`` a blocked
-``step`` runs and the ``flush`` on leaving, all on the cluster's loop thread; it owns the
-wake-up event, the linger timer and the rounds counted for leaving. ``_updater``
-(``updates.Updater``): applying committed updates, loading the states the cluster hands over,
-checkpoints; it owns the mean's buffers, the sketch in flight, ``metrics``, ``history`` and
-``corrected``. This module is the caller's side (settings, the async front end, the step's
-work: ``_begin_step``, ``_end_step``) and the core the two threads share, which the parts reach
-through their ``peer``:
-
-- ``_params_lock``, held while the parameters change (``Updater``; the user's optimizer in
-  local-steps mode) or a snapshot copies them, is always taken before ``_lock``; it also
-  guards ``_applied_waiting``.
-- ``_lock`` guards the accumulator ``_acc``, our contribution ``_out``, the queue of committed
-  updates ``_queue``, the versions (``version``, ``_committed``, ``_computing_on``,
-  ``_params_point``), the batch in progress (``_batch``, ``_computing``, ``_want_step``,
-  ``_step_end``, ``_pacing``), ``_leaving``, ``_finished``, the state loads waiting
-  (``_restore``, ``_reconcile``), ``_solo`` and the counters (``dropped``, ``staleness_max``,
-  ``_compute_s``, ``_compute_n``, ``_wait_s``; ``_metrics`` reads and resets them). Both threads
-  write them, under it (before entering, ``load_state_dict`` and ``_open`` need not); a read
-  without it is a peek where a stale answer is harmless (``wait`` and ``apply_queue`` look at
-  the queue before they lock; users read ``version``).
-- The settings, ``model``, ``optimizer``, ``scheduler``, ``params``, ``_predictor`` and ``_local``
-  are set here once (their contents change with the parameters, under ``_params_lock``); the
-  lifetime's (``cluster``, ``discovery``, ``_params_point``, ...) once each, as the peer opens or
-  closes.
-
-Threads: the caller's runs ``step`` (and ``Updater`` in it) and ``state_dict``; the cluster's runs
-``Contributor``, the lifetime coroutines (``_open``; ``Lifetime._close``, which ends in
-``_leave``), and ``Updater`` while ``step`` waits there or the peer leaves (the caller is
-blocked then). Past ``take``: ``cluster`` (rounds), ``collective`` (the ring), ``mesh`` and
-``transport`` (the sockets), then ``apply``.
+Who owns what. What the caller's thread and the cluster's share (the accumulator, our
+contribution, the queue of committed updates, the versions, the batch in progress, the state
+loads waiting, the counters, the two locks) has one owner, ``_state`` (``state.TrainerState``:
+its docstring says which thread calls which operation, under which lock). The parts, each a
+plain class in its own module owning what only it uses: ``_lifetime`` (``lifetime.Lifetime``:
+the loop thread, ``closed``, and the crossings both front ends make; ``lifetime_of`` hands it to
+``sync_peer.Peer``); ``_contributor`` (``contributions.Contributor``: the trainer the cluster is
+given, ``cluster.trainer_api``, the ``wait`` a blocked ``step`` runs and the ``flush`` on
+leaving, on the cluster's thread; when to contribute is ``contribution_decision``'s);
+``_updater`` (``updates.Updater``: applying committed updates, loading handed-over states,
+checkpoints; ``metrics``, ``history``, ``corrected``); ``_feed`` (``backward_feed``, overlap's
+hooks). This module is the caller's side: settings (set once), the async front end, the step's
+work (``_begin_step``, ``_end_step``), opening and leaving. The trainer package's docstring
+traces a gradient's trip to the ring and an update's back.
 
 Staleness. A gradient computed on version v and applied to version V has staleness V - v.
 
@@ -83,7 +58,7 @@ Staleness. A gradient computed on version v and applied to version V has stalene
 
 Overlap (``overlap=True``, staleness 0; ``overlap``): hooks write each gradient into the
 accumulator's buffer as backward makes it (``_feed``, a ``BackwardFeed``; its ``filling``, read
-by ``take`` under ``_lock``), a round takes that buffer once its ring's first bucket is
+by ``take`` under the state's lock), a round takes that buffer once its ring's first bucket is
 written, and the ring reads each range once written; ``step`` confirms the batch (``BackwardFeed.filled``) or withdraws it
 and adds the batch as without overlap.
 

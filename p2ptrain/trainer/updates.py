@@ -26,7 +26,7 @@ cluster's thread while ``step`` waits there or the peer leaves (``Contributor.wa
 ``flush``: the caller is blocked then); ``load_state_dict`` only before entering (one thread
 then, no lock). ``lock`` is taken inside it (``params_lock`` first, always), briefly, for the
 shared state. ``true_state_dict`` and ``outer_state`` only read (a snapshot calls them on the
-cluster's thread, ``_params_lock`` held).
+cluster's thread, ``params_lock`` held).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class Updater:
             self._publish(replace(metrics, param_checksum=sketch_checksum(sketch)))
 
     def _say_finished(self) -> None:
-        """Once the cluster's run is over and its last update is applied here (``_params_lock``
+        """Once the cluster's run is over and its last update is applied here (``params_lock``
         held): one line naming the round, the version (the chain's digest too) and a digest of
         the parameters, so that replicas that end apart can be told apart from their logs."""
         st = self.state
@@ -203,7 +203,7 @@ class Updater:
         return tensors_checksum((name, state[name]) for name, _ in module.named_parameters())
 
     def apply_alone(self, batch_size: int) -> bool:
-        """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
+        """Alone (``params_lock`` held): this batch's gradients are the update, applied now as
         the plain loop would; the cluster commits its round later (``Contributor.solo_*``).
         True: that was the run's last version, the cluster must hear of it now."""
         st, host = self.state, self.host
@@ -233,7 +233,7 @@ class Updater:
 
     # -- states handed over by the cluster (``Contributor.restore``, ``reconcile``) -------------
     def load_restore(self) -> bool:
-        """Load a pending state (``_params_lock`` held; no forward or backward runs now).
+        """Load a pending state (``params_lock`` held; no forward or backward runs now).
         True: one was loaded (what was computed before it is void)."""
         st = self.state
         state = st.take_restore()
@@ -250,7 +250,7 @@ class Updater:
         return True
 
     def _load_reconcile(self) -> None:
-        """(``_params_lock`` held) Ours at the leader's point: take its parameters."""
+        """(``params_lock`` held) Ours at the leader's point: take its parameters."""
         st, module = self.state, self.host.module
         taken = st.take_reconcile()
         if taken is None:
@@ -273,7 +273,7 @@ class Updater:
         self.corrected += 1
 
     def _load_state(self, state: dict) -> None:
-        """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot (in
+        """(``params_lock`` held) Parameters and optimizer state from a member's snapshot (in
         local-steps mode the outer state: the model starts over on it, with its momentum)."""
         st, host = self.state, self.host
         host.module.load_state_dict(state["model"])
