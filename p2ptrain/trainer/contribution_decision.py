@@ -124,7 +124,7 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
                 return _wait("lingering for a batch", now + idle_linger(view.idle_rounds))
         return Decision(Action.TAKE)
     if mode.staleness == 0:
-        if not view.accumulated and view.filling_ready:  # backward still writes it: the ring reads
+        if mode.overlap and not view.accumulated and view.filling_ready:  # backward still writes it: the ring reads
             return Decision(Action.TAKE_FILLING)  # each range once written
         if not view.accumulated:
             return _wait("no batch yet")

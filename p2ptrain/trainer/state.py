@@ -31,11 +31,19 @@ operation                  thread                 lock held by the caller
 ``pop_update``,            whoever applies:       ``params_lock`` (takes ``lock``)
 ``update_applied``,        caller's in ``step``,
 ``take_restore``,          cluster's while
-``state_load_ended``,      ``step`` waits or the
-``applied_alone``          peer leaves
+``take_reconcile``,        ``step`` waits or the
+``state_load_ended``,      peer leaves
+``applied_alone``
 ``add_pseudo_gradient``    either (applying)      ``params_lock`` and ``lock``
+``take_want_step``         caller's, backward's   ``lock``
 ``must_wait``, ``share``,  either                 ``lock``
-``lockstep``, ``metrics``
+``lockstep``, ``metrics``,
+``ours_pending``,
+``settled``
+``has_work``               cluster's              none (a peek)
+``unapplied``              cluster's, leaving     none (takes ``lock``)
+``loaded``                 caller's, before       none (one thread then)
+                           entering
 =========================  =====================  ==========================================
 
 The decision of what to contribute is pure (``contribution_decision``): ``view`` feeds it, the
