@@ -82,6 +82,6 @@ def spare_cores(monkeypatch):
     peers in one test process wait a lot (measured: 40 % of the time, sleeping as their
     "compute"), and CI's load varies: tests see the machine as one with cores to spare, as off
     Linux, unless they give the peers a clock of their own (``test_trainer_local_steps``)."""
-    from p2ptrain.trainer import contributions
+    from p2ptrain.trainer import state
 
-    monkeypatch.setattr(contributions, "cpu_times", lambda pid="self": None)
+    monkeypatch.setattr(state, "cpu_times", lambda pid="self": None)

@@ -154,7 +154,7 @@ def run_with_grad_scaler(monkeypatch, *, overlap, compression, overflow_at=None,
     itself to clip them (``scaler.unscale_``). Returns the parameters, the scales and the
     versions of both."""
     from p2ptrain.collective import ring
-    from p2ptrain.trainer import overlap as overlap_module, peer as peer_module
+    from p2ptrain.trainer import backward_feed as overlap_module, peer as peer_module
 
     monkeypatch.setattr(ring, "BUCKET_ELEMS", 32)  # (several buckets for this small model: overlapped)
     taken, filled = [], overlap_module.BackwardFeed.filled  # (batches that went in as the hooks wrote them)

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from p2ptrain.errors import ClosedError, GroupError
-from p2ptrain.trainer.lifetime import Lifetime
+from p2ptrain.trainer.lifetime import Lifetime, Work
 
 
 class StubPeer:
@@ -21,8 +21,10 @@ class StubPeer:
 
     def __init__(self, fail_open: BaseException | None = None, fail_flush: BaseException | None = None,
                  must_wait: bool = False):
-        self.lifetime = Lifetime(self)
-        self._contributor = self
+        self.lifetime = Lifetime(self.peer_id[:8], Work(
+            prepare=self._prepare, open=self._open, leave=self._leave, begin_step=self._begin_step,
+            wait_step=lambda: self.wait(self._must_wait, self.step_timeout), end_step=self._end_step,
+            flush=self.flush))
         self.calls: list[tuple[str, bool]] = []  # (what, on the loop thread)
         self.fail_open, self.fail_flush, self.must_wait = fail_open, fail_flush, must_wait
 

@@ -337,12 +337,12 @@ async def test_no_snapshot_while_an_update_waits_to_be_applied():
         x, y = batch(0)
         F.cross_entropy(peer.model(x), y).backward()
         await peer.step(batch_size=len(x))  # returns at once; its round commits in the background
-        await until(lambda: peer._queue)
+        await until(lambda: peer._state.queue)
         # (the parameters lag the cluster's point)
         assert await on_cluster_thread(peer, peer._contributor.snapshot) is None
         F.cross_entropy(peer.model(x), y).backward()
         await peer.step(batch_size=len(x))  # applies it
-        await until(lambda: not peer._queue)
+        await until(lambda: not peer._state.queue)
         state = await on_cluster_thread(peer, peer._contributor.snapshot)
         assert state is not None and state["version"] == peer.version >= 1
 

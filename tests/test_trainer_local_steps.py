@@ -146,7 +146,7 @@ def test_a_joiner_gets_the_outer_state_and_ends_identical():
         close_all(peers)
     assert late.cluster.loads and any(m.members == 3 for m in late.history)
     assert late.version == peers[0].version == peers[1].version == 60
-    assert late._peer._local.velocity_state().abs().sum() > 0  # the momentum came with the state
+    assert late._peer._state.local.velocity_state().abs().sum() > 0  # the momentum came with the state
     assert [p.cluster.reconciled for p in peers] == [0, 0, 0]
     for p in peers[1:]:
         for a, b in zip(peers[0].model.parameters(), p.model.parameters()):
@@ -255,9 +255,9 @@ def test_where_the_cores_are_short_a_peer_waits_for_its_outer_update_instead_of_
     time, stepping on would only slow the ring, so it waits for each outer update as at
     staleness 0, and each contribution is its 4 steps, from the first (the leaving flush aside).
     Replicas end identical either way."""
-    from p2ptrain.trainer import contributions, pacing, peer as peer_module
+    from p2ptrain.trainer import pacing, state as state_module
 
-    monkeypatch.setattr(contributions, "cpu_times", QueuedClock(queued))
+    monkeypatch.setattr(state_module, "cpu_times", QueuedClock(queued))
     stepped_on = []  # (each step() that went on while this peer's pseudo-gradient waited for a round or was in one)
 
     def must_wait(**state):
@@ -266,16 +266,16 @@ def test_where_the_cores_are_short_a_peer_waits_for_its_outer_update_instead_of_
             stepped_on.append(state["cores_short"])
         return wait
 
-    monkeypatch.setattr(peer_module, "must_wait", must_wait)
+    monkeypatch.setattr(state_module, "must_wait", must_wait)
     peers = train_pair(60, maker=make_adam, staleness=1, sync_every=4)
     held = [m.local_samples // 32 for m in peers[0].history]
     assert sum(held) == 60, held
     if queued:
-        assert peers[0]._peer._pacing.cores_short()
+        assert peers[0]._peer._state.pacing.cores_short()
         assert not stepped_on
         assert all(steps == 4 for steps in held[:-1]), held  # (not the last round: the leaving flush)
     else:
-        assert not peers[0]._peer._pacing.cores_short()
+        assert not peers[0]._peer._state.pacing.cores_short()
         assert stepped_on, held
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)

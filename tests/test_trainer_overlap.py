@@ -142,8 +142,8 @@ def test_a_round_takes_the_batch_before_step_once_the_rings_first_bucket_is_writ
             for x, y in data[rank]:
                 F.cross_entropy(peer.model(x), y).backward()
                 time.sleep(0.05)
-                with inner._lock:
-                    seen[rank].append(inner._out is not None and inner._out.filling is not None)
+                with inner._state.lock:
+                    seen[rank].append(inner._state.out is not None and inner._state.out.filling is not None)
                 peer.step(batch_size=len(x))
         run_threads([lambda r=r: loop(r) for r in range(2)])
     finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from p2ptrain.device import HostStaging
 from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.trainer.flat import param_starts, param_views, write_scaled
 
 if TYPE_CHECKING:
     from p2ptrain.trainer.overlap import Filling
@@ -77,31 +77,6 @@ class Outgoing:  # this peer's contribution, with the cluster until applied or p
     grads: list[torch.Tensor | None] | None = None  # a kept batch's gradients, not all written (``Accumulator``)
     filling: Filling | None = None  # backward still writes it (``overlap``)
     writer: WrittenAsRead | None = None  # ... or the ring's reads write the kept batch into it
-
-
-def write_scaled(view: torch.Tensor, grad: torch.Tensor | None, batch_size: float) -> None:
-    """``view = batch_size * grad`` (zeros for no gradient): one parameter's share of a sum,
-    written where nothing was added yet (``Accumulator``; overlap's hooks, ``overlap.Filling``:
-    the same multiplication, so the same bits; there also divided by a loss scale)."""
-    if grad is None:
-        view.zero_()
-        return
-    grad = grad.to_dense() if grad.is_sparse else grad
-    torch.mul(grad if grad.dtype == torch.float32 else grad.float(), float(batch_size), out=view)
-
-
-def param_starts(params) -> list[int]:
-    """Where each parameter begins in a flat buffer of them all, in order, and the end last."""
-    return [0, *itertools.accumulate(p.numel() for p in params)]
-
-
-def param_views(flat: torch.Tensor, params) -> list[torch.Tensor]:
-    """Views of a flat buffer, one per parameter, shaped like it, in order."""
-    views, offset = [], 0
-    for p in params:
-        views.append(flat[offset: offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return views
 
 
 class WrittenAsRead:

@@ -19,7 +19,7 @@ class AveragedGradient:
     result arrays (a few, reused) are divided and viewed in place; on another device the sum
     is copied into one buffer of ours there (the copy a round needs anyway). Making the views
     afresh cost a few microseconds of Python per parameter, every round. One caller at a time
-    (the peer's ``_params_lock``)."""
+    (the trainer state's ``params_lock``)."""
 
     def __init__(self, params: list[torch.Tensor], device: torch.device):
         self.params, self.device = params, device

@@ -23,34 +23,49 @@ the future (``wait`` here; ``asyncio.wrap_future`` does it for the async front e
 
 It is a held part of ``AsyncPeer`` (``peer.py``, "Who owns what"): it owns ``thread`` (the
 ``LoopThread``, set on opening), ``loop`` (its event loop) and ``closed`` (set on the loop
-thread as the peer leaves, after the flush); the peer's own work (``_prepare``, ``_open``,
-``_leave``, ``_begin_step``, ``_end_step``, the contributor's ``wait`` and ``flush``) stays
-in ``peer.py`` and ``contributions.py``, reached through ``peer``.
+thread as the peer leaves, after the flush); the peer's own work is handed in as ``Work``
+(``prepare``, ``open``, ``leave``, ``begin_step``, ``end_step``, and the contributor's
+``wait_step`` and ``flush``), so this module knows nothing of the peer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterator
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 from p2ptrain.errors import ClosedError
 from p2ptrain.trainer.loopthread import LoopThread
 
 ABANDON_TIMEOUT = 10.0  # seconds an interrupted opening gets to undo itself (a cluster's close takes up to ~2)
 
-if TYPE_CHECKING:
-    from p2ptrain.trainer.peer import AsyncPeer
+
+@dataclass(frozen=True)
+class Work:
+    """The peer's work at each crossing: ``prepare`` (caller's thread, before the loop thread
+    starts), ``open`` and ``leave`` (coroutines on the loop thread), ``begin_step(batch_size,
+    scaled)`` (caller's: True when step must wait), ``wait_step()`` (the wait's coroutine, on the
+    loop thread), ``end_step()`` (caller's: the updates applied), ``flush()`` (the coroutine a
+    normal close waits on first)."""
+    prepare: Callable[[], None]
+    open: Callable[[], Awaitable[None]]
+    leave: Callable[[], Awaitable[None]]
+    begin_step: Callable[[int, Any], bool]
+    wait_step: Callable[[], Awaitable[None]]
+    end_step: Callable[[], int]
+    flush: Callable[[], Awaitable[None]]
 
 
 class Lifetime:
     """A peer's loop thread and open/closed state; the front ends' only way to the loop thread.
     See the module docstring."""
 
-    def __init__(self, peer: AsyncPeer):
-        self.peer = peer
+    def __init__(self, name: str, work: Work):
+        self.name, self.work = name, work
         self.thread: LoopThread | None = None  # set once, on opening
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False  # set once, on the loop thread, as the peer leaves
@@ -60,11 +75,10 @@ class Lifetime:
     def opening(self) -> Iterator[concurrent.futures.Future]:
         """Start the loop thread and the peer's opening there; yields its future. The thread
         is stopped if the block raises (the opening failed, or the waiter was interrupted)."""
-        peer = self.peer
         if self.closed or self.thread is not None:
             raise ClosedError("this peer was entered once already: create a new one to join again")
-        peer._prepare()
-        thread = self.thread = LoopThread(f"p2ptrain-{peer.peer_id[:8]}")
+        self.work.prepare()
+        thread = self.thread = LoopThread(f"p2ptrain-{self.name}")
         self.loop = thread.loop
         try:
             yield thread.submit(self._open())
@@ -76,7 +90,7 @@ class Lifetime:
 
     async def _open(self) -> None:
         self._opening = asyncio.current_task()
-        await self.peer._open()
+        await self.work.open()
 
     def _abandon(self, thread: LoopThread) -> None:
         """An opening whose waiter was interrupted (Ctrl-C, a timeout, a cancelled task) still
@@ -115,23 +129,33 @@ class Lifetime:
     async def _close(self, flush: bool) -> None:
         try:
             if flush:
-                await self.peer._contributor.flush()
+                await self.work.flush()
         finally:
             self.closed = True
-            await self.peer._leave()
+            await self.work.leave()
 
     def begin_step(self, batch_size: int, scaled=None) -> concurrent.futures.Future | None:
-        """The step's work on the caller's thread (``AsyncPeer._begin_step``; ``scaled``: its
+        """The step's work on the caller's thread (``Work.begin_step``; ``scaled``: its
         ``overlap.ScaledStep``); the future of its wait on the loop thread if it must wait (until
         the staleness bound lets it go), else None. Then wait for it, then ``end_step``."""
-        peer = self.peer
-        if peer._begin_step(batch_size, scaled):
-            return self.thread.submit(peer._contributor.wait(peer._must_wait, peer.step_timeout))
+        if self.work.begin_step(batch_size, scaled):
+            return self.thread.submit(self.work.wait_step())
         return None
 
     def end_step(self) -> int:
         """After the wait, if any: apply what was committed; returns the updates applied."""
-        return self.peer._end_step()
+        return self.work.end_step()
+
+    def on_loop(self) -> bool:
+        """Whether this runs on the loop thread."""
+        return self.thread is not None and threading.current_thread() is self.thread.thread
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn`` on the loop thread: now if this is it, else soon (nothing once it is closed)."""
+        if self.on_loop():
+            fn()
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn)
 
     def wait(self, future: concurrent.futures.Future):
         """Block on a future of the loop thread (the sync front end)."""

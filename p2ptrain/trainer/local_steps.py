@@ -22,7 +22,7 @@ on while the round waits for the slower peers' ``every`` steps.
 
 Memory: three more copies of the trainable parameters (outer, base, momentum); they must be
 float32 (``AsyncPeer`` says so).
-Calls come from the peer with its ``_params_lock`` held (no forward or backward runs).
+Calls come from the peer with its state's ``params_lock`` held (no forward or backward runs).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from p2ptrain.trainer import _local_kernels
-from p2ptrain.trainer.accumulator import param_starts, param_views
+from p2ptrain.trainer.flat import param_starts, param_views
 from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)

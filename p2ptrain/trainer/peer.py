@@ -24,45 +24,20 @@ cluster's thread and back for nothing: ``step`` applies the batch at once, as th
 would, and the cluster commits its round afterwards (``solo``, ``cluster.trainer_api``), leaving
 that mode before anything else happens (a peer linked, a state asked for).
 
-Who owns what. ``AsyncPeer`` is one object holding three parts, each a plain class in its own
-module that owns the state only it uses (set in its ``__init__``; nothing else assigns it):
-``_lifetime`` (``lifetime.Lifetime``): the loop thread (``thread``, ``loop``) and ``closed``,
-and the crossings to that thread both front ends make (opening, a step's wait, closing, each a
-future that ``AsyncPeer`` awaits and ``sync_peer.Peer`` blocks on; ``lifetime_of`` hands it to
-the latter).
-``_contributor`` (``contributions.Contributor``): the trainer the cluster is given
-(``cluster.trainer_api.Contributions``, ``SoloTrainer``: ``take``, ``apply``, ``put_back``,
-``snapshot``, ``restore``, ``reconcile``, ``finish``, ``solo_*``), the ``wait`` a blocked
-``step`` runs and the ``flush`` on leaving, all on the cluster's loop thread; it owns the
-wake-up event, the linger timer and the rounds counted for leaving. ``_updater``
-(``updates.Updater``): applying committed updates, loading the states the cluster hands over,
-checkpoints; it owns the mean's buffers, the sketch in flight, ``metrics``, ``history`` and
-``corrected``. This module is the caller's side (settings, the async front end, the step's
-work: ``_begin_step``, ``_end_step``) and the core the two threads share, which the parts reach
-through their ``peer``:
-
-- ``_params_lock``, held while the parameters change (``Updater``; the user's optimizer in
-  local-steps mode) or a snapshot copies them, is always taken before ``_lock``; it also
-  guards ``_applied_waiting``.
-- ``_lock`` guards the accumulator ``_acc``, our contribution ``_out``, the queue of committed
-  updates ``_queue``, the versions (``version``, ``_committed``, ``_computing_on``,
-  ``_params_point``), the batch in progress (``_batch``, ``_computing``, ``_want_step``,
-  ``_step_end``, ``_pacing``), ``_leaving``, ``_finished``, the state loads waiting
-  (``_restore``, ``_reconcile``), ``_solo`` and the counters (``dropped``, ``staleness_max``,
-  ``_compute_s``, ``_compute_n``, ``_wait_s``; ``_metrics`` reads and resets them). Both threads
-  write them, under it (before entering, ``load_state_dict`` and ``_open`` need not); a read
-  without it is a peek where a stale answer is harmless (``wait`` and ``apply_queue`` look at
-  the queue before they lock; users read ``version``).
-- The settings, ``model``, ``optimizer``, ``scheduler``, ``params``, ``_predictor`` and ``_local``
-  are set here once (their contents change with the parameters, under ``_params_lock``); the
-  lifetime's (``cluster``, ``discovery``, ``_params_point``, ...) once each, as the peer opens or
-  closes.
-
-Threads: the caller's runs ``step`` (and ``Updater`` in it) and ``state_dict``; the cluster's runs
-``Contributor``, the lifetime coroutines (``_open``; ``Lifetime._close``, which ends in
-``_leave``), and ``Updater`` while ``step`` waits there or the peer leaves (the caller is
-blocked then). Past ``take``: ``cluster`` (rounds), ``collective`` (the ring), ``mesh`` and
-``transport`` (the sockets), then ``apply``.
+Who owns what. What the caller's thread and the cluster's share (the accumulator, our
+contribution, the queue of committed updates, the versions, the batch in progress, the state
+loads waiting, the counters, the two locks) has one owner, ``_state`` (``state.TrainerState``:
+its docstring says which thread calls which operation, under which lock). The parts, each a
+plain class in its own module owning what only it uses: ``_lifetime`` (``lifetime.Lifetime``:
+the loop thread, ``closed``, and the crossings both front ends make; ``lifetime_of`` hands it to
+``sync_peer.Peer``); ``_contributor`` (``contributions.Contributor``: the trainer the cluster is
+given, ``cluster.trainer_api``, the ``wait`` a blocked ``step`` runs and the ``flush`` on
+leaving, on the cluster's thread; when to contribute is ``contribution_decision``'s);
+``_updater`` (``updates.Updater``: applying committed updates, loading handed-over states,
+checkpoints; ``metrics``, ``history``, ``corrected``); ``_feed`` (``backward_feed``, overlap's
+hooks). This module is the caller's side: settings (set once), the async front end, the step's
+work (``_begin_step``, ``_end_step``), opening and leaving. The trainer package's docstring
+traces a gradient's trip to the ring and an update's back.
 
 Staleness. A gradient computed on version v and applied to version V has staleness V - v.
 
@@ -83,7 +58,7 @@ Staleness. A gradient computed on version v and applied to version V has stalene
 
 Overlap (``overlap=True``, staleness 0; ``overlap``): hooks write each gradient into the
 accumulator's buffer as backward makes it (``_feed``, a ``BackwardFeed``; its ``filling``, read
-by ``take`` under ``_lock``), a round takes that buffer once its ring's first bucket is
+by ``take`` under the state's lock), a round takes that buffer once its ring's first bucket is
 written, and the ring reads each range once written; ``step`` confirms the batch (``BackwardFeed.filled``) or withdraws it
 and adds the batch as without overlap.
 
@@ -119,7 +94,6 @@ import asyncio
 import collections
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -127,7 +101,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2ptrain.net import auth
-from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
+from p2ptrain.trainer.accumulator import RoundMetrics
 from p2ptrain.trainer.apply import optimizer_step
 from p2ptrain.cluster.cluster import Cluster
 from p2ptrain.codecs import parse_codec
@@ -139,14 +113,15 @@ from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trainer.local_steps import LocalSteps
-from p2ptrain.trainer.lifetime import Lifetime
-from p2ptrain.trainer.overlap import BackwardFeed, ScaledStep, unscale
+from p2ptrain.trainer.lifetime import Lifetime, Work
+from p2ptrain.trainer.backward_feed import BackwardFeed
+from p2ptrain.trainer.overlap import ScaledStep, unscale
 from p2ptrain.cluster.membership import genesis
-from p2ptrain.trainer.pacing import Pacing, must_wait, share
+from p2ptrain.trainer.contribution_decision import pseudo_gradient_due
+from p2ptrain.trainer.state import TrainerState
 from p2ptrain.trainer.options import (PEER_TIMEOUT, check_model_and_optimizer, check_options, listen_address,
                                       local_steps_defaults, own_module, round_config)
 from p2ptrain.trainer.prediction import WeightPredictor
-from p2ptrain.trainer.solo import SoloLane
 from p2ptrain.trainer.step_checks import StepGuard, Trainable, sample_count
 from p2ptrain.cluster.rings import KEEP_RESULTS
 from p2ptrain.cluster.rounds import SyncPoint
@@ -235,46 +210,27 @@ class AsyncPeer:
         self.cluster: Cluster | None = None  # built on entering (after a checkpoint may have been loaded)
         self.discovery: Discovery | None = None
         self._tasks = TaskSet()  # on the cluster's loop: the proposer (the cluster and discovery own theirs)
-        self._start: SyncPoint | None = None  # a checkpoint's point (load_state_dict), else genesis
 
-        # The core the caller's thread (step) and the cluster's (the contributor) share, guarded
-        # by _lock (the module docstring says who writes what). _params_lock is held while the
-        # parameters change (an update, a state load), so a snapshot can refuse; it comes first.
-        self._lock = threading.Lock()
-        self._params_lock = threading.Lock()
-        self._acc = Accumulator(self.params, self.device)
-        self._predictor = WeightPredictor(self.params) if weight_prediction else None
-        self._local = LocalSteps(self.params, sync_every, outer_lr, outer_momentum, optimizer) if sync_every else None
-        # Overlap: the hooks that write each gradient into the round's buffer as backward makes it.
-        self._feed = BackwardFeed(self) if overlap else None
-        self._leaving = False  # closing: a round asking for our contribution gets what we have
-        self._out: Outgoing | None = None  # our contribution, in a round
-        self._queue: collections.deque[CommittedUpdate] = collections.deque()
-        self.version = 0  # updates applied to the parameters here
-        self._committed = 0  # updates committed by the cluster (applied here, or queued)
-        self._computing_on = 0  # the version the batch in progress is computed on
-        self._applied_waiting = 0  # updates applied before step() returns (it reports them; under _params_lock)
-        self._batch = 1  # the last batch size step() was given (the share counts whole batches)
-        self._computing = True  # False while the caller is inside step() (no batch in progress)
-        self._want_step = False  # a round waits for this peer's next batch: step() must say so
-        self._restore: dict | None = None  # a member's state, loaded at the next safe point
-        self._reconcile: tuple[dict, SyncPoint] | None = None  # the leader's state, loaded at its point
-        self._params_point: SyncPoint | None = None  # the cluster's point of the parameters here
-        self.dropped = 0  # samples dropped (too stale, or void after a state load)
+        # What the caller's thread (step) and the cluster's share, in one owner (``state``: who calls
+        # what, under which lock); the parts below change it through its operations.
+        self._state = st = TrainerState(
+            self.params, self.device, staleness=staleness, min_peers=min_peers, target_batch_size=target_batch_size,
+            members=lambda: self.members, predicted=weight_prediction,
+            local=LocalSteps(self.params, sync_every, outer_lr, outer_momentum, optimizer) if sync_every else None,
+            predictor=WeightPredictor(self.params) if weight_prediction else None)
         self.unapplied = 0  # samples stepped that no round took before this peer left (set on closing)
-        self._finished = False  # the cluster's run is over (``finish``; set on the cluster's thread)
-        self.staleness_max = 0
-        self._compute_s = self._wait_s = 0.0  # since the last update: for its metrics (``_metrics``)
-        self._compute_n = 0
-        self._pacing = Pacing(predicted=weight_prediction)  # the compute and ring seconds the staleness rule needs (``pacing``)
-        self._step_end = time.perf_counter()
-        self._solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
         self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
         self._checksum = b""
         # The parts; each owns its own state (the module docstring).
-        self._lifetime = Lifetime(self)  # the loop thread, open or closed: what both front ends drive
-        self._contributor = Contributor(self)  # the cluster's trainer, on its thread
-        self._updater = Updater(self)  # changes the parameters: updates, state loads, checkpoints
+        self._lifetime = Lifetime(self.peer_id[:8], Work(  # the loop thread, open or closed
+            prepare=self._prepare, open=self._open, leave=self._leave, begin_step=self._begin_step,
+            wait_step=lambda: self._contributor.wait_step(), end_step=self._end_step,
+            flush=lambda: self._contributor.flush()))
+        # Overlap: the hooks that write each gradient into the round's buffer as backward makes it.
+        self._feed = BackwardFeed(st, self._lifetime, self._notify) if overlap else None
+        self._updater = Updater(self, st, self._lifetime, self.device, look=lambda: self._contributor.look())
+        self._contributor = Contributor(self, st, self._lifetime, self._updater, self._feed, self._notify,
+                                        step_timeout)  # the cluster's trainer, on its thread
 
     @property
     def members(self) -> int:
@@ -289,8 +245,24 @@ class AsyncPeer:
         ``cluster.finished.version``. Not while a state load waits for the next step (a joiner
         that loaded the cluster's state just before the end: it would end with its own
         parameters at the cluster's version)."""
-        with self._lock:
-            return self._finished and not self._queue and self._restore is None
+        st = self._state
+        with st.lock:
+            return st.finished and not st.queue and st.restore is None
+
+    @property
+    def version(self) -> int:
+        """Updates applied to the parameters here."""
+        return self._state.version
+
+    @property
+    def dropped(self) -> int:
+        """Samples dropped: staler than the bound, void after a state load, or left out as not finite."""
+        return self._state.dropped
+
+    @property
+    def staleness_max(self) -> int:
+        """The largest staleness of a gradient of ours applied so far."""
+        return self._state.staleness_max
 
     @property
     def metrics(self) -> RoundMetrics | None:
@@ -344,21 +316,22 @@ class AsyncPeer:
     def _prepare(self) -> None:
         """(``Lifetime.opening``, the caller's thread) The point the parameters start from."""
         checksum = hashlib.blake2b(param_checksum(self.module).encode(), digest_size=16).digest()
-        self._params_point = self._start or SyncPoint(0, genesis(checksum), -1, 0)
+        self._state.params_point = self._updater.start or SyncPoint(0, genesis(checksum), -1, 0)
         self._checksum = checksum
 
     async def _open(self) -> None:
-        config = round_config(self.min_peers, self._params_point, self.max_rounds, self.duration,
+        st = self._state
+        config = round_config(self.min_peers, st.params_point, self.max_rounds, self.duration,
                               asyncio.get_running_loop().time(), discovery=bool(self._discovery_on),
                               peer_timeout=self.peer_timeout)
         self.cluster = Cluster(peer_id=self.peer_id, trainer=self._contributor, checksum=self._checksum,
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=config,
-                               start=self._params_point, fingerprint=model_fingerprint(self.module),
+                               start=st.params_point, fingerprint=model_fingerprint(self.module),
                                settings=self._settings)
         await self.cluster.__aenter__()  # (when it fails, it has opened nothing)
         try:  # (cancelled midway, by an interrupted waiter: what was opened is closed again)
-            for array in self._acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)
+            for array in st.acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)
                 self.cluster.recycle(array)
             # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
             self.discovery = Discovery(self._cluster_name, self.peer_id, self.cluster.port, self._secret,
@@ -369,8 +342,8 @@ class AsyncPeer:
             await self.cluster.close()
             raise
         self._tasks.spawn(self._propose())
-        self._step_end = time.perf_counter()
-        self._pacing.step_began(None)
+        st.step_end = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
+        st.pacing.step_began(None)
         self._step_guard = StepGuard(self.optimizer)  # (last: nothing after it can fail the opening)
 
     async def _leave(self) -> None:
@@ -381,20 +354,21 @@ class AsyncPeer:
             self._feed.close()
         await self._tasks.close()
         await self.cluster.close()
-        with self._params_lock:  # a state handed over after the loop's last step (the cluster's, at the
+        st = self._state
+        with st.params_lock:  # a state handed over after the loop's last step (the cluster's, at the
             self._updater.load_restore()  # end), and rounds committed until we left: our records say so
             self._updater.apply_queue()
-        with self._lock:  # (a round in flight as we left put its share back; inner steps never contributed)
-            self.unapplied = self._acc.samples + (self._local.samples if self._local is not None else 0)
+        # (a round in flight as we left put its share back; inner steps never contributed)
+        self.unapplied = st.unapplied()
         if self.unapplied:
             log.info("left with %d samples that no round took (unapplied)", self.unapplied)
         await self.discovery.__aexit__(None, None, None)
-        if self._predictor is not None:  # the model ends on the true parameters
-            with self._params_lock:
-                self._predictor.restore()
-        if self._local is not None:  # ... on the outer ones, identical on every replica
-            with self._params_lock:
-                self._local.finish()
+        if st.predictor is not None:  # the model ends on the true parameters
+            with st.params_lock:
+                st.predictor.restore()
+        if st.local is not None:  # ... on the outer ones, identical on every replica
+            with st.params_lock:
+                st.local.finish()
         self._contributor.wake()
 
     async def _propose(self) -> None:
@@ -431,52 +405,44 @@ class AsyncPeer:
         if self._steps_past_end == 2:
             log.warning("the cluster's run is over: step() applies nothing more; leave the loop "
                         "(while not peer.finished)")
-        began = time.perf_counter()
-        with self._params_lock:
+        began, st, feed = time.perf_counter(), self._state, self._feed
+        with st.params_lock:
             self._contributor.check_diverged()  # (after a batch left out as NaN or inf only)
             void = self._updater.load_restore()
-            with self._lock:
-                self._compute_s += began - self._step_end
-                self._compute_n += 1
-                self._pacing.computed(began - self._step_end)
-                measured = bool(self.staleness) and self._local is None and self.members > 1  # (a batch's period)
-                self._pacing.step_began(began if measured else None, measured and self._lockstep())
+            with st.lock:
+                measured = bool(self.staleness) and st.local is None and self.members > 1  # (a batch's period)
+                st.batch_finished(batch_size, began, measured)
                 skip, scale = (False, None) if scaled is None else (scaled.skip, scaled.scale)
-                alone = self._solo.on and not void and not skip
-                filling = self._feed.confirm(batch_size, scaled) if self._feed is not None else None
+                alone = st.solo.on and not void and not skip
+                filling = feed.confirm(batch_size, scaled) if feed is not None else None
                 if void or skip:  # computed on parameters just replaced; or GradScaler skips it
                     if filling is not None:
-                        self._feed.withdraw(filling, "the parameters were replaced (a state load)" if void else
-                                            "GradScaler found inf or NaN in its gradients")
+                        feed.withdraw(filling, "the parameters were replaced (a state load)" if void else
+                                      "GradScaler found inf or NaN in its gradients")
                     for p in self.params:
                         p.grad = None
                     if void:  # (GradScaler's skipped batch is no sample of any round)
-                        self.dropped += batch_size
-                elif filling is not None and not alone and self._feed.filled(filling, batch_size, scale):
+                        st.dropped += batch_size
+                elif filling is not None and not alone and feed.filled(filling, batch_size, scale):
                     pass  # (backward wrote it into the round's buffer: ``overlap``)
                 else:
                     if filling is not None and alone:  # (solo began while backward ran: it applies as it is)
-                        self._feed.withdraw(filling, "this peer is alone now")
+                        feed.withdraw(filling, "this peer is alone now")
                     if scale is not None:  # (the gradients as GradScaler would have unscaled them)
                         unscale(self.params, scale)
-                    if self._local is None and not alone:  # (kept as it is until a round needs a vector:
+                    if st.local is None and not alone:  # (kept as it is until a round needs a vector:
                         #  ``Accumulator``; not while a next batch computes beside it, but alone, or where
                         #  step waits for the round as at staleness 0: ``lockstep``)
-                        self._acc.add(batch_size, self.version, keep=self.staleness == 0 or self.members <= 1
-                                      or self._lockstep())
-                self._batch = batch_size
-                self._computing = False
+                        st.acc.add(batch_size, st.version, keep=self.staleness == 0 or self.members <= 1
+                                   or st.lockstep())
                 # An inner step tells the cluster nothing: it hears when the pseudo-gradient is ready
-                # (``_inner_step``), and a round waiting for it keeps ``_want_step`` for its linger.
+                # (``_inner_step``), and a round waiting for it keeps ``want_step`` for its linger.
                 # (Asked at each step, the loop thread woke for nothing: 0.9 ms a step, 4 peers on 2 cores.)
-                if self._local is None or void:
-                    notify, self._want_step = self._want_step, False
-                else:
-                    notify = False
+                notify = st.take_want_step() if st.local is None or void else False
             if alone:
                 self._updater.apply_queue()  # (what was committed before we went solo)
                 notify = self._updater.apply_alone(batch_size)
-            elif self._local is not None:
+            elif st.local is not None:
                 notify = self._inner_step(batch_size, void) or notify
             else:
                 self._updater.apply_queue()
@@ -484,67 +450,35 @@ class AsyncPeer:
             self._notify()
         if alone and not notify:  # (applied: nothing to wait for)
             return False
-        with self._lock:
-            return self._must_wait()
+        with st.lock:
+            return st.must_wait()
 
     def _end_step(self) -> int:  # (``Lifetime.end_step``)
-        with self._params_lock:
+        with self._state.params_lock:
             self._updater.load_restore()
-            applied = self._updater.apply_queue() + self._applied_waiting
-            self._applied_waiting = 0
-            with self._lock:
-                self._computing_on, self._computing = self.version, True
-                self._step_end = time.perf_counter()
-        return applied
+            applied = self._updater.apply_queue()
+            return applied + self._state.step_ended()
 
     def _inner_step(self, batch_size: int, void: bool) -> bool:
-        """Local-steps mode (``_params_lock`` held): the user's optimizer steps on this batch,
+        """Local-steps mode (``params_lock`` held): the user's optimizer steps on this batch,
         the outer updates committed since land, and once ``sync_every`` inner steps are owed
         and the last contribution is applied, the pseudo-gradient goes to the accumulator.
         True: a contribution is ready (the cluster must hear of it)."""
+        st = self._state
         if not void:
             optimizer_step(self.params, self.optimizer, self.scheduler, self.clip_grad_norm)
-            self._local.stepped(batch_size)
+            st.local.stepped(batch_size)
         self._updater.apply_queue()
-        with self._lock:
-            if not self._local.due() or self._acc.samples or self._out is not None:
+        with st.lock:
+            if not pseudo_gradient_due(steps=st.local.steps, every=st.local.every, accumulated=st.acc.samples,
+                                       out=st.out is not None):
                 return False
-            return self._contributor.add_local()
-
-    def _must_wait(self) -> bool:  # (under _lock) the rule is ``pacing.must_wait``
-        if self._solo.flush and not self._finished:  # (the run's last version, applied alone: until it ends)
-            return True
-        return must_wait(staleness=self.staleness, local_steps=self._local is not None, finished=self._finished,
-                         accumulated=self._acc.samples, out=self._out is not None, share=self._share(),
-                         lockstep=self._lockstep(), cores_short=self._pacing.cores_short())
-
-    def _lockstep(self) -> bool:  # (``pacing.Pacing.lockstep``; no round runs with fewer than min_peers)
-        return self._pacing.lockstep(max(self.members, self.min_peers))
-
-    def _share(self) -> int:  # (no round runs with fewer than min_peers)
-        return share(self.target_batch_size, max(self.members, self.min_peers), self._batch)
+            return st.add_pseudo_gradient()
 
     def _notify(self, tell: Callable[[], None] | None = None) -> None:
         """Tell the cluster this peer has something now (or call ``tell`` there), from whichever
         thread we are on."""
-        tell = tell or self.cluster.contribution_available
-        lifetime = self._lifetime
-        if lifetime.thread is not None and threading.current_thread() is lifetime.thread.thread:
-            tell()
-        elif not lifetime.loop.is_closed():
-            lifetime.loop.call_soon_threadsafe(tell)
-
-    def _metrics(self, r: int, version: int, members: int, samples: int, local_samples: int, staleness: int,
-                 round_time: float) -> RoundMetrics:
-        """(under _lock) An update's metrics, with the compute and wait seconds since the last
-        update (read and reset here)."""
-        m = RoundMetrics(round=r, version=version, members=members, samples=samples, local_samples=local_samples,
-                         staleness=staleness, staleness_max=self.staleness_max, dropped=self.dropped, wire_bytes=0,
-                         raw_bytes=0, round_time=round_time, compute_time=self._compute_s / max(self._compute_n, 1),
-                         wait_time=self._wait_s)
-        self._compute_s = self._wait_s = 0.0
-        self._compute_n = 0
-        return m
+        self._lifetime.call_soon(tell or self.cluster.contribution_available)
 
 
 def lifetime_of(peer: AsyncPeer) -> Lifetime:

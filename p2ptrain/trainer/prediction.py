@@ -28,7 +28,7 @@ import torch
 class WeightPredictor:
     """Holds the true parameters while the model holds the predicted ones (``predicted``).
 
-    Calls, all with the peer's ``_params_lock`` held (no forward or backward runs): before
+    Calls, all with the state's ``params_lock`` held (no forward or backward runs): before
     each update ``before_update``; after the last of a run of updates ``predict`` (instead of
     both, ``pause`` where nothing is to be predicted); after a
     state load ``forget`` (the loaded parameters are true, and no update led to them);

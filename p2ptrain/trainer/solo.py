@@ -1,6 +1,6 @@
 """A peer alone (``cluster.trainer_api.SoloTrainer``): the round its next batch applied at once
 will be committed as, the batches applied and not committed yet, and the version where that
-stops. Pure bookkeeping: ``AsyncPeer`` holds one and uses it under its ``_lock``; the caller's
+stops. Pure bookkeeping: ``state.TrainerState`` holds one, used under its ``lock``; the caller's
 thread lists batches (``applied``), the cluster's thread starts it (``begin``), takes the list
 (``take``) and stops it (``stop``)."""
 

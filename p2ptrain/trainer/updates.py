@@ -16,16 +16,17 @@ Who owns what. ``Updater`` owns what only applying touches, set in its ``__init_
 buffers (``_mean``), a sketch the device still copies (``_sketching``), ``_said_end``, the
 progress log, and what it publishes: ``metrics``, ``history`` and ``corrected`` (the peer shows
 them as read-only properties). The state it shares with the cluster's side (the queue, the
-versions, the state loads waiting, the accumulator, ``_solo``) is the peer's core, reached
-through ``self.peer`` and guarded by the peer's ``_lock`` (``peer``'s docstring).
+versions, the state loads waiting, the accumulator, ``solo``) is the trainer's state
+(``state.TrainerState``), changed through its operations (``pop_update``, ``update_applied``,
+``take_restore``, ``state_load_ended``, ``applied_alone``) and read under its ``lock``.
 
-Threads and locks. Whatever changes the parameters runs with the peer's ``_params_lock`` held,
+Threads and locks. Whatever changes the parameters runs with the state's ``params_lock`` held,
 never under a forward or a backward: on the caller's thread inside ``step``, or on the
 cluster's thread while ``step`` waits there or the peer leaves (``Contributor.wait``,
 ``flush``: the caller is blocked then); ``load_state_dict`` only before entering (one thread
-then, no lock). ``_lock`` is taken inside it (``_params_lock`` first, always), briefly, for the
-shared core. ``true_state_dict`` and ``outer_state`` only read (a snapshot calls them on the
-cluster's thread, ``_params_lock`` held).
+then, no lock). ``lock`` is taken inside it (``params_lock`` first, always), briefly, for the
+shared state. ``true_state_dict`` and ``outer_state`` only read (a snapshot calls them on the
+cluster's thread, ``params_lock`` held).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import threading
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -50,7 +49,11 @@ from p2ptrain.trainer.apply import AveragedGradient, apply_gradients, apply_upda
 from p2ptrain.trainer.progress import ProgressLog
 
 if TYPE_CHECKING:
-    from p2ptrain.trainer.peer import AsyncPeer
+    from collections.abc import Callable
+
+    from p2ptrain.trainer.host import Host
+    from p2ptrain.trainer.lifetime import Lifetime
+    from p2ptrain.trainer.state import TrainerState
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 
@@ -108,9 +111,11 @@ class Updater:
     """Applying committed updates and loading states, and what they give (see the module
     docstring). Its methods without an underscore are what the peer and ``Contributor`` call."""
 
-    def __init__(self, peer: AsyncPeer):
-        self.peer = peer  # the shared core: settings, locks, queue, versions, accumulator
-        self._mean = AveragedGradient(peer.params, peer.device)  # (used under _params_lock)
+    def __init__(self, host: Host, state: TrainerState, lifetime: Lifetime, device, look: Callable[[], None]):
+        self.host, self.state, self._lifetime = host, state, lifetime
+        self._look = look  # (a sketch of the parameters held NaN or inf: ``Contributor.look``)
+        self._start: SyncPoint | None = None  # a checkpoint's point (``load_state_dict``), else genesis
+        self._mean = AveragedGradient(state.params, device)  # (used under params_lock)
         self._sketching = None  # (point, metrics, drift.SketchRead): a sketch the device still copies
         self._said_end = False  # the line naming where this peer finished was logged (``_say_finished``)
         self._progress = ProgressLog()
@@ -119,23 +124,22 @@ class Updater:
         self.corrected = 0  # the leader's parameters loaded here because ours drifted past the tolerance
 
     def apply_queue(self) -> int:
-        """Apply the committed updates in order (``_params_lock`` held). Returns how many."""
-        peer = self.peer
-        if not (peer._queue or peer._reconcile is not None or self._sketching is not None
-                or peer._predictor is not None or peer._finished):
+        """Apply the committed updates in order (``params_lock`` held). Returns how many."""
+        st, host = self.state, self.host
+        if not (st.queue or st.reconcile is not None or self._sketching is not None
+                or st.predictor is not None or st.finished):
             return 0  # (nothing to do: most steps of a peer alone)
         applied = 0
-        predictor = peer._predictor
+        predictor = st.predictor
         if predictor is not None:
-            with peer._lock:  # (in lockstep no gradient is late: nothing to predict, staleness 0's rounds)
-                predicting = not peer._lockstep()
+            with st.lock:  # (in lockstep no gradient is late: nothing to predict, staleness 0's rounds)
+                predicting = not st.lockstep()
         while True:
             self._load_reconcile()
-            with peer._lock:
-                update = peer._queue.popleft() if peer._queue else None
+            update = st.pop_update()
             if update is None:
                 # (read once the device copied it, a CPU's at once; leaving or at the end, now)
-                self._deliver_sketch(wait=peer._leaving or peer._finished)
+                self._deliver_sketch(wait=st.leaving or st.finished)
                 if predictor is not None:
                     predictor.predict() if predicting else predictor.pause()
                 self._say_finished()
@@ -146,17 +150,13 @@ class Updater:
                     predictor.before_update() if predicting else predictor.pause()
                 self._apply_update(update)
                 if update.ours is None:  # (the ring's result, ours now: its memory serves a later ring)
-                    peer.cluster.recycle(update.summed)
+                    host.cluster.recycle(update.summed)
                 applied += 1
-            with peer._lock:
-                peer._params_point = update.point
-                peer.version += update.summed is not None
-                if update.ours is not None:  # (a peer alone: the ring's result was our own buffer)
-                    peer._acc.release(update.ours)
+            st.update_applied(update)
             metrics = update.metrics
-            if update.compare and peer.reconcile_every and update.point.version % peer.reconcile_every == 0:
+            if update.compare and host.reconcile_every and update.point.version % host.reconcile_every == 0:
                 # (the outer parameters in local-steps mode: the model holds this peer's local ones)
-                read = start_sketch(peer._local.outer if peer._local is not None else peer.params)
+                read = start_sketch(st.local.outer if st.local is not None else st.params)
                 self._sketching, metrics = (update.point, metrics, read), None  # (published with it)
                 self._deliver_sketch(wait=False)
             if metrics is not None:
@@ -173,189 +173,179 @@ class Updater:
         self._sketching = None
         point, metrics, read = pending
         sketch = read.result()
-        peer = self.peer
         if not sketch_finite(sketch):  # (a codec that carries NaN, ``none``, averages it into every replica)
-            peer._contributor.look()
-        peer._lifetime.loop.call_soon_threadsafe(peer.cluster.parameters_at, point, sketch)
+            self._look()
+        self._lifetime.loop.call_soon_threadsafe(self.host.cluster.parameters_at, point, sketch)
         if metrics is not None:
             self._publish(replace(metrics, param_checksum=sketch_checksum(sketch)))
 
     def _say_finished(self) -> None:
-        """Once the cluster's run is over and its last update is applied here (``_params_lock``
+        """Once the cluster's run is over and its last update is applied here (``params_lock``
         held): one line naming the round, the version (the chain's digest too) and a digest of
         the parameters, so that replicas that end apart can be told apart from their logs."""
-        peer = self.peer
-        with peer._lock:
-            if not peer._finished or peer._queue or peer._restore is not None or self._said_end:
+        st = self.state
+        with st.lock:
+            if not st.finished or st.queue or st.restore is not None or self._said_end:
                 return
-            self._said_end, point = True, peer._params_point
-        end = peer.cluster.finished
+            self._said_end, point = True, st.params_point
+        end = self.host.cluster.finished
         log.info("finished at the cluster's round %s, version %s: this peer holds version %d (chain %s), "
-                 "parameters %s", end and end.r, end and end.version, peer.version,
+                 "parameters %s", end and end.r, end and end.version, st.version,
                  point.digest.hex()[:16] if point else "-", self.parameters_checksum())
 
     def parameters_checksum(self) -> str:
         """The replicas' common parameters, hashed (``AsyncPeer.param_checksum``): the true ones
         where the model holds predicted ones, the outer ones in local-steps mode."""
-        peer = self.peer
-        if peer._local is None and peer._predictor is None:
-            return param_checksum(peer.module)
+        st, module = self.state, self.host.module
+        if st.local is None and st.predictor is None:
+            return param_checksum(module)
         state = self.true_state_dict()
-        return tensors_checksum((name, state[name]) for name, _ in peer.module.named_parameters())
+        return tensors_checksum((name, state[name]) for name, _ in module.named_parameters())
 
     def apply_alone(self, batch_size: int) -> bool:
-        """Alone (``_params_lock`` held): this batch's gradients are the update, applied now as
+        """Alone (``params_lock`` held): this batch's gradients are the update, applied now as
         the plain loop would; the cluster commits its round later (``Contributor.solo_*``).
         True: that was the run's last version, the cluster must hear of it now."""
-        peer = self.peer
-        grads = [p.grad for p in peer.params]  # (dense, as a round's mean would be)
-        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], peer.params,
-                        peer.optimizer, peer.scheduler, peer.clip_grad_norm)
-        with peer._lock:
-            peer.version += 1
-            peer._committed += 1
-            peer._applied_waiting += 1
-            r, last = peer._solo.applied(batch_size, peer.version, time.time())
-            m = peer._metrics(r, peer.version, 1, batch_size, batch_size, 0, 0.0)
+        st, host = self.state, self.host
+        grads = [p.grad for p in st.params]  # (dense, as a round's mean would be)
+        apply_gradients([g.to_dense() if g is not None and g.is_sparse else g for g in grads], st.params,
+                        host.optimizer, host.scheduler, host.clip_grad_norm)
+        m, last = st.applied_alone(batch_size)
         self.metrics = m  # (as ``_publish``, with no cluster record to complete it: no ring ran)
         self.history.append(m)
-        self._progress.applied(m, peer.staleness_max, peer.dropped)
+        self._progress.applied(m, st.staleness_max, st.dropped)
         return last
 
     def _apply_update(self, update: CommittedUpdate) -> None:
-        peer = self.peer
-        if peer._local is not None:
-            return peer._local.apply(self._mean.of(update)[0])
+        st, host = self.state, self.host
+        if st.local is not None:
+            return st.local.apply(self._mean.of(update)[0])
         if update.ours is not None and update.ours.grads is not None:  # alone: our batch as backward left it
-            return apply_gradients(update.ours.grads, peer.params, peer.optimizer, peer.scheduler,
-                                   peer.clip_grad_norm)
-        apply_update(update, self._mean, peer.optimizer, peer.scheduler, peer.clip_grad_norm)
+            return apply_gradients(update.ours.grads, st.params, host.optimizer, host.scheduler,
+                                   host.clip_grad_norm)
+        apply_update(update, self._mean, host.optimizer, host.scheduler, host.clip_grad_norm)
 
     def _publish(self, m: RoundMetrics) -> None:
-        peer = self.peer
-        m = self._progress.completed(m, peer.cluster)
+        m = self._progress.completed(m, self.host.cluster)
         self.metrics = m
         self.history.append(m)
-        self._progress.applied(m, peer.staleness_max, peer.dropped)
+        self._progress.applied(m, self.state.staleness_max, self.state.dropped)
 
     # -- states handed over by the cluster (``Contributor.restore``, ``reconcile``) -------------
     def load_restore(self) -> bool:
-        """Load a pending state (``_params_lock`` held; no forward or backward runs now).
+        """Load a pending state (``params_lock`` held; no forward or backward runs now).
         True: one was loaded (what was computed before it is void)."""
-        peer = self.peer
-        with peer._lock:
-            state, peer._restore = peer._restore, None
+        st = self.state
+        state = st.take_restore()
         if state is None:
             return False
-        stepped = peer._local.samples if peer._local is not None else 0  # (inner steps the load starts over)
+        stepped = st.local.samples if st.local is not None else 0  # (inner steps the load starts over)
         self._load_state(state)
-        for p in peer.params:
+        for p in st.params:
             p.grad = None
-        with peer._lock:
-            peer.version = peer._committed = peer._computing_on = int(state.get("version", 0))
-            peer._params_point = _point(state.get("sync"))
-            void = peer._acc.void() + stepped  # (batches added since ``Contributor.restore`` voided the rest)
-            peer.dropped += void
-            peer._want_step = True
+        # (batches added since ``Contributor.restore`` voided the rest)
+        void = st.state_load_ended(int(state.get("version", 0)), _point(state.get("sync")), stepped)
         if void:
             log.info("loading the cluster's state: %d samples computed here since are void", void)
         return True
 
     def _load_reconcile(self) -> None:
-        """(``_params_lock`` held) Ours at the leader's point: take its parameters."""
-        peer = self.peer
-        with peer._lock:
-            if peer._reconcile is None or peer._params_point is None:
-                return
-            (state, point), here = peer._reconcile, peer._params_point
-            if here.version < point.version:
-                return  # not there yet
-            peer._reconcile = None
+        """(``params_lock`` held) Ours at the leader's point: take its parameters."""
+        st, module = self.state, self.host.module
+        taken = st.take_reconcile()
+        if taken is None:
+            return
+        state, point, here = taken
         if (here.version, here.digest) != (point.version, point.digest):
             log.debug("the leader's parameters for version %d came after ours passed it", point.version)
             return
-        if peer._local is not None:  # the outer parameters: everything here moves by the difference
-            names = dict(peer.module.named_parameters())
-            peer._local.shift([state["model"][n] for n, _ in peer._local.named_outer(peer.module)
-                               if names[n].requires_grad], (state.get("outer") or {}).get("momentum"))
+        if st.local is not None:  # the outer parameters: everything here moves by the difference
+            names = dict(module.named_parameters())
+            st.local.shift([state["model"][n] for n, _ in st.local.named_outer(module)
+                            if names[n].requires_grad], (state.get("outer") or {}).get("momentum"))
         else:
             with torch.no_grad():
-                for name, p in peer.module.named_parameters():
+                for name, p in module.named_parameters():
                     if name in state["model"]:
                         p.copy_(state["model"][name])
-        if peer._predictor is not None:
-            peer._predictor.forget()
+        if st.predictor is not None:
+            st.predictor.forget()
         self.corrected += 1
 
     def _load_state(self, state: dict) -> None:
-        """(``_params_lock`` held) Parameters and optimizer state from a member's snapshot (in
+        """(``params_lock`` held) Parameters and optimizer state from a member's snapshot (in
         local-steps mode the outer state: the model starts over on it, with its momentum)."""
-        peer = self.peer
-        peer.module.load_state_dict(state["model"])
-        if peer._local is not None:
-            peer._local.reset((state.get("outer") or {}).get("momentum"))
-        peer.optimizer.load_state_dict(state["optimizer"])
+        st, host = self.state, self.host
+        host.module.load_state_dict(state["model"])
+        if st.local is not None:
+            st.local.reset((state.get("outer") or {}).get("momentum"))
+        host.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
-        if peer._predictor is not None:
-            peer._predictor.forget()
+        if st.predictor is not None:
+            st.predictor.forget()
 
     def _load_scheduler(self, state: dict) -> None:
         """The scheduler's state from a snapshot or a ``state_dict()``, where both sides have one."""
-        if self.peer.scheduler is not None and state.get("scheduler"):
-            self.peer.scheduler.load_state_dict(state["scheduler"])
+        if self.host.scheduler is not None and state.get("scheduler"):
+            self.host.scheduler.load_state_dict(state["scheduler"])
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """``AsyncPeer.state_dict``: the state as of the last applied update."""
-        peer = self.peer
+        st, host = self.state, self.host
         self._commit_solo()
-        with peer._params_lock, peer._lock:
-            p = peer._params_point
-            return {"model": self.true_state_dict(), "optimizer": peer.optimizer.state_dict(),
-                    "scheduler": peer.scheduler.state_dict() if peer.scheduler is not None else None,
-                    "version": peer.version, "sync": p and [p.version, p.digest.hex(), p.round, p.epoch],
+        with st.params_lock, st.lock:
+            p = st.params_point
+            return {"model": self.true_state_dict(), "optimizer": host.optimizer.state_dict(),
+                    "scheduler": host.scheduler.state_dict() if host.scheduler is not None else None,
+                    "version": st.version, "sync": p and [p.version, p.digest.hex(), p.round, p.epoch],
                     **self.outer_state()}
 
     def _commit_solo(self) -> None:
         """Alone, the rounds of the batches applied at once are committed now (a checkpoint's
         point must be its version's)."""
-        peer = self.peer
-        with peer._lock:
-            listed = bool(peer._solo.listed)
-        if not listed or peer._lifetime.closed or threading.current_thread() is peer._lifetime.thread.thread:
+        st, cluster, lifetime = self.state, self.host.cluster, self._lifetime
+        with st.lock:
+            listed = bool(st.solo.listed)
+        if not listed or lifetime.closed or lifetime.on_loop():
             return  # (closed: committed on leaving; on the cluster's thread, in step: none listed)
-        peer.cluster.check()
+        cluster.check()
         try:
-            peer._lifetime.thread.call(asyncio.wait_for(peer.cluster.commit_solo(), SOLO_COMMIT_S))
+            lifetime.thread.call(asyncio.wait_for(cluster.commit_solo(), SOLO_COMMIT_S))
         except asyncio.TimeoutError:
             raise GroupError(f"the cluster did not commit this peer's last updates within {SOLO_COMMIT_S:.0f} s: "
                              "take the checkpoint again") from None
 
     def outer_state(self) -> dict:
         """Local-steps mode: the outer momentum, for a checkpoint or a joiner ({} otherwise)."""
-        local = self.peer._local
+        local = self.state.local
         return {} if local is None else {"outer": {"momentum": local.velocity_state()}}
 
     def true_state_dict(self) -> dict:
         """``model.state_dict()``, with the true parameters where the model holds predicted ones,
         and the outer ones in local-steps mode (the model holds this peer's local ones)."""
-        peer = self.peer
-        if peer._local is not None:
-            return peer._local.state_dict(peer.module)
-        return peer.module.state_dict() if peer._predictor is None else peer._predictor.true_state_dict(peer.module)
+        st, module = self.state, self.host.module
+        if st.local is not None:
+            return st.local.state_dict(module)
+        return module.state_dict() if st.predictor is None else st.predictor.true_state_dict(module)
 
     def load_state_dict(self, state: dict) -> None:
         """``AsyncPeer.load_state_dict``: before entering."""
-        peer = self.peer
-        if peer._lifetime.thread is not None:
+        st, host = self.state, self.host
+        if self._lifetime.thread is not None:
             raise ConfigError("load_state_dict must come before entering the peer (before `with peer:`)")
         if isinstance(state, dict) and isinstance(state.get("model"), dict):  # (a compiled model's own)
             state = {**state, "model": {k.removeprefix(COMPILED_PREFIX): v for k, v in state["model"].items()}}
-        version, point = _checked_state(peer.module, peer.optimizer, state)
-        peer.module.load_state_dict(state["model"])
-        peer.optimizer.load_state_dict(state["optimizer"])
+        version, point = _checked_state(host.module, host.optimizer, state)
+        host.module.load_state_dict(state["model"])
+        host.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
-        if peer._local is not None:
-            peer._local.reset((state.get("outer") or {}).get("momentum"))
-        peer.version = peer._committed = peer._computing_on = version
-        peer._start = point
+        if st.local is not None:
+            st.local.reset((state.get("outer") or {}).get("momentum"))
+        st.loaded(version)
+        self._start = point
+
+    @property
+    def start(self) -> SyncPoint | None:
+        """The point a loaded checkpoint's parameters are at (None: none loaded, genesis)."""
+        return self._start
