@@ -186,6 +186,8 @@ def test_no_tracked_text_file_cites_a_numbered_stage_of_the_work():
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
             continue  # binary, or deleted in the working tree
+        if path == Path(__file__):
+            continue  # this file names the pattern it looks for
         for match in HISTORY.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
             found.append(f"{path.relative_to(ROOT)}:{line}: {match.group()!r}")

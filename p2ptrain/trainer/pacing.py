@@ -62,9 +62,8 @@ is tested without sockets or clocks.
   beside a 4x slower one, pinned); a higher one starts it only with the second, from the larger
   of the two. While every peer waits, the last to finish its steps runs with the cores to itself
   a while, so one round's share can come out low (N = 4: 0.15, then 0.5 every round after), and a
-  peer that stepped on in rounds 2 and 3 cost the run 15-60 % more samples to the loss (session
-  41); waiting one more round for every first share cost the fast peer beside the slow one about
-  a sixth of its samples/s over that benchmark's 13 rounds.
+  peer that stepped on in rounds 2 and 3 cost the run 15-60 % more samples to the loss; waiting one more round for every first share cost the fast
+  peer beside the slow one about a sixth of its samples/s over that benchmark's 13 rounds.
 """
 
 from __future__ import annotations
