@@ -92,6 +92,7 @@ class RoundConfig:
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
     listen: float = 0.0  # a peer leads nothing this long after its start: peers started with it meet at genesis
     max_version: int = 0  # > 0: the cluster's run ends at this version (``ending``: our start + --max-rounds)
+    max_rounds: int = 0  # > 0: --max-rounds, counted again from a newer state loaded (``ending.loaded``)
     deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
 
 
@@ -192,6 +193,8 @@ class RoundMachine:
         to one member first, took the members away from their leader, which then loaded state)."""
         self.history, self.round = History(point.version, point.digest, point.window), point.round
         self.synced = True
+        if donor is not None:
+            self.ending.loaded(point.version)
         self.member.reset()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
         self._last_view = ()  # (our side is the one we loaded: see ``lineage``)
