@@ -16,7 +16,7 @@ architecture; ``param_checksum`` proves replicas bit-identical.
 from __future__ import annotations
 
 from p2ptrain.cluster.fingerprint import Fingerprint, fingerprint_diff, model_fingerprint, param_checksum
-from p2ptrain.tasks._loader import BUILTINS, DEFAULT_TASK, load_task
+from p2ptrain.tasks._loader import BUILTINS, DEFAULT_TASK, check_task_options, load_task
 from p2ptrain.tasks._task import Task, parse_model_size, printable_text, seeded_generator, validate_task
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_TASK",
     "Fingerprint",
     "Task",
+    "check_task_options",
     "fingerprint_diff",
     "load_task",
     "model_fingerprint",

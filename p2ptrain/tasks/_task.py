@@ -101,12 +101,12 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgb]?)\s*$", re.IGNORECAS
 _SCALE = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "b": 10 ** 9}
 
 
-def parse_model_size(text: str | int, option: str = "model_size") -> int:
+def parse_model_size(text: str | int, option: str = "--model-size") -> int:
     """``"100k"``, ``"1.5m"``, ``"1e6"``, ``"2b"`` or an int to a parameter count."""
     match = _SIZE.match(str(text))
     count = float(match[1]) * _SCALE[match[2].lower()] if match else 0
     if not match or not 1 <= count < 1e12 or not math.isfinite(count):
-        raise ConfigError(f"{option}={text!r}: not a parameter count; use e.g. 100k, 1m, 10m, 100m or an integer")
+        raise ConfigError(f"{option} {text!r}: not a parameter count; use e.g. 100k, 1m, 10m, 100m or an integer")
     return int(count)
 
 

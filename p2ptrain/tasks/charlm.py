@@ -13,6 +13,7 @@ random from the rest with a generator seeded by ``(seed, rank_seed)``.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -117,6 +118,14 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], device: to
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def check_options(options: dict) -> None:
+    """What can be checked before anything loads: the size, and that ``data`` exists."""
+    config_for(options.get("model_size"))
+    data = options.get("data")
+    if data is not None and not Path(data).expanduser().exists():
+        raise ConfigError(f"--data {data}: no such file or folder; give a text file or a folder of text files")
+
+
 def make_task(options: dict) -> Task:
     """Build ``charlm`` from ``options`` (``seed``, ``data``, ``model_size``, ``batch_size``)."""
     cfg = config_for(options.get("model_size"))
@@ -126,8 +135,8 @@ def make_task(options: dict) -> Task:
     train, held_out = tokens[:split], tokens[split:]
     if len(held_out) <= cfg.context + 1:
         need = int((cfg.context + 2) / HELD_OUT) + 1
-        raise ConfigError(f"data={options.get('data')}: {len(tokens)} bytes of text is too little for a context "
-                          f"of {cfg.context}; give at least {need} bytes or a smaller model_size (e.g. tiny)")
+        raise ConfigError(f"--data {options.get('data')}: {len(tokens)} bytes of text is too little for a context "
+                          f"of {cfg.context}; give at least {need} bytes or a smaller --model-size (e.g. tiny)")
     seed = int(options.get("seed", 0))
     with torch.random.fork_rng(devices=[]):  # same initial weights on every peer, global RNG untouched
         torch.manual_seed(seed)
