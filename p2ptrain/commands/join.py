@@ -21,7 +21,8 @@ import time
 
 from p2ptrain.cluster.records import Loaded, in_order
 from p2ptrain.commands.counters import RunCounters
-from p2ptrain.commands.join_output import JoinOutput, MetricsFile
+from p2ptrain.commands.join_output import JoinOutput, clock
+from p2ptrain.commands.metrics_out import Metrics, open_metrics
 from p2ptrain.commands.neighbours import CoreShare
 from p2ptrain.commands.join_options import add_arguments, check  # noqa: F401 (cli calls join.add_arguments)
 from p2ptrain.errors import CheckpointError, ConfigError
@@ -80,6 +81,8 @@ class _Join:
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
         self._unsaved = False  # the last checkpoint during the run was refused by the disk
+        self._version = 0  # the cluster's update count after the last record taken (``_take_records``)
+        self._port = 0  # the port this peer listens on (once it does)
         self.output: JoinOutput | None = None  # (made when the run starts: its status line is the terminal's then)
         self.trace = NO_TRACE
 
@@ -130,7 +133,9 @@ class _Join:
                          step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
                          peer_timeout=a.peer_timeout, **kwargs)
         self._resume(peer, task)
-        metrics = MetricsFile(a.metrics) if a.metrics else None
+        self._version = peer.version  # (the checkpoint's, or 0: each record's version counts on from it)
+        self._say_end(peer)
+        metrics = open_metrics(a.metrics, a.tensorboard)
         self.output = JoinOutput()
         try:
             await self._run_peer(peer, task, model, device, metrics)
@@ -139,8 +144,9 @@ class _Join:
                 metrics.close()
         return 0
 
-    async def _run_peer(self, peer, task, model, device, metrics: MetricsFile | None) -> None:
-        """Train until the run ends or Ctrl-C; then the last checkpoint, the trace, the summary."""
+    async def _run_peer(self, peer, task, model, device, metrics: Metrics | None) -> None:
+        """Train until the run ends or Ctrl-C; then the last checkpoint, the model file, the trace,
+        the summary."""
         from p2ptrain.commands.heap import warm_training_thread
 
         a = self.args
@@ -149,6 +155,7 @@ class _Join:
         try:
             async with peer:
                 log.info("peer %s listening on port %d (cluster %r)", peer.peer_id, peer.cluster.port, a.cluster)
+                self._port = peer.cluster.port
                 if a.trace:
                     from p2ptrain.trace import Tracer
 
@@ -167,15 +174,40 @@ class _Join:
         finally:
             self.output.status.clear()
         self._checkpoint(peer, task, final=True)
+        saved = self._save_model(peer, task)
         if self.trace.enabled:
             try:
                 self.trace.write()
                 log.info("trace written to %s (open it in chrome://tracing or ui.perfetto.dev)", a.trace)
             except OSError as exc:
                 log.error("cannot write --trace %s (%s)", a.trace, exc.strerror or exc)
-        self.output.summary(peer, self.count, task, model, device, metrics)
+        self.output.summary(peer, self.count, task, model, device, metrics, saved)
 
-    # -- checkpoints --------------------------------------------------------------------------
+    # -- checkpoints and the model file ---------------------------------------------------------
+    def _save_model(self, peer, task) -> str | None:
+        """The trained model as a file that loads without p2ptrain (``model_file``); its path,
+        None with --no-save."""
+        from p2ptrain.commands.model_file import default_path, write_model
+
+        a = self.args
+        if a.no_save:
+            return None
+        path = a.save or default_path(task.name, a.checkpoint_dir, self._port, self._cores.listed)
+        write_model(path, peer.state_dict()["model"])
+        return path
+
+    def _say_end(self, peer) -> None:
+        """Where the run ends, in one line: --max-rounds counts from the state the run starts
+        from (a checkpoint's; after a resume, the newest of the cluster's: the cluster says so
+        if another peer's is newer), --duration from when the coordinator began."""
+        a = self.args
+        if a.max_rounds:
+            start = f"from this peer's checkpoint at update {peer.version}" if peer.version else "from update 0"
+            log.info("the run ends at the cluster's update %d (--max-rounds %d %s; counted from the newest "
+                     "state if a peer brings a newer one)", peer.version + a.max_rounds, a.max_rounds, start)
+        if a.duration:
+            log.info("the run ends %s after the coordinator began (--duration)", clock(a.duration))
+
     def _resume(self, peer, task) -> None:
         """With --checkpoint-dir: continue from the newest checkpoint there. A cluster already
         running further along (or a bigger side) hands this peer its state instead."""
@@ -281,7 +313,9 @@ class _Join:
             self._cores.share_every(now)
             if now - last_log >= 0.5:
                 last_log = now
-                self.output.report(peer, self.count, now)
+                last = getattr(getattr(peer.cluster, "machine", None), "last_version", 0)
+                self.output.report(peer, self.count, now, last_version=last, elapsed=now - start,
+                                   duration=a.duration)
 
     def _take_records(self, peer, task, device, metrics) -> None:
         """Count the rounds applied since we last looked; metrics, evaluations, checkpoints."""
@@ -293,17 +327,19 @@ class _Join:
         due = False  # (one checkpoint for the rounds seen at once: a peer alone commits a tick's worth)
         for item in happened:
             if isinstance(item, Loaded):
+                self._version = item.point.version
                 if metrics:
                     metrics.write({"event": "loaded", "time": time.time(), "round": item.point.round,
                                    "version": item.point.version})
                 continue
             record = item
+            self._version += record.samples > 0  # (an idle round is no update)
             self.count.applied(record, time.monotonic())
             if metrics:  # (a checksum only where the parameters hold this round's update, and no later one,
                 #            at every --checksum-every-th update)
                 self.output.write_metrics(metrics, peer, record, current=record is happened[-1]
                                           and peer.metrics is not None and peer.metrics.round == record.round
-                                          and peer.version % a.checksum_every == 0)
+                                          and peer.version % a.checksum_every == 0, version=self._version)
             if a.checkpoint_dir and record.samples:  # (an idle round is no update: nothing new to save)
                 due = due or self.count.rounds % a.checkpoint_every == 0
         if due:
@@ -312,9 +348,12 @@ class _Join:
         # peer counting its own rounds evaluated wherever it happened to be).
         if a.eval_every and task.evaluate and peer.version // a.eval_every > self._evaluated // a.eval_every:
             self._evaluated = peer.version
-            shown = "-" if self.count.round is None else self.count.round
-            log.info("round %s  update %d  validation loss %.4f", shown, peer.version,
-                     task.evaluate(peer.model, device))
+            value = float(task.evaluate(peer.model, device))
+            last = getattr(getattr(peer.cluster, "machine", None), "last_version", 0)
+            log.info("update %d%s  validation loss %.4f", peer.version, f"/{last}" if last else "", value)
+            if metrics:
+                metrics.write({"event": "validation", "time": time.time(), "version": peer.version,
+                               "validation_loss": value})
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
