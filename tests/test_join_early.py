@@ -83,13 +83,14 @@ def test_join_help_is_one_line_per_option(capsys, monkeypatch):
     assert len(lines) < len(options) + 20, len(lines)  # (the usage, the group titles, the epilog)
 
 
+@pytest.mark.timeout(240)
 def test_a_checkpoint_of_another_model_size_names_both_sizes(tmp_path):
     ckpt, port = tmp_path / "ckpt", str(ports(1)[0])
     args = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--port", port, "--no-discovery",
             "--eval-every", "0", "--checkpoint-dir", str(ckpt), "--max-rounds", "2", "--no-save"]
-    first = subprocess.run([*args, "--model-size", "100k"], capture_output=True, text=True, timeout=50)
+    first = subprocess.run([*args, "--model-size", "100k"], capture_output=True, text=True, timeout=110)
     assert first.returncode == 0, first.stderr[-1500:]
-    second = subprocess.run([*args, "--model-size", "200k"], capture_output=True, text=True, timeout=50)
+    second = subprocess.run([*args, "--model-size", "200k"], capture_output=True, text=True, timeout=110)
     assert second.returncode == 2, second.stderr[-1500:]
     last = second.stderr.strip().splitlines()[-1]
     assert "holds another model (written with --model-size 100k, this run's is 200k)" in last, last

@@ -4,6 +4,7 @@ records of the run (JSON lines or CSV, TensorBoard), each carrying the cluster's
 import csv
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -18,9 +19,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def join_alone(cwd, *args):
+    env = {k: v for k, v in os.environ.items() if k != "P2PTRAIN_NO_SAVE"}  # (conftest: no model files)
     p = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", "100k",
                         "--no-discovery", "--port", str(ports(1)[0]), "--max-rounds", "6", "--eval-every", "3", *args],
-                       cwd=cwd, capture_output=True, text=True, timeout=100)
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-1500:]
     return p
 

@@ -53,15 +53,21 @@ class Ending:
 
     def loaded(self, version: int) -> None:
         """(``on_synced`` with a donor) We hold the cluster's state at ``version`` now: our
-        --max-rounds counts from it, if that is later than our own limit, and we say so once."""
+        --max-rounds counts from it, if that is later than our own limit (said in one line where
+        our own end had passed). A joiner of a run under way ends where that run's leader says:
+        ``limits`` takes the earlier of ours and the leader's."""
         config = self.machine.config
         if not config.max_rounds or self.ended is not None:
             return
         limit = version + config.max_rounds
-        if limit > max(config.max_version, self._after_load):
-            self._after_load = limit
-            self.machine._emit(Log("info", f"the cluster's state is at version {version}: the run ends at version "
-                                           f"{limit} (--max-rounds {config.max_rounds} after it)"))
+        if limit <= max(config.max_version, self._after_load):
+            return
+        self._after_load = limit
+        if version >= config.max_version:  # (our own end passed: a newer checkpoint than ours; a joiner of a run
+            #                                  under way ends at its leader's limit, heard with its PROPOSE)
+            self.machine._emit(Log("info", f"the cluster's state is at version {version}, past this peer's end "
+                                           f"(version {config.max_version}): the run ends at version {limit} "
+                                           f"(--max-rounds {config.max_rounds} after it)"))
 
     def limits(self) -> tuple[int, float]:
         """The earlier of our own limits and the leader's we heard: (version or 0, deadline)."""

@@ -21,7 +21,7 @@ import time
 
 from p2ptrain.cluster.records import Loaded, in_order
 from p2ptrain.commands.counters import RunCounters
-from p2ptrain.commands.join_output import JoinOutput, clock
+from p2ptrain.commands.join_output import JoinOutput
 from p2ptrain.commands.metrics_out import Metrics, open_metrics
 from p2ptrain.commands.neighbours import CoreShare
 from p2ptrain.commands.join_options import add_arguments, check  # noqa: F401 (cli calls join.add_arguments)
@@ -134,7 +134,6 @@ class _Join:
                          peer_timeout=a.peer_timeout, **kwargs)
         self._resume(peer, task)
         self._version = peer.version  # (the checkpoint's, or 0: each record's version counts on from it)
-        self._say_end(peer)
         metrics = open_metrics(a.metrics, a.tensorboard)
         self.output = JoinOutput()
         try:
@@ -196,18 +195,6 @@ class _Join:
         write_model(path, peer.state_dict()["model"])
         return path
 
-    def _say_end(self, peer) -> None:
-        """Where the run ends, in one line: --max-rounds counts from the state the run starts
-        from (a checkpoint's; after a resume, the newest of the cluster's: the cluster says so
-        if another peer's is newer), --duration from when the coordinator began."""
-        a = self.args
-        if a.max_rounds:
-            start = f"from this peer's checkpoint at update {peer.version}" if peer.version else "from update 0"
-            log.info("the run ends at the cluster's update %d (--max-rounds %d %s; counted from the newest "
-                     "state if a peer brings a newer one)", peer.version + a.max_rounds, a.max_rounds, start)
-        if a.duration:
-            log.info("the run ends %s after the coordinator began (--duration)", clock(a.duration))
-
     def _resume(self, peer, task) -> None:
         """With --checkpoint-dir: continue from the newest checkpoint there. A cluster already
         running further along (or a bigger side) hands this peer its state instead."""
@@ -224,7 +211,11 @@ class _Join:
             raise ConfigError(f"{path} holds another model ({_written_with(state, task, a.model_size) or diff}): use "
                               "another --checkpoint-dir, or the --task and --model-size it was written with")
         peer.load_state_dict(state["peer"])
-        log.info("resuming from %s: the cluster's update %d, round %d", path, peer.version, state.get("round", -1))
+        # --max-rounds N: N more updates than the state the cluster starts from (this one, or a
+        # newer checkpoint another peer resumes from: the cluster says so as this peer loads it)
+        ends = (f": the run ends at the cluster's update {peer.version + a.max_rounds} (--max-rounds {a.max_rounds} "
+                "more; more than a newer checkpoint's where another peer resumes from one)" if a.max_rounds else "")
+        log.info("resuming from %s at the cluster's update %d%s", path, peer.version, ends)
         if a.lr is not None:  # (the optimizer's state brought the checkpoint's own: the command line wins)
             saved = {group["lr"] for group in peer.optimizer.param_groups}
             for group in peer.optimizer.param_groups:

@@ -14,7 +14,7 @@ import errno
 import os
 
 from p2ptrain.commands.cli import secret_option
-from p2ptrain.commands.options import check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
+from p2ptrain.commands.options import EnvFlag, EnvValue, check_env_flags, env as _env, env_flag as _flag, integer, name, number, port
 from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.options import MIN_PEER_TIMEOUT, PEER_TIMEOUT
 
@@ -107,6 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> bytes | None:
     """Every check that needs no task, cheapest first; returns the shared secret. ConfigError
     (one line naming the flag, exit 2) for a mistake."""
+    if args.save and isinstance(args.no_save, EnvFlag) and not isinstance(args.save, EnvValue):
+        args.no_save = False  # (a flag wins over a variable)
     check_env_flags(args)
     if args.max_rounds is None and args.duration is None:
         args.max_rounds = DEFAULT_MAX_ROUNDS

@@ -87,7 +87,7 @@ class JoinOutput:
         end = c.finished  # (None: this peer left before the cluster's run was over)
         unapplied = getattr(peer, "unapplied", 0)
         lines = [f"updates {count.rounds} in this run (the cluster's update {peer.version})",
-                 f"the cluster's run ended at round {end.r} (version {end.version})" if end else
+                 f"the cluster's run ended at update {end.version}" if end else
                  "left before the cluster's run was over",
                  f"samples {count.samples} (this peer {count.own_samples}"
                  + (f"; {unapplied} of them no round took before it left" if unapplied else "") + ")",
