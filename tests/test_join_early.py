@@ -72,7 +72,7 @@ def test_every_parser_refuses_abbreviations():
 
 
 def test_join_help_is_one_line_per_option(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("COLUMNS", "80")  # (a terminal's default width)
     code, out, _ = run_cli(capsys, "join", "--help")
     assert code == 0
     lines = out.splitlines()
@@ -94,3 +94,20 @@ def test_a_checkpoint_of_another_model_size_names_both_sizes(tmp_path):
     assert second.returncode == 2, second.stderr[-1500:]
     last = second.stderr.strip().splitlines()[-1]
     assert "holds another model (written with --model-size 100k, this run's is 200k)" in last, last
+
+
+def test_the_task_options_are_checked_without_importing_torch():
+    """(torch's import alone took 8-17 s on a loaded machine: the mistake is said in the first second)"""
+    code = ("import sys\nfrom p2ptrain.commands import cli\n"
+            "codes = [cli.main(['join', '--no-discovery', '--port', '0', *a]) for a in (['--data', '/nonexistent'],"
+            " ['--model-size', 'huge'], ['--task', '/nonexistent/task.py'])]\nprint(codes, 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["[2,", "2,", "2]", "False"], (p.stdout, p.stderr[-800:])
+
+
+def test_the_early_checks_know_the_built_in_tasks_as_they_are():
+    from p2ptrain.tasks import BUILTINS, _options, charlm, synthetic
+
+    assert set(_options.BUILTIN_NAMES) == set(BUILTINS)
+    assert set(_options.CHARLM_PRESETS) == set(charlm.PRESETS)
+    assert _options.SYNTHETIC_DEFAULT_SIZE == synthetic.DEFAULT_SIZE

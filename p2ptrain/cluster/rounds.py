@@ -193,8 +193,6 @@ class RoundMachine:
         to one member first, took the members away from their leader, which then loaded state)."""
         self.history, self.round = History(point.version, point.digest, point.window), point.round
         self.synced = True
-        if donor is not None:
-            self.ending.loaded(point.version)
         self.member.reset()
         self.max_epoch, self._heard_lead = max(self.max_epoch, point.epoch), now
         self._last_view = ()  # (our side is the one we loaded: see ``lineage``)
@@ -205,7 +203,12 @@ class RoundMachine:
             self.leader.back_off(side_leader, now)
         self._set_self()
         self.lineage.on_synced(self._peers(), now)
-        return self._run(now, self._tell.update, self.lineage.hello)
+        return self._run(now, self._after_sync, point.version if donor is not None else None)
+
+    def _after_sync(self, loaded: int | None) -> None:
+        self._tell.update(self.lineage.hello)
+        if loaded is not None:  # (a state from the cluster: --max-rounds may count from it, ``ending``)
+            self.ending.loaded(loaded)
 
     # -- a peer alone (``leader``: solo) --------------------------------------------------------
     @property

@@ -7,7 +7,9 @@ Every peer runs the same command. Peers find each other by UDP beacons (and ``--
 form one ring, and train in rounds: each round applies ``sum(G_i) / sum(n_i)`` through every
 peer's own optimizer, so replicas stay identical (the metrics file records a parameter
 checksum with each round to show it). A peer that arrives later loads the cluster's state first;
-one that leaves or dies is dropped and the others go on. Ctrl-C leaves politely.
+one that leaves or dies is dropped and the others go on. Ctrl-C leaves politely. At the end the
+trained model is written to a file that loads without p2ptrain (``model_file``), and the summary
+says where. The options and their checks are ``join_options``'s; what it shows, ``join_output``'s.
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ from p2ptrain.tasks import charlm, synthetic
 from p2ptrain.tasks._task import TEMPLATE_HINT, Task
 
 BUILTINS: dict[str, Callable[[dict], Task]] = {"charlm": charlm.make_task, "synthetic": synthetic.make_task}
-BUILTIN_CHECKS: dict[str, Callable[[dict], None]] = {"charlm": charlm.check_options,
-                                                     "synthetic": synthetic.check_options}
 DEFAULT_TASK = "charlm"
 DEFAULT_OPTIONS = {"seed": 0, "data": None, "model_size": None, "batch_size": None, "device": "auto"}
 
@@ -90,15 +88,6 @@ def _factory_from_spec(spec: str) -> tuple[Callable[..., Any], str, str]:
         raise ConfigError(f"--task {spec}: module {module_name!r} has no {function_name!r}: define "
                           f"{function_name}(options) returning p2ptrain.tasks.Task ({TEMPLATE_HINT})")
     return factory, spec, function_name
-
-
-def check_task_options(spec: str | None = None, options: dict | None = None) -> None:
-    """The checks of a built-in task's options that need nothing loaded (its --model-size, that
-    its --data exists): ConfigError at once, not after the seconds building the task takes. A task
-    file's options are its own: checked as it builds. Call it before ``load_task``."""
-    spec = (spec or DEFAULT_TASK).strip()
-    if spec in BUILTIN_CHECKS:
-        BUILTIN_CHECKS[spec](_checked_options(options))
 
 
 def load_task(spec: str | None = None, options: dict | None = None) -> Task:

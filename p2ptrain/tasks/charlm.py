@@ -13,7 +13,6 @@ random from the rest with a generator seeded by ``(seed, rank_seed)``.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -41,7 +40,7 @@ class CharLMConfig:
     heads: int = 4
 
 
-PRESETS = {
+PRESETS = {  # (their names: ``_options.CHARLM_PRESETS``, checked before torch loads)
     "tiny": CharLMConfig(context=32, width=32, layers=2, heads=2),
     "small": CharLMConfig(),
     "medium": CharLMConfig(context=256, width=256, layers=6, heads=8),
@@ -116,14 +115,6 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], device: to
     inputs, targets = (t.to(device, non_blocking=True) for t in batch)
     logits = model(inputs)
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def check_options(options: dict) -> None:
-    """What can be checked before anything loads: the size, and that ``data`` exists."""
-    config_for(options.get("model_size"))
-    data = options.get("data")
-    if data is not None and not Path(data).expanduser().exists():
-        raise ConfigError(f"--data {data}: no such file or folder; give a text file or a folder of text files")
 
 
 def make_task(options: dict) -> Task:

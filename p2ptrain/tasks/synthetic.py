@@ -61,17 +61,11 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], device: to
     return F.cross_entropy(model(inputs), labels)
 
 
-def check_options(options: dict) -> None:
-    """What can be checked before anything loads: no ``data``, and the size."""
+def make_task(options: dict) -> Task:
+    """Build ``synthetic`` from ``options`` (``seed``, ``model_size``, ``batch_size``)."""
     if options.get("data") is not None:  # (it was ignored: a run on other data than the user meant)
         raise ConfigError(f"synthetic: --data {options['data']}: this task makes its own data (labels from a random "
                           "teacher); drop it, or train on text with the charlm task")
-    parse_model_size(options.get("model_size") or DEFAULT_SIZE)
-
-
-def make_task(options: dict) -> Task:
-    """Build ``synthetic`` from ``options`` (``seed``, ``model_size``, ``batch_size``)."""
-    check_options(options)
     target = parse_model_size(options.get("model_size") or DEFAULT_SIZE)
     width = student_width(target)
     seed = int(options.get("seed", 0))
