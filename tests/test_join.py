@@ -334,6 +334,8 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     handler = logging.Handler()
     handler.emit = lambda record: lines[record.threadName].append(record.getMessage())
     logging.getLogger("p2ptrain.join").addHandler(handler)
+    level_before = logging.getLogger("p2ptrain.join").level
+    logging.getLogger("p2ptrain.join").setLevel(logging.INFO)  # (the status lines: pytest's root logger warns only)
     mine, runners, codes = ports(3), [], {}
     paths = [tmp_path / f"m{port}.jsonl" for port in mine]
     try:
@@ -354,6 +356,7 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     finally:
         torch.set_num_threads(threads_before)
         logging.getLogger("p2ptrain.join").removeHandler(handler)
+        logging.getLogger("p2ptrain.join").setLevel(level_before)
     out = capfd.readouterr().out
     assert codes == {port: 0 for port in mine}
     runs = [records(path) for path in paths]
