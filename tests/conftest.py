@@ -1,6 +1,14 @@
 """What every test runs under."""
 
+import os
+
 import pytest
+
+# ``join`` writes the trained model into the current folder at the end of every run: the tests'
+# runs (and the benchmarks' they start) write none, but those that test the model file
+# (``test_join_outputs``, in a folder of their own). Set here, on import, before any test module
+# copies the environment for its subprocesses.
+os.environ["P2PTRAIN_NO_SAVE"] = "1"
 
 
 @pytest.fixture(autouse=True)
@@ -13,11 +21,3 @@ def spare_cores(monkeypatch):
     from p2ptrain.trainer import contributions
 
     monkeypatch.setattr(contributions, "cpu_times", lambda pid="self": None)
-
-
-@pytest.fixture(autouse=True)
-def no_model_files(monkeypatch):
-    """``join`` writes the trained model into the current folder at the end of every run: the
-    tests' runs (and the benchmarks' they start) write none (P2PTRAIN_NO_SAVE), but those that
-    test the model file (``test_join_outputs``), which run in a folder of their own."""
-    monkeypatch.setenv("P2PTRAIN_NO_SAVE", "1")
