@@ -10,11 +10,13 @@ batch was applied, with the gradient averaged over every peer's samples (the mat
 DDP). With 1 or more it returns at once: the rounds run on the peer's own thread while the
 loop computes, and the averaged updates are applied in later steps, at most that many
 updates late. The cluster never runs on this program's event loop, so a forward and a
-backward that hold it do not stall a ring.
+backward that hold it do not stall a ring. Ctrl-C cancels the loop at its next ``await``
+(asyncio's way), the peer leaves the cluster politely, and the program exits 0.
 """
 
 import argparse
 import asyncio
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ async def main(args):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--listen", default="0.0.0.0:7100")
     p.add_argument("--peers", default="", help="the other peers, host:port,...")
     p.add_argument("--min-peers", type=int, default=1)
@@ -63,3 +65,5 @@ if __name__ == "__main__":
         asyncio.run(main(a))
     except p2ptrain.P2PTrainError as exc:  # (another peer's settings, a wrong secret, ...: one line, not a traceback)
         raise SystemExit(f"{p.prog}: {exc}") from None
+    except KeyboardInterrupt:  # (asyncio.run cancelled main at an await; ``async with`` left the cluster)
+        print(f"\n{p.prog}: stopped by Ctrl-C; left the cluster", file=sys.stderr)

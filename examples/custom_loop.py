@@ -12,16 +12,36 @@ checkpoint the peer the way you checkpoint anything: model, optimizer, scheduler
 cluster's lineage, so that ``--checkpoint FILE`` resumes at the update, and the learning
 rate, where the last run stopped. The loop counts the cluster's updates,
 not its own steps: with staleness above 0 a faster peer takes more steps, and a peer that
-stopped early would leave the others short of ``--min-peers``.
+stopped early would leave the others short of ``--min-peers``. Ctrl-C leaves the cluster after
+the step in progress, saves the checkpoint and exits 0 (a second Ctrl-C quits at once).
 """
 
 import argparse
 import os
+import signal
+import sys
+import threading
 
 import torch
 import torch.nn.functional as F
 
 import p2ptrain
+
+
+def stop_on_ctrl_c() -> threading.Event:
+    """Ctrl-C sets the event: the loop leaves after the step in progress. (Python's own
+    KeyboardInterrupt would land wherever the loop is, in the middle of an optimizer step
+    too, and leave the parameters half updated.) A second Ctrl-C quits at once."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nleaving after this step (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    return stop
 
 
 def main(args):
@@ -45,10 +65,11 @@ def main(args):
     if args.checkpoint and os.path.exists(args.checkpoint):
         peer.load_state_dict(torch.load(args.checkpoint, weights_only=True))  # p2ptrain (before `with`)
         print(f"resumed at update {peer.version}, lr {scheduler.get_last_lr()[0]:.5f}", flush=True)
+    stop = stop_on_ctrl_c()
     try:
         with peer:  # p2ptrain: listen, find the others, agree on a ring
             step = 0
-            while peer.version < args.updates:  # p2ptrain: every peer sees the same updates, so all stop together
+            while peer.version < args.updates and not stop.is_set():  # p2ptrain: every peer sees the same updates
                 x = torch.randn(32, 20, generator=data)
                 y = (x @ w > 0).long()
                 loss = F.cross_entropy(model(x.to(peer.device)), y.to(peer.device))
@@ -61,6 +82,9 @@ def main(args):
     finally:  # (after Ctrl-C too: the next run resumes here, at the scheduler's learning rate)
         if args.checkpoint:
             torch.save(peer.state_dict(), args.checkpoint)  # p2ptrain: model, optimizer, scheduler, lineage
+    if stop.is_set():
+        print(f"stopped by Ctrl-C at update {peer.version}" + (f"; saved to {args.checkpoint}" if args.checkpoint
+                                                               else ""), flush=True)
     m = peer.metrics  # p2ptrain: the last round, as the peer saw it
     if m is not None:
         print(f"done: {peer.version} updates; last round {m.round}: {m.members} members, {m.samples} samples, "
@@ -68,7 +92,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--listen", default="0.0.0.0:7100")
     p.add_argument("--peers", default="", help="the other peers, host:port,...")
     p.add_argument("--min-peers", type=int, default=1)
@@ -88,3 +112,6 @@ if __name__ == "__main__":
         main(a)
     except p2ptrain.P2PTrainError as exc:  # (another peer's settings, a wrong secret, ...: one line, not a traceback)
         raise SystemExit(f"{p.prog}: {exc}") from None
+    except KeyboardInterrupt:  # (a second Ctrl-C: at once, the checkpoint saved all the same)
+        print(f"{p.prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

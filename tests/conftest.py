@@ -74,6 +74,12 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item):
     return (yield from _refusals_during())
 
+# ``join`` writes the trained model into the current folder at the end of every run: the tests'
+# runs (and the benchmarks' they start) write none, but those that test the model file
+# (``test_join_outputs``, in a folder of their own). Set here, on import, before any test module
+# copies the environment for its subprocesses.
+os.environ["P2PTRAIN_NO_SAVE"] = "1"
+
 
 @pytest.fixture(autouse=True)
 def spare_cores(monkeypatch):

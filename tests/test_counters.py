@@ -57,17 +57,21 @@ def fake_peer(version):
     return SimpleNamespace(cluster=cluster, version=version, members=2, staleness_max=0)
 
 
-def test_the_status_line_shows_the_clusters_round_and_update_and_windowed_rates():
+def test_the_status_line_shows_the_clusters_update_of_the_last_and_when_it_ends():
+    """One counter, the cluster's update (the version the metrics and the summary give), out of
+    the run's last one, and an ETA from the updates of the last seconds."""
     job = joined()
     job.count = RunCounters(start=100.0)  # (a resumed peer: nothing of its checkpoint is counted)
     for k in range(10):
         job.count.stepped(32, 111.5 + k)
         job.count.applied(record(250 + k), 111.5 + k)
-    job.output.report(fake_peer(version=551), job.count, 121.0)
+    job.output.report(fake_peer(version=551), job.count, 121.0, last_version=600)
     text = job.output.status.text
-    assert text.startswith("round 259  update 551  members 2"), text
+    assert text.startswith("update 551/600  eta 49s  members 2"), text  # (1 update a second, 49 to go)
     assert "samples/s 32 own, 64 cluster" in text and "wire 0.00 MB/s" in text, text
     assert job.count.rounds == 10 and job.count.samples == 640
+    job.output.report(fake_peer(version=551), job.count, 121.0, elapsed=75.0, duration=600.0)
+    assert job.output.status.text.startswith("update 551  time 1m15s/10m00s  eta 8m45s  members 2")
 
 
 def test_validation_is_at_the_clusters_updates_whoever_counts(caplog):
@@ -92,7 +96,7 @@ def test_validation_is_at_the_clusters_updates_whoever_counts(caplog):
         job._take_records(peer, task, None, None)
     assert evaluated == [100, 200]
     said = [r.getMessage() for r in caplog.records if "validation loss" in r.getMessage()]
-    assert said == ["round 200  update 100  validation loss 0.5000", "round 300  update 200  validation loss 0.5000"]
+    assert said == ["update 100  validation loss 0.5000", "update 200  validation loss 0.5000"]
 
 
 def test_the_round_log_reads_safely_while_the_clusters_thread_appends():

@@ -116,10 +116,13 @@ class _WouldStart(Exception):
 
 
 def test_every_join_command_in_the_readme_passes_the_checks_join_makes_before_it_starts(monkeypatch):
+    checks = join_command.check
+
     def stop(args):
+        checks(args)  # every check join makes before the task loads, then stop short of starting
         raise _WouldStart
 
-    monkeypatch.setattr(join_command, "_check_where", stop)
+    monkeypatch.setattr(join_command, "check", stop)
     parser = build_parser()
     joins = [argv for argv in p2ptrain_argvs(readme()) if argv[:1] == ["join"]]
     for argv in joins:

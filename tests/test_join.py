@@ -334,6 +334,8 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     handler = logging.Handler()
     handler.emit = lambda record: lines[record.threadName].append(record.getMessage())
     logging.getLogger("p2ptrain.join").addHandler(handler)
+    level_before = logging.getLogger("p2ptrain.join").level
+    logging.getLogger("p2ptrain.join").setLevel(logging.INFO)  # (the status lines: pytest's root logger warns only)
     mine, runners, codes = ports(3), [], {}
     paths = [tmp_path / f"m{port}.jsonl" for port in mine]
     try:
@@ -354,6 +356,7 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     finally:
         torch.set_num_threads(threads_before)
         logging.getLogger("p2ptrain.join").removeHandler(handler)
+        logging.getLogger("p2ptrain.join").setLevel(level_before)
     out = capfd.readouterr().out
     assert codes == {port: 0 for port in mine}
     runs = [records(path) for path in paths]
@@ -364,16 +367,16 @@ def test_peers_started_at_different_moments_end_at_the_same_round_with_the_same_
     for run, summary in zip(runs, summaries):  # each one's last round applied is the cluster's last
         assert [r for r in run if "event" not in r][-1]["round"] == summary["end"]["round"]
     assert all(any(r.get("event") == "loaded" for r in run) for run in runs[1:])  # they joined a running cluster
-    assert out.count("the cluster's run ended at round") == 3
+    assert out.count("the cluster's run ended at update 200") == 3
     assert out.count("all bit-identical") == 2  # the members compared (one kind: bit-identical, and said so)
     # Counted as the cluster's: every summary says its update count; a joiner's rounds are those
     # it applied, and its status lines show the cluster's round numbers, from the one it loaded on.
     assert {s["version"] for s in summaries} == {200}
     for run, summary, port in zip(runs[1:], summaries[1:], mine[1:]):
         assert summary["rounds"] == len([r for r in run if "event" not in r and r["samples"]]) < 200
-        loaded = min(r["round"] for r in run if r.get("event") == "loaded")
-        shown = [int(m) for m in re.findall(r"^round (\d+)  update \d+", "\n".join(lines[f"join-{port}"]), re.M)]
-        assert all(r >= loaded for r in shown), (loaded, shown)
+        loaded = min(r["version"] for r in run if r.get("event") == "loaded")
+        shown = [int(m) for m in re.findall(r"^update (\d+)/200  eta ", "\n".join(lines[f"join-{port}"]), re.M)]
+        assert shown and all(v >= loaded for v in shown), (loaded, shown)
 
 
 def test_ctrl_c_while_the_task_is_built_exits_130_at_once_saying_so(tmp_path):

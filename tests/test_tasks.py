@@ -58,7 +58,7 @@ def test_synthetic_validates_and_learns():
 
 
 def test_synthetic_refuses_data_it_would_ignore():
-    with pytest.raises(ConfigError, match="synthetic: data=notes.txt: this task makes its own data"):
+    with pytest.raises(ConfigError, match="synthetic: --data notes.txt: this task makes its own data"):
         load_task("synthetic", {"data": "notes.txt"})
 
 
@@ -103,7 +103,7 @@ def test_charlm_data_option(tmp_path):
     task = load_task("charlm", {"model_size": "tiny", "data": str(folder)})
     assert "5,200 bytes" in task.info
     validate_task(task, CPU)
-    with pytest.raises(ConfigError, match="data=.*no such file or folder"):
+    with pytest.raises(ConfigError, match="--data .*no such file or folder"):
         load_task("charlm", {"data": str(tmp_path / "missing.txt")})
     with pytest.raises(ConfigError, match="b.bin: not a text file"):  # (it trained on the bytes of a binary)
         load_task("charlm", {"data": str(folder / "b.bin")})
@@ -121,7 +121,7 @@ def test_parse_model_size(text, count):
 
 @pytest.mark.parametrize("text", ["12x", "-5", "", "0", "k", "1mm", "nan"])
 def test_parse_model_size_rejects(text):
-    with pytest.raises(ConfigError, match="model_size=.*use e.g. 100k"):
+    with pytest.raises(ConfigError, match="--model-size .*use e.g. 100k"):
         parse_model_size(text)
 
 
@@ -137,7 +137,7 @@ def test_options_are_checked_and_batch_size_applied():
         load_task("synthetic", {"seed": "x"})
     with pytest.raises(ConfigError, match="--batch-size"):
         load_task("synthetic", {"batch_size": 0})
-    with pytest.raises(ConfigError, match="model_size="):
+    with pytest.raises(ConfigError, match="--model-size "):
         load_task("charlm", {"model_size": "huge"})
 
 

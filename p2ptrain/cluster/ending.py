@@ -12,7 +12,8 @@ Why. ``--max-rounds`` and ``--duration`` counted per peer: peers started a momen
 stopped at different rounds, with different parameters, and the last one trained on alone.
 
 How. A run's limits are the cluster's: a version (``RoundConfig.max_version``: the version a
-peer started from, a checkpoint's or 0, plus its --max-rounds) and the leader's clock
+peer started from, a checkpoint's or 0, plus its --max-rounds; a state loaded from the cluster
+moves it to that state's version plus --max-rounds, ``loaded``) and the leader's clock
 (``RoundConfig.deadline``, on the clock of ``now``). The leader sends its limits with every
 PROPOSE (the version, and the seconds left on its clock); members keep the last they heard, so
 that a new leader ends the run at the earlier of its own limits and those. At a boundary (no
@@ -23,6 +24,13 @@ has applied that version's update. A finished peer takes part in no round and le
 STATUS and GOODBYE carry ``end``, and a peer that hears it and is not ahead (a joiner that
 came too late, a peer left alone) finishes too, whatever version it holds: nobody trains on
 alone after the cluster's run is over.
+
+After a resume whose peers bring different checkpoints, the cluster's state is the newest one's
+(the peers behind load it), and ``--max-rounds N`` means N updates after it, on every peer:
+counted from each peer's own checkpoint, the smaller limit won wherever its peer coordinated,
+and the run ended at once (one peer had 43 updates, the other 1). A peer that loads a state
+counts N from it (``loaded``); since limits take the earlier of ours and the leader's, a joiner
+of a run under way still ends where that run does.
 """
 
 from __future__ import annotations
@@ -41,11 +49,31 @@ class Ending:
         self.ended: int | None = None  # the version at which the cluster's run ended here
         self._heard_limits = (0, math.inf)  # the leader's (version or 0, deadline on our clock), from its PROPOSE
         self._end_heard: tuple[str, int] | None = None  # a peer's end, heard while a round of ours awaits its decision
+        self._after_load = 0  # a state loaded from the cluster: its version + --max-rounds
+
+    def loaded(self, version: int) -> None:
+        """(``on_synced`` with a donor) We hold the cluster's state at ``version`` now: our
+        --max-rounds counts from it, if that is later than our own limit (said in one line where
+        our own end had passed). A joiner of a run under way ends where that run's leader says:
+        ``limits`` takes the earlier of ours and the leader's."""
+        config = self.machine.config
+        if not config.max_rounds or self.ended is not None:
+            return
+        limit = version + config.max_rounds
+        if limit <= max(config.max_version, self._after_load):
+            return
+        self._after_load = limit
+        if version >= config.max_version:  # (our own end passed: a newer checkpoint than ours; a joiner of a run
+            #                                  under way ends at its leader's limit, heard with its PROPOSE)
+            self.machine._emit(Log("info", f"the cluster's state is at version {version}, past this peer's end "
+                                           f"(version {config.max_version}): the run ends at version {limit} "
+                                           f"(--max-rounds {config.max_rounds} after it)"))
 
     def limits(self) -> tuple[int, float]:
         """The earlier of our own limits and the leader's we heard: (version or 0, deadline)."""
         config = self.machine.config
-        versions = [v for v in (config.max_version, self._heard_limits[0]) if v > 0]
+        ours = max(config.max_version, self._after_load)
+        versions = [v for v in (ours, self._heard_limits[0]) if v > 0]
         return (min(versions) if versions else 0, min(config.deadline, self._heard_limits[1]))
 
     def limits_msg(self, now: float) -> list | None:

@@ -92,6 +92,7 @@ class RoundConfig:
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
     listen: float = 0.0  # a peer leads nothing this long after its start: peers started with it meet at genesis
     max_version: int = 0  # > 0: the cluster's run ends at this version (``ending``: our start + --max-rounds)
+    max_rounds: int = 0  # > 0: --max-rounds, counted again from a newer state loaded (``ending.loaded``)
     deadline: float = math.inf  # the run ends at this time (the clock of ``now``) if we lead (--duration)
 
 
@@ -202,7 +203,12 @@ class RoundMachine:
             self.leader.back_off(side_leader, now)
         self._set_self()
         self.lineage.on_synced(self._peers(), now)
-        return self._run(now, self._tell.update, self.lineage.hello)
+        return self._run(now, self._after_sync, point.version if donor is not None else None)
+
+    def _after_sync(self, loaded: int | None) -> None:
+        self._tell.update(self.lineage.hello)
+        if loaded is not None:  # (a state from the cluster: --max-rounds may count from it, ``ending``)
+            self.ending.loaded(loaded)
 
     # -- a peer alone (``leader``: solo) --------------------------------------------------------
     @property

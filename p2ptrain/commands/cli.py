@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = importlib.import_module(f"p2ptrain.commands.{name}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="logging verbosity (default: info)")
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], metavar="L",
+                       help="debug, info (default), warning, error")
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
         parser.commands[name] = p
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (the command's own usage, not the top level's)
-        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.commands.get(args.command, parser).unknown(unknown)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -50,6 +50,7 @@ class RunCounters:
         self.own_samples = 0  # this peer's steps in this run
         self.round: int | None = None  # the cluster's number of the last round applied here
         self.own, self.cluster, self.wire = Rate(start), Rate(start), Rate(start)
+        self.updates = Rate(start)  # the cluster's updates applied here (the status line's ETA)
 
     def stepped(self, samples: int, now: float) -> None:
         self.own_samples += samples
@@ -61,3 +62,4 @@ class RunCounters:
         self.round = record.round if self.round is None else max(self.round, record.round)
         self.cluster.add(record.samples, now)
         self.wire.add(record.wire_bytes, now)
+        self.updates.add(int(record.samples > 0), now)

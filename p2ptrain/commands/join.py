@@ -7,7 +7,9 @@ Every peer runs the same command. Peers find each other by UDP beacons (and ``--
 form one ring, and train in rounds: each round applies ``sum(G_i) / sum(n_i)`` through every
 peer's own optimizer, so replicas stay identical (the metrics file records a parameter
 checksum with each round to show it). A peer that arrives later loads the cluster's state first;
-one that leaves or dies is dropped and the others go on. Ctrl-C leaves politely.
+one that leaves or dies is dropped and the others go on. Ctrl-C leaves politely. At the end the
+trained model is written to a file that loads without p2ptrain (``model_file``), and the summary
+says where. The options and their checks are ``join_options``'s; what it shows, ``join_output``'s.
 """
 
 from __future__ import annotations
@@ -20,15 +22,13 @@ import sys
 import time
 
 from p2ptrain.cluster.records import Loaded, in_order
-from p2ptrain.commands.cli import secret_option
 from p2ptrain.commands.counters import RunCounters
-from p2ptrain.commands.join_output import JoinOutput, MetricsFile
+from p2ptrain.commands.join_output import JoinOutput
+from p2ptrain.commands.metrics_out import Metrics, open_metrics
 from p2ptrain.commands.neighbours import CoreShare
-from p2ptrain.commands.options import (check_env_flags, env as _env, env_flag as _flag, integer, name, number, port,
-                                       sync_every)
+from p2ptrain.commands.join_options import add_arguments, check  # noqa: F401 (cli calls join.add_arguments)
 from p2ptrain.errors import CheckpointError, ConfigError
 from p2ptrain.taskset import TaskSet
-from p2ptrain.trainer.options import MIN_PEER_TIMEOUT, PEER_TIMEOUT
 from p2ptrain.trace import NO_TRACE
 
 HELP = "train a model together with the peers on the LAN (the default task with no options)"
@@ -38,179 +38,14 @@ log = logging.getLogger("p2ptrain.join")
 MEMBERS_POLL_S = 0.01
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = ("Every option can also be set as an environment variable P2PTRAIN_<OPTION>, e.g. "
-                "P2PTRAIN_MIN_PEERS=2 (flags win). Exit codes: 0 done, 2 a bad option or task, 3 a cluster failure.")
-    g = p.add_argument_group("what to train")
-    g.add_argument("--task", default=_env("task"), help="built-in task (charlm, synthetic), a task file "
-                   "path/to/task.py, or module:function (default: charlm)")
-    g.add_argument("--data", default=_env("data"), help="text file or folder for charlm (default: the stdlib's source)")
-    g.add_argument("--model-size", default=_env("model_size"), help="model size, e.g. 100k, 1m, 10m (task-dependent)")
-    g.add_argument("--device", default=_env("device", "auto"), help="auto|cpu|cuda[:i]|mps|xpu (default: auto)")
-    g.add_argument("--batch-size", type=integer(1), default=_env("batch_size"), help="samples per step on this peer")
-    g.add_argument("--lr", type=number(above=0), default=_env("lr"), help="learning rate (default: the task's)")
-    g.add_argument("--seed", type=integer(0), default=_env("seed", "0"), help="seed of the model and data (default 0; the "
-                   "same on every peer)")
-    g.add_argument("--data-rank", type=integer(0), default=_env("data_rank"), metavar="N",
-                   help="train on the task's batch stream N, the one DDP's rank N reads (default: one drawn from "
-                   "this peer's id, another on every peer); give each peer its own N")
-    g = p.add_argument_group("the cluster")
-    g.add_argument("--cluster", type=name(64), default=_env("cluster", "default"), help="cluster name (default: default)")
-    g.add_argument("--secret", default=_env("secret"), help="shared secret (or $P2PTRAIN_SECRET)")
-    g.add_argument("--secret-file", default=_env("secret_file"), help="read the shared secret from this file")
-    g.add_argument("--peers", default=_env("peers"), help="addresses of other peers, host:port,... (DNS names "
-                   "allowed); works with or without discovery")
-    g.add_argument("--no-discovery", action="store_true", default=_flag("no_discovery"),
-                   help="send no UDP beacons; find peers through --peers only")
-    g.add_argument("--interface", default=_env("interface"), help="network interface NAME or ADDR for beacons "
-                   "(default: every usable one)")
-    g.add_argument("--host", default=_env("host", "0.0.0.0"), help="address to listen on (default 0.0.0.0)")
-    g.add_argument("--port", type=port(), default=_env("port", "7000"), help="TCP port to listen on (default 7000; "
-                   "0 = any free port)")
-    g.add_argument("--min-peers", type=integer(1), default=_env("min_peers", "1"), help="train only while at least K peers "
-                   "are members; below that, wait and say so (default 1)")
-    g.add_argument("--peer-timeout", type=number(at_least=MIN_PEER_TIMEOUT), default=_env("peer_timeout", str(PEER_TIMEOUT)),
-                   help="a peer silent this many seconds (a lid closed, a cable pulled) is dropped and the others "
-                   f"go on without it; it rejoins when it is heard again (default {PEER_TIMEOUT:g}, at least "
-                   f"{MIN_PEER_TIMEOUT:g})")
-    g.add_argument("--connect-timeout", type=number(above=0), default=_env("connect_timeout"),
-                   help="give up (exit 3) if --min-peers members have not formed after this many seconds "
-                   "(default: wait)")
-    g = p.add_argument_group("rounds")
-    g.add_argument("--compression", default=_env("compression", "none"),
-                   help="none, fp16, bf16, int8, topk:RATIO, optionally +zstd[:LEVEL] or +nozstd (default none)")
-    g.add_argument("--staleness", type=integer(0), default=_env("staleness", "0"), help="0: synchronous rounds; "
-                   "N >= 1: rounds run at the network's pace, no gradient applied more than N rounds stale")
-    g.add_argument("--target-batch-size", type=integer(1), default=_env("target_batch_size"),
-                   help="with --staleness >= 1: the most samples one update averages, each peer contributing at "
-                   "most its share (default: members x --batch-size, DDP's global batch)")
-    g.add_argument("--sync-every", type=sync_every(), default=_env("sync_every"), metavar="H|TIME|auto",
-                   help="local-steps mode (DiLoCo): each peer takes H steps with its own optimizer, then a round "
-                   "averages the parameter change and every peer applies the same outer step; a faster peer "
-                   "steps on while a round waits (default: off, gradient mode). TIME (2s, 500ms) or auto: "
-                   "rounds by time, each peer taking the steps that fit")
-    g.add_argument("--outer-lr", type=number(above=0), default=_env("outer_lr"),
-                   help="with --sync-every: the outer SGD's learning rate (default 0.7)")
-    g.add_argument("--outer-momentum", type=number(at_least=0, note=", below 1"), default=_env("outer_momentum"),
-                   help="with --sync-every: the outer Nesterov momentum (default 0.9; 0: none)")
-    g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
-                   help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
-                   "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")
-    g.add_argument("--overlap", action="store_true", default=_flag("overlap"),
-                   help="with --staleness 0: start each round's ring on the gradients backward makes first, "
-                   "during backward, as DDP does (pays where the cores are free during backward: a GPU; models "
-                   "over 4 M parameters)")
-    g.add_argument("--reconcile-every", type=integer(0), default=_env("reconcile_every", "10"),
-                   help="compare a sketch of the parameters with the coordinator's every N updates; a peer "
-                   "whose drift passes the tolerance (1e-5 relative; rounding alone stays far below) loads "
-                   "its parameters (default 10; 0: never)")
-    g.add_argument("--max-rounds", type=integer(1), default=_env("max_rounds"),
-                   help="the cluster's run ends at its round (version) this many after the one this peer "
-                   "starts from (0, or a checkpoint's); every member leaves there (default 300 when --duration is "
-                   "not given)")
-    g.add_argument("--duration", type=number(above=0), default=_env("duration"),
-                   help="the run ends this many seconds after the coordinator started, for every member")
-    g.add_argument("--step-delay", type=number(at_least=0), default=_env("step_delay", "0"), help=argparse.SUPPRESS)  # benchmarks
-    g.add_argument("--step-busy", action="store_true", help=argparse.SUPPRESS)  # benchmarks: the delay computes
-    g.add_argument("--start-at", type=number(at_least=0), default=0.0, help=argparse.SUPPRESS)  # benchmarks: the
-    # first batch at this Unix time (peers that do not wait for each other, started together)
-    g = p.add_argument_group("output")
-    g.add_argument("--metrics", default=_env("metrics"), help="append one JSON object per round to this file, "
-                   "and a final {\"event\": \"summary\"}")
-    g.add_argument("--checksum-every", type=integer(1), default=_env("checksum_every", "10"),
-                   help="--metrics: a round's record carries the parameters' checksum at every N-th of the "
-                   "cluster's updates (the same ones on every peer; default 10; 1: every round's). A hash of "
-                   "every parameter, copied off the device: per round it took 0.4 ms of a 17-22 ms round at "
-                   "1 M parameters on a CPU")
-    g.add_argument("--eval-every", type=integer(0), default=_env("eval_every", "100"),
-                   help="validation loss at every N-th of the cluster's updates (default 100; 0 = only at the end)")
-    g.add_argument("--trace", default=_env("trace"), help="write a Chrome-trace timeline (compute, encode, send, "
-                   "receive, reduce, apply per round) to this file, for chrome://tracing or ui.perfetto.dev")
-    g.add_argument("--checkpoint-dir", default=_env("checkpoint_dir"), help="write checkpoints here, and resume "
-                   "from the newest one when the cluster starts from nothing")
-    g.add_argument("--checkpoint-every", type=integer(1), default=_env("checkpoint_every", "100"),
-                   help="rounds between checkpoints (default 100; one is always written at exit)")
-
-
 def run(args: argparse.Namespace) -> int:
     from p2ptrain.commands.heap import keep_freed_memory
     from p2ptrain.net.transport import install_uvloop
 
-    check_env_flags(args)
-    if args.max_rounds is None and args.duration is None:
-        args.max_rounds = 300
-    if args.target_batch_size is not None and args.staleness == 0:
-        raise ConfigError("--target-batch-size needs --staleness 1 or more (at 0 each round takes one batch "
-                          "from every peer)")
-    if args.sync_every is None and (args.outer_lr is not None or args.outer_momentum is not None):
-        raise ConfigError("--outer-lr and --outer-momentum need --sync-every H (local-steps mode)")
-    if args.sync_every is not None:
-        from p2ptrain.trainer.options import check_local_steps, local_steps_defaults
-
-        check_local_steps(args.sync_every, *local_steps_defaults(args.outer_lr, args.outer_momentum))
-        if args.target_batch_size is not None or args.weight_prediction:
-            raise ConfigError("--sync-every does not combine with --target-batch-size or --weight-prediction "
-                              "(they are for gradient mode)")
-    if args.overlap and (args.staleness or args.sync_every is not None):
-        raise ConfigError("--overlap is for --staleness 0 in gradient mode (at --staleness 1 or more and with "
-                          "--sync-every the ring already runs beside the next batches): drop --overlap")
-    if args.weight_prediction and args.staleness == 0:
-        raise ConfigError("--weight-prediction needs --staleness 1 or more (at 0 every gradient is computed on the "
-                          "parameters it is applied to)")
-    # Cheap checks first: a typo is reported before torch and the task load.
-    from p2ptrain.codecs import parse_codec
-    from p2ptrain.net.discovery import peer_list
-
-    parse_codec(args.compression)
-    peer_list(args.peers or "")
-    secret = secret_option(args.secret, args.secret_file)
-    _check_where(args)
+    secret = check(args)  # (before the task loads: a mistake is said at once)
     install_uvloop()
     keep_freed_memory()  # (before the task's tensors: see heap)
     return asyncio.run(_Join(args, secret).run())
-
-
-def _check_where(args: argparse.Namespace) -> None:
-    """The addresses and files given, checked before anything starts: a --metrics file that
-    cannot be written failed at the start with a traceback, a --trace file only at the end."""
-    import socket
-
-    from p2ptrain.collective.linkpace import raw_chunks_enabled
-    from p2ptrain.collective.pool import default_threads
-    from p2ptrain.jit import enabled as numba_enabled
-    from p2ptrain.net.interfaces import list_interfaces, pick_address
-    from p2ptrain.net.sender import io_threads_default
-
-    default_threads()  # (P2PTRAIN_DATA_THREADS: read at the first ring, mid-run)
-    io_threads_default()  # (P2PTRAIN_IO_THREADS: read as each link opens)
-    raw_chunks_enabled()  # (P2PTRAIN_RAW_CHUNKS: read at each ring)
-    numba_enabled()  # (P2PTRAIN_NUMBA: read as the first int8 codec or local-steps peer is made)
-
-    try:
-        socket.getaddrinfo(args.host, None)
-    except (OSError, UnicodeError) as exc:
-        raise ConfigError(f"--host {args.host!r}: not an address ({getattr(exc, 'strerror', None) or exc}); use "
-                          "0.0.0.0 (every interface) or an address of this machine") from None
-    if args.interface:
-        pick_address(list_interfaces(), args.interface)  # (a ConfigError naming the interfaces there are)
-    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise ConfigError(f"{flag} {path}: cannot write there (no such folder, or no permission); give a "
-                              "file in a folder that exists")
-        if path and os.path.isdir(path):
-            raise ConfigError(f"{flag} {path}: a folder, not a file; give a file's path in it (e.g. "
-                              f"{os.path.join(path, 'run.jsonl' if flag == '--metrics' else 'trace.json')})")
-    if args.checkpoint_dir:
-        if os.path.isfile(args.checkpoint_dir):
-            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: a file, not a folder; give a folder's path "
-                              "(it is created if missing)")
-        try:
-            os.makedirs(args.checkpoint_dir, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: cannot create it ({exc.strerror})") from None
-        if not os.access(args.checkpoint_dir, os.W_OK):
-            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: cannot write there (no permission)")
 
 
 def _local_hosts() -> set[str]:
@@ -248,6 +83,8 @@ class _Join:
         self._training = TaskSet()  # the training loop alone: Ctrl-C cancels it, and the peer still leaves politely
         self._records_seen = self._loads_seen = 0
         self._unsaved = False  # the last checkpoint during the run was refused by the disk
+        self._version = 0  # the cluster's update count after the last record taken (``_take_records``)
+        self._port = 0  # the port this peer listens on (once it does)
         self.output: JoinOutput | None = None  # (made when the run starts: its status line is the terminal's then)
         self.trace = NO_TRACE
 
@@ -298,7 +135,8 @@ class _Join:
                          step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
                          peer_timeout=a.peer_timeout, **kwargs)
         self._resume(peer, task)
-        metrics = MetricsFile(a.metrics) if a.metrics else None
+        self._version = peer.version  # (the checkpoint's, or 0: each record's version counts on from it)
+        metrics = open_metrics(a.metrics, a.tensorboard)
         self.output = JoinOutput()
         try:
             await self._run_peer(peer, task, model, device, metrics)
@@ -307,8 +145,9 @@ class _Join:
                 metrics.close()
         return 0
 
-    async def _run_peer(self, peer, task, model, device, metrics: MetricsFile | None) -> None:
-        """Train until the run ends or Ctrl-C; then the last checkpoint, the trace, the summary."""
+    async def _run_peer(self, peer, task, model, device, metrics: Metrics | None) -> None:
+        """Train until the run ends or Ctrl-C; then the last checkpoint, the model file, the trace,
+        the summary."""
         from p2ptrain.commands.heap import warm_training_thread
 
         a = self.args
@@ -317,6 +156,7 @@ class _Join:
         try:
             async with peer:
                 log.info("peer %s listening on port %d (cluster %r)", peer.peer_id, peer.cluster.port, a.cluster)
+                self._port = peer.cluster.port
                 if a.trace:
                     from p2ptrain.trace import Tracer
 
@@ -335,15 +175,28 @@ class _Join:
         finally:
             self.output.status.clear()
         self._checkpoint(peer, task, final=True)
+        saved = self._save_model(peer, task)
         if self.trace.enabled:
             try:
                 self.trace.write()
                 log.info("trace written to %s (open it in chrome://tracing or ui.perfetto.dev)", a.trace)
             except OSError as exc:
                 log.error("cannot write --trace %s (%s)", a.trace, exc.strerror or exc)
-        self.output.summary(peer, self.count, task, model, device, metrics)
+        self.output.summary(peer, self.count, task, model, device, metrics, saved)
 
-    # -- checkpoints --------------------------------------------------------------------------
+    # -- checkpoints and the model file ---------------------------------------------------------
+    def _save_model(self, peer, task) -> str | None:
+        """The trained model as a file that loads without p2ptrain (``model_file``); its path,
+        None with --no-save."""
+        from p2ptrain.commands.model_file import default_path, write_model
+
+        a = self.args
+        if a.no_save:
+            return None
+        path = a.save or default_path(task.name, a.checkpoint_dir, self._port, self._cores.listed)
+        write_model(path, peer.state_dict()["model"])
+        return path
+
     def _resume(self, peer, task) -> None:
         """With --checkpoint-dir: continue from the newest checkpoint there. A cluster already
         running further along (or a bigger side) hands this peer its state instead."""
@@ -357,10 +210,14 @@ class _Join:
         path, state = found
         diff = fingerprint_diff(model_fingerprint(peer.module), state.get("fingerprint", []))
         if diff:
-            raise ConfigError(f"{path} holds another model ({diff}): use another --checkpoint-dir, or the "
-                              "--task/--model-size it was written with")
+            raise ConfigError(f"{path} holds another model ({_written_with(state, task, a.model_size) or diff}): use "
+                              "another --checkpoint-dir, or the --task and --model-size it was written with")
         peer.load_state_dict(state["peer"])
-        log.info("resuming from %s: the cluster's update %d, round %d", path, peer.version, state.get("round", -1))
+        # --max-rounds N: N more updates than the state the cluster starts from (this one, or a
+        # newer checkpoint another peer resumes from: the cluster says so as this peer loads it)
+        ends = (f": the run ends at the cluster's update {peer.version + a.max_rounds} (--max-rounds {a.max_rounds} "
+                "more; more than a newer checkpoint's where another peer resumes from one)" if a.max_rounds else "")
+        log.info("resuming from %s at the cluster's update %d%s", path, peer.version, ends)
         if a.lr is not None:  # (the optimizer's state brought the checkpoint's own: the command line wins)
             saved = {group["lr"] for group in peer.optimizer.param_groups}
             for group in peer.optimizer.param_groups:
@@ -449,7 +306,9 @@ class _Join:
             self._cores.share_every(now)
             if now - last_log >= 0.5:
                 last_log = now
-                self.output.report(peer, self.count, now)
+                last = getattr(getattr(peer.cluster, "machine", None), "last_version", 0)
+                self.output.report(peer, self.count, now, last_version=last, elapsed=now - start,
+                                   duration=a.duration)
 
     def _take_records(self, peer, task, device, metrics) -> None:
         """Count the rounds applied since we last looked; metrics, evaluations, checkpoints."""
@@ -461,17 +320,19 @@ class _Join:
         due = False  # (one checkpoint for the rounds seen at once: a peer alone commits a tick's worth)
         for item in happened:
             if isinstance(item, Loaded):
+                self._version = item.point.version
                 if metrics:
                     metrics.write({"event": "loaded", "time": time.time(), "round": item.point.round,
                                    "version": item.point.version})
                 continue
             record = item
+            self._version += record.samples > 0  # (an idle round is no update)
             self.count.applied(record, time.monotonic())
             if metrics:  # (a checksum only where the parameters hold this round's update, and no later one,
                 #            at every --checksum-every-th update)
                 self.output.write_metrics(metrics, peer, record, current=record is happened[-1]
                                           and peer.metrics is not None and peer.metrics.round == record.round
-                                          and peer.version % a.checksum_every == 0)
+                                          and peer.version % a.checksum_every == 0, version=self._version)
             if a.checkpoint_dir and record.samples:  # (an idle round is no update: nothing new to save)
                 due = due or self.count.rounds % a.checkpoint_every == 0
         if due:
@@ -480,9 +341,12 @@ class _Join:
         # peer counting its own rounds evaluated wherever it happened to be).
         if a.eval_every and task.evaluate and peer.version // a.eval_every > self._evaluated // a.eval_every:
             self._evaluated = peer.version
-            shown = "-" if self.count.round is None else self.count.round
-            log.info("round %s  update %d  validation loss %.4f", shown, peer.version,
-                     task.evaluate(peer.model, device))
+            value = float(task.evaluate(peer.model, device))
+            last = getattr(getattr(peer.cluster, "machine", None), "last_version", 0)
+            log.info("update %d%s  validation loss %.4f", peer.version, f"/{last}" if last else "", value)
+            if metrics:
+                metrics.write({"event": "validation", "time": time.time(), "version": peer.version,
+                               "validation_loss": value})
 
     def _new_records(self, peer) -> list:
         """The rounds applied since we last looked (the cluster keeps the last 1000)."""
@@ -515,6 +379,21 @@ class _Join:
                 raise GroupError(f"only {peer.members} of --min-peers {a.min_peers} members after "
                                  f"{a.connect_timeout:.0f} s; {fix}")
             await asyncio.sleep(MEMBERS_POLL_S)
+
+
+def _written_with(state: dict, task, model_size: str | None) -> str:
+    """The two models in the user's words, where the checkpoint says what it was written with:
+    ``written with --model-size 100k, this run's is 1m`` ("" where it does not say)."""
+    config = state.get("config") if isinstance(state.get("config"), dict) else {}
+    if "model_size" not in config:
+        return ""
+    theirs = {"task": config.get("task"), "size": config.get("model_size")}
+    ours = {"task": task.name, "size": str(model_size)}
+    shown = {"None": "the default"}
+    if theirs["task"] not in (None, ours["task"]):
+        return f"written by --task {theirs['task']}, this run's is {ours['task']}"
+    return (f"written with --model-size {shown.get(str(theirs['size']), theirs['size'])}, this run's is "
+            f"{shown.get(ours['size'], ours['size'])}")
 
 
 def _refuse_diverged(peer, model_state: dict, directory: str) -> None:

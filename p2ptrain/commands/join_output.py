@@ -9,40 +9,13 @@ counts, the parameter checksum), not running it.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 
+from p2ptrain.commands.metrics_out import Metrics, MetricsFile  # noqa: F401 (MetricsFile: the old home)
+
 log = logging.getLogger("p2ptrain.join")  # (join's lines, under join's name)
-
-
-class MetricsFile:
-    """``--metrics``: one JSON object a line, appended and flushed. A write the disk refuses
-    (full) is said once, and the run goes on without records: they are a report, not the work."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._file = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        if self._file is None:
-            return
-        try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-        except OSError as exc:
-            log.warning("cannot write --metrics %s (%s): no more records go there; training goes on", self.path,
-                        exc.strerror or exc)
-            self.close()
-
-    def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:  # (what was left to flush: said at its write)
-                pass
-            self._file = None
 
 
 class JoinOutput:
@@ -58,13 +31,15 @@ class JoinOutput:
         self.last_loss = loss
         self._losses.append(loss)
 
-    def write_metrics(self, out: MetricsFile, peer, record, current: bool = True) -> None:
+    def write_metrics(self, out: Metrics | MetricsFile, peer, record, current: bool = True,
+                      version: int | None = None) -> None:
         """One round's record in the metrics file (``--metrics``). ``current``: the parameters hold
         this round's update and nothing applied or loaded after it, so their checksum is of the
         state it left; else the record carries none (null: a peer alone commits a moment's rounds
-        at once; at staleness >= 1 a round can commit before it is applied here)."""
+        at once; at staleness >= 1 a round can commit before it is applied here). ``version``:
+        the cluster's update count after this round (join counts it: ``_take_records``)."""
         out.write({
-            "time": record.time, "round": record.round, "members": record.members, "samples": record.samples,
+            "time": record.time, "version": version, "round": record.round, "members": record.members, "samples": record.samples,
             "own_samples": record.own_samples,
             "loss": self._mean_loss(), "wire_bytes": record.wire_bytes, "raw_bytes": record.raw_bytes,
             "round_seconds": record.seconds, "staleness_max": getattr(peer, "staleness_max", 0),
@@ -78,19 +53,32 @@ class JoinOutput:
         losses, self._losses = self._losses, []
         return sum(losses) / len(losses) if losses else self.last_loss
 
-    def report(self, peer, count, now: float) -> None:
-        """The status line: the cluster's round and update, and rates over the last few seconds
-        (``count``: the run's ``RunCounters``)."""
+    def report(self, peer, count, now: float, last_version: int = 0, elapsed: float | None = None,
+               duration: float | None = None) -> None:
+        """The status line: the cluster's update (of ``last_version``, the run's last, 0: none
+        known) or the time (``elapsed`` of ``duration``), when it will end, and rates over the
+        last few seconds (``count``: the run's ``RunCounters``)."""
         c = peer.cluster
         ratio = c.raw_bytes / c.wire_bytes if c.wire_bytes else 1.0
-        text = (f"round {'-' if count.round is None else count.round}  update {peer.version}  members "
-                f"{peer.members}  loss {self.last_loss:.3f}  samples/s {count.own.per_second(now):.0f} own, "
-                f"{count.cluster.per_second(now):.0f} cluster  wire {count.wire.per_second(now) / 1e6:.2f} MB/s  "
-                f"ratio {ratio:.1f}x  staleness {getattr(peer, 'staleness_max', 0)}")
+        left = []
+        progress = f"update {peer.version}" + (f"/{last_version}" if last_version else "")
+        if last_version:
+            rate = count.updates.per_second(now)
+            left.append((last_version - peer.version) / rate if rate > 0 else None)
+        if duration and elapsed is not None:
+            progress += f"  time {clock(elapsed)}/{clock(duration)}"
+            left.append(max(0.0, duration - elapsed))
+        known = [x for x in left if x is not None]
+        eta = clock(min(known)) if known else "-"
+        text = (f"{progress}  eta {eta}  members {peer.members}  loss {self.last_loss:.3f}  samples/s "
+                f"{count.own.per_second(now):.0f} own, {count.cluster.per_second(now):.0f} cluster  wire "
+                f"{count.wire.per_second(now) / 1e6:.2f} MB/s  ratio {ratio:.1f}x  staleness "
+                f"{getattr(peer, 'staleness_max', 0)}")
         self.status.show(text)
 
-    def summary(self, peer, count, task, model, device, metrics: MetricsFile | None) -> None:
-        """The summary at exit, and its record in the metrics file."""
+    def summary(self, peer, count, task, model, device, metrics: Metrics | MetricsFile | None,
+                saved: str | None = None) -> None:
+        """The summary at exit, and its record in the metrics file. ``saved``: the model file's path."""
         from p2ptrain.tasks import param_checksum
 
         c = peer.cluster
@@ -99,14 +87,18 @@ class JoinOutput:
         end = c.finished  # (None: this peer left before the cluster's run was over)
         unapplied = getattr(peer, "unapplied", 0)
         lines = [f"updates {count.rounds} in this run (the cluster's update {peer.version})",
-                 f"the cluster's run ended at round {end.r} (version {end.version})" if end else
+                 f"the cluster's run ended at update {end.version}" if end else
                  "left before the cluster's run was over",
                  f"samples {count.samples} (this peer {count.own_samples}"
                  + (f"; {unapplied} of them no round took before it left" if unapplied else "") + ")",
                  f"final train loss {self.last_loss:.4f}",
                  f"validation loss {val:.4f}" if val is not None else "",
                  f"sent {c.wire_bytes / 1e6:.1f} MB (ratio {c.raw_bytes / c.wire_bytes:.1f}x)" if c.wire_bytes
-                 else "sent 0 MB", f"parameter checksum {checksum}", _drift_line(c.reconciler)]
+                 else "sent 0 MB", f"parameter checksum {checksum}", _drift_line(c.reconciler),
+                 f"model saved to {saved} (model.load_state_dict(torch.load({saved!r}, weights_only=True)))"
+                 if saved and not saved.endswith(".safetensors") else
+                 f"model saved to {saved} (model.load_state_dict(safetensors.torch.load_file({saved!r})))" if saved
+                 else "model not saved (--no-save)"]
         print("\n".join(["", "summary", *[f"  {x}" for x in lines if x]]))
         if metrics:
             metrics.write({"event": "summary", "time": time.time(), "rounds": count.rounds, "version": peer.version,
@@ -114,11 +106,21 @@ class JoinOutput:
                            "dropped": getattr(peer, "dropped", 0), "unapplied": unapplied,
                            "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                            "raw_bytes": c.raw_bytes, "param_checksum": checksum,
-                           "end": end and {"round": end.r, "version": end.version}})
+                           "end": end and {"round": end.r, "version": end.version}, "model": saved})
         if task.sample:
             from p2ptrain.tasks import printable_text
 
             print("\nsample:\n" + printable_text(str(task.sample(model, device))))  # (a task file's too)
+
+
+def clock(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``: a duration as the status line shows it."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _drift_line(r) -> str:

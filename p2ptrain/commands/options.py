@@ -124,10 +124,25 @@ def port(low: int = 0):
 
 class Parser(argparse.ArgumentParser):
     """One line on a usage error, naming the command (a subcommand's own parser reports its own
-    errors, unknown flags included), and exit 2."""
+    errors, unknown flags included), and exit 2. No abbreviations (``allow_abbrev=False``):
+    ``--min-peer 2`` is refused, naming the flag meant, rather than taken for ``--min-peers``
+    (an abbreviation that works today breaks when an option is added that shares its start)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         usage_error(f"{message} ({self.prog} --help lists the options)", self.prog)
+
+    def unknown(self, flags: list[str]):
+        """Arguments no option takes: one line, naming the flag each was most likely meant to be."""
+        import difflib
+
+        known = [s for a in self._actions for s in a.option_strings]
+        meant = [f"{x} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(x.split("=")[0], known, 1, 0.8))
+                 else x for x in flags if x.startswith("-")]
+        self.error(f"unrecognized arguments: {' '.join(meant or flags)}")
 
 
 def usage_error(message: str, prog: str | None = None):

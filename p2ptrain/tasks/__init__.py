@@ -15,15 +15,38 @@ architecture; ``param_checksum`` proves replicas bit-identical.
 
 from __future__ import annotations
 
-from p2ptrain.cluster.fingerprint import Fingerprint, fingerprint_diff, model_fingerprint, param_checksum
-from p2ptrain.tasks._loader import BUILTINS, DEFAULT_TASK, load_task
-from p2ptrain.tasks._task import Task, parse_model_size, printable_text, seeded_generator, validate_task
+import importlib
+
+from p2ptrain.tasks._options import check_task_options, parse_model_size
+
+# The rest loads torch: imported on first use (PEP 562), so that ``join`` checks its options
+# (``check_task_options``) in the first second, before torch's import.
+_LAZY = {"Fingerprint": "p2ptrain.cluster.fingerprint", "fingerprint_diff": "p2ptrain.cluster.fingerprint",
+         "model_fingerprint": "p2ptrain.cluster.fingerprint", "param_checksum": "p2ptrain.cluster.fingerprint",
+         "BUILTINS": "p2ptrain.tasks._loader", "DEFAULT_TASK": "p2ptrain.tasks._loader",
+         "load_task": "p2ptrain.tasks._loader", "Task": "p2ptrain.tasks._task",
+         "printable_text": "p2ptrain.tasks._task", "seeded_generator": "p2ptrain.tasks._task",
+         "validate_task": "p2ptrain.tasks._task"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BUILTINS",
     "DEFAULT_TASK",
     "Fingerprint",
     "Task",
+    "check_task_options",
     "fingerprint_diff",
     "load_task",
     "model_fingerprint",

@@ -6,13 +6,13 @@ import contextlib
 import hashlib
 import math
 import numbers
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.tasks._options import parse_model_size  # noqa: F401 (its home before: tasks.parse_model_size)
 
 TEMPLATE_HINT = "see examples/task_template.py"
 
@@ -95,19 +95,6 @@ def evaluating(model: torch.nn.Module):
             yield
     finally:
         model.train(was_training)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgb]?)\s*$", re.IGNORECASE)
-_SCALE = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "b": 10 ** 9}
-
-
-def parse_model_size(text: str | int, option: str = "model_size") -> int:
-    """``"100k"``, ``"1.5m"``, ``"1e6"``, ``"2b"`` or an int to a parameter count."""
-    match = _SIZE.match(str(text))
-    count = float(match[1]) * _SCALE[match[2].lower()] if match else 0
-    if not match or not 1 <= count < 1e12 or not math.isfinite(count):
-        raise ConfigError(f"{option}={text!r}: not a parameter count; use e.g. 100k, 1m, 10m, 100m or an integer")
-    return int(count)
 
 
 def validate_task(task: Any, device: str | torch.device = "cpu") -> None:

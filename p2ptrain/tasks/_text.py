@@ -75,18 +75,18 @@ def load_corpus(data: str | None) -> Corpus:
         text, truncated = _read_bounded(_sorted_files(root, ".py", _STDLIB_SKIP), STDLIB_BYTES, skip_binary=False)
         if not text:
             raise ConfigError(f"charlm: found no .py sources in the standard library at {root} "
-                              f"(an embedded Python?); pass data=PATH to a text file or folder")
+                              f"(an embedded Python?); give --data PATH, a text file or folder")
         return Corpus(text, f"Python {sysconfig.get_python_version()} standard library", truncated)
     path = Path(data).expanduser()
     if path.is_file():
         text, truncated = _read_bounded([path], USER_BYTES, skip_binary=True)
         if not text and path.stat().st_size:
-            raise ConfigError(f"data={data}: not a text file (it holds NUL bytes: an executable, an archive?); "
+            raise ConfigError(f"--data {data}: not a text file (it holds NUL bytes: an executable, an archive?); "
                               "give a text file or a folder of text files")
     elif path.is_dir():
         text, truncated = _read_bounded(_sorted_files(path, None, {"__pycache__"}), USER_BYTES, skip_binary=True)
     else:
-        raise ConfigError(f"data={data}: no such file or folder; give a text file or a folder of text files")
+        raise ConfigError(f"--data {data}: no such file or folder; give a text file or a folder of text files")
     if not text:
-        raise ConfigError(f"data={data}: holds no text; give a non-empty text file or a folder of text files")
+        raise ConfigError(f"--data {data}: holds no text; give a non-empty text file or a folder of text files")
     return Corpus(text, str(path), truncated)

@@ -40,7 +40,7 @@ class CharLMConfig:
     heads: int = 4
 
 
-PRESETS = {
+PRESETS = {  # (their names: ``_options.CHARLM_PRESETS``, checked before torch loads)
     "tiny": CharLMConfig(context=32, width=32, layers=2, heads=2),
     "small": CharLMConfig(),
     "medium": CharLMConfig(context=256, width=256, layers=6, heads=8),
@@ -126,8 +126,8 @@ def make_task(options: dict) -> Task:
     train, held_out = tokens[:split], tokens[split:]
     if len(held_out) <= cfg.context + 1:
         need = int((cfg.context + 2) / HELD_OUT) + 1
-        raise ConfigError(f"data={options.get('data')}: {len(tokens)} bytes of text is too little for a context "
-                          f"of {cfg.context}; give at least {need} bytes or a smaller model_size (e.g. tiny)")
+        raise ConfigError(f"--data {options.get('data')}: {len(tokens)} bytes of text is too little for a context "
+                          f"of {cfg.context}; give at least {need} bytes or a smaller --model-size (e.g. tiny)")
     seed = int(options.get("seed", 0))
     with torch.random.fork_rng(devices=[]):  # same initial weights on every peer, global RNG untouched
         torch.manual_seed(seed)

@@ -64,7 +64,7 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], device: to
 def make_task(options: dict) -> Task:
     """Build ``synthetic`` from ``options`` (``seed``, ``model_size``, ``batch_size``)."""
     if options.get("data") is not None:  # (it was ignored: a run on other data than the user meant)
-        raise ConfigError(f"synthetic: data={options['data']}: this task makes its own data (labels from a random "
+        raise ConfigError(f"synthetic: --data {options['data']}: this task makes its own data (labels from a random "
                           "teacher); drop it, or train on text with the charlm task")
     target = parse_model_size(options.get("model_size") or DEFAULT_SIZE)
     width = student_width(target)

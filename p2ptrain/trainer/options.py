@@ -126,7 +126,8 @@ def round_config(min_peers: int, start: SyncPoint | None, max_rounds: int | None
     this long is dead (``RoundConfig.peer_timeout``)."""
     return RoundConfig(min_peers=min_peers, max_version=(start.version if start else 0) + max_rounds if max_rounds
                        else 0, deadline=now + duration if duration else math.inf,
-                       listen=START_LISTEN if discovery else 0.0, peer_timeout=peer_timeout)
+                       listen=START_LISTEN if discovery else 0.0, peer_timeout=peer_timeout,
+                       max_rounds=max_rounds or 0)
 
 
 def listen_address(listen: str) -> tuple[str, int]:
