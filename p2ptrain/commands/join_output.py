@@ -51,12 +51,13 @@ class JoinOutput:
     def __init__(self, status: StatusLine | None = None):
         self.status = status if status is not None else StatusLine()
         self.last_loss = float("nan")
-        self._losses: list[float] = []  # this peer's batch losses since the last round record
+        self._loss_sum, self._loss_count = 0.0, 0  # this peer's batch losses since the last round record
 
     def batch_loss(self, loss: float) -> None:
         """A batch's loss (what the status line, the records and the summary report)."""
         self.last_loss = loss
-        self._losses.append(loss)
+        self._loss_sum += loss
+        self._loss_count += 1
 
     def write_metrics(self, out: MetricsFile, peer, record, current: bool = True) -> None:
         """One round's record in the metrics file (``--metrics``). ``current``: the parameters hold
@@ -75,8 +76,9 @@ class JoinOutput:
     def _mean_loss(self) -> float:
         """The mean of this peer's batch losses since the last record (several batches per round
         at staleness >= 1 or with --sync-every), then start over."""
-        losses, self._losses = self._losses, []
-        return sum(losses) / len(losses) if losses else self.last_loss
+        total, count = self._loss_sum, self._loss_count
+        self._loss_sum, self._loss_count = 0.0, 0
+        return total / count if count else self.last_loss
 
     def report(self, peer, count, now: float) -> None:
         """The status line: the cluster's round and update, and rates over the last few seconds
