@@ -101,8 +101,10 @@ class JoinOutput:
         end = c.finished  # (None: this peer left before the cluster's run was over)
         unapplied = getattr(peer, "unapplied", 0)
         lines = [f"updates {count.rounds} in this run (the cluster's update {peer.version})",
-                 f"the cluster's run ended at round {end.r} (version {end.version})" if end else
-                 "left before the cluster's run was over",
+                 ("left before the cluster's run was over" if not end else
+                  f"the cluster's run ended at round {end.r} (version {end.version})" if not end.behind else
+                  f"the cluster's run ended without this peer's last rounds: it stopped at round {end.r} "
+                  f"(version {end.version})"),
                  f"samples {count.samples} (this peer {count.own_samples}"
                  + (f"; {unapplied} of them no round took before it left" if unapplied else "") + ")",
                  f"final train loss {self.last_loss:.4f}",
@@ -116,7 +118,7 @@ class JoinOutput:
                            "dropped": getattr(peer, "dropped", 0), "unapplied": unapplied,
                            "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                            "raw_bytes": c.raw_bytes, "param_checksum": checksum,
-                           "end": end and {"round": end.r, "version": end.version}})
+                           "end": end and {"round": end.r, "version": end.version, "behind": end.behind}})
         if task.sample:
             from p2ptrain.tasks import printable_text
 
