@@ -133,7 +133,9 @@ class StateTransfer:
             else:
                 self._on_ask(peer, header["id"], header.get("only") == "parameters")
         elif kind in (PART, REFUSE):
-            entry = self._fetches.get(header.get("id"))
+            if type(header.get("id")) is not int:  # (msgpack may give a list: unhashable)
+                raise RemoteProtocolError(f"malformed state {kind}: no id")
+            entry = self._fetches.get(header["id"])
             if entry is not None and entry[0] == peer:
                 entry[1].put_nowait(frame)
         else:
