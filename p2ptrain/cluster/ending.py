@@ -30,9 +30,9 @@ end itself: it leads nothing for ``query_timeout`` after waking (``wondering``),
 what waited in its sockets and to dial the others again; if then no peer it trained with is
 linked (their links closed, their dials failed) and, at the pace of the updates it saw before
 it stopped, the cluster would have reached its last version meanwhile, the run is over here
-too (``Finish(behind=True)``). A peer of them that links to us again, or speaks after the
-backlog of our sockets was read, ends the doubt at once (``heard_from``): it goes on. A pace too slow for that says the others crashed instead: it
-goes on as a peer left alone does (``--min-peers``).
+too (``Finish(behind=True)``). A pace too slow for that says the others crashed instead: it
+goes on as a peer left alone does (``--min-peers``). A peer of them that links to us again, or
+speaks after the backlog of our sockets was read, ends the doubt at once (``heard_from``).
 A sleep stops the monotonic clock of ``now``, not the leader's: the seconds slept count on the
 deadline (``_asleep``).
 """
