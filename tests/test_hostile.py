@@ -6,6 +6,7 @@ later call) and ``test_group``'s (a corrupt compressed chunk names its peer)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -131,3 +132,37 @@ def test_a_flood_of_stale_round_messages_stops_no_round_and_fills_no_log():
     assert a.counters["stale"] > 0
     assert len(net.of("a", M.Log)) >= before_logs
     net.check_safety()
+
+
+async def test_a_flood_of_malformed_round_messages_is_one_line_and_the_rounds_go_on(caplog):
+    """b, linked, sends 500 malformed round messages: a drops each, says so in one warning
+    naming b (the next, a minute later, counts the rest), and their rounds go on. It was a
+    warning a message."""
+    from helpers import until
+    from test_cluster import linked
+
+    from p2ptrain.cluster.rounds import RoundConfig
+
+    trainers, clusters = await linked(["a", "b"], RoundConfig(min_peers=2))
+    try:
+        await until(lambda: all(len(t.applied) >= 3 for t in trainers), timeout=20)
+        with caplog.at_level(logging.WARNING, logger="p2ptrain.cluster.cluster"):
+            for _ in range(500):
+                clusters[1].mesh.post("a", {"t": M.PROPOSE, "r": "not a round", "b": [1, "b"], "view": ["a", "b"]})
+            done = len(trainers[0].applied)
+            await until(lambda: len(trainers[0].applied) >= done + 3, timeout=30)
+        broke = [r.getMessage() for r in caplog.records if "broke the round protocol" in r.getMessage()]
+        assert len(broke) == 1 and broke[0].startswith("peer b broke the round protocol: malformed"), broke
+    finally:
+        for c in clusters:
+            await c.close()
+
+
+def test_the_lines_about_a_peers_refused_messages_come_once_a_minute_with_the_count():
+    from p2ptrain.cluster.faultlog import FaultLog
+
+    faults = FaultLog(every=60.0)
+    assert faults.refused("b", 0.0) == 0  # (its first: said at once)
+    assert [faults.refused("b", t) for t in (1.0, 2.0, 59.0)] == [None] * 3
+    assert faults.refused("c", 3.0) == 0  # (another peer: its own line)
+    assert faults.refused("b", 60.5) == 3 and faults.refused("b", 61.0) is None
