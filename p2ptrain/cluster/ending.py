@@ -145,6 +145,8 @@ class Ending:
         with are those still in the table then (the machine forgave their silence)."""
         if slept:
             self._asleep += seconds
+        if not self.limits()[0]:  # (a run without --max-rounds never ends unheard: nothing to wonder about)
+            return
         first, last = (self._pace[0], self._pace[-1]) if self._pace else ((0.0, 0), (0.0, 0))
         pace = (last[1] - first[1]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
         self._woke = (now, seconds, self.machine.history.version, frozenset(self.machine._peers()), pace)
