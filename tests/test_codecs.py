@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from p2ptrain.codecs import CODEC_CHOICES, Codec, Encoded, encodable, parse_codec, residual_of
-from p2ptrain.errors import CodecError, ConfigError
+from p2ptrain.errors import CodecError, ConfigError, NotFiniteError
 
 LOSSY = ["fp16", "bf16", "int8", "topk:0.01", "topk:0.3", "topk:1"]
 ALL = ["none"] + LOSSY + [s + "+nozstd" for s in LOSSY] + ["int8+zstd:5"]
@@ -331,9 +331,15 @@ def test_none_is_zero_copy_identity():
     assert bytes(enc.buffers[0]) == x.astype("<f4").tobytes()
     x[0] = 42.0  # the buffer is a view of x: no copy was made
     assert np.frombuffer(enc.buffers[0], "<f4")[0] == 42.0
-    x[1] = np.nan  # none carries anything, NaN included, bit for bit
+    x[1] = -0.0
     _, y = roundtrip(codec, x)
-    assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert np.array_equal(x.view(np.uint32), y.view(np.uint32))  # bit for bit
+    for bad in (np.nan, np.inf, -np.inf):  # no peer's parameters take them: the round is left out
+        x[1] = bad
+        with pytest.raises(NotFiniteError):
+            codec.encode(x)
+    x[1] = 3e38  # (finite, however its square overflows)
+    assert np.frombuffer(codec.encode(x).buffers[0], "<f4")[1] == np.float32(3e38)
 
 
 @pytest.mark.parametrize("spec", LOSSY)

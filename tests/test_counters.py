@@ -232,3 +232,32 @@ def test_records_carry_the_parameters_checksum_at_every_checksum_every_th_update
     lines = _metrics_lines(tmp_path, log, [], torch.nn.Linear(2, 2), [one(r) for r in range(1, 8)], checksum_every=3)
     assert [x["round"] for x in lines] == list(range(1, 8))
     assert [x["round"] for x in lines if x["param_checksum"]] == [3, 6]
+
+
+def test_the_losses_between_records_take_the_same_memory_however_many_batches():
+    """Without --metrics no record is ever written, so the losses since the last one are never
+    taken: they are a sum and a count, not one float a batch kept for the whole run."""
+    import tracemalloc
+
+    class Out:
+        def write(self, record):
+            self.record = record
+
+    output = JoinOutput(status=Status())
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(100_000):
+            output.batch_loss(float(k % 7))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 10_000, grown  # (a list of the floats: about 3.2 MB)
+    out, peer = Out(), SimpleNamespace(param_checksum=lambda: "x")
+    output.write_metrics(out, peer, record(1))
+    assert out.record["loss"] == pytest.approx(sum(k % 7 for k in range(100_000)) / 100_000)
+    output.batch_loss(2.0)
+    output.write_metrics(out, peer, record(2))
+    assert out.record["loss"] == 2.0  # (since the last record only)
+    output.write_metrics(out, peer, record(3))
+    assert out.record["loss"] == 2.0  # (no batch since: the last batch's)

@@ -8,6 +8,8 @@ import math
 import pytest
 from roundnet import GENESIS, Net, cluster
 
+from p2ptrain.cluster.membership import DEAD
+
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.roundmsg import Apply, Finish, Log
 
@@ -152,3 +154,66 @@ def test_a_member_told_the_end_by_a_peer_before_the_last_commit_reaches_it_finis
     net.settle()
     assert finished(net, "c") == finished(net, "a")
     assert net.m["c"].history.digest == net.m["a"].history.digest and versions_applied(net, "c") == 1
+
+
+def stop_while_the_others_finish(net, p, seconds, exit_after=True):
+    """p stands still (SIGSTOP) ``seconds`` while the others go on (``Net.stand_still``); those
+    that finish meanwhile exit (``exit_after``): their links close, what they sent p before
+    waits in its sockets. Then p runs again and finds their links closed."""
+    into = {(o, p) for o in net.m if o != p}
+    net.held |= into
+    net.still.add(p)
+    for _ in range(round(seconds / 0.5)):
+        net.tick(0.5)
+        for o in net.live():
+            if exit_after and net.m[o].ended is not None:
+                net.crash(o, sent_arrive=True)
+    net.still.discard(p)
+    net.held -= into
+    net.settle()
+    for o in sorted(net.crashed):
+        net.handle(p, net.m[p].on_peer_lost(o, net.clock(p)))
+
+
+@pytest.mark.parametrize("min_peers", [1, 2])
+def test_a_peer_stopped_past_the_end_while_the_others_exit_stops_too(min_peers):
+    """c is stopped 25 s; a and b drop it, reach the last version and exit, so no END or STATUS
+    can reach c. Waking, it finds none of them and stops at once, at its own version, without
+    a round alone (it trained on alone to the limit, or with --min-peers 2 waited for ever)."""
+    net = Net("abc", max_version=30, min_peers=min_peers)
+    net.found()
+    net.run(1.0)
+    version = net.m["c"].version
+    assert 0 < version < 30
+    stop_while_the_others_finish(net, "c", 25.0)
+    assert net.crashed == {"a", "b"} and net.m["a"].ended == 30
+    net.run(10.0)
+    assert finished(net, "c") == [(version, net.m["c"].round)] and net.of("c", Finish)[0].behind
+    assert versions_applied(net, "c") == version and not [a for a in net.of("c", Apply) if a.view == ("c",)]
+    assert any("stood still 25 s" in a.text and "last version (30)" in a.text for a in net.of("c", Log))
+
+
+def test_a_peer_stopped_briefly_while_the_others_crash_goes_on_alone():
+    """At the pace it saw the others could not have reached the end in the 8 s c stood still:
+    they crashed. c, alone, goes on as a peer left alone does."""
+    net = Net("abc", max_version=500)
+    net.found()
+    net.run(1.0)
+    net.crash("a").crash("b")
+    stop_while_the_others_finish(net, "c", 8.0)
+    net.run(10.0)
+    assert net.m["c"].ended is None and net.m["c"].version > 20
+
+
+def test_a_peer_stopped_past_the_end_hears_it_from_a_peer_still_there():
+    """The others finished but have not exited: waking, c hears the end from them."""
+    net = Net("abc", max_version=30)
+    net.found()
+    net.run(1.0)
+    stop_while_the_others_finish(net, "c", 25.0, exit_after=False)
+    for o in "ab":
+        if DEAD in (net.m[o].table.state("c"), net.m["c"].table.state(o)):
+            net.cut(o, "c").reconnect(o, "c")
+    net.run(3.0)
+    assert finished(net, "c") and net.m["c"].version < 30 == net.m["a"].ended
+    assert not [a for a in net.of("c", Apply) if a.view == ("c",)]

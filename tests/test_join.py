@@ -495,3 +495,28 @@ def test_data_rank_n_trains_on_the_batches_ddps_rank_n_reads(tmp_path, rank):
     assert p.returncode == 0, p.stderr[-1500:]
     summary = records(tmp_path / "m.jsonl")[-1]
     assert summary["event"] == "summary" and summary["param_checksum"] == expected[rank]
+
+
+def test_sigterm_before_the_first_round_with_a_checkpoint_dir_exits_0_with_a_summary(tmp_path):
+    """A peer waiting for a second member (--min-peers 2) is stopped before any round: it exits
+    0 with its summary, and writes no checkpoint (its state is the start's). It exited 2 ("state
+    ['round'] is -1 but the checkpoint is for round 0") with no summary."""
+    import signal
+
+    p = join("--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", str(ports(1)[0]),
+             "--min-peers", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    try:
+        said = ""
+        while "listening on port" not in said and p.poll() is None:
+            said += p.stderr.readline()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, (said + err)[-1500:]
+    assert "summary" in out and "left before the cluster's run was over" in out, out
+    assert "no round ran in this run: no checkpoint to write" in err, err[-1500:]
+    assert not list((tmp_path / "ck").glob("ckpt-*"))

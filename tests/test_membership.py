@@ -208,6 +208,34 @@ def test_history_window_and_relation():
     assert relation(long, 0, b"anything", []) == "behind"  # too old to tell: it loads state anyway
 
 
+def test_the_digest_window_holds_its_versions_in_a_megabyte_whatever_the_runs_length():
+    """A long run's History keeps WINDOW versions' digests in one ring (16 bytes a version),
+    not a dict of bytes objects (about 200 bytes a version: 13 MB at WINDOW); every version
+    in the window, across the ring's wrap, is still told."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        h = History()
+        kept = {}
+        for r in range(mb.WINDOW + 5000):
+            h.append(r, ("a", "b"), 3)
+            if r % 997 == 0 or r > mb.WINDOW + 4990:
+                kept[h.version] = h.digest
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < mb.WINDOW * mb.DIGEST_BYTES + 200_000, held
+    oldest = h.version - mb.WINDOW + 1
+    assert h.at(oldest - 1) is None and h.at(oldest) is not None and h.at(h.version) == h.digest
+    for v, d in kept.items():
+        assert h.at(v) == (d if v >= oldest else None), v
+    assert [v for v, _ in h.recent()] == list(range(h.version - mb.STATUS_WINDOW + 1, h.version + 1))
+    assert all(h.at(v) == d for v, d in h.recent(mb.WINDOW))
+    resumed = History(h.version, h.digest, h.recent(mb.WINDOW))  # (a snapshot's lineage)
+    assert resumed.at(oldest) == h.at(oldest) and resumed.at(oldest + 7919) == h.at(oldest + 7919)
+
+
 def test_a_long_split_is_told_from_lagging_by_asking_the_newer_side():
     """The older side cannot see a split older than the newer side's STATUS window: it asks,
     and the reply carries the newer side's digest at its version (``at``)."""

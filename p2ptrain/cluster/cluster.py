@@ -56,6 +56,7 @@ from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.codecs import parse_codec
 from p2ptrain.cluster import settings as shared_settings
 from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
+from p2ptrain.cluster.faultlog import FaultLog
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.net.transport import hostport
@@ -108,6 +109,7 @@ class Cluster:
         self._refused: set[str] = set()  # peers refused for their settings, said once each
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
         self._foreign: set[str] = set()  # peers of another model: never handed to the machine
+        self._faults = FaultLog()  # the lines about refused messages, a peer's at most once a minute
         self._foreign_met: dict[str, tuple[float, str]] = {}  # (met while fresh: since when, what differs)
         self._tasks = TaskSet()  # every task of this cluster: actor, ticker, rings, state downloads
         self._fetcher: asyncio.Task | None = None  # (of those: the state download in progress)
@@ -295,8 +297,11 @@ class Cluster:
                     continue
                 else:  # pragma: no cover - our own bug
                     raise RuntimeError(f"unknown cluster event {kind}")
-            except RemoteProtocolError as exc:
-                log.warning("peer %s broke the round protocol: %s", args[0] if args else "?", exc)
+            except RemoteProtocolError as exc:  # (the message is dropped; a flood of them is a line a minute)
+                more = self._faults.refused(args[0] if args else "?", now)
+                if more is not None:
+                    log.warning("peer %s broke the round protocol: %s%s", args[0] if args else "?", exc,
+                                f" (and {more} more messages of it since the last line)" if more else "")
                 continue
             await self._carry_out(actions)
             self.members = machine.members()  # (at once, not at the next tick: join's loop starts on it)

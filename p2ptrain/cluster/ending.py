@@ -26,19 +26,36 @@ came too late, a peer left alone) finishes too, whatever version it holds: nobod
 alone after the cluster's run is over.
 
 After a resume whose peers bring different checkpoints, the cluster's state is the newest one's
-(the peers behind load it), and ``--max-rounds N`` means N updates after it, on every peer:
-counted from each peer's own checkpoint, the smaller limit won wherever its peer coordinated,
-and the run ended at once (one peer had 43 updates, the other 1). A peer that loads a state
+(the peers behind load it), and ``--max-rounds N`` means N updates after it, on every peer
+(counted from each peer's own checkpoint, the run would end where the coordinator's limit says,
+a different number of updates for each peer). A peer that loads a state
 counts N from it (``loaded``); since limits take the earlier of ours and the leader's, a joiner
 of a run under way still ends where that run does.
+
+A peer that stood still (SIGSTOP, a lid closed: ``stood_still``) past the end was dropped before
+END went out, and the others may have exited since, so no peer is left to tell it. It tells the
+end itself: it leads nothing for ``query_timeout`` after waking (``wondering``), time to read
+what waited in its sockets and to dial the others again; if then no peer it trained with is
+linked (their links closed, their dials failed) and, at the pace of the updates it saw before
+it stopped, the cluster would have reached its last version meanwhile, the run is over here
+too (``Finish(behind=True)``). A pace too slow for that says the others crashed instead: it
+goes on as a peer left alone does (``--min-peers``). A peer of them that links to us again, or
+speaks after the backlog of our sockets was read, ends the doubt at once (``heard_from``).
+A sleep stops the monotonic clock of ``now``, not the leader's: the seconds slept count on the
+deadline (``_asleep``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.cluster.membership import SYNCED, SYNCING
 from p2ptrain.cluster.roundmsg import END, End, Finish, Log, Propose, beats
+
+FRESH_S = 0.5  # a message this long after waking was sent after it, not waiting in our sockets
+PACE_KEEP = 32  # (time, version) points a peer keeps to know the cluster's pace (``stood_still``)
 
 
 class Ending:
@@ -50,6 +67,10 @@ class Ending:
         self._heard_limits = (0, math.inf)  # the leader's (version or 0, deadline on our clock), from its PROPOSE
         self._end_heard: tuple[str, int] | None = None  # a peer's end, heard while a round of ours awaits its decision
         self._after_load = 0  # a state loaded from the cluster: its version + --max-rounds
+        self._asleep = 0.0  # seconds this machine slept: the deadline's clock is ``now`` plus these
+        self._pace: deque = deque(maxlen=PACE_KEEP)  # (time, version) where the version grew here (``note``)
+        self._noted: int | None = None  # the version at the last tick
+        self._woke: tuple | None = None  # (when, seconds, version, the peers we trained with, pace) after a stillness
 
     def loaded(self, version: int) -> None:
         """(``on_synced`` with a donor) We hold the cluster's state at ``version`` now: our
@@ -81,19 +102,19 @@ class Ending:
         version, deadline = self.limits()
         if not version and deadline == math.inf:
             return None
-        return [version, None if deadline == math.inf else round(max(0.0, deadline - now), 3)]
+        return [version, None if deadline == math.inf else round(max(0.0, deadline - now - self._asleep), 3)]
 
     def adopt_limits(self, m: Propose, now: float) -> None:
         """The leader we obey proposed with its limits: they are the cluster's now."""
         version, left = m.end if m.end is not None else (0, None)
-        self._heard_limits = (version, math.inf if left is None else now + left)
+        self._heard_limits = (version, math.inf if left is None else now + self._asleep + left)
 
     def run_over(self, now: float) -> str:
         """Why the run is over at this boundary ("" if it is not)."""
         version, deadline = self.limits()
         if version and self.machine.history.version >= version:
             return f"the cluster reached its last round (version {version}: --max-rounds)"
-        if now >= deadline:
+        if now + self._asleep >= deadline:
             return "the leader's --duration is over"
         return ""
 
@@ -138,7 +159,58 @@ class Ending:
             s, version = self._end_heard
             self.heard_end(s, version, now)
 
-    def _finish_run(self, now: float, why: str, theirs: tuple | None = None) -> None:
+    def note(self, now: float) -> None:
+        """(on each tick) The version as it grows: the pace a peer that stood still reckons by."""
+        version = self.machine.history.version
+        if version != self._noted:
+            if self._noted is not None:  # (the first version noted may have stood long: no pace from it)
+                self._pace.append((now, version))
+            self._noted = version
+
+    def stood_still(self, now: float, seconds: float, slept: bool) -> None:
+        """This peer stood still ``seconds`` (``slept``: its machine was suspended, and ``now``
+        shows no gap). Call it before the event that showed it is handled: the peers we trained
+        with are those still in the table then (the machine forgave their silence)."""
+        if slept:
+            self._asleep += seconds
+        if not self.limits()[0]:  # (a run without --max-rounds never ends unheard: nothing to wonder about)
+            return
+        first, last = (self._pace[0], self._pace[-1]) if self._pace else ((0.0, 0), (0.0, 0))
+        pace = (last[1] - first[1]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+        self._woke = (now, seconds, self.machine.history.version, frozenset(self.machine._peers()), pace)
+
+    def wondering(self, now: float) -> bool:
+        """Whether the run may have ended while we stood still and we do not know yet: we lead
+        nothing then (``Leader``), or we would train alone on the others' absence."""
+        return self._woke is not None and self.ended is None and now - self._woke[0] < self.machine.config.query_timeout
+
+    def heard_from(self, peer: str, now: float, linked: bool = False) -> None:
+        """A peer we trained with linked to us again (``linked``), or spoke a moment after we
+        woke (what waited in our sockets is read at once): it goes on, so we lead again."""
+        if (self._woke is not None and peer in self._woke[3]
+                and (linked or now - self._woke[0] > FRESH_S)):
+            self._woke = None
+
+    def alone_after_stillness(self, now: float) -> None:
+        """(on each tick) The end told by the peers' absence (the module docstring): decided once,
+        ``query_timeout`` after waking, time for a peer that goes on to be dialled again."""
+        if self._woke is None or self.ended is not None or self.wondering(now):
+            return
+        woke, seconds, version, peers, pace = self._woke
+        self._woke = None
+        machine = self.machine
+        last = self.limits()[0]
+        if (not peers or not last or version + pace * seconds < last
+                or any(machine.table.state(p) in (SYNCING, SYNCED) for p in peers)):
+            return
+        machine._emit(Log("warning", f"this peer stood still {seconds:.0f} s and no peer it trained with can be "
+                                     f"reached since: at their pace ({pace:.3g} updates a second) the cluster reached "
+                                     f"its last version ({last}) meanwhile. It stops at version "
+                                     f"{machine.history.version} rather than train on alone; the others' final state "
+                                     "is the run's"))
+        self._finish_run(now, "the cluster's run ended while this peer stood still", behind=True)
+
+    def _finish_run(self, now: float, why: str, theirs: tuple | None = None, behind: bool = False) -> None:
         machine = self.machine
         history = machine.history
         if machine.leader.lead is not None:
@@ -150,5 +222,6 @@ class Ending:
                                    or theirs[1] not in (None, history.digest)):
             machine._emit(Log("warning", f"the cluster's run ended at version {theirs[0]} while this peer holds "
                                          f"version {history.version} (it was not in the last rounds); it stops too"))
+            behind = True
         self.ended = history.version
-        machine._emit(Finish(history.version, machine.round, why))
+        machine._emit(Finish(history.version, machine.round, why, behind))

@@ -235,6 +235,8 @@ class Leader:
         machine = self.machine
         if machine.table.coordinator() != machine.id or (machine.lineage.hello and now < machine.lineage.hello_until):
             return False  # (not before we heard who else is synced)
+        if machine.ending.wondering(now):  # (nor while the run may have ended as we stood still)
+            return False
         if now < machine.lineage.listen_until:  # (nor in our first moment: peers started with us, found by
             return False  # their beacons, are at genesis too, and none loads anything)
         if now < machine.lineage.out_until or machine.lineage.load_later:

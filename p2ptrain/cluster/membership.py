@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import struct
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
@@ -271,15 +271,30 @@ class History:
     def __init__(self, version: int = 0, digest: bytes | None = None, window: Iterable = ()):
         """``window``: the (version, digest) pairs before and at ``version`` of a member whose
         state we loaded (its snapshot carries them), so that we can still tell a split from
-        lagging against older versions. Pairs that do not form a chain ending here are ignored."""
+        lagging against older versions. Pairs that do not form a chain ending here are ignored.
+
+        The digests of the last WINDOW versions are kept in one ring of DIGEST_BYTES slots
+        (1 MiB at most), not a dict of bytes objects (about 200 bytes a version: 13 MB)."""
         self.version = version
         self.digest = genesis() if digest is None else digest
-        self._window: OrderedDict[int, bytes] = OrderedDict([(version, self.digest)])
         pairs = [tuple(e) for e in window if isinstance(e, (list, tuple)) and len(e) == 2][-WINDOW:]
-        if (pairs and pairs[-1] == (version, self.digest)
+        if not (pairs and pairs[-1] == (version, self.digest)
                 and all(type(v) is int and isinstance(d, bytes) and len(d) == DIGEST_BYTES for v, d in pairs)
                 and all(b[0] == a[0] + 1 for a, b in zip(pairs, pairs[1:]))):
-            self._window = OrderedDict(pairs)
+            pairs = [(version, self.digest)]
+        self._base = self._first = pairs[0][0]  # the ring's slot 0, and the oldest version held
+        self._ring = bytearray()  # grows to WINDOW slots, then wraps
+        for v, d in pairs:
+            self._keep(v, d)
+
+    def _keep(self, version: int, digest: bytes) -> None:
+        """The digest after ``version`` (the next version after the newest held, or the first)."""
+        at = (version - self._base) % WINDOW * DIGEST_BYTES
+        if at == len(self._ring):
+            self._ring += digest.ljust(DIGEST_BYTES, b"\0")[:DIGEST_BYTES]
+        else:
+            self._ring[at:at + DIGEST_BYTES] = digest.ljust(DIGEST_BYTES, b"\0")[:DIGEST_BYTES]
+        self._first = max(self._first, version - WINDOW + 1)
 
     @staticmethod
     def next_digest(digest: bytes, round: int, view: Iterable[str], total: int) -> bytes:
@@ -301,17 +316,21 @@ class History:
             return self.digest
         self.digest = self.next_digest(self.digest, round, view, total)
         self.version += 1
-        self._window[self.version] = self.digest
-        while len(self._window) > WINDOW:
-            self._window.popitem(last=False)
+        self._keep(self.version, self.digest)
         return self.digest
 
     def at(self, version: int) -> bytes | None:
         """Our digest after ``version`` commits, if still in the window."""
-        return self._window.get(version)
+        if type(version) is not int or not self._first <= version <= self.version:
+            return None
+        if version == self.version:
+            return self.digest
+        at = (version - self._base) % WINDOW * DIGEST_BYTES
+        return bytes(self._ring[at:at + DIGEST_BYTES])
 
     def recent(self, n: int = STATUS_WINDOW) -> list[tuple[int, bytes]]:
-        return list(self._window.items())[-n:]
+        """The newest ``n`` (version, digest) pairs held, oldest first."""
+        return [(v, self.at(v)) for v in range(max(self._first, self.version - n + 1), self.version + 1)]
 
 
 def relation(mine: History, version: int, digest: bytes, recent: Iterable[tuple[int, bytes]],

@@ -355,10 +355,12 @@ class Resync:
 @dataclass(frozen=True)
 class Finish:
     """The cluster's run is over: this peer's last update is the one that made ``version``
-    (round ``r``): stop training, and say why (``reason``)."""
+    (round ``r``): stop training, and say why (``reason``). ``behind``: the cluster ended
+    elsewhere, at another version or one not known here (this peer was not in its last rounds)."""
     version: int
     r: int
     reason: str
+    behind: bool = False
 
 
 @dataclass(frozen=True)

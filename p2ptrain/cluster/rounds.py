@@ -163,13 +163,17 @@ class RoundMachine:
 
     def on_connected(self, peer: str, now: float, addr: tuple | None = None) -> list:
         self.table.connected(peer, now, addr)
-        return self._run(now, self._tell.add, peer)
+        return self._run(now, self._linked, peer, now)
+
+    def _linked(self, peer: str, now: float) -> None:
+        self.ending.heard_from(peer, now, linked=True)  # (after a stillness this event showed: ``_run``)
+        self._tell.add(peer)
 
     def on_woken(self, now: float, seconds: float) -> list:
         """This machine slept ``seconds`` (a lid closed) though ``now`` shows no gap: the
         host's monotonic clock stops while it is suspended (``sleepwatch``). Handled as a gap
         between events is (``_notice_stillness``); call it before the event that showed it."""
-        return self._run(now, self._stood_still, now, seconds)
+        return self._run(now, self._stood_still, now, seconds, True)
 
     def on_peer_lost(self, peer: str, now: float) -> list:
         self.table.link_lost(peer, now)
@@ -315,7 +319,8 @@ class RoundMachine:
         if last is not None and now - last > self.config.peer_timeout / 2:
             self._stood_still(now, now - last)
 
-    def _stood_still(self, now: float, seconds: float) -> None:
+    def _stood_still(self, now: float, seconds: float, slept: bool = False) -> None:
+        self.ending.stood_still(now, seconds, slept)
         self._emit(Log("info", f"this peer stood still for {seconds:.0f} s (its machine slept, its process was "
                                "stopped, or its event loop was held up): the others are heard before any is given up"))
         self.table.forgive(now)
@@ -339,6 +344,7 @@ class RoundMachine:
 
     def _dispatch(self, sender: str, message: Message, now: float) -> None:
         self.table.message(sender, now)
+        self.ending.heard_from(sender, now)
         if self.ending.ended is not None:  # the run is over here: say so to whoever asks, take part in nothing
             if type(message) is Query or (type(message) is Status and not message.re):
                 self._send(sender, self.lineage.status(re=True))
@@ -422,6 +428,10 @@ class RoundMachine:
         self.lineage.tick(now)
         for peer in self.table.expire(now, self.config.peer_timeout):
             self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
+        self.ending.note(now)
+        self.ending.alone_after_stillness(now)
+        if self.ending.ended is not None:
+            return
         pending = self.member.pending
         self.leader.check_stall(now)
         quiet = min(2 * self.config.query_timeout, self.config.peer_timeout / 2)  # well before we seem dead

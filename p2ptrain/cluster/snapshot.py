@@ -91,7 +91,7 @@ def unpack(payload: bytes | bytearray | memoryview) -> Any:
     for entry in meta["tensors"]:
         _need(isinstance(entry, list) and len(entry) == 3, "a bad tensor entry")
         dtype, shape, nbytes = entry
-        _need(dtype in DTYPES, f"unknown dtype {str(dtype)[:20]!r}")
+        _need(type(dtype) is str and dtype in DTYPES, f"unknown dtype {str(dtype)[:20]!r}")  # (a list: unhashable)
         _need(isinstance(shape, list) and len(shape) <= 16 and all(type(n) is int and n >= 0 for n in shape),
               "a bad shape")
         _need(type(nbytes) is int and 0 <= nbytes <= view.nbytes - offset, "tensor data past the end")

@@ -70,6 +70,19 @@ def _need(ok: bool, what: str) -> None:
         raise RemoteProtocolError(f"malformed state part: {what}")
 
 
+def _not_finite(state, where: str = "", depth: int = 0) -> str:
+    """Where a floating-point tensor of a decoded state holds NaN or inf ("" if none does).
+    One pass over each (a load is rare); ``snapshot.unpack`` bounds the depth."""
+    if isinstance(state, torch.Tensor):
+        return where if state.is_floating_point() and not bool(torch.isfinite(state).all()) else ""
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    for key, value in items:
+        bad = _not_finite(value, f"{where}.{key}" if where else str(key), depth + 1)
+        if bad:
+            return bad
+    return ""
+
+
 class Assembly:
     """The parts of one snapshot as they arrive, checked against the first part's header."""
 
@@ -133,7 +146,9 @@ class StateTransfer:
             else:
                 self._on_ask(peer, header["id"], header.get("only") == "parameters")
         elif kind in (PART, REFUSE):
-            entry = self._fetches.get(header.get("id"))
+            if type(header.get("id")) is not int:  # (msgpack may give a list: unhashable)
+                raise RemoteProtocolError(f"malformed state {kind}: no id")
+            entry = self._fetches.get(header["id"])
             if entry is not None and entry[0] == peer:
                 entry[1].put_nowait(frame)
         else:
@@ -237,3 +252,6 @@ class StateTransfer:
             raise FingerprintError(f"the snapshot from {peer} is of another model: {diff}")
         if snapshot.tensors_checksum(model.items()) != checksum:
             raise RemoteProtocolError(f"the snapshot from {peer} fails its parameter checksum")
+        bad = _not_finite(state)
+        if bad:  # (a checksum proves what was sent, not that it can be trained on: a peer that lies)
+            raise RemoteProtocolError(f"the snapshot from {peer} holds NaN or inf ({bad}): it is not loaded")

@@ -29,7 +29,8 @@ Lossy codecs take finite input with |x| <= 2**127 and raise NotFiniteError (a Co
 ``residual_of`` gives the error-feedback residual.
 
 Decoders validate structure (params, lengths, scales, indices, zstd frame sizes), not
-each value: a peer that sends NaN values gets NaN applied, as it would with ``none``.
+each value; ``none`` refuses NaN and inf at encode too (``check_finite``), and the ring
+refuses a final sum that comes holding them (``check_received``), whatever the codec.
 
 Errors: a payload that fails validation raises ``CodecError`` (the peer's fault) and
 nothing else; a bad spec, or a bad ``x``/``out`` from our own caller, ``ConfigError``.

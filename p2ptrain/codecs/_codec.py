@@ -14,6 +14,7 @@ the wrong dtype or shape, or a chunk a lossy codec cannot represent: NaN, inf or
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import numpy as np
@@ -109,8 +110,26 @@ def check_domain(name: str, absmax: float) -> None:
     if not absmax <= MAX_ABS:
         raise NotFiniteError(
             f"cannot encode with {name}: the chunk holds NaN, inf or a value above 2**127 "
-            "in magnitude; skip this step's gradient or use compression 'none'"
+            "in magnitude; skip this step's gradient"
         )
+
+
+def check_finite(x: np.ndarray) -> None:
+    """Refuse NaN and inf in float32 values that go out as they are (``none``, a raw chunk),
+    so that no peer's parameters take them: the round is left out everywhere, as with a lossy
+    codec. One read (a dot product: NaN and inf propagate; finite values whose squares
+    overflow are then looked at one by one)."""
+    if x.size and not math.isfinite(float(np.dot(x, x))) and not bool(np.isfinite(x).all()):
+        raise NotFiniteError("cannot send the chunk: it holds NaN or inf; skip this step's gradient")
+
+
+def check_received(values: np.ndarray) -> None:
+    """Refuse received float32 values that hold NaN or inf (``CodecError``): an honest sender's
+    encode refuses them, so a peer that sends them is at fault (``check_finite``)."""
+    try:
+        check_finite(values)
+    except NotFiniteError:
+        raise CodecError("values with NaN or inf, which no honest peer sends") from None
 
 
 def _check_array(x: Any, what: str) -> None:
@@ -216,6 +235,7 @@ class Codec:
                     out is not x and np.may_share_memory(out, x)):
                 raise ConfigError("encode_decoded needs out writeable, as long as x, and x itself or apart from it")
         if self._t is None:
+            check_finite(x)
             if out is not None and out is not x:
                 np.copyto(out, x)
             return Encoded({}, [memoryview(x).cast("B")], x.nbytes)

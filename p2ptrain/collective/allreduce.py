@@ -20,9 +20,9 @@ Chunks pass through a codec (``p2ptrain.codecs``):
   machine, where the wire is the same cores, by timing whole calls both ways. Every
   peer takes the bytes that came, so replicas stay bit-identical whichever way each chunk went.
   A raw chunk is refused what the codec would refuse (NaN, inf: ``NotFiniteError``) where our
-  own values go out (step 0) and where a segment's sum is final, which holds every peer's values:
-  so a NaN anywhere fails the call, however its chunks travelled (a partial sum going raw is not
-  looked at).
+  own values go out (step 0) and where a segment's sum is final, which holds every peer's: so a
+  NaN anywhere fails the call, however its chunks travelled; a final sum that comes with NaN or
+  inf is the sender's fault (``CodecError``), and no parameter takes it.
 - zstd (the codec's lossless layer) only where the send link is behind: it still holds more
   of our bytes than the chunk would take raw (``Link.queued_bytes``). Elsewhere the link
   keeps up, and the bytes zstd would save cost no time, only CPU (``_link_behind``). Never to
@@ -74,7 +74,7 @@ import numpy as np
 
 from p2ptrain.net import wire
 from p2ptrain.codecs import Codec, parse_codec
-from p2ptrain.codecs._codec import check_domain
+from p2ptrain.codecs._codec import check_domain, check_finite, check_received
 from p2ptrain.errors import CodecError, FrameError, LinkError, RemoteProtocolError
 from p2ptrain.collective.buffers import BufferPool
 from p2ptrain.collective.chunk_header import check_chunk_header, chunk_header
@@ -123,8 +123,7 @@ INLINE_ELEMS = MIN_CHUNK_ELEMS
 
 
 def _check_finite(name: str, values: np.ndarray) -> None:
-    """Refuse NaN and inf in a raw chunk, as the codec would have (max and min propagate NaN;
-    two passes of ~25 us per 256 K values)."""
+    """Refuse NaN and inf in a raw chunk, as the codec would (max, min: ~25 us a 256 K values)."""
     if len(values) and not (np.isfinite(values.max()) and np.isfinite(values.min())):
         check_domain(name, float(np.max(np.abs(values))))
 
@@ -251,7 +250,8 @@ class RingAllreduce:
             raw, forwarded = False, None
             if self.codec.is_identity and (t.reduce or t.step == owner_step):
                 params, payload = {}, [memoryview(src)]  # nothing to compute: no thread hop
-                if not t.reduce:
+                if not t.reduce:  # (a final sum holds every peer's values: NaN or inf fails the call)
+                    check_finite(src)
                     self._finished(t.start, src)  # (a hash, ~0.04 ms per MiB: cheaper inline than a hop)
             elif t.reduce or t.step == owner_step:
                 began = time.perf_counter()
@@ -281,8 +281,7 @@ class RingAllreduce:
                 self._pool.give(forwarded)
 
     def _raw(self, src: np.ndarray, t: Transfer) -> tuple[dict, list]:
-        """Our values as they are (``linkpace``): nothing dropped, so no residual; the owner's
-        final sum stays as it is."""
+        """Our values as they are (``linkpace``): nothing dropped (no residual); a final sum stays as it is."""
         if t.step == 0 or not t.reduce:  # our own values, or a final sum (of everyone's)
             _check_finite(self.codec.name, src)
         self._raw_spans.append((t.start, t.stop))
@@ -306,10 +305,9 @@ class RingAllreduce:
 
     def _encode(self, src: np.ndarray, final: bool, start: int, zstd: bool, owed: Owed | None = None
                 ) -> tuple[dict, list]:
-        """Encode our values; keep the residual; the owner adopts its own decoded final sum
-        (and hashes it: ``start`` is where ``src`` begins in the buffer). ``zstd``: whether
-        the codec's zstd layer may run (``_link_behind``). ``owed``: the received chunk that
-        this sum still lacks, added as it is encoded (``_owes``)."""
+        """Encode our values; keep the residual; the owner adopts its own decoded final sum (and
+        hashes it: ``start`` is where ``src`` begins in the buffer). ``zstd``: whether the codec's zstd
+        layer may run (``_link_behind``). ``owed``: the chunk this sum still lacks, added as it is encoded."""
         params, buffers = self._encode_values(src, final, start, zstd, owed)
         if final:
             self._finished(start, src)
@@ -475,6 +473,7 @@ class RingAllreduce:
             elif incoming.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
                 dst[:] = incoming  # arrived before this call owned the link's allocator
             if not t.reduce:
+                check_received(dst)  # (a final sum: no NaN or inf is taken)
                 self._finished(t.start, dst)
                 if raw and t.step < self.plan.steps - 1:
                     self._forward[(t.g, t.chunk)] = (params, None, True)  # (sent on from ``work``)
@@ -491,6 +490,7 @@ class RingAllreduce:
             self._pool.give(payload)
         else:
             self._recv_codec.decode(params, payload, dst)
+            check_received(dst)  # (a final sum: no parameter takes NaN or inf)
             self._finished(t.start, dst)
             if t.step < self.plan.steps - 1:
                 self._forward[(t.g, t.chunk)] = (params, payload, False)

@@ -235,12 +235,15 @@ class _Join:
             return
         held = peer.state_dict()  # (first: alone, it commits the rounds of the batches applied so far)
         latest = peer.cluster.rounds.last()
-        last = latest.round if latest is not None else -1
+        if latest is None:  # (a SIGTERM before the first round: the state is the start's, or the checkpoint's)
+            log.log(logging.INFO if final else logging.DEBUG, "no round ran in this run: no checkpoint to write")
+            return
+        last = latest.round
         state = {"peer": held, "fingerprint": model_fingerprint(peer.module), "round": last,
                  "config": {"task": task.name, "model_size": str(a.model_size), "seed": a.seed}}
         _refuse_diverged(peer, state["peer"]["model"], a.checkpoint_dir)
         try:
-            path = save_checkpoint(a.checkpoint_dir, state, round=max(last, 0))
+            path = save_checkpoint(a.checkpoint_dir, state, round=last)
         except CheckpointError as exc:
             if final:  # (the run is over: its state is only here now)
                 raise

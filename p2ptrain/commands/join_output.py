@@ -24,12 +24,13 @@ class JoinOutput:
     def __init__(self, status: StatusLine | None = None):
         self.status = status if status is not None else StatusLine()
         self.last_loss = float("nan")
-        self._losses: list[float] = []  # this peer's batch losses since the last round record
+        self._loss_sum, self._loss_count = 0.0, 0  # this peer's batch losses since the last round record
 
     def batch_loss(self, loss: float) -> None:
         """A batch's loss (what the status line, the records and the summary report)."""
         self.last_loss = loss
-        self._losses.append(loss)
+        self._loss_sum += loss
+        self._loss_count += 1
 
     def write_metrics(self, out: Metrics | MetricsFile, peer, record, current: bool = True,
                       version: int | None = None) -> None:
@@ -50,8 +51,9 @@ class JoinOutput:
     def _mean_loss(self) -> float:
         """The mean of this peer's batch losses since the last record (several batches per round
         at staleness >= 1 or with --sync-every), then start over."""
-        losses, self._losses = self._losses, []
-        return sum(losses) / len(losses) if losses else self.last_loss
+        total, count = self._loss_sum, self._loss_count
+        self._loss_sum, self._loss_count = 0.0, 0
+        return total / count if count else self.last_loss
 
     def report(self, peer, count, now: float, last_version: int = 0, elapsed: float | None = None,
                duration: float | None = None) -> None:
@@ -87,8 +89,9 @@ class JoinOutput:
         end = c.finished  # (None: this peer left before the cluster's run was over)
         unapplied = getattr(peer, "unapplied", 0)
         lines = [f"updates {count.rounds} in this run (the cluster's update {peer.version})",
-                 f"the cluster's run ended at update {end.version}" if end else
-                 "left before the cluster's run was over",
+                 ("left before the cluster's run was over" if not end else
+                  f"the cluster's run ended at update {end.version}" if not end.behind else
+                  f"the cluster's run ended without this peer's last rounds: it stopped at update {end.version}"),
                  f"samples {count.samples} (this peer {count.own_samples}"
                  + (f"; {unapplied} of them no round took before it left" if unapplied else "") + ")",
                  f"final train loss {self.last_loss:.4f}",
@@ -106,7 +109,8 @@ class JoinOutput:
                            "dropped": getattr(peer, "dropped", 0), "unapplied": unapplied,
                            "loss": self.last_loss, "validation_loss": val, "wire_bytes": c.wire_bytes,
                            "raw_bytes": c.raw_bytes, "param_checksum": checksum,
-                           "end": end and {"round": end.r, "version": end.version}, "model": saved})
+                           "end": end and {"round": end.r, "version": end.version, "behind": end.behind},
+                           "model": saved})
         if task.sample:
             from p2ptrain.tasks import printable_text
 
