@@ -221,7 +221,7 @@ def test_rival_that_stepped_us_down_is_lost_we_take_over_at_once(how):
     net.tick()
     net.settle()
     assert net.m["a"].is_leader and not net.m["b"].is_leader and net.m["c"].promised == (1, "a")
-    assert net.m["b"].leader._no_lead_until > net.now + 4  # backing off from a
+    assert net.m["b"].leader.takeover._no_lead_until > net.now + 4  # backing off from a
     if how == "goodbye":
         net.release("a", "b")
         net.handle("a", net.m["a"].leave(net.now))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import ports, until
 
 from p2ptrain import AsyncPeer, GroupError
-from p2ptrain.cluster import cluster as cluster_module
+from p2ptrain.cluster import vetting as vetting_module
 from p2ptrain.net import auth, mesh as mesh_module
 from p2ptrain.net.mesh import Mesh
 
@@ -57,7 +57,7 @@ def make():
 
 async def test_a_peer_that_cannot_train_and_that_everyone_refuses_gives_up(monkeypatch):
     monkeypatch.setattr(mesh_module, "RETRY_AFTER", 0.2)
-    monkeypatch.setattr(cluster_module, "REFUSED_GIVE_UP", 1.0)  # (30 s in real life)
+    monkeypatch.setattr(vetting_module, "REFUSED_GIVE_UP", 1.0)  # (30 s in real life)
     a_port, b_port = ports(2)
     addrs = [f"127.0.0.1:{a_port}", f"127.0.0.1:{b_port}"]
     cluster = AsyncPeer(*make(), listen=addrs[0], peers=addrs, discovery=False, secret="right")

@@ -148,7 +148,7 @@ async def test_a_fresh_peer_that_meets_the_odd_one_out_before_its_partner_goes_o
     a, b, c = clusters
     try:
         link([a, c])
-        await until(lambda: "c" in a._foreign, timeout=10)  # a, fresh, has met c
+        await until(lambda: "c" in a.vetting.foreign, timeout=10)  # a, fresh, has met c
         await asyncio.sleep(0.5)  # (c's fingerprint told and heard)
         assert a.failure is None
         link([a, b])

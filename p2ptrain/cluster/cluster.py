@@ -27,11 +27,9 @@ The ``trainer`` is what trains: it owns the accumulator and the optimizer (``Con
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
 meeting a cluster that is ahead, or a bigger side after a split, makes the machine ask for a
 ``Resync``. Snapshots are served by the actor itself, between events, so the parameters it
-captures are exactly those of the machine's ``sync_point()``. A peer whose handshake carries
-another model digest is never handed to the machine: both sides log the first difference, and
-a peer that has trained nothing yet stops with ``FingerprintError``.
-So is a peer whose shared settings (compression, staleness, ...: ``settings``) differ from
-ours, and a peer that has applied nothing and has no member stops with ``SettingsError``.
+captures are exactly those of the machine's ``sync_point()``. A peer of another model or other
+shared settings is never handed to the machine, and a peer that nobody takes stops
+(``vetting``).
 
 A peer alone (``SoloTrainer``; the machine's solo, ``leader``). With no link and nobody else
 known, a round would carry our batch from the trainer's thread to this loop and back for
@@ -54,12 +52,10 @@ import numpy as np
 from p2ptrain.net import auth
 from p2ptrain.cluster import roundmsg as msg
 from p2ptrain.codecs import parse_codec
-from p2ptrain.cluster import settings as shared_settings
-from p2ptrain.errors import FingerprintError, GroupError, P2PTrainError, RemoteProtocolError, SettingsError
+from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
 from p2ptrain.cluster.faultlog import FaultLog
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import Mesh
-from p2ptrain.net.transport import hostport
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.sleepwatch import SleepWatch
@@ -67,6 +63,7 @@ from p2ptrain.cluster.records import Loaded, RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
 from p2ptrain.cluster.statesync import LINEAGE, StateTransfer
 from p2ptrain.cluster.trainer_api import Contributions, SoloTrainer
+from p2ptrain.cluster.vetting import Vetting
 from p2ptrain.taskset import TaskSet
 from p2ptrain.trace import NO_TRACE
 
@@ -74,8 +71,6 @@ log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
-REFUSED_GIVE_UP = 30.0  # seconds every peer we know may refuse us (a wrong secret) while we cannot train
-FOREIGN_VERDICT = 3.0  # seconds a fresh peer that met another model looks for one of its own before it stops
 
 
 def _brief(header: dict) -> dict:
@@ -98,19 +93,15 @@ class Cluster:
         self._sleep = SleepWatch(self.machine.config.peer_timeout / 2)  # (a lid closed: ``on_woken``)
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
                          on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
-                         on_admitted=self._on_admitted, on_state=lambda p, f: self.transfer.on_frame(p, f))
+                         on_admitted=lambda p, info: self.vetting.admitted(p, info),
+                         on_state=lambda p, f: self.transfer.on_frame(p, f))
         self.transfer = StateTransfer(self.mesh, fingerprint or [], on_ask=lambda p, i, only: self._post("ask", p, i, 0.0, only),
                                       on_foreign=lambda p, diff: self._post("foreign", p, diff))
         if fingerprint is not None:
             self.mesh.info["model"] = self.transfer.digest
-        self.settings = dict(settings or {})  # what every peer must share (``cluster.settings``)
-        if settings:
-            self.mesh.info["settings"] = self.settings
-        self._refused: set[str] = set()  # peers refused for their settings, said once each
+        self.vetting = Vetting(peer_id, self.mesh, self.transfer, self.machine, settings, self._post)
         self._start = start or SyncPoint(0, genesis(checksum), -1, 0)
-        self._foreign: set[str] = set()  # peers of another model: never handed to the machine
         self._faults = FaultLog()  # the lines about refused messages, a peer's at most once a minute
-        self._foreign_met: dict[str, tuple[float, str]] = {}  # (met while fresh: since when, what differs)
         self._tasks = TaskSet()  # every task of this cluster: actor, ticker, rings, state downloads
         self._fetcher: asyncio.Task | None = None  # (of those: the state download in progress)
         self.rounds = RoundLog()  # applied here, newest last
@@ -182,21 +173,8 @@ class Cluster:
         return self.mesh.port
 
     # -- the mesh's side ------------------------------------------------------------------
-    def _on_admitted(self, peer: str, info: dict) -> None:
-        theirs = info.get("model")
-        if theirs is not None and "model" in self.mesh.info and theirs != self.mesh.info["model"]:
-            self._foreign.add(peer)  # linked (so not redialed), never a member
-            self.transfer.tell_model(peer)
-            return
-        diffs = shared_settings.differences(self.settings, info.get("settings"))
-        if diffs:
-            self._foreign.add(peer)  # (as a peer of another model)
-            self._post("other_settings", peer, diffs)
-            return
-        self._post("connected", peer, info)
-
     def _on_message(self, peer: str, header: dict) -> None:
-        if peer not in self._foreign:
+        if peer not in self.vetting.foreign:
             self._post("params" if header.get("t") == PARAMS else "message", peer, header)
 
     # -- the actor ------------------------------------------------------------------------
@@ -212,6 +190,10 @@ class Cluster:
         """Raise what stopped the cluster, if anything did (call from the owner's loop)."""
         if self.failure is not None:
             raise self.failure
+
+    def _stop(self, error: P2PTrainError | None) -> None:
+        """The cluster stops for ``error`` (None: it goes on), unless it stopped already."""
+        self.failure = self.failure or error
 
     async def _actor(self) -> None:
         try:
@@ -247,8 +229,8 @@ class Cluster:
                     for peer in self.mesh.peers:
                         if machine.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")
-                    self._give_up_if_refused(now)
-                    self._judge_foreign(now)
+                    self._stop(self.vetting.give_up(now, self.members, self.failure is not None))
+                    self._stop(self.vetting.judge_foreign(now, self.failure is not None))
                 elif kind == "message":
                     self._mark("<", args[0], args[1])
                     if log.isEnabledFor(logging.DEBUG):
@@ -276,11 +258,11 @@ class Cluster:
                         machine.learn_rate(args[0], args[1])
                     actions = machine.hold_for(args[0], now)
                 elif kind == "foreign":
-                    self._foreign_met.setdefault(args[0], (now, args[1]))
-                    self._judge_foreign(now)
+                    self.vetting.met_foreign(args[0], args[1], now)
+                    self._stop(self.vetting.judge_foreign(now, self.failure is not None))
                     continue
                 elif kind == "other_settings":
-                    self._other_settings(*args)
+                    self._stop(self.vetting.other_settings(*args, self.applied))
                     continue
                 elif kind == "restored":
                     window = tuple(args[0].pop(LINEAGE, None) or ())
@@ -383,7 +365,7 @@ class Cluster:
 
     def _go_solo(self, now: float) -> None:
         machine, trainer = self.machine, self._solo_trainer
-        if (trainer is None or self.failure is not None or self.mesh.peers or self._foreign
+        if (trainer is None or self.failure is not None or self.mesh.peers or self.vetting.foreign
                 or self.rings.residual is not None or (self._fetcher is not None and not self._fetcher.done())):
             return  # (error feedback owed from rounds with others: the next round alone carries it)
         r = machine.solo_round()
@@ -472,50 +454,6 @@ class Cluster:
             members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
             if members and donor not in members:
                 donor = members[int(loop.time()) % len(members)]
-
-    def _judge_foreign(self, now: float) -> None:
-        """Peers of another model met: one that has trained nothing and found no peer of its own
-        model FOREIGN_VERDICT seconds on stops (the mistake is most likely its own; peers started
-        together meet the odd one out while fresh, some before each other); any other goes on."""
-        if not self._foreign_met:
-            return
-        fresh = self.machine.version == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]
-        for peer, (since, diff) in list(self._foreign_met.items()):
-            if fresh and now - since < FOREIGN_VERDICT:
-                continue
-            del self._foreign_met[peer]
-            text = f"peer {peer} trains another model ({diff}); it is not admitted"
-            if not fresh:
-                log.error("%s; this peer keeps training with the others", text)
-            elif self.failure is None:
-                self.failure = FingerprintError(f"{text}: start every peer with the same model (join: the same "
-                                                "--task and --model-size)")
-                log.error("%s", self.failure)
-
-    def _give_up_if_refused(self, now: float) -> None:
-        """Below ``min_peers``, with every peer we know refusing our handshake for a setting (a
-        wrong secret, another cluster) for REFUSED_GIVE_UP seconds: nobody will take us, so stop
-        (``GroupError``, the owner's to raise) rather than wait, dialing, forever. (The mesh says
-        each refusal once, with what to do.) A peer that can train alone goes on."""
-        refusing = self.mesh.refusing()
-        if refusing is None or self.failure is not None or self.members >= self.machine.config.min_peers:
-            return
-        since, reasons = refusing
-        if now - since >= REFUSED_GIVE_UP:
-            fixes = sorted({fix for reason in reasons if (fix := auth.advice(reason))})
-            where = ", ".join(hostport(h, p) for h, p in sorted(self.mesh.refused))
-            self.failure = GroupError(f"every peer this one knows ({where}) refused it for {REFUSED_GIVE_UP:.0f} s "
-                                      f"({'; '.join(reasons)}): {'; '.join(fixes)}")
-
-    def _other_settings(self, peer: str, diffs: list[str]) -> None:
-        """A peer with other shared settings: a peer that has applied nothing and has no
-        member stops (its owner raises the one line); one that trains with others says it once."""
-        text = shared_settings.refusal(peer, diffs)
-        if self.applied == 0 and not [p for p in self.machine.table.live_synced() if p != self.peer_id]:
-            self.failure = self.failure or SettingsError(text)
-        elif peer not in self._refused:
-            self._refused.add(peer)
-            log.error("%s; this peer keeps training with the others", text)
 
     def _record(self, rnd: Round, total: int, view: tuple) -> None:
         stats, r, began = rnd.stats, rnd.r, rnd.ring_began

@@ -1,28 +1,19 @@
 """The leader part of the round machine: taking the lead, proposing, deciding. Pure code, no I/O.
 
 ``Leader`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine`` (``machine.leader``). It
-owns the attempts this peer sequences (``lead``), the decisions it took, the holds for joiners
-catching up, the back-off from a rival, and, as a part of its own, the refusals under partial
+owns the attempts this peer sequences (``lead``), the holds for joiners catching up, and, as
+parts of its own, whether it may take the lead and the decisions it took (``takeover``:
+``p2ptrain.cluster.takeover``), the refusals under partial
 connectivity (``refusals``: ``p2ptrain.cluster.refusals``) and who held its rounds more than its
 samples were worth (``worth``: ``p2ptrain.cluster.worth``; one line, at a commit). It reads and advances the machine's
 core (``table``, ``history``, ``round``, the attempt log) and sends through it (``_send``,
 ``_broadcast``, ``_emit``). ``rounds`` tells the round itself, ``member`` the member side; this
 module is what only the peer that sequences rounds does. The machine calls ``drive`` after every
 event, ``check_stall`` on a tick, and ``on_ready``, ``on_done``, ``on_nack`` for the messages a
-leader receives; the other parts call ``step_down``, ``abort``, ``resolve`` and the holds.
+leader receives; the other parts call ``step_down``, ``abort``, ``takeover.resolve`` and the holds.
 
-Ballots. A leader holds b = (epoch, its id). A member obeys the best ballot it has seen
-(higher epoch; on a tie the smaller id) and answers a worse one with NACK, so two peers that
-lead "for a moment" resolve deterministically and the loser steps down. A new leader takes a
-fresh epoch and first asks every candidate for its STATUS (QUERY): once a member answered,
-the old leader's COMMIT no longer reaches it (fencing). An attempt left in doubt by a lost
-leader commits where a survivor already committed it and aborts everywhere else; a leader's
-decision, once taken, is final.
-
-Who leads. The smallest live synced peer (``PeerTable.coordinator``), on a tick, once it heard
-who else is synced. A leader superseded by a rival it does not see as synced backs off for
-``query_timeout`` instead of flip-flopping with it every round; the back-off ends as soon as
-that rival is lost (link lost, goodbye, silent), so that a rival that dies costs a tick.
+Ballots and who leads: a new leader fences off the old one's COMMIT with a newer epoch and a
+QUERY, and decides the attempts left in doubt (``takeover``, whose docstring tells the rules).
 
 Refusals. A member that refuses a view (NACK) naming peers it has no link to is dropped, or
 those peers are left out of our views a while (``refusals``, whose docstring tells the rules).
@@ -47,14 +38,13 @@ Transitions (``_LEADER``; ``roundmsg.move`` refuses any other):
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import RemoteProtocolError
-from p2ptrain.cluster.membership import SYNCED, History
 from p2ptrain.cluster.refusals import Refusals
+from p2ptrain.cluster.takeover import Takeover
 from p2ptrain.cluster.worth import Worth
-from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, RING, RINGED, START, VOID, WITHDRAWN,
+from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, START, VOID, WITHDRAWN,
                                        Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse)
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
@@ -96,10 +86,9 @@ class Leader:
     def __init__(self, machine) -> None:
         self.machine = machine  # the RoundMachine that holds us
         self.lead: _Lead | None = None  # the attempts we sequence (None: we do not lead)
-        self._decided: OrderedDict = OrderedDict()  # attempt -> committed, as decided by us as leader
         self._admit: dict = {}  # joiners catching up: peer -> hold the boundary until
         self._held: dict = {}  # the version a joiner had when we last held for it
-        self._rival, self._no_lead_until = "", float("-inf")  # back off from a leader we cannot see
+        self.takeover = Takeover(machine)  # whether we may lead; our decisions, attempts in doubt
         self.refusals = Refusals(machine)  # peers our views leave out: a member could not reach them
         self.worth = Worth()  # who held our rounds more than its samples were worth (said once)
         self._waiting_since: float | None = None  # too few synced peers to train since then
@@ -108,7 +97,7 @@ class Leader:
     # -- what the machine and the other parts tell us ------------------------------------------
     def back_off(self, rival: str, now: float) -> None:
         """Do not take the lead for ``query_timeout`` while ``rival``, which leads, is not seen synced."""
-        self._rival, self._no_lead_until = rival, now + self.machine.config.query_timeout
+        self.takeover.back_off(rival, now)
 
     def peer_gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
         """Peer s can no longer take part: the round we lead with it aborts at once; a rival we
@@ -119,8 +108,7 @@ class Leader:
             lead.waiting.discard(s)
         elif lead is not None and lead.phase in (COLLECTING, RUNNING) and s in lead.view:
             self.abort(now, f"{s} {why}", drop=[s], routine=routine)
-        if s == self._rival and not self.machine.table.is_live(s):
-            self._rival, self._no_lead_until = "", float("-inf")  # the leader we backed off from is gone
+        self.takeover.peer_gone(s)
 
     def take_status(self, sender: str, message: Status) -> bool:
         """A STATUS that answers our QUERY is kept for the recovery (True); else False."""
@@ -222,7 +210,7 @@ class Leader:
         if not machine.synced or machine.ending.ended is not None:
             return
         if lead is None:
-            if tick and self._should_lead(now):
+            if tick and self.takeover.may_lead(now):
                 self._takeover(now)
         elif lead.phase == QUERYING and not lead.waiting:
             self._recover()
@@ -230,27 +218,6 @@ class Leader:
             self.step_down(now, f"handing the lead over to {machine.table.coordinator()}")
         elif lead.phase == BETWEEN:
             self._propose(now)
-
-    def _should_lead(self, now: float) -> bool:
-        machine = self.machine
-        if machine.table.coordinator() != machine.id or (machine.lineage.hello and now < machine.lineage.hello_until):
-            return False  # (not before we heard who else is synced)
-        if machine.ending.wondering(now):  # (nor while the run may have ended as we stood still)
-            return False
-        if now < machine.lineage.listen_until:  # (nor in our first moment: peers started with us, found by
-            return False  # their beacons, are at genesis too, and none loads anything)
-        if now < machine.lineage.out_until or machine.lineage.load_later:
-            return False  # a leader leaves us out, or we are behind and load soon: do not fork
-        if now < self._no_lead_until and machine.table.state(self._rival) != SYNCED:
-            return False  # a rival we cannot see leads: do not flip-flop with it every round
-        owner, pending = (machine.member.promised or (0, None))[1], machine.member.pending
-        owner_alive = owner != machine.id and machine.table.state(owner) == SYNCED
-        if pending is not None and pending.started:  # in doubt: only once its leader is gone
-            return not owner_alive
-        # A smaller live leader keeps the lead, where it may coordinate too: one that has served
-        # (the coordinator puts those first, and every STATUS says it). One that has not may
-        # have stepped down since (a load): deferring to it, no peer led, for ever.
-        return not (owner_alive and owner < machine.id and machine.table.get(owner).served)
 
     def _takeover(self, now: float) -> None:
         machine = self.machine
@@ -269,47 +236,12 @@ class Leader:
         got[machine.id] = parse(machine.lineage.status(lead.b))
         for st in got.values():
             lead.r = max(lead.r, st.round + 1, (st.pending.r if st.pending is not None else -1) + 1)
-        after = self.resolve(got)
+        after = self.takeover.resolve(got)
         for p in set(lead.got) | set(after):
             if after.get(p) != after[machine.id]:  # not synced, or another state: it hears ours
                 machine.table.unsynced(p)
                 machine._tell.add(p)
         lead.phase, lead.got = move(_LEADER, lead.phase, "recovered"), {}
-
-    def resolve(self, got: dict[str, Status]) -> dict:
-        """Decide the attempts that members report pending: commit where anyone committed it,
-        abort otherwise; our decision, once taken, is final. A member that did not finish
-        the ring of a committed attempt is told ABORT (it is behind, and will load state).
-        Returns each member's (version, digest) after the decision."""
-        machine = self.machine
-        learned, after = {}, {}
-        for r, b, c in [e for st in got.values() for e in st.log] + list(machine._log):
-            learned[(r, b)] = learned.get((r, b), False) or c
-        totals: dict = {}  # (a member whose START was lost knows none: a member that heard it does)
-        for st in got.values():
-            if st.pending is not None:
-                key = (st.pending.r, st.pending.b)
-                totals[key] = max(totals.get(key, 0), st.pending.total)
-        for peer, st in got.items():
-            version, digest, pd = st.version, st.digest, st.pending
-            if pd is not None:
-                key = (pd.r, pd.b)
-                outcome = self._decided.get(key, learned.get(key, False))
-                if pd.phase in (RING, RINGED):
-                    self._decide(key, outcome)
-                if outcome and pd.phase == RINGED and pd.ok and totals[key]:  # (no total known: it loads state)
-                    version, digest = History.after(version, digest, pd.r, pd.view, totals[key])
-                    machine._send(peer, {"t": COMMIT, "r": pd.r, "b": list(pd.b), "total": totals[key]})
-                else:
-                    machine._send(peer, {"t": ABORT, "r": pd.r, "b": list(pd.b), "drop": [],
-                                         "reason": "its leader was lost"})
-            after[peer] = (version, digest)
-        return after
-
-    def _decide(self, key: tuple, committed: bool) -> None:
-        self._decided[key] = committed
-        while len(self._decided) > 64:
-            self._decided.popitem(last=False)
 
     def _propose(self, now: float) -> None:
         machine = self.machine
@@ -412,7 +344,7 @@ class Leader:
                 machine.counters["start_again"] += 1
                 machine._send(s, self._start_msg(lead))
             return True
-        if self._decided.get((r, b)) is not True:
+        if self.takeover.decision((r, b)) is not True:
             machine.counters["abort_again"] += 1
             machine._send(s, {"t": ABORT, "r": r, "b": list(b), "drop": [], "reason": "that attempt is over"})
         return True
@@ -446,7 +378,7 @@ class Leader:
         sums = {machine.table.get(p).checksum for p in lead.view if machine.table.get(p)} - {None}
         if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
             machine._emit(Log("info", f"round {lead.r}: parameter checksums differ ({len(sums)} kinds)"))
-        self._decide((lead.r, lead.b), True)
+        self.takeover.decide((lead.r, lead.b), True)
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
         out = self.refusals.committed(lead.view, now)
@@ -463,7 +395,7 @@ class Leader:
         machine = self.machine
         lead, drop = self.lead, sorted(set(drop))
         if lead.phase == RUNNING:
-            self._decide((lead.r, lead.b), False)
+            self.takeover.decide((lead.r, lead.b), False)
         for q in set(drop) - {machine.id}:
             machine.table.unsynced(q)
             if tell:  # it may be alive: our STATUS lets it show its own and come back

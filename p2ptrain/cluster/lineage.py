@@ -6,7 +6,7 @@ long a leader leaves us out (``out_until``), the leader of the side we load (``s
 the peers that showed another state, the STATUS still awaited after loading (``hello``) and
 those put off while a round of ours was in flight. It reads the machine's core (``table``,
 ``history``, ``round``, the attempt log), sends through it (``_send``, ``_broadcast``,
-``_emit``, ``_gone``), and where this peer leads calls the leader part (``resolve``, ``abort``,
+``_emit``, ``_gone``), and where this peer leads calls the leader part (``takeover.resolve``, ``abort``,
 ``step_down``, the holds). ``rounds`` tells the round itself, ``member`` the member side,
 ``leader`` what the peer that sequences rounds does; this module is how peers find out whether
 they hold the same state, and which of them loads another's. The machine calls ``on_status``
@@ -124,7 +124,7 @@ class LineageKeeper:
                 or (pd.b == lead.b and pd.r < lead.r)):  # (or an attempt of ours whose decision it missed)
             if lead.b != message.b and (message.promised or (0, None))[1] != machine.id:
                 return machine._send(sender, {"t": QUERY, "b": list(lead.b)})  # in doubt, obeying another: ask it
-            machine.leader.resolve({sender: message})  # in doubt and it obeys us: decide its attempt
+            machine.leader.takeover.resolve({sender: message})  # in doubt and it obeys us: decide its attempt
             machine._tell.add(sender)
             if lead.phase in (COLLECTING, RUNNING) and sender in lead.view:
                 machine.leader.abort(now, f"{sender} was in doubt about an earlier round", drop=[])
