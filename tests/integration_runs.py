@@ -1,0 +1,98 @@
+"""The training scripts the integration tests run, one process per rank (not a test module).
+
+    python tests/integration_runs.py SCRIPT MODE RANK OUT PORT0 PORT1
+
+SCRIPT: ``hf`` (a ``transformers.Trainer`` on a tiny BERT made from a config), ``lightning``
+(a ``LightningModule`` with BatchNorm), ``ddp_hook`` (a plain loop over ``DistributedDataParallel``).
+MODE: ``p2p`` (two p2ptrain peers on loopback: PORT0, PORT1) or ``ddp`` (torch DDP on gloo, the
+rendezvous on PORT0). Both modes see the same batches per rank. Each rank writes its final
+``state_dict`` (and what the test checks besides) to OUT/<mode>-<rank>.pt.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch
+
+STEPS, BATCH, WORLD = 6, 4, 2
+
+
+def peer_options(rank, ports):
+    return dict(listen=f"127.0.0.1:{ports[rank]}", peers=[f"127.0.0.1:{p}" for p in ports], discovery=False,
+                min_peers=WORLD, secret="test")
+
+
+def ddp_env(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+
+
+# -- Hugging Face Trainer ------------------------------------------------------------------
+def hf_dataset(n=BATCH * WORLD * STEPS):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (n, 8), generator=g)
+    labels = (ids[:, 0] % 2).long()
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+def hf_model():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=2)
+    return BertForSequenceClassification(config)
+
+
+def hf_args(out, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=5e-3,
+                             weight_decay=0.01, max_grad_norm=0.05, warmup_steps=2, lr_scheduler_type="linear",
+                             logging_steps=100, report_to=[], use_cpu=True, train_sampling_strategy="sequential",
+                             seed=0, disable_tqdm=True, **extra)
+
+
+def run_hf(mode, rank, out, ports):
+    from transformers import Trainer
+
+    result = {}
+    if mode == "ddp":
+        from accelerate.state import AcceleratorState
+
+        ddp_env(rank, ports[0])
+        AcceleratorState._reset_state(reset_partial_state=True)  # (after a p2p run in this process)
+        model = hf_model()
+        Trainer(model=model, args=hf_args(os.path.join(out, "ddp"), save_strategy="no", ddp_backend="gloo"),
+                train_dataset=hf_dataset()).train()
+    else:
+        from p2ptrain.integrations.transformers import P2PTrainer
+
+        model = hf_model()
+        trainer = P2PTrainer(model=model, args=hf_args(os.path.join(out, "p2p"), save_strategy="steps", save_steps=3),
+                             train_dataset=hf_dataset(), peer=peer_options(rank, ports), data_rank=rank,
+                             data_shares=WORLD)
+        trainer.train()
+        result["updates"] = trainer.peer.version
+        # Resumed from the checkpoint at step 3 (a model made afresh, other ports): the same end.
+        resumed = hf_model()
+        torch.nn.init.normal_(resumed.classifier.weight)
+        trainer = P2PTrainer(model=resumed, args=hf_args(os.path.join(out, "p2p"), save_strategy="no"),
+                             train_dataset=hf_dataset(), peer=peer_options(rank, ports[2:]), data_rank=rank,
+                             data_shares=WORLD)
+        trainer.train(resume_from_checkpoint=os.path.join(out, "p2p", f"peer-{rank}", "checkpoint-3"))
+        result["resumed"] = {k: v.clone() for k, v in resumed.state_dict().items()}
+    result["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
+
+
+SCRIPTS = {"hf": run_hf}
+
+if __name__ == "__main__":
+    script, modes, rank, out, *ports = sys.argv[1:]
+    for mode in modes.split(","):  # ("p2p,ddp": both in one process, p2p first: it needs no process group)
+        SCRIPTS[script](mode, int(rank), out, [int(p) for p in ports])
