@@ -21,7 +21,7 @@ STEPS, BATCH, WORLD = 6, 4, 2
 
 
 def peer_options(rank, ports):
-    return dict(listen=f"127.0.0.1:{ports[rank]}", peers=[f"127.0.0.1:{p}" for p in ports], discovery=False,
+    return dict(listen=f"127.0.0.1:{ports[rank]}", peers=[f"127.0.0.1:{p}" for p in ports[:WORLD]], discovery=False,
                 min_peers=WORLD, secret="test")
 
 
@@ -90,7 +90,53 @@ def run_hf(mode, rank, out, ports):
     torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
 
 
-SCRIPTS = {"hf": run_hf}
+# -- a plain loop over DistributedDataParallel ---------------------------------------------
+def small_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def rank_batches(rank, steps=STEPS):
+    """The batches of ``rank``: the same in both modes."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(steps)]
+
+
+def run_ddp_hook(mode, rank, out, ports):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    result = {}
+    if mode == "ddp":
+        ddp_env(rank, ports[-1])
+        dist.init_process_group("gloo")
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        for x, y in rank_batches(rank):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        from p2ptrain.integrations.ddp import P2PHook, init_local_group
+
+        init_local_group()
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        options = peer_options(rank, ports)
+        with P2PHook(listen=options["listen"], peers=options["peers"], secret="test") as hook:
+            hook.register(ddp)
+            for x, y in rank_batches(rank):
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            result["own_buffers"] = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+            hook.average_buffers(model)
+    dist.destroy_process_group()
+    result["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
+
+
+SCRIPTS = {"hf": run_hf, "ddp_hook": run_ddp_hook}
 
 if __name__ == "__main__":
     script, modes, rank, out, *ports = sys.argv[1:]

@@ -2,8 +2,6 @@
 over loopback, against the same script under torch DDP on gloo (the same batches per rank)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,25 +9,9 @@ import torch
 pytest.importorskip("transformers", reason="needs transformers (pip install \"p2ptrain[transformers]\")")
 pytest.importorskip("accelerate", reason="needs accelerate (pip install \"p2ptrain[transformers]\")")
 
-from helpers import finish, ports  # noqa: E402
+from helpers import run_ranks  # noqa: E402
 
 from p2ptrain.errors import ConfigError  # noqa: E402
-
-RUNS = os.path.join(os.path.dirname(__file__), "integration_runs.py")
-
-
-def run_ranks(script: str, modes: str, out, port_count: int, timeout: float = 100) -> list[dict]:
-    """Both ranks of ``script`` (``integration_runs.py``), each in its own process; their results."""
-    chosen = [str(p) for p in ports(port_count)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, RUNS, script, modes, str(rank), str(out), *chosen], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outputs = finish(procs, timeout=timeout)
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    return [{mode: torch.load(out / f"{mode}-{rank}.pt", weights_only=True) for mode in modes.split(",")}
-            for rank in range(2)]
-
 
 def flat(state: dict) -> torch.Tensor:
     return torch.cat([v.double().flatten() for v in state.values() if v.is_floating_point()])
