@@ -136,7 +136,56 @@ def run_ddp_hook(mode, rank, out, ports):
     torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
 
 
-SCRIPTS = {"hf": run_hf, "ddp_hook": run_ddp_hook}
+# -- Lightning ------------------------------------------------------------------------------
+def lightning_module():
+    import lightning.pytorch as pl
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = small_net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
+
+    return Classifier()
+
+
+def lightning_data():
+    g = torch.Generator().manual_seed(7)
+    n = BATCH * WORLD * STEPS
+    data = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
+def run_lightning(mode, rank, out, ports):
+    import lightning.pytorch as pl
+
+    common = dict(accelerator="cpu", max_steps=STEPS, gradient_clip_val=0.05, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    module = lightning_module()
+    result = {}
+    if mode == "ddp":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[-1]), NODE_RANK=str(rank), LOCAL_RANK="0",
+                          WORLD_SIZE=str(WORLD))
+        pl.Trainer(strategy="ddp", devices=1, num_nodes=WORLD, **common).fit(module, lightning_data())
+    else:
+        from p2ptrain.integrations.lightning import P2PStrategy
+
+        strategy = P2PStrategy(peer=peer_options(rank, ports), data_rank=rank, data_shares=WORLD, device="cpu",
+                               sync_buffers=True)
+        pl.Trainer(strategy=strategy, **common).fit(module, lightning_data())
+        result["updates"] = strategy.peer.version
+    result["state"] = {k: v.clone() for k, v in module.state_dict().items()}
+    torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
+
+
+SCRIPTS = {"hf": run_hf, "ddp_hook": run_ddp_hook, "lightning": run_lightning}
 
 if __name__ == "__main__":
     script, modes, rank, out, *ports = sys.argv[1:]

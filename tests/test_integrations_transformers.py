@@ -1,8 +1,6 @@
 """``p2ptrain.integrations.transformers``: a real ``transformers.Trainer`` script on two peers
 over loopback, against the same script under torch DDP on gloo (the same batches per rank)."""
 
-import os
-
 import pytest
 import torch
 

@@ -69,15 +69,3 @@ class AveragedBuffers:
                     b.copy_(s.grad.to(b.dtype))
                     s.grad = None
 
-
-def clip_on_step(optimizer: torch.optim.Optimizer, params, max_norm: float):
-    """Clip ``params``' gradients to ``max_norm`` each time ``optimizer`` steps: when the peer
-    steps it, ``p.grad`` holds the cluster's average, so this is DDP's order (average, then
-    clip), over the model's own parameters (not ``AveragedBuffers``' stand-ins). Returns the
-    hook's handle."""
-    params = [p for p in params if p.requires_grad]
-
-    def clip(opt, args, kwargs) -> None:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    return optimizer.register_step_pre_hook(clip)

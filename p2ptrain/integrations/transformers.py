@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-from typing import Any
 
 import torch
 
@@ -52,7 +51,8 @@ except ImportError as exc:  # (p2ptrain itself never imports this module)
                       "pip install \"p2ptrain[transformers]\"") from exc
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.integrations.buffers import AveragedBuffers, clip_on_step
+from p2ptrain.integrations._common import CountingOptimizer, batch_samples, clip_on_step
+from p2ptrain.integrations.buffers import AveragedBuffers
 from p2ptrain.trainer.distributed_optimizer import DistributedOptimizer
 
 # Set by P2PTrainer from TrainingArguments: passing them in peer=dict(...) would say two things.
@@ -91,31 +91,6 @@ class PeerShardSampler(torch.utils.data.Sampler):
             yield from order[start:start + self.batch_size]
 
 
-class _CountingOptimizer(DistributedOptimizer):
-    """``DistributedOptimizer`` whose ``step`` takes the samples ``P2PTrainer`` counted since the
-    last one (accelerate calls ``step(closure)`` with no batch size)."""
-
-    samples = 0
-
-    def step(self, closure=None, *, batch_size: int | None = None) -> Any:
-        n = batch_size if batch_size is not None else self.samples
-        self.samples = 0
-        if self.buffers is not None:
-            self.buffers.contribute()
-        return super().step(closure, batch_size=max(int(n), 1))
-
-    buffers: AveragedBuffers | None = None
-
-
-def _batch_samples(inputs) -> int:
-    """The first dimension of the batch's first tensor (``input_ids``, ``pixel_values``, ``labels``...)."""
-    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (list, tuple)) else [inputs]
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return int(v.shape[0])
-    return 1
-
-
 class P2PTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose optimizer steps through a p2ptrain peer (module docstring).
 
@@ -146,7 +121,7 @@ class P2PTrainer(transformers.Trainer):
         self.args.max_grad_norm = 0.0  # clipped after averaging instead (clip_on_step)
         self.args.output_dir = os.path.join(self.args.output_dir, f"peer-{data_rank}")
         self._buffers = AveragedBuffers(self.model) if sync_buffers else None
-        self._distributed: _CountingOptimizer | None = None
+        self._distributed: CountingOptimizer | None = None
         self._hooks: list = []
 
     # -- the optimizer ----------------------------------------------------------------------
@@ -157,7 +132,7 @@ class P2PTrainer(transformers.Trainer):
                               "peer=dict(...): it makes the DistributedOptimizer itself")
         if self._distributed is None:
             module = self._buffers.wrap() if self._buffers is not None else self.model
-            self._distributed = _CountingOptimizer(optimizer, module, **self._peer_options)
+            self._distributed = CountingOptimizer(optimizer, module, **self._peer_options)
             self._distributed.buffers = self._buffers
         self.optimizer = self._distributed
         return self.optimizer
@@ -169,7 +144,7 @@ class P2PTrainer(transformers.Trainer):
 
     def training_step(self, model, inputs, *args, **kwargs):
         if self._distributed is not None:
-            self._distributed.samples += _batch_samples(inputs)
+            self._distributed.samples += batch_samples(inputs)
         return super().training_step(model, inputs, *args, **kwargs)
 
     def train(self, *args, **kwargs):
