@@ -1,5 +1,5 @@
 """``AveragedBuffers``: a model's float buffers (BatchNorm's running mean and variance, ...) kept
-alike on every peer, so that any peer's evaluation gives the same number.
+alike on every peer, so that an evaluation of the same data gives the same number on any peer.
 
 Gradients are averaged every round; buffers are not (they are not parameters), so each peer's
 BatchNorm statistics follow its own batches and the replicas' evaluations differ. With this

@@ -26,7 +26,7 @@ each where DDP would differ from one process:
   (``trainer.fit(..., ckpt_path=...)``, the file copied to each machine): its optimizer state
   is the peer's (model, optimizer, the cluster's lineage), so the peers meet again there.
 - ``sync_buffers=True``: BatchNorm statistics and other float buffers averaged each round
-  (``p2ptrain.integrations.buffers``), so every peer validates alike. Off by default.
+  (``p2ptrain.integrations.buffers``): the replicas alike, buffers included. Off by default.
 - Manual optimization, several optimizers and 16-bit precision with a GradScaler
   (``precision="16-mixed"``) are refused; ``"bf16-mixed"`` and 32-bit work.
 """

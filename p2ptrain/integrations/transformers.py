@@ -29,7 +29,8 @@ What it changes in ``Trainer``, each where DDP would differ from one process:
 - **fp16** is refused: a GradScaler overflow on one peer would skip a step the others take.
   bf16 (``args.bf16``) and fp32 need no scaler.
 - ``sync_buffers=True``: BatchNorm statistics and other float buffers averaged each round
-  (``p2ptrain.integrations.buffers``), so every peer evaluates alike. Off by default.
+  (``p2ptrain.integrations.buffers``): the replicas alike, buffers included, so an evaluation
+  on the same data gives the same number on every peer. Off by default.
 
 At staleness 0 (the default) every ``step`` applies one update, so the Trainer's scheduler and
 ``max_steps`` count updates, as under DDP. Loss normalised by tokens (``num_items_in_batch``,
