@@ -64,7 +64,7 @@ def run_hf(mode, rank, out, ports):
     if mode == "ddp":
         from accelerate.state import AcceleratorState
 
-        ddp_env(rank, ports[0])
+        ddp_env(rank, ports[-1])
         AcceleratorState._reset_state(reset_partial_state=True)  # (after a p2p run in this process)
         model = hf_model()
         Trainer(model=model, args=hf_args(os.path.join(out, "ddp"), save_strategy="no", ddp_backend="gloo"),
@@ -158,7 +158,7 @@ def lightning_module():
 
 def lightning_data():
     g = torch.Generator().manual_seed(7)
-    n = BATCH * WORLD * STEPS
+    n = BATCH * WORLD * STEPS // 2  # (two epochs: a checkpoint at the first one's end resumes exactly)
     data = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
     return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
 
@@ -177,10 +177,20 @@ def run_lightning(mode, rank, out, ports):
     else:
         from p2ptrain.integrations.lightning import P2PStrategy
 
+        saves = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), every_n_train_steps=3,
+                                             save_top_k=-1, filename="{step}")
         strategy = P2PStrategy(peer=peer_options(rank, ports), data_rank=rank, data_shares=WORLD, device="cpu",
                                sync_buffers=True)
-        pl.Trainer(strategy=strategy, **common).fit(module, lightning_data())
+        pl.Trainer(strategy=strategy, callbacks=[saves], **{**common, "enable_checkpointing": True}).fit(
+            module, lightning_data())
         result["updates"] = strategy.peer.version
+        # Every peer resumed from rank 0's checkpoint at step 3 (other ports): the same end.
+        resumed = lightning_module()
+        strategy = P2PStrategy(peer=peer_options(rank, ports[2:]), data_rank=rank, data_shares=WORLD, device="cpu",
+                               sync_buffers=True)
+        pl.Trainer(strategy=strategy, **common).fit(resumed, lightning_data(),
+                                                    ckpt_path=os.path.join(out, "checkpoints", "step=3.ckpt"))
+        result["resumed"] = {k: v.clone() for k, v in resumed.state_dict().items()}
     result["state"] = {k: v.clone() for k, v in module.state_dict().items()}
     torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
 

@@ -12,8 +12,8 @@ from p2ptrain.errors import ConfigError  # noqa: E402
 
 
 @pytest.mark.timeout(150)
-def test_strategy_on_two_peers_is_ddp(tmp_path):
-    (r0, r1) = run_ranks("lightning", "p2p,ddp", tmp_path, 3)
+def test_strategy_on_two_peers_is_ddp_and_resumes(tmp_path):
+    (r0, r1) = run_ranks("lightning", "p2p,ddp", tmp_path, 5)
     p2p, ddp = r0["p2p"]["state"], r0["ddp"]["state"]
     assert r0["p2p"]["updates"] == r1["p2p"]["updates"] == 6  # one update per Lightning step
     for k, v in p2p.items():
@@ -23,6 +23,9 @@ def test_strategy_on_two_peers_is_ddp(tmp_path):
             # DDP's result, bit for bit (DDP's ranks keep their own BatchNorm statistics).
             assert torch.equal(v, ddp[k]), k
     assert not torch.equal(ddp["net.1.running_mean"], r1["ddp"]["state"]["net.1.running_mean"])
+    # Both peers resumed from rank 0's checkpoint at step 3 (the first epoch's end): the same end, bit for bit.
+    for k, v in p2p.items():
+        assert torch.equal(v, r0["p2p"]["resumed"][k]) and torch.equal(v, r1["p2p"]["resumed"][k]), k
 
 
 def test_refusals_say_what_to_do():

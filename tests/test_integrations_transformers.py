@@ -24,7 +24,7 @@ def assert_like_ddp(p2p: dict, ddp: dict, tol: float = 1e-5) -> None:
 
 @pytest.mark.timeout(150)
 def test_trainer_on_two_peers_is_ddp_and_resumes(tmp_path):
-    (r0, r1) = run_ranks("hf", "p2p,ddp", tmp_path, 4)
+    (r0, r1) = run_ranks("hf", "p2p,ddp", tmp_path, 5)
     for k, v in r0["p2p"]["state"].items():
         assert torch.equal(v, r1["p2p"]["state"][k]), k  # replicas bit-identical
     assert r0["p2p"]["updates"] == r1["p2p"]["updates"] == 6  # one update per Trainer step
