@@ -122,8 +122,8 @@ async def async_peers_on_loopback(made: list, **options):
 INTEGRATION_RUNS = os.path.join(os.path.dirname(__file__), "integration_runs.py")
 
 
-def run_ranks(script: str, modes: str, out, port_count: int, timeout: float = 100) -> list[dict]:
-    """Both ranks of ``integration_runs.py``'s ``script``, each in its own process (killed past
+def run_ranks(script: str, modes: str, out, port_count: int, timeout: float = 100, ranks: int = 2) -> list[dict]:
+    """The ``ranks`` of ``integration_runs.py``'s ``script``, each in its own process (killed past
     ``timeout``); what each wrote, by mode (``"p2p,ddp"``: both, in that order, in one process)."""
     import torch
 
@@ -131,9 +131,9 @@ def run_ranks(script: str, modes: str, out, port_count: int, timeout: float = 10
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [subprocess.Popen([sys.executable, INTEGRATION_RUNS, script, modes, str(rank), str(out), *chosen],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(ranks)]
     outputs = finish(procs, timeout=timeout)
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     return [{mode: torch.load(os.path.join(out, f"{mode}-{rank}.pt"), weights_only=True) for mode in modes.split(",")}
-            for rank in range(2)]
+            for rank in range(ranks)]

@@ -136,6 +136,42 @@ def run_ddp_hook(mode, rank, out, ports):
     torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
 
 
+def run_ddp_hook_desktops(mode, rank, out, ports):
+    """Two machines of two GPUs each (here four processes): DDP within a machine (local ranks 0
+    and 1), the hook between machines (local rank k of each in a ring of its own). ``ddp``: one
+    DDP world of the four. Rank ``r`` trains on ``rank_batches(r)`` in both."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    machine, local = divmod(rank, 2)
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if mode == "ddp":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[-1]), RANK=str(rank), WORLD_SIZE="4")
+        dist.init_process_group("gloo")
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        for x, y in rank_batches(rank):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        from p2ptrain.integrations.ddp import P2PHook
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[4 + machine]), RANK=str(local),
+                          WORLD_SIZE="2")
+        dist.init_process_group("gloo")  # (this machine's world, as torchrun --nproc-per-node 2 makes it)
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        ring = [f"127.0.0.1:{ports[2 * local + m]}" for m in range(2)]  # (local rank k of every machine)
+        with P2PHook(listen=ring[machine], peers=ring, secret="test") as hook:
+            hook.register(ddp)
+            for x, y in rank_batches(rank):
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    dist.destroy_process_group()
+    torch.save({"state": {k: v.clone() for k, v in model.state_dict().items()}}, os.path.join(out, f"{mode}-{rank}.pt"))
+
+
 # -- Lightning ------------------------------------------------------------------------------
 def lightning_module():
     import lightning.pytorch as pl
@@ -195,7 +231,8 @@ def run_lightning(mode, rank, out, ports):
     torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
 
 
-SCRIPTS = {"hf": run_hf, "ddp_hook": run_ddp_hook, "lightning": run_lightning}
+SCRIPTS = {"hf": run_hf, "ddp_hook": run_ddp_hook, "ddp_hook_desktops": run_ddp_hook_desktops,
+           "lightning": run_lightning}
 
 if __name__ == "__main__":
     script, modes, rank, out, *ports = sys.argv[1:]

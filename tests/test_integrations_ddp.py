@@ -61,3 +61,16 @@ def test_ddp_script_with_the_hook_is_ddp(tmp_path):
     own = [r["p2p"]["own_buffers"]["1.running_mean"] for r in (r0, r1)]
     assert not torch.equal(*own)  # each machine's BatchNorm saw its own batches
     assert torch.allclose(p2p["1.running_mean"], (own[0] + own[1]) / 2)
+
+
+@pytest.mark.timeout(150)
+def test_two_desktops_of_two_gpus_are_ddp_of_four(tmp_path):
+    runs = run_ranks("ddp_hook_desktops", "p2p,ddp", tmp_path, 7, ranks=4)
+    first = runs[0]["p2p"]["state"]
+    for r in runs[1:]:
+        for k, v in first.items():
+            if "running" not in k:  # (BatchNorm's statistics: each rank its own, as under DDP)
+                assert torch.equal(v, r["p2p"]["state"][k]), k
+    for k, v in first.items():
+        if "running" not in k:  # summed in another order than gloo's world of four: float tolerance
+            assert torch.allclose(v, runs[0]["ddp"]["state"][k], rtol=1e-5, atol=1e-6), k

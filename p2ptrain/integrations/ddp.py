@@ -126,9 +126,14 @@ class P2PHook:
             summed = dist.all_reduce(work[0], group=state._local, async_op=True).get_future()
             count = dist.all_reduce(work[1], group=state._local, async_op=True).get_future() if n is not None else None
 
-            def cross(_):
-                if count is not None:
-                    count.wait()
+            def cross(done: torch.futures.Future) -> None:
+                try:
+                    done.wait()
+                    if count is not None:
+                        count.wait()
+                except Exception as exc:  # (DDP raises it from backward)
+                    result.set_exception(exc)
+                    return
                 state._across(work, result)
 
             summed.add_done_callback(cross)

@@ -134,8 +134,8 @@ class P2PStrategy(ParallelStrategy):
             raise ConfigError("P2PStrategy trains with one optimizer (a peer averages one gradient per step); "
                               "put the parameter groups in one optimizer")
         if self.optimizers:
-            if trainer.gradient_clip_val:  # (clipped after averaging instead: _open)
-                self._clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm")
+            if trainer.gradient_clip_val:  # (clipped after averaging instead: on_train_start; given back at teardown)
+                self._clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm", trainer)
                 trainer.gradient_clip_val = None
             self._buffers = AveragedBuffers(self.lightning_module) if self._sync_buffers else None
             module = self._buffers.wrap() if self._buffers is not None else self.lightning_module
@@ -153,7 +153,7 @@ class P2PStrategy(ParallelStrategy):
         if self._buffers is not None:
             self._hooks.append(self._buffers.install(inner))  # (before clipping: it must not count the buffers)
         if self._clip is not None:
-            self._hooks.append(clip_on_step(inner, self.lightning_module.parameters(), *self._clip))
+            self._hooks.append(clip_on_step(inner, self.lightning_module.parameters(), *self._clip[:2]))
 
     def training_step(self, *args: Any, **kwargs: Any):
         if self._distributed is not None:
@@ -164,6 +164,9 @@ class P2PStrategy(ParallelStrategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._clip is not None:
+            self._clip[2].gradient_clip_val = self._clip[0]
+            self._clip = None
         if self._distributed is not None and self._distributed.peer.cluster is not None:
             self._distributed.close()
         super().teardown()

@@ -17,6 +17,8 @@ What it changes in ``Trainer``, each where DDP would differ from one process:
   ``args.seed`` and the epoch, the same on every peer) is cut into batches, and batch ``i`` is
   this peer's when ``i % data_shares == data_rank``: the batches accelerate deals to ranks
   under DDP. The last round is filled from the start, so every share has as many batches.
+  ``train_sampling_strategy="sequential"`` keeps the dataset's order; ``"group_by_length"``
+  its sampler's, the same on every peer that runs the same script with the same seed.
 - **Clipping** (``args.max_grad_norm``) applies to the averaged gradient, as DDP's does: the
   Trainer's own clipping (of this peer's gradient alone) is turned off in a copy of ``args``.
 - **Batch sizes** come from the batches: each micro-batch's first dimension is counted, and the
@@ -74,7 +76,7 @@ class PeerShardSampler(torch.utils.data.Sampler):
         self.epoch = epoch
 
     def _rounds(self) -> int:
-        return max(1, math.ceil(len(self.sampler) / (self.batch_size * self.shares)))
+        return math.ceil(len(self.sampler) / (self.batch_size * self.shares))
 
     def __len__(self) -> int:
         return self._rounds() * self.batch_size
@@ -87,7 +89,7 @@ class PeerShardSampler(torch.utils.data.Sampler):
             order = list(self.sampler)
         per_round = self.batch_size * self.shares
         need = self._rounds() * per_round
-        order = (order * math.ceil(need / len(order)))[:need] if order else order
+        order = (order * math.ceil(need / len(order)))[:need] if order else order  # (the last round filled)
         for start in range(self.rank * self.batch_size, len(order), per_round):
             yield from order[start:start + self.batch_size]
 
@@ -178,6 +180,9 @@ class P2PTrainer(transformers.Trainer):
     # -- data ---------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if self.args.train_sampling_strategy == "batch_rebalance":
+            raise ConfigError("train_sampling_strategy='batch_rebalance' makes batches per rank itself; use 'random', "
+                              "'sequential' or 'group_by_length' with P2PTrainer")
         inner = super()._get_train_sampler(dataset)
         if inner is None:
             raise ConfigError("P2PTrainer shares a dataset with a length among the peers; an IterableDataset cannot "
