@@ -131,6 +131,7 @@ def run_ddp_hook(mode, rank, out, ports):
                 optimizer.zero_grad()
             result["own_buffers"] = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
             hook.average_buffers(model)
+    del ddp  # (before its process group: a DDP freed after it hung now and then at exit)
     dist.destroy_process_group()
     result["state"] = {k: v.clone() for k, v in model.state_dict().items()}
     torch.save(result, os.path.join(out, f"{mode}-{rank}.pt"))
@@ -168,6 +169,7 @@ def run_ddp_hook_desktops(mode, rank, out, ports):
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
                 optimizer.step()
                 optimizer.zero_grad()
+    del ddp  # (before its process group: a DDP freed after it hung now and then at exit)
     dist.destroy_process_group()
     torch.save({"state": {k: v.clone() for k, v in model.state_dict().items()}}, os.path.join(out, f"{mode}-{rank}.pt"))
 
