@@ -16,6 +16,7 @@ Layout, by layer; a layer imports only those above it in this list (``tests/test
 - ``collective``: the ring-allreduce and ``Group``
 - ``cluster``: rounds, views, leaders, state for joiners
 - ``trainer``: ``AsyncPeer``, ``Peer``, ``DistributedOptimizer``, checkpoints
+- ``integrations``: Hugging Face ``Trainer``, Lightning, a DDP hook (each imported only when asked for)
 - ``tasks``: what ``join`` trains
 - ``commands``: ``python -m p2ptrain ...``
 """

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 
 
 # TCP ports for peers that must know each other's before they listen. Each xdist worker takes a
@@ -116,3 +117,23 @@ async def async_peers_on_loopback(made: list, **options):
     finally:
         for p in entered:
             await p.__aexit__(None, None, None)
+
+
+INTEGRATION_RUNS = os.path.join(os.path.dirname(__file__), "integration_runs.py")
+
+
+def run_ranks(script: str, modes: str, out, port_count: int, timeout: float = 100, ranks: int = 2) -> list[dict]:
+    """The ``ranks`` of ``integration_runs.py``'s ``script``, each in its own process (killed past
+    ``timeout``); what each wrote, by mode (``"p2p,ddp"``: both, in that order, in one process)."""
+    import torch
+
+    chosen = [str(p) for p in ports(port_count)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, INTEGRATION_RUNS, script, modes, str(rank), str(out), *chosen],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(ranks)]
+    outputs = finish(procs, timeout=timeout)
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return [{mode: torch.load(os.path.join(out, f"{mode}-{rank}.pt"), weights_only=True) for mode in modes.split(",")}
+            for rank in range(ranks)]

@@ -12,7 +12,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "p2ptrain"
 
 # Bottom to top: a module may import its own layer and those before it.
-LAYERS = ["base", "codecs", "net", "collective", "cluster", "trainer", "tasks", "commands"]
+LAYERS = ["base", "codecs", "net", "collective", "cluster", "trainer", "integrations", "tasks", "commands"]
 BASE_MODULES = {"errors", "identity", "trace", "device", "taskset", "waiting", "switches", "jit"}
 
 SANS_IO = {
