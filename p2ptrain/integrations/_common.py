@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from p2ptrain.errors import ConfigError
 from p2ptrain.integrations.buffers import AveragedBuffers
 from p2ptrain.trainer.distributed_optimizer import DistributedOptimizer
 
@@ -60,3 +61,16 @@ def clip_on_step(optimizer: torch.optim.Optimizer, params, max_value: float, alg
             torch.nn.utils.clip_grad_norm_(params, max_value)
 
     return optimizer.register_step_pre_hook(clip)
+
+
+def check_share(name: str, peer: dict | None, owned: tuple, why: str, data_rank, data_shares) -> None:
+    """The arguments every integration takes alike: ``data_rank`` of ``data_shares`` (this peer's
+    share of the data), and ``peer=`` options that the integration sets itself (``owned``, set
+    from ``why``). ConfigError, one line naming the argument, for a bad one."""
+    if type(data_shares) is not int or data_shares < 1:
+        raise ConfigError(f"data_shares must be an int >= 1 (how many peers split the data), got {data_shares!r}")
+    if type(data_rank) is not int or not 0 <= data_rank < data_shares:
+        raise ConfigError(f"data_rank must be an int in 0..{data_shares - 1} (this peer's share), got {data_rank!r}")
+    taken = sorted(set(peer or {}) & set(owned))
+    if taken:
+        raise ConfigError(f"peer={{{taken[0]!r}: ...}}: {name} sets it ({why}); leave it out of peer=")

@@ -46,7 +46,7 @@ except ImportError as exc:  # (p2ptrain itself never imports this module)
 from p2ptrain.device import pick_device
 from p2ptrain.errors import ConfigError
 from p2ptrain.integrations.buffers import AveragedBuffers
-from p2ptrain.integrations._common import CountingOptimizer, batch_samples, clip_on_step
+from p2ptrain.integrations._common import CountingOptimizer, batch_samples, check_share, clip_on_step
 
 _OWNED_OPTIONS = ("clip_grad_norm", "scheduler", "overlap", "device")
 
@@ -63,14 +63,8 @@ class P2PStrategy(ParallelStrategy):
 
     def __init__(self, peer: dict | None = None, data_rank: int = 0, data_shares: int = 1, *,
                  device: str | torch.device | None = None, sync_buffers: bool = False, **kwargs: Any):
-        if type(data_shares) is not int or data_shares < 1:
-            raise ConfigError(f"data_shares must be an int >= 1 (how many peers split the data), got {data_shares!r}")
-        if type(data_rank) is not int or not 0 <= data_rank < data_shares:
-            raise ConfigError(f"data_rank must be an int in 0..{data_shares - 1} (this peer's share), got {data_rank!r}")
-        owned = sorted(set(peer or {}) & set(_OWNED_OPTIONS))
-        if owned:
-            raise ConfigError(f"peer={{{owned[0]!r}: ...}}: P2PStrategy sets it (clipping from the Trainer's "
-                              "gradient_clip_val, schedulers and the device from Lightning); leave it out of peer=")
+        check_share("P2PStrategy", peer, _OWNED_OPTIONS, "clipping from the Trainer's gradient_clip_val, "
+                    "schedulers and the device from Lightning", data_rank, data_shares)
         super().__init__(**kwargs)
         self._device = pick_device("auto" if device is None else device)
         self.data_rank, self.data_shares = data_rank, data_shares

@@ -54,7 +54,7 @@ except ImportError as exc:  # (p2ptrain itself never imports this module)
                       "pip install \"p2ptrain[transformers]\"") from exc
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.integrations._common import CountingOptimizer, batch_samples, clip_on_step
+from p2ptrain.integrations._common import CountingOptimizer, batch_samples, check_share, clip_on_step
 from p2ptrain.integrations.buffers import AveragedBuffers
 from p2ptrain.trainer.distributed_optimizer import DistributedOptimizer
 
@@ -105,14 +105,8 @@ class P2PTrainer(transformers.Trainer):
 
     def __init__(self, *args, peer: dict | None = None, data_rank: int = 0, data_shares: int = 1,
                  sync_buffers: bool = False, **kwargs):
-        if type(data_shares) is not int or data_shares < 1:
-            raise ConfigError(f"data_shares must be an int >= 1 (how many peers split the data), got {data_shares!r}")
-        if type(data_rank) is not int or not 0 <= data_rank < data_shares:
-            raise ConfigError(f"data_rank must be an int in 0..{data_shares - 1} (this peer's share), got {data_rank!r}")
-        owned = sorted(set(peer or {}) & set(_OWNED_OPTIONS))
-        if owned:
-            raise ConfigError(f"peer={{{owned[0]!r}: ...}}: P2PTrainer sets it (clipping from args.max_grad_norm, "
-                              "the Trainer's scheduler); leave it out of peer=")
+        check_share("P2PTrainer", peer, _OWNED_OPTIONS, "clipping from args.max_grad_norm, the Trainer's scheduler",
+                    data_rank, data_shares)
         self.data_rank, self.data_shares = data_rank, data_shares  # (Trainer.__init__ asks is_world_process_zero)
         super().__init__(*args, **kwargs)
         if self.args.fp16:
