@@ -184,13 +184,19 @@ class Contributor:
         if self._linger is not None:
             self._linger.cancel()
 
-    def apply(self, summed: np.ndarray, total_samples: int) -> None:
+    def used(self, contribution: np.ndarray) -> bytes | None:
+        """(its ring ended) Which parameters of our contribution had a gradient, for the round's
+        DONE (``cluster.used``); None: all did, or it is not ours any more (void: a state load)."""
+        with self.state.lock:
+            return self.state.used(contribution)
+
+    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None) -> None:
         cluster = self.host.cluster
         point, now = cluster.machine.sync_point(), time.perf_counter()
         compare = len(cluster.machine.table.live_synced()) > 1
         took = cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
         with self.state.lock:
-            if self.state.update_committed(summed, total_samples, point, took, compare, now):
+            if self.state.update_committed(summed, total_samples, point, took, compare, now, used):
                 self._not_finite = [0, 0]  # (ours went in: finite)
             self._linger_due = False
             self._rounds_seen += 1

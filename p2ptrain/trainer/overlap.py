@@ -98,6 +98,7 @@ class Filling:
         self.taken = False  # a round holds it (``Contributor.take``)
         self.complete = False
         self.withdrawn: str | None = None  # why, once withdrawn
+        self.used: np.ndarray | None = None  # which parameters had a gradient (``step`` says, before ``finish``)
 
     def write(self, i: int, grad: torch.Tensor | None) -> bool:
         """(backward's thread) Parameter ``i``'s gradient times the guess, into its range. True:
