@@ -231,3 +231,30 @@ def test_a_member_that_had_every_gradient_makes_the_commit_carry_no_mask():
     net.settle()
     assert "used" not in net.sent("a", M.COMMIT)[0]
     assert [a.used for a in net.of("b", M.Apply)] == [None]
+
+
+def test_error_feedback_keeps_what_was_owed_on_parameters_nobody_used():
+    """With a lossy codec, what a peer's encodes dropped is owed to its next contribution. A round
+    whose sum is not applied on some parameters (nobody had a gradient for them) applied none of
+    what was owed there: it is still owed, not replaced by that ring's residual."""
+    from p2ptrain.cluster.rings import Round, Rings
+    from p2ptrain.codecs import parse_codec
+    from p2ptrain.taskset import TaskSet
+
+    rings = Rings("a", mesh=None, codec=parse_codec("int8"), timeout=1.0, tasks=TaskSet(), on_done=lambda *a: None)
+    before, dropped = np.arange(8, dtype=np.float32), np.full(8, -1.0, np.float32)
+    rings.residual = before.copy()
+    rnd = Round(0, taken=(np.zeros(8, np.float32), 1))
+    rnd.summed, rnd.residual = np.ones(8, np.float32), dropped.copy()
+    rings.commit(rnd, total=2)
+    rings.keep_owed([(2, 5)])
+    assert rings.residual.tolist() == [-1, -1, 2, 3, 4, -1, -1, -1]
+    rings.residual = before.copy()  # (a ring that went exact: nothing dropped, nothing owed after it)
+    rnd.summed, rnd.residual = np.ones(8, np.float32), None
+    rings.commit(rnd, total=2)
+    rings.keep_owed([(6, 8)])
+    assert rings.residual.tolist() == [0, 0, 0, 0, 0, 0, 6, 7]
+    rnd.summed, rnd.residual = np.ones(8, np.float32), dropped.copy()
+    rings.commit(rnd, total=0)  # (nobody had anything: nothing applied, what was owed is owed still)
+    rings.keep_owed([(0, 8)])
+    assert rings.residual.tolist() == [0, 0, 0, 0, 0, 0, 6, 7]

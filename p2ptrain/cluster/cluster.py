@@ -411,7 +411,7 @@ class Cluster:
     def _apply(self, rnd: Round, total: int, used: bytes | None = None) -> None:
         summed = self.rings.commit(rnd, total)  # (what this round dropped is owed now)
         if summed is not None:  # (total 0: nobody had anything; the trainer still hears of the round)
-            self.trainer.apply(summed, total, used)
+            self.rings.keep_owed(self.trainer.apply(summed, total, used))  # (error feedback: not applied there)
         self.applied += 1
 
     def _put_back(self, r: int, not_finite: bool = False) -> None:

@@ -262,6 +262,10 @@ class Accumulator:
             if f32_views:
                 torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
 
+    def spans(self, flags: np.ndarray) -> list[tuple[int, int]]:
+        """The ranges of the flat buffer of the parameters ``flags`` marks."""
+        return [(self._starts[i], self._starts[i + 1]) for i in np.flatnonzero(flags)]
+
     def begin_filling(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """(empty) Where a backward's hooks write the next batch (``overlap``): the sum's views,
         and on CUDA views of a pinned host buffer the ring reads (else None). Until ``filled``,

@@ -216,10 +216,10 @@ class TrainerState:
         return None if flags is None else used.encode(flags)
 
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
-                         compare: bool, now: float, mask: bytes | None = None) -> bool:
+                         compare: bool, now: float, flags: np.ndarray | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
         anything: the round still counts for the lineage). True: our contribution was in it.
-        ``mask``: which parameters some member had a gradient for (``used``; None: all)."""
+        ``flags``: which parameters some member had a gradient for (``flags``: None, all)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -238,12 +238,12 @@ class TrainerState:
         self.committed += 1
         m = self.metrics(point.round, self.committed, out.members if out else 0, total_samples,
                          out.samples if out else 0, stale, now - out.taken_at if out else 0.0)
-        self.queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare, self._flags(mask)))
+        self.queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare, flags))
         return out is not None
 
-    def _flags(self, mask: bytes | None) -> np.ndarray | None:
-        """A COMMIT's mask as one flag per parameter; None: all had a gradient, or a mask that
-        does not fit this model (the leader's fault: said, and read as all, as before masks)."""
+    def flags(self, mask: bytes | None) -> np.ndarray | None:
+        """(any thread) A COMMIT's mask as one flag per parameter; None: all had a gradient, or a
+        mask that does not fit this model (the leader's fault: said, and read as all)."""
         try:
             return used.decode(mask, len(self.params))
         except ValueError as exc:
