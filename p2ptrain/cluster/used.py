@@ -8,6 +8,16 @@ parameters had a gradient in its DONE (``encode``: a bitmask, ``MASK_LIMIT`` byt
 the leader ORs them (``merge``) into its COMMIT, and every member applies the same mask
 (``decode``): replicas stay bit-identical.
 
+A round that a new leader commits after its leader was lost (``Leader.resolve``) carries no
+mask: every parameter is stepped that round. A member that had heard the lost leader's COMMIT
+applied its mask, so the two can differ on a parameter nobody used; the parameter sketches
+compared with the leader's (``reconcile``) load the leader's parameters where that passes the
+tolerance.
+
+Local steps need no mask: a round averages parameter changes, and a parameter no inner step
+moved (its ``grad`` None: the user's optimizer skipped it, as in one process) changes by zero,
+which is what it contributes (``Accumulator.add_weighted`` marks every parameter).
+
 On the wire a mask is ``bytes``: bit ``i % 8`` of byte ``i // 8`` is parameter ``i`` (numpy's
 ``bitorder="little"``), padding bits zero. None (the field absent) means every parameter had a
 gradient: the common case costs nothing, and a peer that sends no mask is read as before.
