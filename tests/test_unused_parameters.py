@@ -75,10 +75,11 @@ def _ddp_rank(rank: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
-def ddp_result(tmp_path) -> dict:
-    """The parameters DDP on gloo ends with (two processes on loopback)."""
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict:
+    """The parameters DDP on gloo ends with (two processes on loopback), once for the module."""
     ctx = multiprocessing.get_context("spawn")
-    port, path = ports(1)[0], str(tmp_path / "ddp.pt")
+    port, path = ports(1)[0], str(tmp_path_factory.mktemp("ddp") / "ddp.pt")
     procs = [ctx.Process(target=_ddp_rank, args=(rank, port, path)) for rank in range(2)]
     try:
         for p in procs:
@@ -119,9 +120,8 @@ def relative(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_staleness_0_equals_ddp_with_unused_parameters(overlap, monkeypatch, tmp_path):
+def test_staleness_0_equals_ddp_with_unused_parameters(overlap, monkeypatch, ddp):
     peers = train_peers(monkeypatch, overlap=overlap)
-    ddp = ddp_result(tmp_path)
     for k in peers[0]:
         assert torch.equal(peers[0][k], peers[1][k]), k  # replicas bit-identical
     assert relative(peers[0], ddp) < 1e-5, relative(peers[0], ddp)
