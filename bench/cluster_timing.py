@@ -250,7 +250,10 @@ class BigStateTrainer:
         self._wake_pending = False
         self.cluster.contribution_available()
 
-    def apply(self, summed, total):  # the big state stays as it is: only its version moves
+    def used(self, contribution):  # every parameter had a gradient
+        return None
+
+    def apply(self, summed, total, used=None):  # the big state stays as it is: only its version moves
         self.version += 1
 
     def put_back(self, contribution, samples):  # a constant gradient: nothing to keep

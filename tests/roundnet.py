@@ -245,11 +245,11 @@ class Net:
                 return r, view, True
         return None
 
-    def finish_ring(self, p, ok=None, void=None):
+    def finish_ring(self, p, ok=None, void=None, used=None):
         r, view, good = self.ring_ready(p)
         self.running[p].remove((r, view))
         self.handle(p, self.m[p].on_ring_done(r, good if ok is None else ok, self.clock(p), checksum=b"\x07",
-                                              void=void))
+                                              void=void, used=used))
 
     def live(self):
         return [p for p in sorted(self.m) if p not in self.crashed and p not in self.still and not self.m[p]._left]

@@ -32,7 +32,10 @@ class FakeTrainer:
         self.samples_given += 1
         return np.full(LENGTH, self.rank + 1, np.float32), 1
 
-    def apply(self, summed, total):
+    def used(self, contribution):  # (every parameter had a gradient)
+        return None
+
+    def apply(self, summed, total, used=None):
         self.params += summed / total
         self.applied.append((float(summed[0]), total))
 
@@ -169,7 +172,10 @@ class QueuedTrainer:
     def take(self, members=1, alone=False):
         return (self.queue.pop(0), 1) if self.queue else None
 
-    def apply(self, summed, total):
+    def used(self, contribution):  # (every parameter had a gradient)
+        return None
+
+    def apply(self, summed, total, used=None):
         self.applied.append(summed.copy())
 
     def put_back(self, contribution, samples, not_finite=False):
@@ -237,7 +243,7 @@ class IdleEveryOther(QueuedTrainer):
         self.idle_next = not self.idle_next
         return (np.zeros(LENGTH, np.float32), 0) if self.idle_next else super().take()
 
-    def apply(self, summed, total):
+    def apply(self, summed, total, used=None):
         if total:
             super().apply(summed, total)
         else:

@@ -11,6 +11,7 @@ from roundnet import Net
 
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.rounds import RoundMachine
+from p2ptrain.cluster.used import MASK_LIMIT
 from p2ptrain.errors import RemoteProtocolError
 
 
@@ -56,10 +57,11 @@ VALID = {
 CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: M.Ready, M.START: M.Start,
            M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
 FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True, "side": ["a", "b"]},
-        M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}}  # every field of each type
+        M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}, M.DONE: {**VALID[M.DONE], "used": b"\x05"},
+        M.COMMIT: {**VALID[M.COMMIT], "used": b"\x07"}}  # every field of each type
 OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side"), M.PROPOSE: ("end",),
-           M.DONE: ("checksum", "void"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",),
-           M.COMMIT: ("total",)}  # what an older peer may leave out
+           M.DONE: ("checksum", "void", "used"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",),
+           M.COMMIT: ("total", "used")}  # what an older peer may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -82,10 +84,15 @@ def test_parsed_fields_are_typed():
     assert M.parse(FULL[M.PROPOSE]) == M.Propose(r=1, b=(1, "a"), view=("a", "b"), end=(30, 12.5))
     assert M.parse(FULL[M.READY]) == M.Ready(r=1, b=(1, "a"), samples=3, version=0, digest=b"d")
     assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3)
-    assert M.parse({**FULL[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
+    assert M.parse({**VALID[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
                                                                  void=None)
     assert M.parse({**FULL[M.DONE], "ok": False, "void": M.NOT_FINITE}).void == "nonfinite"
-    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"), total=3)
+    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"), total=3, used=b"\x07")
+    assert M.parse(FULL[M.DONE]).used == b"\x05"  # (which parameters had a gradient: ``used``)
+    for t in (M.DONE, M.COMMIT):  # (a bitmask, bounded)
+        for bad in ("x", 3, b"\0" * (MASK_LIMIT + 1)):
+            with pytest.raises(RemoteProtocolError):
+                M.parse({**FULL[t], "used": bad})
     assert M.parse({**FULL[M.COMMIT], "total": None}).total is None  # (a leader that tells none: START did)
     assert M.parse(FULL[M.ABORT]) == M.Abort(r=1, b=(1, "a"), reason="x", drop=("c",), void="nonfinite")
     assert M.parse(FULL[M.NACK]) == M.Nack(r=-1, b=(1, "a"), reason="x", missing=("c",))

@@ -28,7 +28,10 @@ class TensorTrainer:
     def take(self, members=1, alone=False):
         return torch.full((LENGTH,), float(self.rank + 1)).numpy(), 1
 
-    def apply(self, summed, total):
+    def used(self, contribution):  # (every parameter had a gradient)
+        return None
+
+    def apply(self, summed, total, used=None):
         self.w += torch.from_numpy(summed) / total
         self.version += 1
         self.seen[self.version] = self.w.clone()

@@ -8,7 +8,7 @@ returns, in order:
     Send / Broadcast  -> mesh.post (never waits: a peer that stopped reading holds up no one)
     Contribute(r)     -> trainer.take(): this round's gradient sum and sample count
     StartRing(r, view)-> a ring-allreduce over the mesh's chunk channels, in view order (``rings``)
-    Apply(r, total)   -> trainer.apply(summed, total)
+    Apply(r, total)   -> trainer.apply(summed, total, used)
     PutBack(r)        -> cancel the ring if it runs; trainer.put_back(contribution) (left out: not finite)
     Resync(donor)     -> fetch a snapshot from it (``statesync``), ``trainer.restore`` it, then
                          ``on_synced`` with its SyncPoint; another synced member if that fails
@@ -43,6 +43,7 @@ chain and the trainer at the same version. After each event the actor goes solo 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import logging
@@ -135,10 +136,8 @@ class Cluster:
         """Leave politely (the machine's goodbye, then the mesh's), then stop every task."""
         done = asyncio.get_running_loop().create_future()
         self._post("leave", done)
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done, 2.0)
-        except asyncio.TimeoutError:
-            pass
         await self._tasks.close()
         await self.transfer.close()
         await self.mesh.close()
@@ -240,8 +239,9 @@ class Cluster:
                     actions = machine.on_connected(args[0], now)
                 elif kind == "lost":
                     actions = machine.on_peer_lost(args[0], now)
-                elif kind == "ring_done":
-                    actions = machine.on_ring_done(args[0], args[1], now, args[2], args[3])
+                elif kind == "ring_done":  # (its DONE says which of our parameters had a gradient: ``used``)
+                    rnd = self._rounds.get(args[0]) if args[1] else None
+                    actions = machine.on_ring_done(*args[:2], now, *args[2:], rnd and self.trainer.used(rnd.taken[0]))
                 elif kind == "synced":
                     actions = machine.on_synced(args[0], now)
                 elif kind == "take":
@@ -334,7 +334,7 @@ class Cluster:
             elif isinstance(action, msg.Apply):
                 rnd = self._rounds.get(action.r) or Round(action.r)  # (none: we had no part in it)
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
-                    self._apply(rnd, action.total_samples)
+                    self._apply(rnd, action.total_samples, action.used)
                 self._record(rnd, action.total_samples, action.view)
                 if not rnd.waiting:  # (one still waiting is answered at the next take, late: the machine asked)
                     self._rounds.pop(action.r, None)
@@ -395,10 +395,10 @@ class Cluster:
         """The trainer is done with an applied sum (any thread): a later ring writes into it."""
         self.rings.recycle(summed)
 
-    def _apply(self, rnd: Round, total: int) -> None:
+    def _apply(self, rnd: Round, total: int, used: bytes | None = None) -> None:
         summed = self.rings.commit(rnd, total)  # (what this round dropped is owed now)
         if summed is not None:  # (total 0: nobody had anything; the trainer still hears of the round)
-            self.trainer.apply(summed, total)
+            self.rings.keep_owed(self.trainer.apply(summed, total, used))  # (error feedback: not applied there)
         self.applied += 1
 
     def _put_back(self, r: int, not_finite: bool = False) -> None:

@@ -45,7 +45,8 @@ from p2ptrain.cluster.refusals import Refusals
 from p2ptrain.cluster.takeover import Takeover
 from p2ptrain.cluster.worth import Worth
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, START, VOID, WITHDRAWN,
-                                       Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse)
+                                       Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse, with_used)
+from p2ptrain.cluster.used import NONE_YET, merge
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
 WAIT_REMINDERS, WAIT_REPEAT = (10.0, 60.0), 300.0  # seconds too few peers to train at which it is said again
@@ -77,6 +78,7 @@ class _Lead:  # the attempts this peer sequences as leader
     mark: float = 0.5
     early: dict = field(default_factory=dict)  # DONEs that came while collecting (rings start as members contribute)
     ready_at: dict = field(default_factory=dict)  # member -> seconds from the proposal to its READY (``worth``)
+    used: bytes | None = NONE_YET  # the OR of its DONEs' masks of parameters with a gradient (``used``; None: all)
 
 
 class Leader:
@@ -274,6 +276,7 @@ class Leader:
         lead.phase, lead.view = move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
         lead.waiting, lead.got, lead.failed, lead.early, lead.ready_at = set(lead.view), {}, set(), {}, {}
+        lead.used = NONE_YET
         machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
                             "end": machine.ending.limits_msg(now)}, lead.view)
 
@@ -369,6 +372,7 @@ class Leader:
             return self.abort(now, why, drop=[], routine=message.void == WITHDRAWN, void=message.void)
         if not message.ok:
             lead.failed.add(sender)
+        lead.used = merge(lead.used, message.used)  # (a mask of another length: ``RemoteProtocolError``)
         if lead.waiting:
             return
         if lead.failed:
@@ -382,8 +386,8 @@ class Leader:
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
         out = self.refusals.committed(lead.view, now)
-        machine._broadcast({"t": COMMIT, "r": lead.r, "b": list(lead.b), "total": sum(lead.got.values())},
-                           sorted(set(lead.view) | set(out)))
+        machine._broadcast(with_used({"t": COMMIT, "r": lead.r, "b": list(lead.b), "total": sum(lead.got.values())},
+                                     lead.used), sorted(set(lead.view) | set(out)))
         lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
         slow = self.worth.round(lead.ready_at, lead.got, max(lead.ready_at.values(), default=0.0) + now - lead.since)
         if slow:

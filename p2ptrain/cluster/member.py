@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, NOT_FINITE, PROPOSE, PROPOSED, READIED, READY, RING,
                                        RINGED, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query,
-                                       Stall, Start, StartRing, beats, move)
+                                       Stall, Start, StartRing, beats, move, with_used)
 
 # (phase, event) -> next phase: the only transitions there are (``move`` refuses others).
 _MEMBER = {
@@ -58,6 +58,7 @@ class _Pending:  # the attempt this peer takes part in as a member
     ok: bool = False
     mark: float = 1.0  # next Stall, as a multiple of the deadline
     told: bool = False  # the leader's START came (every member ready; the total)
+    used: bytes | None = None  # the COMMIT's mask of parameters with a gradient (``used``; None: all)
 
     @property
     def started(self) -> bool:
@@ -188,8 +189,9 @@ class Member:
         if pending.phase == RING:  # (the ring's time counts from here, as the leader's does)
             pending.since = now
 
-    def ring_done(self, r, ok, now, checksum, void=None) -> None:
-        """The host's answer to StartRing(r); ``void``: not ok, with no peer at fault (``roundmsg.VOID``)."""
+    def ring_done(self, r, ok, now, checksum, void=None, used=None) -> None:
+        """The host's answer to StartRing(r); ``void``: not ok, with no peer at fault (``roundmsg.VOID``);
+        ``used``: which of our parameters had a gradient (``used.encode``; None: all did)."""
         machine = self.machine
         pending = self.pending
         if pending is None or pending.r != r or pending.phase != RING:
@@ -200,7 +202,7 @@ class Member:
             done = {"t": DONE, "r": r, "b": list(pending.b), "ok": ok, "checksum": checksum}
             if void is not None:
                 done["void"] = void
-            machine._send(pending.b[1], done)
+            machine._send(pending.b[1], with_used(done, used))
 
     def on_decision(self, sender: str, message: Commit | Abort, now: float) -> None:
         machine = self.machine
@@ -214,6 +216,8 @@ class Member:
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
         if type(message) is Commit and message.total is not None:  # (its START may have been lost)
             pending.total = message.total
+        if type(message) is Commit:
+            pending.used = message.used
         move(_MEMBER, pending.phase, message.t)
         if pending.started:
             self._finish(pending, type(message) is Commit, now,
@@ -265,7 +269,7 @@ class Member:
                     machine._tell.add(q)  # tell it (the leader holds the next boundary while it catches up)
             for q in pending.view:
                 table.synced(q, machine.history.version, machine.history.digest, pending.r)
-            machine._emit(Apply(pending.r, pending.total, pending.view))
+            machine._emit(Apply(pending.r, pending.total, pending.view, pending.used))
         machine._set_self()
         machine.ending.decided(now)  # (an end a peer told us while this round awaited its decision)
 

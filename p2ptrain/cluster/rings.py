@@ -113,6 +113,7 @@ class Rings:
         # added to our next contribution; a round's own residual replaces it when it commits.
         self.residual: np.ndarray | None = None
         self._spare: np.ndarray | None = None  # (the buffer the next ring writes its residual into)
+        self._replaced: tuple | None = None  # (what was owed before the last commit replaced it, for ``keep_owed``)
         self._free: collections.deque[np.ndarray] = collections.deque()  # (recycle: any thread)
 
     def sums_to_own(self, view: tuple[str, ...]) -> bool:
@@ -160,7 +161,7 @@ class Rings:
         work = self._buffer(len(vector))
         if owed is not None:  # (each range as the ring reads it, once backward wrote it)
             ready = _PlusOwed(ready, vector, owed, work)
-        residual, self._spare = self._spare, None
+        residual, self._spare, self._replaced = self._spare, None, None
         if self.codec.lossless:
             residual = None
         elif residual is None or len(residual) != len(work):
@@ -188,14 +189,30 @@ class Rings:
         is owed from now on. A round of total 0 (nobody had anything) applies nothing: what was
         owed before it is still owed (its ring carried it, and that sum is not applied)."""
         summed, residual, rnd.summed, rnd.residual = rnd.summed, rnd.residual, None, None
+        self._replaced = None
         if summed is not None and not total:
             if residual is not None:
                 self._spare = residual
         elif summed is not None:
             owed, self.residual = self.residual, residual
+            self._replaced = (owed,)
             if owed is not None:
                 self._spare = owed
         return summed
+
+    def keep_owed(self, spans: list[tuple[int, int]] | None) -> None:
+        """(right after ``commit``) The committed sum is not applied on ``spans`` (parameters no
+        member had a gradient for keep ``grad`` None): what was owed there before that round is
+        still owed, and what its ring dropped there (of sums of what was owed) is not."""
+        if not spans or self.codec.lossless or self._replaced is None:  # (no residual replaced: it is owed still)
+            return
+        (before,), owed, self._replaced = self._replaced, self.residual, None
+        if owed is None:
+            if before is None:
+                return
+            owed = self.residual = np.zeros_like(before)
+        for a, b in spans:
+            owed[a:b] = 0.0 if before is None else before[a:b]
 
     def cancel(self, rnd: Round) -> None:
         """The round aborted: stop its ring if it runs, forget its sum (and its residual: the one

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import STATUS_WINDOW, valid_id
+from p2ptrain.cluster.used import MASK_LIMIT
 
 # -- round messages: their types on the wire ("t"), and what parse returns for each ------------
 QUERY, STATUS, PROPOSE, READY, START = "query", "status", "propose", "ready", "start"
@@ -118,14 +119,17 @@ class Done(RoundMessage):
     ok: bool
     checksum: bytes | None = None
     void: str | None = None
+    used: bytes | None = None  # which of our parameters had a gradient (``used``; None: all did)
 
 
 @_message
 class Commit(RoundMessage):
     """Leader -> view: apply round ``r``, of ``total`` samples (None from a leader that sends none:
-    a member then has it from START)."""
+    a member then has it from START). ``used``: the OR of the members' DONE masks (``used``; None:
+    every parameter had a gradient at some member, or a leader that sends none)."""
     t: ClassVar[str] = COMMIT
     total: int | None = None
+    used: bytes | None = None
 
 
 @_message
@@ -258,6 +262,19 @@ def _pending(v):
                    ok=_of(bool)(v.get("ok")), view=_ids(v.get("view")), total=_int(v.get("total")))
 
 
+def _mask(v):  # (``used``: a bitmask of one bit per parameter, bounded)
+    _need(isinstance(v, bytes) and 0 < len(v) <= MASK_LIMIT, "a bad parameter mask")
+    return v
+
+
+def with_used(msg: dict, mask: bytes | None) -> dict:
+    """``msg`` (a DONE or COMMIT) with its ``used`` mask, where there is one (None: every
+    parameter had a gradient; ``NONE_YET``, no DONE yet, is none either): the field is left out."""
+    if mask:
+        msg["used"] = mask
+    return msg
+
+
 def _checked(cls, **checks):
     """A type's class and its fields' checks, in the order parse runs them (the wire's)."""
     if list(checks) != [f.name for f in fields(cls)]:
@@ -278,8 +295,9 @@ _SCHEMA = {m[0].t: m for m in (
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
     _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
-    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID))),
-    _checked(Commit, **_RB, total=_opt(_int)),
+    _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID)),
+             used=_opt(_mask)),
+    _checked(Commit, **_RB, total=_opt(_int), used=_opt(_mask)),
     _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids, void=_opt(_one_of(VOID))),
     _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
     _checked(Goodbye, end=_opt(_int)),
@@ -328,10 +346,12 @@ class StartRing:
 
 @dataclass(frozen=True)
 class Apply:
-    """Round r committed: apply its ring result / ``total_samples`` (0: nothing to apply)."""
+    """Round r committed: apply its ring result / ``total_samples`` (0: nothing to apply);
+    ``used``: which parameters had a gradient at some member (``used``; None: all)."""
     r: int
     total_samples: int
     view: tuple[str, ...]
+    used: bytes | None = None
 
 
 @dataclass(frozen=True)

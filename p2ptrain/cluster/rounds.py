@@ -9,8 +9,8 @@ names it. A round is a two-phase commit around the ring (the messages: ``roundms
                                 <------  READY {r, b, samples, version, digest}   on_contribution_ready
                                          StartRing(r, view): at once, the host runs the ring-allreduce
     START {r, b, view, total}   ------>  (every READY is in: the total)
-                                <------  DONE {r, b, ok, checksum}                on_ring_done
-    COMMIT {r, b, total}        ------>  Apply(r, total)   every READY and DONE was ok
+                                <------  DONE {r, b, ok, checksum, used}          on_ring_done
+    COMMIT {r, b, total, used}  ------>  Apply(r, total, used)   every READY and DONE was ok
     ABORT {r, b, reason, drop}  ------>  PutBack(r)        a failure, a timeout, a peer lost
 
 A member's ring starts as it contributes, not at START (``member``'s docstring says why): a
@@ -186,8 +186,9 @@ class RoundMachine:
         return self._run(now, self.member.contributed, r, samples, now)
 
     def on_ring_done(self, r: int, ok: bool, now: float, checksum: bytes | None = None,
-                     void: str | None = None) -> list:
-        return self._run(now, self.member.ring_done, r, bool(ok), now, checksum, void)
+                     void: str | None = None, used: bytes | None = None) -> list:
+        """``used``: which parameters of our contribution had a gradient (``used.encode``; None: all)."""
+        return self._run(now, self.member.ring_done, r, bool(ok), now, checksum, void, used)
 
     def on_synced(self, point: SyncPoint, now: float, donor: str | None = None) -> list:
         """Our state is now the one ``point`` describes (a snapshot from ``donor``, or a

@@ -21,8 +21,13 @@ class Contributions(Protocol):
     #                           None: nothing yet (then call contribution_available). ``alone``: its sum will be
     #                           that very object, unread. A third element: backward still writes the sum (the
     #                           ring awaits each range of it: ``collective.allreduce.Ready``)
-    def apply(self, summed: np.ndarray, total_samples: int) -> None: ...  # committed: summed / total, in
-    #                                                   round order; total 0 (nothing to apply) still counts
+    def used(self, contribution: np.ndarray) -> bytes | None: ...  # (its ring ended) which parameters of
+    #                                                   ``contribution`` had a gradient: ``used.encode``; None: all
+    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None
+              ) -> list[tuple[int, int]] | None: ...  # committed: summed / total, in round order; total 0 (nothing
+    #                                                   to apply) still counts; ``used``: the members' masks OR-ed
+    #                                                   (None: all); returns the ranges of ``summed`` not applied
+    #                                                   (parameters without a gradient: ``Rings.keep_owed``)
     def put_back(self, contribution: np.ndarray, samples: int, not_finite: bool = False) -> None: ...  # ``PutBack``
     def snapshot(self, parameters_only: bool = False) -> dict | None: ...  # {"model": {name: tensor}, ...} as of
     #                                                   the last apply(); None: not now

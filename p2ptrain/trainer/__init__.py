@@ -20,6 +20,8 @@ or already written by backward's hooks: ``backward_feed.BackwardFeed.filled``) -
 told (``AsyncPeer._notify``) -> ``cluster.cluster`` asks ``contributions.Contributor.take`` ->
 ``contribution_decision.decide`` on ``TrainerState.view`` -> ``TrainerState.take_contribution``
 (``Accumulator.swap``, ``to_host``) -> ``cluster.rings`` and ``collective.allreduce`` (the ring).
+Which parameters had a gradient (``Accumulator.used``, ``Outgoing.used_flags``) goes with the
+ring's DONE (``Contributor.used``), OR-ed into the COMMIT by the leader (``cluster.used``).
 Meanwhile ``step`` waits where ``TrainerState.must_wait`` says (``pacing``), in
 ``Contributor.wait`` on the cluster's thread.
 
@@ -27,7 +29,7 @@ A committed update's trip back, to ``optimizer.step()``:
 ``cluster.cluster`` commits -> ``contributions.Contributor.apply`` -> ``TrainerState.update_committed``
 (queued as an ``accumulator.CommittedUpdate``) -> ``updates.Updater.apply_queue`` (in ``step``:
 ``AsyncPeer._end_step``, or ``Contributor.wait`` while ``step`` blocks) -> ``apply.apply_update``
-(``p.grad`` set to the mean, clipped) -> ``apply.optimizer_step`` -> ``optimizer.step()`` and the
+(``p.grad`` set to the mean, None where no member had a gradient, clipped) -> ``apply.optimizer_step`` -> ``optimizer.step()`` and the
 scheduler (local steps: ``local_steps.LocalSteps.apply``, the outer step) ->
 ``TrainerState.update_applied`` (the version moves on).
 

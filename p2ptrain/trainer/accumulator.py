@@ -10,6 +10,10 @@ is (``add``).
 ``RoundMetrics`` is what a peer reports per applied update; ``CommittedUpdate`` and
 ``Outgoing`` are the records ``peer.AsyncPeer`` keeps while a round holds its contribution or
 an update waits for the caller's thread.
+
+Which parameters had a gradient (``Accumulator.used``, one bool each, OR-ed over the batches it
+holds) goes out with the sum (``Outgoing.used``) and across the ring in the round's messages
+(``p2ptrain.cluster.used``): where no member had one, ``p.grad`` stays None (``apply``).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class CommittedUpdate:  # a committed round, waiting for the caller's thread to 
     metrics: RoundMetrics | None
     ours: Outgoing | None = None  # our contribution's memory, when the cluster handed it back as the result
     compare: bool = False  # others are synced: report the parameter checksum after applying it
+    used: np.ndarray | None = None  # which parameters some member had a gradient for (bools); None: all
 
 
 @dataclass
@@ -77,6 +82,12 @@ class Outgoing:  # this peer's contribution, with the cluster until applied or p
     grads: list[torch.Tensor | None] | None = None  # a kept batch's gradients, not all written (``Accumulator``)
     filling: Filling | None = None  # backward still writes it (``overlap``)
     writer: WrittenAsRead | None = None  # ... or the ring's reads write the kept batch into it
+    used: np.ndarray | None = None  # which parameters had a gradient in it (bools; ``Accumulator.used``)
+
+    def used_flags(self) -> np.ndarray | None:
+        """Which parameters had a gradient in it: a filling's once ``step`` confirmed it
+        (``Filling.used``), else ``used``."""
+        return self.filling.used if self.filling is not None else self.used
 
 
 class WrittenAsRead:
@@ -185,6 +196,7 @@ class Accumulator:
         self._views = self._views_of(self._flat)
         self.samples = self.batches = 0
         self.oldest: int | None = None
+        self.used = np.zeros(len(params), bool)  # parameters with a gradient in a batch added (OR-ed)
         self._kept: list[torch.Tensor | None] | None = None  # the one batch taken in, not written yet
         self._filling_staging: HostStaging | None = None  # (CUDA, overlap: the host copy of a batch being written)
 
@@ -206,6 +218,7 @@ class Accumulator:
         grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        self.used |= np.fromiter((g is not None for g in grads), bool, len(grads))
         self._accumulate(grads, batch_size, keep and not any(g is not None and g.is_sparse for g in grads))
         self.samples += batch_size
         self.batches += 1
@@ -249,6 +262,10 @@ class Accumulator:
             if f32_views:
                 torch._foreach_add_(f32_views, f32_grads, alpha=float(batch_size))  # one call for all
 
+    def spans(self, flags: np.ndarray) -> list[tuple[int, int]]:
+        """The ranges of the flat buffer of the parameters ``flags`` marks."""
+        return [(self._starts[i], self._starts[i + 1]) for i in np.flatnonzero(flags)]
+
     def begin_filling(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """(empty) Where a backward's hooks write the next batch (``overlap``): the sum's views,
         and on CUDA views of a pinned host buffer the ring reads (else None). Until ``filled``,
@@ -259,10 +276,12 @@ class Accumulator:
         staging = self._filling_staging = self._staging_buffer()
         return self._views, self._views_of(staging, staging.tensor)
 
-    def filled(self, samples: int, version: int) -> None:
-        """The hooks wrote the whole batch into the sum, and no round took it yet: it is one."""
+    def filled(self, samples: int, version: int, used: np.ndarray) -> None:
+        """The hooks wrote the whole batch into the sum, and no round took it yet: it is one
+        (``used``: which parameters had a gradient in it)."""
         self._dirty = False
         self.samples, self.batches, self.oldest = samples, 1, version
+        self.used = used.copy()
         self._unstage()
 
     def abandon_filling(self) -> None:
@@ -280,7 +299,7 @@ class Accumulator:
         """A round takes the batch backward is writing (``overlap``): the sum goes out as it is,
         counted as the hooks' guess, and its host array is the one the hooks copy into."""
         out = Outgoing(self._flat, filling.guess, 1, filling.version, time.perf_counter(), members,
-                       filling=filling)
+                       filling=filling)  # (which parameters had a gradient: ``filling.used``, once confirmed)
         if self._filling_staging is not None:
             out.staging, self._filling_staging = self._filling_staging, None
             out.array = out.staging.array
@@ -314,14 +333,16 @@ class Accumulator:
         self.samples += samples
         self.batches += 1
         self.oldest = version if self.oldest is None else min(self.oldest, version)
+        self.used[:] = True  # (a parameter change: one that no inner step moved changes by zero)
 
     def swap(self, members: int) -> Outgoing:
         """Start a fresh sum; the old one goes out (then ``to_host`` it, off the owner's lock)."""
         if self._dirty and self._kept is None:  # (nothing was added: it goes out as zeros)
             self._flat.zero_()
         out = Outgoing(self._flat, self.samples, self.batches, self.oldest, time.perf_counter(), members,
-                       grads=self._kept)
+                       grads=self._kept, used=self.used)
         self._kept = None
+        self.used = np.zeros(len(self.params), bool)
         self._renew()
         self.samples = self.batches = 0
         self.oldest = None
@@ -389,6 +410,9 @@ class Accumulator:
     def _count(self, out: Outgoing) -> None:
         self.samples += out.samples
         self.batches += out.batches
+        used = out.used_flags()
+        if used is not None:
+            self.used |= used
         if out.oldest is not None:
             self.oldest = out.oldest if self.oldest is None else min(self.oldest, out.oldest)
 
@@ -400,4 +424,5 @@ class Accumulator:
         self._dirty = False
         self.samples = self.batches = 0
         self.oldest = None
+        self.used[:] = False
         return dropped

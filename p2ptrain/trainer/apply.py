@@ -55,18 +55,23 @@ def optimizer_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
 
 def apply_gradients(grads: list[torch.Tensor | None], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                     scheduler: Any, clip_grad_norm: float | None) -> None:
-    """``params`` step by one batch's own gradients (a peer alone: they are the mean), zeros
-    where a parameter has none, as ``apply_update`` gives it."""
+    """``params`` step by one batch's own gradients (a peer alone: they are the mean); a
+    parameter without one keeps ``grad`` None (the optimizer skips it), as ``apply_update``."""
     for p, g in zip(params, grads):
-        p.grad = g if g is not None else torch.zeros_like(p)
+        p.grad = g
     optimizer_step(params, optimizer, scheduler, clip_grad_norm)
 
 
 def apply_update(update: CommittedUpdate, mean: AveragedGradient, optimizer: torch.optim.Optimizer,
                  scheduler: Any, clip_grad_norm: float | None) -> None:
     """``mean.params`` step by ``update.summed / update.total`` (the ring's sum, handed over by the
-    cluster: ours to use in place). ``p.grad`` is None again afterwards."""
+    cluster: ours to use in place). A parameter no member had a gradient for (``update.used``)
+    keeps ``grad`` None, as under DDP: the optimizer skips it (no momentum, no weight decay).
+    ``p.grad`` is None again afterwards."""
     _, views = mean.of(update)
-    for p, g in zip(mean.params, views):
+    used = update.used
+    for i, (p, g) in enumerate(zip(mean.params, views)):
+        if used is not None and not used[i]:
+            continue
         p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
     optimizer_step(mean.params, optimizer, scheduler, clip_grad_norm)

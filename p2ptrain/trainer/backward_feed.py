@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from p2ptrain.collective import ring
@@ -115,12 +116,15 @@ class BackwardFeed:
                             "p2ptrain.DistributedOptimizer, which needs no unscale_)")
         if filling.withdrawn is not None:
             return False
+        used = np.ones(len(self.params), bool)
         for i in filling.unmarked():  # (no gradient from this backward: what add() would write)
+            used[i] = self.params[i].grad is not None
             filling.write(i, self.params[i].grad)
         for p in self.params:
             p.grad = None
         if not filling.taken:
-            self.state.acc.filled(batch_size, filling.version)
+            self.state.acc.filled(batch_size, filling.version, used)
+        filling.used = used  # (before ``finish``: the ring's DONE, which reads it, waits for that)
         filling.finish()
         return True
 

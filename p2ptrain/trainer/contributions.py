@@ -184,18 +184,28 @@ class Contributor:
         if self._linger is not None:
             self._linger.cancel()
 
-    def apply(self, summed: np.ndarray, total_samples: int) -> None:
+    def used(self, contribution: np.ndarray) -> bytes | None:
+        """(its ring ended) Which parameters of our contribution had a gradient, for the round's
+        DONE (``cluster.used``); None: all did, or it is not ours any more (void: a state load)."""
+        with self.state.lock:
+            return self.state.used(contribution)
+
+    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None) -> list[tuple[int, int]] | None:
+        """A round committed (``trainer_api``); returns the ranges of ``summed`` it leaves out
+        (parameters no member had a gradient for: their ``grad`` stays None), or None."""
         cluster = self.host.cluster
         point, now = cluster.machine.sync_point(), time.perf_counter()
         compare = len(cluster.machine.table.live_synced()) > 1
         took = cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
+        flags = self.state.flags(used)
         with self.state.lock:
-            if self.state.update_committed(summed, total_samples, point, took, compare, now):
+            if self.state.update_committed(summed, total_samples, point, took, compare, now, flags):
                 self._not_finite = [0, 0]  # (ours went in: finite)
             self._linger_due = False
             self._rounds_seen += 1
             self._idle_rounds = 0 if total_samples else self._idle_rounds + 1  # (nobody had anything)
         self._changed.set()
+        return None if flags is None else self.state.acc.spans(~flags)
 
     def put_back(self, contribution: np.ndarray, samples: int, not_finite: bool = False) -> None:
         back = self.state.put_back(contribution, not_finite)

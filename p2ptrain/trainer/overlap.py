@@ -14,7 +14,8 @@ backward for the interpreter. For the same reason a model of one bucket (up to `
 4 M parameters) is not overlapped at all: its ring is short, and overlapping it cost more than
 it hid (measured on 2 cores, N = 2, 150 K parameters: 1.5x DDP's time against 1.3x). ``step``
 then confirms: the same batch size and one backward per parameter, and it writes what no hook did
-(a parameter without a gradient: zeros, as ``Accumulator.add`` would). Until it confirms, the
+(a parameter without a gradient: zeros, as ``Accumulator.add`` would, and ``Filling.used`` says
+it had none). Until it confirms, the
 first parameter's range is held (its gradient comes last anyway), so no round can end on a
 wrong guess. A different batch size, a second backward before ``step`` (gradient accumulation),
 or the round aborting meanwhile withdraws the contribution (``WithdrawnError`` fails our ring;
@@ -98,6 +99,7 @@ class Filling:
         self.taken = False  # a round holds it (``Contributor.take``)
         self.complete = False
         self.withdrawn: str | None = None  # why, once withdrawn
+        self.used: np.ndarray | None = None  # which parameters had a gradient (``step`` says, before ``finish``)
 
     def write(self, i: int, grad: torch.Tensor | None) -> bool:
         """(backward's thread) Parameter ``i``'s gradient times the guess, into its range. True:

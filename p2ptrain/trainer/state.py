@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from p2ptrain.cluster import used
 from p2ptrain.cluster.rounds import SyncPoint
 from p2ptrain.codecs import encodable
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
@@ -205,10 +206,20 @@ class TrainerState:
             self.acc.merge(out)
             return out, None
 
+    def used(self, contribution: np.ndarray) -> bytes | None:
+        """(under ``lock``) Which parameters of ``contribution`` had a gradient (``used.encode``);
+        None: all did, or it is not ours (from before a state load: its round is void here)."""
+        out = self.out
+        if out is None or contribution is not out.array:
+            return None
+        flags = out.used_flags()
+        return None if flags is None else used.encode(flags)
+
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
-                         compare: bool, now: float) -> bool:
+                         compare: bool, now: float, flags: np.ndarray | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
-        anything: the round still counts for the lineage). True: our contribution was in it."""
+        anything: the round still counts for the lineage). True: our contribution was in it.
+        ``flags``: which parameters some member had a gradient for (``flags``: None, all)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -227,8 +238,18 @@ class TrainerState:
         self.committed += 1
         m = self.metrics(point.round, self.committed, out.members if out else 0, total_samples,
                          out.samples if out else 0, stale, now - out.taken_at if out else 0.0)
-        self.queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare))
+        self.queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare, flags))
         return out is not None
+
+    def flags(self, mask: bytes | None) -> np.ndarray | None:
+        """(any thread) A COMMIT's mask as one flag per parameter; None: all had a gradient, or a
+        mask that does not fit this model (the leader's fault: said, and read as all)."""
+        try:
+            return used.decode(mask, len(self.params))
+        except ValueError as exc:
+            log.warning("the leader's mask of parameters with a gradient is void (%s): every parameter is "
+                        "stepped this round; check that every peer runs the same p2ptrain version", exc)
+            return None
 
     def state_load_began(self, state: dict) -> int:
         """A member's state is handed over: what was accumulated or out is void (returned, counted),
