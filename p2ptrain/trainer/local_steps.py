@@ -8,7 +8,9 @@ to the same *outer parameters*, so those stay bit-identical on every replica whi
 inner optimizer's state stays local (Douillard et al., 2023: lr 0.7, momentum 0.9).
 
 One round late. A peer forms its contribution once it has taken ``every`` inner steps since
-the last one (``due``) and its previous one is applied, then steps on while the ring runs
+the last one (``due``), or by time once ``window_s`` seconds passed since the last one (a fast
+device then takes many inner steps a round, a slow one few: ``round_window``), and its previous
+one is applied, then steps on while the ring runs
 (at staleness >= 1; at 0 ``step`` waits for the round). When the outer update lands, the
 progress made since the contribution is kept on top of the new outer parameters::
 
@@ -43,9 +45,12 @@ log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the
 class LocalSteps:
     """The outer state: ``outer`` parameters, their Nesterov ``velocity``, and ``base``."""
 
-    def __init__(self, params: list[torch.Tensor], every: int, lr: float, momentum: float,
-                 inner: torch.optim.Optimizer | None = None):
+    def __init__(self, params: list[torch.Tensor], every: int | None, lr: float, momentum: float,
+                 inner: torch.optim.Optimizer | None = None, window_s: float | None = None, auto: bool = False):
         self.params, self.every, self.lr, self.momentum = params, every, lr, momentum
+        # Rounds by time (``every`` None): a contribution once ``window_s`` seconds passed since the
+        # last (``round_window``); ``auto``: the peer sets the window at each contribution.
+        self.window_s, self.auto = window_s, auto
         self.inner = inner  # the user's optimizer: its state is cleared where the inner steps diverge
         numel = sum(p.numel() for p in params)
         device = params[0].device
@@ -91,7 +96,8 @@ class LocalSteps:
         self.samples += batch_size
 
     def due(self) -> bool:
-        return self.steps >= self.every
+        """(By count) ``every`` inner steps are owed; by time the peer asks ``pseudo_gradient_due``."""
+        return self.every is not None and self.steps >= self.every
 
     def contribute(self, into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None, int]:
         """The pseudo-gradient owed (``base - params``, one tensor per parameter) and its samples;

@@ -144,12 +144,7 @@ def local_steps_defaults(outer_lr, outer_momentum) -> tuple:
 
 def check_local_steps(sync_every, outer_lr, outer_momentum) -> None:
     """Local-steps mode's keywords (``join --sync-every --outer-lr --outer-momentum`` too)."""
-    every = parse_sync_every(sync_every)  # (ConfigError: not a count, a window of time or auto)
-    if every.by_time:
-        raise ConfigError(f"sync_every={sync_every!r}: rounds by time (a window or auto) are not in this trainer "
-                          "yet; give a count of inner steps (e.g. 16)")
-    if type(sync_every) is not int:
-        raise ConfigError(f"sync_every={sync_every!r}: give the count of inner steps as an int ({every.steps})")
+    parse_sync_every(sync_every)  # (ConfigError: not a count, a window of time or auto)
     if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < float("inf"):
         raise ConfigError(f"outer_lr must be a number > 0 (DiLoCo's: 0.7), got {outer_lr!r}")
     if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:

@@ -118,6 +118,8 @@ from p2ptrain.trainer.backward_feed import BackwardFeed
 from p2ptrain.trainer.overlap import ScaledStep, unscale
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.contribution_decision import pseudo_gradient_due
+from p2ptrain.trainer.round_window import auto_window
+from p2ptrain.cluster.sync_every import parse_sync_every
 from p2ptrain.trainer.state import TrainerState
 from p2ptrain.trainer.options import (PEER_TIMEOUT, check_model_and_optimizer, check_options, listen_address,
                                       local_steps_defaults, own_module, round_config)
@@ -167,7 +169,7 @@ class AsyncPeer:
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
-                 duration: float | None = None, sync_every: int | None = None, outer_lr: float | None = None,
+                 duration: float | None = None, sync_every: int | str | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
@@ -216,7 +218,7 @@ class AsyncPeer:
         self._state = st = TrainerState(
             self.params, self.device, staleness=staleness, min_peers=min_peers, target_batch_size=target_batch_size,
             members=lambda: self.members, predicted=weight_prediction,
-            local=LocalSteps(self.params, sync_every, outer_lr, outer_momentum, optimizer) if sync_every else None,
+            local=local_steps(self.params, sync_every, outer_lr, outer_momentum, optimizer),
             predictor=WeightPredictor(self.params) if weight_prediction else None)
         self.unapplied = 0  # samples stepped that no round took before this peer left (set on closing)
         self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
@@ -342,7 +344,7 @@ class AsyncPeer:
             await self.cluster.close()
             raise
         self._tasks.spawn(self._propose())
-        st.step_end = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
+        st.step_end = st.contributed_at = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
         st.pacing.step_began(None)
         self._step_guard = StepGuard(self.optimizer)  # (last: nothing after it can fail the opening)
 
@@ -461,7 +463,8 @@ class AsyncPeer:
 
     def _inner_step(self, batch_size: int, void: bool) -> bool:
         """Local-steps mode (``params_lock`` held): the user's optimizer steps on this batch,
-        the outer updates committed since land, and once ``sync_every`` inner steps are owed
+        the outer updates committed since land, and once ``sync_every`` inner steps are owed (or
+        its window has passed since the last contribution: rounds by time)
         and the last contribution is applied, the pseudo-gradient goes to the accumulator.
         True: a contribution is ready (the cluster must hear of it)."""
         st = self._state
@@ -470,8 +473,10 @@ class AsyncPeer:
             st.local.stepped(batch_size)
         self._updater.apply_queue()
         with st.lock:
-            if not pseudo_gradient_due(steps=st.local.steps, every=st.local.every, accumulated=st.acc.samples,
-                                       out=st.out is not None):
+            local = st.local
+            if not pseudo_gradient_due(steps=local.steps, every=local.every, accumulated=st.acc.samples,
+                                       out=st.out is not None, window_s=local.window_s, since=st.contributed_at,
+                                       now=time.perf_counter()):
                 return False
             return st.add_pseudo_gradient()
 
@@ -479,6 +484,16 @@ class AsyncPeer:
         """Tell the cluster this peer has something now (or call ``tell`` there), from whichever
         thread we are on."""
         self._lifetime.call_soon(tell or self.cluster.contribution_available)
+
+
+def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_momentum: float,
+                optimizer: torch.optim.Optimizer) -> LocalSteps | None:
+    """Local-steps mode's outer state for ``sync_every`` (checked: ``options``), None: gradient mode."""
+    if sync_every is None:
+        return None
+    every = parse_sync_every(sync_every)
+    window = auto_window(None, None, 0.0) if every.auto else every.seconds
+    return LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
 
 
 def lifetime_of(peer: AsyncPeer) -> Lifetime:
