@@ -11,15 +11,15 @@ pytestmark = pytest.mark.timeout(10)
 
 @pytest.mark.parametrize("previous, ring, compute, window", [
     (None, None, 0.1, AUTO_FIRST_S),  # no ring timed yet
-    (None, None, 1.1, 2.2),  # ... but never under two of this member's steps (a 10x slower laptop)
-    (None, 0.3, 0.1, 1.2),  # four rings
+    (None, None, 1.1, 4.4),  # ... but never under four of this member's steps (a 10x slower laptop)
+    (None, 0.5, 0.1, 5.0),  # ten rings
     (None, 0.01, 0.01, AUTO_MIN_S),  # a fast ring: the floor
-    (None, 0.2, 0.6, 1.2),  # a slow member: two of its steps
+    (None, 0.2, 0.8, 3.2),  # a slow member: four of its steps
     (None, 50.0, 0.1, AUTO_MAX_S),  # a very slow ring: the ceiling
-    (1.0, 5.0, 0.1, 2.0), (4.0, 0.01, 0.01, 2.0),  # at most x2 or /2 per contribution
-    (1.0, 0.3, 0.1, 1.2),  # within x2: the target
+    (2.0, 5.0, 0.1, 4.0), (12.0, 0.01, 0.01, 6.0),  # at most x2 or /2 per contribution
+    (2.0, 0.3, 0.1, 3.0),  # within x2: the target
 ])
-def test_auto_window_is_four_rings_at_least_two_steps_bounded_and_changes_at_most_twofold(
+def test_auto_window_is_ten_rings_at_least_four_steps_bounded_and_changes_at_most_twofold(
         previous, ring, compute, window):
     assert auto_window(previous, ring, compute) == pytest.approx(window)
 
@@ -28,7 +28,7 @@ def test_auto_window_settles_on_its_target_from_any_start():
     w = None
     for _ in range(10):
         w = auto_window(w, 2.0, 0.1)
-    assert w == pytest.approx(8.0)
+    assert w == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize("by_time, waits", [(False, True), (True, False)])

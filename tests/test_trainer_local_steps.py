@@ -325,3 +325,35 @@ def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window()
     assert fast.version == slow.version and fast.dropped == slow.dropped == 0
     for a, b in zip(fast.model.parameters(), slow.model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_look_ahead_moves_local_progress_onto_the_next_steps_momentum_and_never_the_outer_parameters(
+        compiled, monkeypatch):
+    """With ``lookahead`` the outer parameters and momentum are exactly those without it; the
+    model and ``base`` are moved by ``-lr mu^2 v``, so the next pseudo-gradient is the inner
+    progress alone."""
+    def run(lookahead):
+        p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+        local = LocalSteps([p], every=1, lr=0.7, momentum=0.9)
+        if not compiled:
+            monkeypatch.setattr(local, "_kernels", None)
+        local.lookahead = lookahead
+        for step in (0.5, 0.25):
+            with torch.no_grad():
+                p.sub_(step)
+            local.stepped(8)
+            delta, _ = local.contribute()
+            local.apply(torch.cat([d.reshape(-1) for d in delta]))
+        return p.detach().clone(), local
+    p0, plain = run(False)
+    p1, ahead = run(True)
+    assert torch.equal(plain._outer, ahead._outer) and torch.equal(plain._velocity, ahead._velocity)
+    shift = -0.7 * 0.81 * ahead._velocity
+    assert torch.allclose(p1, p0 + shift, atol=1e-6) and torch.allclose(ahead._base, plain._base + shift, atol=1e-6)
+    with torch.no_grad():
+        p1_param = ahead.params[0]
+        p1_param.sub_(0.125)  # one more inner step
+    ahead.stepped(8)
+    delta, _ = ahead.contribute()
+    assert torch.allclose(delta[0], torch.full((3,), 0.125), atol=1e-6)  # inner progress only

@@ -51,6 +51,7 @@ class LocalSteps:
         # Rounds by time (``every`` None): a contribution once ``window_s`` seconds passed since the
         # last (``round_window``); ``auto``: the peer sets the window at each contribution.
         self.window_s, self.auto = window_s, auto
+        self.lookahead = False  # rebase local progress onto the next step's momentum (``_look_ahead``)
         self.inner = inner  # the user's optimizer: its state is cleared where the inner steps diverge
         numel = sum(p.numel() for p in params)
         device = params[0].device
@@ -154,15 +155,28 @@ class LocalSteps:
             mu32, neg_lr = np.float32(mu), np.float32(-self.lr)
             for (a, b), p in zip(self._spans, live):
                 k.outer_step(gn[a:b], vn[a:b], on[a:b], bn[a:b], p.view(-1).numpy(), mu32, neg_lr, bool(mu))
-            return
+        else:
+            with torch.no_grad():
+                if mu:
+                    v.mul_(mu).add_(g)
+                    g.add_(v, alpha=mu)  # (the ring's mean is ours to use in place: no new vector a round)
+                outer.sub_(g, alpha=self.lr)
+                torch._foreach_sub_(live, self.base)  # progress since the contribution (0 if none) ...
+                torch._foreach_add_(live, self.outer)  # ... on top of the new outer parameters
+                self._base.copy_(outer)
+        if self.lookahead and mu:
+            self._look_ahead()
+
+    def _look_ahead(self) -> None:
+        """Local progress rebased onto where the next outer step's momentum alone takes the outer
+        parameters (``outer - lr mu^2 v``: the part of that step known now), so the inner steps of
+        the next round, whose change lands one round late, are taken about where it will land;
+        ``base`` moves with them, so the next pseudo-gradient holds inner progress only and the
+        outer parameters, identical on every replica, do not move."""
         with torch.no_grad():
-            if mu:
-                v.mul_(mu).add_(g)
-                g.add_(v, alpha=mu)  # (the ring's mean is ours to use in place: no new vector a round)
-            outer.sub_(g, alpha=self.lr)
-            torch._foreach_sub_(live, self.base)  # progress since the contribution (0 if none) ...
-            torch._foreach_add_(live, self.outer)  # ... on top of the new outer parameters
-            self._base.copy_(outer)
+            shift = self._velocity * (-self.lr * self.momentum * self.momentum)
+            self._base.add_(shift)
+            torch._foreach_add_(self._live(), param_views(shift, self.params))
 
     def shift(self, outer: list[torch.Tensor], velocity: torch.Tensor | None) -> None:
         """The leader's outer state at the same point (ours differs by rounding: another device

@@ -120,6 +120,7 @@ from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.contribution_decision import pseudo_gradient_due
 from p2ptrain.trainer.round_window import auto_window
 from p2ptrain.cluster.sync_every import parse_sync_every
+from p2ptrain.switches import env_switch
 from p2ptrain.trainer.state import TrainerState
 from p2ptrain.trainer.options import (PEER_TIMEOUT, check_model_and_optimizer, check_options, listen_address,
                                       local_steps_defaults, own_module, round_config)
@@ -493,7 +494,9 @@ def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_m
         return None
     every = parse_sync_every(sync_every)
     window = auto_window(None, None, 0.0) if every.auto else every.seconds
-    return LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
+    local = LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
+    local.lookahead = env_switch("P2PTRAIN_LOOKAHEAD", False)
+    return local
 
 
 def lifetime_of(peer: AsyncPeer) -> Lifetime:

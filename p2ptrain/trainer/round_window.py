@@ -8,21 +8,24 @@ waits for another's count of steps; the round waits at most for the step each me
 progress when its window ends.
 
 ``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (a ring, from its start
-to its commit: ``pacing.Pacing.round_mean``), so that a round's exchange stays well under the
+to its commit: ``pacing.Pacing.round_mean``), so that a round's exchange stays a tenth of the
 window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
-``AUTO_MIN_S`` seconds (a window shorter than a step is a round per step: the ring's fixed
-costs every step), at most ``AUTO_MAX_S``. Before any ring is timed: ``AUTO_FIRST_S``. Each
+``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each
 member computes its own; a round goes at the pace of the longest, which is right: the others
 step on meanwhile (staleness >= 1). A window changes by at most ``AUTO_MAX_CHANGE`` times per
 contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
+Why a 2 s floor: each round's update lands a round late, plus the slower member's step in
+progress, and that delay is a larger share of a shorter window. Measured (``bench/uneven.py
+--model 1m``, a peer 3.7x slower, int8, staleness 1, a loaded 2-core machine): to the loss in
+5.7 s with 2 s windows, 10.9 s with 1 s, 25.8 s with 0.5 s ones; the fast peer alone 5.5 s.
 """
 
 from __future__ import annotations
 
-AUTO_FIRST_S = 1.0  # auto's window before any ring was timed
-AUTO_RING_TIMES = 4.0  # the exchange takes at most a quarter of the window
-AUTO_MIN_S = 0.5  # seconds: shorter windows pay the ring's fixed costs (a round's messages) too often
-AUTO_MIN_STEPS = 2.0  # inner steps of this member's at least, so a slow member contributes every window
+AUTO_MIN_S = 2.0  # seconds: shorter windows lose more to the update landing a round late (the docstring)
+AUTO_FIRST_S = AUTO_MIN_S  # auto's window before any ring was timed
+AUTO_RING_TIMES = 10.0  # the exchange takes at most a tenth of the window
+AUTO_MIN_STEPS = 4.0  # inner steps of this member's at least, so a slow member contributes a few every window
 AUTO_MAX_S = 30.0  # a longer window lets the replicas' inner steps diverge too far (DiLoCo's H <= 500 steps)
 AUTO_MAX_CHANGE = 2.0  # times a window may grow or shrink from one contribution to the next
 
