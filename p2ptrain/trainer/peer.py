@@ -63,7 +63,9 @@ written, and the ring reads each range once written; ``step`` confirms the batch
 and adds the batch as without overlap.
 
 Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user's optimizer on
-the batch at once (and the scheduler, per inner step); after H inner steps the parameter change
+the batch at once (and the scheduler, per inner step); after H inner steps (or, with a window
+``sync_every="2s"`` or ``"auto"``, after the first step ending once the window since the last
+contribution passed: each peer the steps that fit, ``round_window``) the parameter change
 goes to the accumulator as a pseudo-gradient, and a committed round is an outer Nesterov step
 on parameters every replica holds alike. At staleness 0 ``step`` waits for that round; at >= 1
 it steps on while the ring runs and while a round waits for slower peers' inner steps, unless
