@@ -35,11 +35,27 @@ import logging
 import numpy as np
 import torch
 
+from p2ptrain.cluster.sync_every import parse_sync_every
+from p2ptrain.switches import env_switch
 from p2ptrain.trainer import _local_kernels
+from p2ptrain.trainer.round_window import auto_window
 from p2ptrain.trainer.flat import param_starts, param_views
 from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
+LOOKAHEAD_ENV = "P2PTRAIN_LOOKAHEAD"  # 1: ``LocalSteps.lookahead`` on (an A/B switch; default off)
+
+
+def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_momentum: float,
+                optimizer: torch.optim.Optimizer) -> LocalSteps | None:
+    """The outer state for ``AsyncPeer``'s ``sync_every`` (checked: ``options``); None: gradient mode."""
+    if sync_every is None:
+        return None
+    every = parse_sync_every(sync_every)
+    window = auto_window(None, None, 0.0) if every.auto else every.seconds
+    local = LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
+    local.lookahead = env_switch(LOOKAHEAD_ENV, False)
+    return local
 
 
 class LocalSteps:

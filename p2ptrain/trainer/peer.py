@@ -114,15 +114,12 @@ from p2ptrain.net.discovery import Discovery, peer_list
 from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
-from p2ptrain.trainer.local_steps import LocalSteps
+from p2ptrain.trainer.local_steps import local_steps
 from p2ptrain.trainer.lifetime import Lifetime, Work
 from p2ptrain.trainer.backward_feed import BackwardFeed
 from p2ptrain.trainer.overlap import ScaledStep, unscale
 from p2ptrain.cluster.membership import genesis
 from p2ptrain.trainer.contribution_decision import pseudo_gradient_due
-from p2ptrain.trainer.round_window import auto_window
-from p2ptrain.cluster.sync_every import parse_sync_every
-from p2ptrain.switches import env_switch
 from p2ptrain.trainer.state import TrainerState
 from p2ptrain.trainer.options import (PEER_TIMEOUT, check_model_and_optimizer, check_options, listen_address,
                                       local_steps_defaults, own_module, round_config)
@@ -487,18 +484,6 @@ class AsyncPeer:
         """Tell the cluster this peer has something now (or call ``tell`` there), from whichever
         thread we are on."""
         self._lifetime.call_soon(tell or self.cluster.contribution_available)
-
-
-def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_momentum: float,
-                optimizer: torch.optim.Optimizer) -> LocalSteps | None:
-    """Local-steps mode's outer state for ``sync_every`` (checked: ``options``), None: gradient mode."""
-    if sync_every is None:
-        return None
-    every = parse_sync_every(sync_every)
-    window = auto_window(None, None, 0.0) if every.auto else every.seconds
-    local = LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
-    local.lookahead = env_switch("P2PTRAIN_LOOKAHEAD", False)
-    return local
 
 
 def lifetime_of(peer: AsyncPeer) -> Lifetime:
