@@ -38,3 +38,13 @@ def test_short_cores_make_a_count_member_wait_for_its_round_but_not_one_with_rou
     # (at staleness 0 both wait for the round holding their pseudo-gradient)
     assert must_wait(staleness=0, local_steps=True, finished=False, accumulated=0, out=True, share=64,
                      lockstep=False, cores_short=False, by_time=by_time)
+
+
+@pytest.mark.parametrize("sync_every, expected", [
+    (16, (0.7, 0.9)), ("16", (0.7, 0.9)),  # a count: DiLoCo's
+    ("2s", (0.8, 0.6)), ("auto", (0.8, 0.6)),  # rounds by time: many short rounds, each a round late
+])
+def test_outer_defaults_by_count_and_by_time_and_what_is_given_wins(sync_every, expected):
+    from p2ptrain.trainer.options import local_steps_defaults
+    assert local_steps_defaults(None, None, sync_every) == expected
+    assert local_steps_defaults(0.5, 0.0, sync_every) == (0.5, 0.0)

@@ -90,9 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "steps on while a round waits (default: off, gradient mode). TIME (2s, 500ms) or auto: "
                    "rounds by time, each peer taking the steps that fit")
     g.add_argument("--outer-lr", type=number(above=0), default=_env("outer_lr"),
-                   help="with --sync-every: the outer SGD's learning rate (default 0.7)")
+                   help="with --sync-every: the outer SGD's learning rate (default 0.7; 0.8 with a window or auto)")
     g.add_argument("--outer-momentum", type=number(at_least=0, note=", below 1"), default=_env("outer_momentum"),
-                   help="with --sync-every: the outer Nesterov momentum (default 0.9; 0: none)")
+                   help="with --sync-every: the outer Nesterov momentum (default 0.9; 0.6 with a window or auto; 0: none)")
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="with --staleness >= 1: compute each batch on the parameters moved on by the last "
                    "update, nearer those it is applied to (fewer updates to a loss; two more parameter copies)")

@@ -178,7 +178,7 @@ class AsyncPeer:
                       outer_momentum=outer_momentum, overlap=overlap, peer_timeout=peer_timeout)
         check_model_and_optimizer(model, optimizer)
         check_numpy_bridge()
-        outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum)
+        outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum, sync_every)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
