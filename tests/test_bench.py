@@ -126,4 +126,4 @@ def test_uneven_bench_quick_reads_a_slow_pair_against_the_fast_peer_alone_and_pa
     assert pair[0].startswith("3x (") and float(pair[3]) > 0 and float(pair[4]) > 0  # samples/s, vs sum alone
     assert float(rows["sync fp32"][5]) > 0  # its loss at S samples: the pairs' loss @ S is read against it
     window = rows["--staleness 1 --sync-every 2s"]
-    assert window[1].startswith("refused: sync_every='2s': rounds by time") or float(window[3]) > 0, window
+    assert float(window[3]) > 0, window  # (rounds by time train: samples/s)

@@ -134,3 +134,17 @@ def test_the_clock_is_the_argument():
 ])
 def test_pseudo_gradient_due(steps, every, accumulated, out, due):
     assert pseudo_gradient_due(steps=steps, every=every, accumulated=accumulated, out=out) is due
+
+
+# Rounds by time (sync_every a window or auto): due once the window since our last contribution
+# (``since``) has passed and at least one inner step was taken; never while ours is accumulated or out.
+@pytest.mark.parametrize("steps, since, accumulated, out, due", [
+    (1, NOW - 2.0, 0, False, True),  # the window just passed, one step in it: a slow member's
+    (40, NOW - 2.5, 0, False, True),  # a fast member's many steps
+    (40, NOW - 1.9, 0, False, False),  # not yet: however many steps (a count plays no part)
+    (0, NOW - 9.0, 0, False, False),  # no inner step since: nothing to contribute
+    (5, NOW - 3.0, 8, False, False), (5, NOW - 3.0, 0, True, False),  # ours not taken, or still out
+])
+def test_pseudo_gradient_by_time_is_due_once_the_window_has_passed(steps, since, accumulated, out, due):
+    assert pseudo_gradient_due(steps=steps, every=None, accumulated=accumulated, out=out, window_s=2.0,
+                               since=since, now=NOW) is due

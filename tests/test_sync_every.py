@@ -60,15 +60,13 @@ def test_every_peer_states_a_window_as_its_canonical_text_and_a_count_as_before(
     assert differences(ours, shared(compression="none", staleness=1, sync_every="2000ms")) == []
 
 
-def test_the_library_takes_a_count_and_says_plainly_that_rounds_by_time_are_not_in_its_trainer():
-    check_local_steps(16, 0.7, 0.9)
-    for value in ("2s", "auto", SyncEvery(seconds=2.0)):
-        with pytest.raises(ConfigError, match="rounds by time .* are not in this trainer yet; give a count"):
-            check_local_steps(value, 0.7, 0.9)
-    with pytest.raises(ConfigError, match=r"give the count of inner steps as an int \(16\)"):
-        check_local_steps("16", 0.7, 0.9)  # (the trainer counts with it: text would fail later, deep inside)
+def test_the_library_takes_a_count_a_window_and_auto_and_refuses_anything_else_in_one_line():
+    for value in (16, "16", "2s", "500ms", "auto", SyncEvery(seconds=2.0)):
+        check_local_steps(value, 0.7, 0.9)
     with pytest.raises(ConfigError, match="sync_every must be an int >= 1"):
         check_local_steps(0, 0.7, 0.9)
+    with pytest.raises(ConfigError, match="sync_every must be .* a window of time"):
+        check_local_steps("soon", 0.7, 0.9)
 
 
 def run_join(capsys, *argv):
@@ -99,7 +97,10 @@ def test_join_parses_a_count_a_window_and_auto(value, parsed):
     assert parser.parse_args(["join", "--sync-every", value]).sync_every == parsed
 
 
-def test_join_with_a_window_says_in_one_line_that_its_trainer_lacks_rounds_by_time(capsys):
-    code, err = run_join(capsys, "--sync-every", "2s", "--max-rounds", "1")
+@pytest.mark.parametrize("value", ["2s", "auto"])
+def test_join_takes_a_window_past_its_checks(capsys, value):
+    """A window passes ``join``'s local-steps check: the first refusal is the next one's (a flag
+    of gradient mode beside it), before anything opens."""
+    code, err = run_join(capsys, "--sync-every", value, "--staleness", "1", "--target-batch-size", "64")
     assert code == 2 and len(err) == 1, err
-    assert "sync_every='2s': rounds by time (a window or auto) are not in this trainer yet" in err[0], err
+    assert "--sync-every does not combine with --target-batch-size" in err[0], err

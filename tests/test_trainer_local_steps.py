@@ -302,3 +302,58 @@ def test_an_inner_step_tells_the_cluster_nothing_until_its_pseudo_gradient_is_re
         assert told.count(p._peer.peer_id) <= 10 + 2, told.count(p._peer.peer_id)  # (10 pseudo-gradients)
     for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window():
+    """``sync_every="250ms"``, staleness 1, a peer 4x slower: a round every window (not every H
+    steps of the slow one), each peer contributing the steps it had time for (the fast about 4x
+    the slow one's samples), the fast one never blocked in step, replicas identical."""
+    fast_s, slow_s, seconds, window = 0.01, 0.04, 3.0, 0.25
+    peers = open_peers([make_adam] * 2, staleness=1, compression="int8", sync_every="250ms")
+    try:
+        logs, counts = train_at_speeds(peers, seconds, (fast_s, slow_s))
+    finally:
+        close_all(peers)
+    fast, slow = peers
+    both = [(m.local_samples, m.samples - m.local_samples) for m in fast.history if m.samples > m.local_samples > 0]
+    assert len(both) >= 3, both  # rounds with both peers in them
+    ratio = sum(a for a, _ in both) / sum(b for _, b in both)
+    assert 2.0 < ratio < 8.0, both  # each the steps that fit in its window: about fast_s / slow_s
+    # a round every window (plus the slow one's step in progress and the ring): not every H steps
+    assert 3 <= fast.version <= seconds / window + 2, fast.version
+    assert max(s for s, _ in logs[0]) < 4 * slow_s  # the fast one never waits for the slow one's steps
+    assert fast.version == slow.version and fast.dropped == slow.dropped == 0
+    for a, b in zip(fast.model.parameters(), slow.model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_look_ahead_moves_local_progress_onto_the_next_steps_momentum_and_never_the_outer_parameters(
+        compiled, monkeypatch):
+    """With ``lookahead`` the outer parameters and momentum are exactly those without it; the
+    model and ``base`` are moved by ``-lr mu^2 v``, so the next pseudo-gradient is the inner
+    progress alone."""
+    def run(lookahead):
+        p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+        local = LocalSteps([p], every=1, lr=0.7, momentum=0.9)
+        if not compiled:
+            monkeypatch.setattr(local, "_kernels", None)
+        local.lookahead = lookahead
+        for step in (0.5, 0.25):
+            with torch.no_grad():
+                p.sub_(step)
+            local.stepped(8)
+            delta, _ = local.contribute()
+            local.apply(torch.cat([d.reshape(-1) for d in delta]))
+        return p.detach().clone(), local
+    p0, plain = run(False)
+    p1, ahead = run(True)
+    assert torch.equal(plain._outer, ahead._outer) and torch.equal(plain._velocity, ahead._velocity)
+    shift = -0.7 * 0.81 * ahead._velocity
+    assert torch.allclose(p1, p0 + shift, atol=1e-6) and torch.allclose(ahead._base, plain._base + shift, atol=1e-6)
+    with torch.no_grad():
+        p1_param = ahead.params[0]
+        p1_param.sub_(0.125)  # one more inner step
+    ahead.stepped(8)
+    delta, _ = ahead.contribute()
+    assert torch.allclose(delta[0], torch.full((3,), 0.125), atol=1e-6)  # inner progress only

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 WINDOW = 20  # rounds a member is judged over
 MIN_HELD_S = 5.0  # held less than this in all over a window: not worth a line
-ADVICE = "let it leave, or train in local-steps mode (--sync-every), where a round waits less for it"
+ADVICE = ("let it leave, or train in local-steps mode by time (--sync-every auto, or a window such as 2s), "
+          "where each peer takes the steps that fit in a round and nobody waits for a count of them")
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync-every", type=sync_every(), default=_env("sync_every"), metavar="H|TIME|auto",
                    help="local steps: every H steps, 2s or auto")
     g.add_argument("--outer-lr", type=number(above=0), default=_env("outer_lr"), metavar="X",
-                   help="outer learning rate (--sync-every; 0.7)")
+                   help="outer learning rate (0.7; 0.8 by time)")
     g.add_argument("--outer-momentum", type=number(at_least=0, note=", below 1"), default=_env("outer_momentum"),
-                   metavar="X", help="outer Nesterov momentum (--sync-every; 0.9)")
+                   metavar="X", help="outer Nesterov momentum (0.9; 0.6 by time)")
     g.add_argument("--weight-prediction", action="store_true", default=_flag("weight_prediction"),
                    help="compute on predicted parameters (--staleness >= 1)")
     g.add_argument("--overlap", action="store_true", default=_flag("overlap"),

@@ -9,7 +9,7 @@ decides, pure, when this member contributes and what. Its parts: ``contributions
 (``Contributor``: what the cluster calls, on its thread), ``updates`` (``Updater``: applying
 updates, state loads, checkpoints' state), ``backward_feed`` and ``overlap`` (gradients into the
 round's buffer as backward makes them), ``accumulator`` (the sum on the model's device; ``flat``:
-its layout), ``apply`` (one update to the model), ``local_steps`` (DiLoCo), ``prediction``,
+its layout), ``apply`` (one update to the model), ``local_steps`` (DiLoCo; ``round_window``: its rounds by time), ``prediction``,
 ``pacing`` (when ``step`` waits), ``solo`` (a peer alone), ``step_checks``, ``options``,
 ``progress``, ``checkpoint`` (saving and resuming). ``host`` names what the parts read on the peer.
 

@@ -24,10 +24,10 @@ The rules (``Mode.staleness`` tau):
   member lingers ``LINGER_S`` for its batch (doubling after idle rounds, up to ``LINGER_MAX_S``)
   unless the linger has already run out for this round.
 
-Where new modes plug in (rounds by time for uneven machines): a time window is one more field
-of ``Mode`` (``round_window_s``) and one more input of ``View`` (when we last contributed).
-Local steps: ``pseudo_gradient_due`` answers "the window since the last contribution has
-passed" instead of "H inner steps are owed"; ``decide``'s local-steps branch stays as it is.
+Rounds by time (``sync_every`` a window or ``auto``, ``round_window``), local steps:
+``pseudo_gradient_due`` answers "the window since our last contribution has passed" instead of
+"H inner steps are owed"; ``decide``'s local-steps branch is the same for both (a round waits
+for a member still stepping: its window ends within a step).
 Gradient mode: every batch finished since the last contribution goes in, bounded by the share
 (``pacing.share``), with a short grace for a batch in progress: that is the tau >= 1 branch
 below with ``patience`` replaced by the grace, a new ``WAIT`` reason when the window is not over.
@@ -148,7 +148,15 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
     return Decision(Action.TAKE, drop_stale=drop)
 
 
-def pseudo_gradient_due(*, steps: int, every: int, accumulated: int, out: bool) -> bool:
+def pseudo_gradient_due(*, steps: int, every: int | None, accumulated: int, out: bool, window_s: float | None = None,
+                        since: float = 0.0, now: float = 0.0) -> bool:
     """Local-steps mode, after an inner step (caller's thread): the pseudo-gradient goes to the
-    accumulator once ``every`` inner steps are owed and nothing of ours is accumulated or out."""
-    return steps >= every and not accumulated and not out
+    accumulator once it is owed and nothing of ours is accumulated or out. Owed: by count,
+    ``every`` inner steps; by time (``window_s`` set, ``every`` None), at least one inner step
+    and ``window_s`` seconds since our last contribution (``since``; ``now``: the time now,
+    both ``time.perf_counter()``; ``round_window``)."""
+    if accumulated or out:
+        return False
+    if window_s is not None:
+        return steps >= 1 and now - since >= window_s
+    return steps >= every

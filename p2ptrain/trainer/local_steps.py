@@ -8,7 +8,9 @@ to the same *outer parameters*, so those stay bit-identical on every replica whi
 inner optimizer's state stays local (Douillard et al., 2023: lr 0.7, momentum 0.9).
 
 One round late. A peer forms its contribution once it has taken ``every`` inner steps since
-the last one (``due``) and its previous one is applied, then steps on while the ring runs
+the last one (``due``), or by time once ``window_s`` seconds passed since the last one (a fast
+device then takes many inner steps a round, a slow one few: ``round_window``), and its previous
+one is applied, then steps on while the ring runs
 (at staleness >= 1; at 0 ``step`` waits for the round). When the outer update lands, the
 progress made since the contribution is kept on top of the new outer parameters::
 
@@ -33,19 +35,39 @@ import logging
 import numpy as np
 import torch
 
+from p2ptrain.cluster.sync_every import parse_sync_every
+from p2ptrain.switches import env_switch
 from p2ptrain.trainer import _local_kernels
+from p2ptrain.trainer.round_window import auto_window
 from p2ptrain.trainer.flat import param_starts, param_views
 from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
+LOOKAHEAD_ENV = "P2PTRAIN_LOOKAHEAD"  # 1: ``LocalSteps.lookahead`` on (an A/B switch; default off)
+
+
+def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_momentum: float,
+                optimizer: torch.optim.Optimizer) -> LocalSteps | None:
+    """The outer state for ``AsyncPeer``'s ``sync_every`` (checked: ``options``); None: gradient mode."""
+    if sync_every is None:
+        return None
+    every = parse_sync_every(sync_every)
+    window = auto_window(None, None, 0.0) if every.auto else every.seconds
+    local = LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
+    local.lookahead = env_switch(LOOKAHEAD_ENV, False)
+    return local
 
 
 class LocalSteps:
     """The outer state: ``outer`` parameters, their Nesterov ``velocity``, and ``base``."""
 
-    def __init__(self, params: list[torch.Tensor], every: int, lr: float, momentum: float,
-                 inner: torch.optim.Optimizer | None = None):
+    def __init__(self, params: list[torch.Tensor], every: int | None, lr: float, momentum: float,
+                 inner: torch.optim.Optimizer | None = None, window_s: float | None = None, auto: bool = False):
         self.params, self.every, self.lr, self.momentum = params, every, lr, momentum
+        # Rounds by time (``every`` None): a contribution once ``window_s`` seconds passed since the
+        # last (``round_window``); ``auto``: the peer sets the window at each contribution.
+        self.window_s, self.auto = window_s, auto
+        self.lookahead = False  # rebase local progress onto the next step's momentum (``_look_ahead``)
         self.inner = inner  # the user's optimizer: its state is cleared where the inner steps diverge
         numel = sum(p.numel() for p in params)
         device = params[0].device
@@ -91,7 +113,8 @@ class LocalSteps:
         self.samples += batch_size
 
     def due(self) -> bool:
-        return self.steps >= self.every
+        """(By count) ``every`` inner steps are owed; by time the peer asks ``pseudo_gradient_due``."""
+        return self.every is not None and self.steps >= self.every
 
     def contribute(self, into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None, int]:
         """The pseudo-gradient owed (``base - params``, one tensor per parameter) and its samples;
@@ -148,15 +171,28 @@ class LocalSteps:
             mu32, neg_lr = np.float32(mu), np.float32(-self.lr)
             for (a, b), p in zip(self._spans, live):
                 k.outer_step(gn[a:b], vn[a:b], on[a:b], bn[a:b], p.view(-1).numpy(), mu32, neg_lr, bool(mu))
-            return
+        else:
+            with torch.no_grad():
+                if mu:
+                    v.mul_(mu).add_(g)
+                    g.add_(v, alpha=mu)  # (the ring's mean is ours to use in place: no new vector a round)
+                outer.sub_(g, alpha=self.lr)
+                torch._foreach_sub_(live, self.base)  # progress since the contribution (0 if none) ...
+                torch._foreach_add_(live, self.outer)  # ... on top of the new outer parameters
+                self._base.copy_(outer)
+        if self.lookahead and mu:
+            self._look_ahead()
+
+    def _look_ahead(self) -> None:
+        """Local progress rebased onto where the next outer step's momentum alone takes the outer
+        parameters (``outer - lr mu^2 v``: the part of that step known now), so the inner steps of
+        the next round, whose change lands one round late, are taken about where it will land;
+        ``base`` moves with them, so the next pseudo-gradient holds inner progress only and the
+        outer parameters, identical on every replica, do not move."""
         with torch.no_grad():
-            if mu:
-                v.mul_(mu).add_(g)
-                g.add_(v, alpha=mu)  # (the ring's mean is ours to use in place: no new vector a round)
-            outer.sub_(g, alpha=self.lr)
-            torch._foreach_sub_(live, self.base)  # progress since the contribution (0 if none) ...
-            torch._foreach_add_(live, self.outer)  # ... on top of the new outer parameters
-            self._base.copy_(outer)
+            shift = self._velocity * (-self.lr * self.momentum * self.momentum)
+            self._base.add_(shift)
+            torch._foreach_add_(self._live(), param_views(shift, self.params))
 
     def shift(self, outer: list[torch.Tensor], velocity: torch.Tensor | None) -> None:
         """The leader's outer state at the same point (ours differs by rounding: another device

@@ -214,13 +214,16 @@ def share(target_batch_size: int | None, members: int, batch: int) -> int:
 
 
 def must_wait(*, staleness: int, local_steps: bool, finished: bool, accumulated: int, out: bool, share: int,
-              lockstep: bool, cores_short: bool = False) -> bool:
+              lockstep: bool, cores_short: bool = False, by_time: bool = False) -> bool:
     """Whether ``step`` waits: ``accumulated``: samples added and not taken yet; ``out``: our
-    contribution is in a round; ``share``, ``lockstep`` and ``cores_short`` as above."""
+    contribution is in a round; ``share``, ``lockstep`` and ``cores_short`` as above. ``by_time``:
+    local steps with rounds by time (``round_window``), where ``cores_short`` is not heeded: a
+    round lasts a window, and a member waiting for its round beside a slower one idled through
+    the slower one's last step each round, the very wait rounds by time are for."""
     if finished:  # no round will take it: the run is over
         return False
     if local_steps:  # at staleness 0 (or short of cores) our pseudo-gradient is applied before step() returns
-        return (staleness == 0 or cores_short) and bool(accumulated or out)
+        return (staleness == 0 or (cores_short and not by_time)) and bool(accumulated or out)
     if staleness == 0:  # our batch is applied before step() returns
         return bool(accumulated or out)
     if accumulated >= share:  # our share of the target batch waits for a round

@@ -63,7 +63,9 @@ written, and the ring reads each range once written; ``step`` confirms the batch
 and adds the batch as without overlap.
 
 Local steps (``sync_every=H``, DiLoCo; ``local_steps``): ``step`` runs the user's optimizer on
-the batch at once (and the scheduler, per inner step); after H inner steps the parameter change
+the batch at once (and the scheduler, per inner step); after H inner steps (or, with a window
+``sync_every="2s"`` or ``"auto"``, after the first step ending once the window since the last
+contribution passed: each peer the steps that fit, ``round_window``) the parameter change
 goes to the accumulator as a pseudo-gradient, and a committed round is an outer Nesterov step
 on parameters every replica holds alike. At staleness 0 ``step`` waits for that round; at >= 1
 it steps on while the ring runs and while a round waits for slower peers' inner steps, unless
@@ -112,7 +114,7 @@ from p2ptrain.net.discovery import Discovery, peer_list
 from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
-from p2ptrain.trainer.local_steps import LocalSteps
+from p2ptrain.trainer.local_steps import local_steps
 from p2ptrain.trainer.lifetime import Lifetime, Work
 from p2ptrain.trainer.backward_feed import BackwardFeed
 from p2ptrain.trainer.overlap import ScaledStep, unscale
@@ -167,7 +169,7 @@ class AsyncPeer:
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
-                 duration: float | None = None, sync_every: int | None = None, outer_lr: float | None = None,
+                 duration: float | None = None, sync_every: int | str | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
@@ -176,7 +178,7 @@ class AsyncPeer:
                       outer_momentum=outer_momentum, overlap=overlap, peer_timeout=peer_timeout)
         check_model_and_optimizer(model, optimizer)
         check_numpy_bridge()
-        outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum)
+        outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum, sync_every)
         if seed is not None and (type(seed) is not int or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 (or None: not compared), got {seed!r}")
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
@@ -216,7 +218,7 @@ class AsyncPeer:
         self._state = st = TrainerState(
             self.params, self.device, staleness=staleness, min_peers=min_peers, target_batch_size=target_batch_size,
             members=lambda: self.members, predicted=weight_prediction,
-            local=LocalSteps(self.params, sync_every, outer_lr, outer_momentum, optimizer) if sync_every else None,
+            local=local_steps(self.params, sync_every, outer_lr, outer_momentum, optimizer),
             predictor=WeightPredictor(self.params) if weight_prediction else None)
         self.unapplied = 0  # samples stepped that no round took before this peer left (set on closing)
         self._steps_past_end = 0  # steps begun once finished (the caller's thread only)
@@ -342,7 +344,7 @@ class AsyncPeer:
             await self.cluster.close()
             raise
         self._tasks.spawn(self._propose())
-        st.step_end = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
+        st.step_end = st.contributed_at = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
         st.pacing.step_began(None)
         self._step_guard = StepGuard(self.optimizer)  # (last: nothing after it can fail the opening)
 
@@ -461,7 +463,8 @@ class AsyncPeer:
 
     def _inner_step(self, batch_size: int, void: bool) -> bool:
         """Local-steps mode (``params_lock`` held): the user's optimizer steps on this batch,
-        the outer updates committed since land, and once ``sync_every`` inner steps are owed
+        the outer updates committed since land, and once ``sync_every`` inner steps are owed (or
+        its window has passed since the last contribution: rounds by time)
         and the last contribution is applied, the pseudo-gradient goes to the accumulator.
         True: a contribution is ready (the cluster must hear of it)."""
         st = self._state
@@ -470,8 +473,10 @@ class AsyncPeer:
             st.local.stepped(batch_size)
         self._updater.apply_queue()
         with st.lock:
-            if not pseudo_gradient_due(steps=st.local.steps, every=st.local.every, accumulated=st.acc.samples,
-                                       out=st.out is not None):
+            local = st.local
+            if not pseudo_gradient_due(steps=local.steps, every=local.every, accumulated=st.acc.samples,
+                                       out=st.out is not None, window_s=local.window_s, since=st.contributed_at,
+                                       now=time.perf_counter()):
                 return False
             return st.add_pseudo_gradient()
 

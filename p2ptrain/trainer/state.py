@@ -4,7 +4,8 @@ What it holds: the accumulator (``acc``), our contribution in a round (``out``),
 updates waiting (``queue``), the versions (``version``: applied here; ``committed``: committed by
 the cluster; ``computing_on``: the batch in progress's; ``params_point``: the cluster's point of
 the parameters here), the batch in progress (``batch``, ``computing``, ``step_end``,
-``want_step``), the pacing means (``pacing``), the state loads waiting (``restore``,
+``want_step``; ``contributed_at``: local steps by time, when our window began), the pacing
+means (``pacing``), the state loads waiting (``restore``,
 ``reconcile``), ``leaving``, ``finished``, a peer alone (``solo``), the counters (``dropped``,
 ``staleness_max``, the compute and wait seconds) and the parts that change with the parameters
 (``local``: local steps; ``predictor``: weight prediction).
@@ -69,6 +70,7 @@ from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing,
 from p2ptrain.trainer.contribution_decision import View
 from p2ptrain.trainer.cpu_queue import cpu_times
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
+from p2ptrain.trainer.round_window import auto_window
 from p2ptrain.trainer.solo import SoloLane
 
 if TYPE_CHECKING:
@@ -113,6 +115,7 @@ class TrainerState:
         self.compute_n = 0
         self.pacing = Pacing(predicted=predicted)  # the compute and ring seconds the staleness rule needs
         self.step_end = time.perf_counter()
+        self.contributed_at = self.step_end  # local steps by time: our window began (our last contribution)
         self.solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
 
     # -- the rules read under ``lock`` ----------------------------------------------------------
@@ -128,7 +131,8 @@ class TrainerState:
             return True
         return must_wait(staleness=self.staleness, local_steps=self.local is not None, finished=self.finished,
                          accumulated=self.acc.samples, out=self.out is not None, share=self.share(),
-                         lockstep=self.lockstep(), cores_short=self.pacing.cores_short())
+                         lockstep=self.lockstep(), cores_short=self.pacing.cores_short(),
+                         by_time=self.local is not None and self.local.window_s is not None)
 
     def view(self, *, filling_ready: bool, linger_due: bool, idle_rounds: int) -> View:
         """What ``contribution_decision.decide`` reads (the contributor's linger state added)."""
@@ -309,7 +313,11 @@ class TrainerState:
         started the model again)."""
         if self.staleness:  # (whether step waits for this one: the CPU time waited so far, ``pacing``)
             self.pacing.cpu_sampled(cpu_times())
-        delta, samples = self.local.contribute(into=self.acc.begin_writing())
+        local = self.local
+        self.contributed_at = time.perf_counter()  # (by time: the next window begins)
+        if local.auto:  # (the next window from the rings and steps measured so far: ``round_window``)
+            local.window_s = auto_window(local.window_s, self.pacing.round_mean, self.pacing.compute_mean)
+        delta, samples = local.contribute(into=self.acc.begin_writing())
         if delta is None:
             self.dropped += samples
             return False

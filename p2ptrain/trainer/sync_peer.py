@@ -40,7 +40,7 @@ class Peer:
                  device: str | torch.device | None = None, clip_grad_norm: float | None = None,
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
-                 duration: float | None = None, sync_every: int | None = None, outer_lr: float | None = None,
+                 duration: float | None = None, sync_every: int | str | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,

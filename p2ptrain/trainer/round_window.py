@@ -1,0 +1,43 @@
+"""Rounds by time (``sync_every`` a window or ``auto``): how long a window is. Pure, no clock.
+
+In local-steps mode by time, a member forms its pseudo-gradient after the first inner step
+that ends once ``window`` seconds have passed since its last contribution
+(``contribution_decision.pseudo_gradient_due``): a fast device takes many inner steps in a
+window, a slow one few, and the round averages their changes weighted by samples. No member
+waits for another's count of steps; the round waits at most for the step each member has in
+progress when its window ends.
+
+``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (a ring, from its start
+to its commit: ``pacing.Pacing.round_mean``), so that a round's exchange stays a tenth of the
+window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
+``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each
+member computes its own; a round goes at the pace of the longest, which is right: the others
+step on meanwhile (staleness >= 1). A window changes by at most ``AUTO_MAX_CHANGE`` times per
+contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
+Why a 2 s floor: each round's update lands a round late, plus the slower member's step in
+progress, and that delay is a larger share of a shorter window. Measured (``bench/uneven.py
+--model 1m``, a peer 3.7x slower, int8, staleness 1, a loaded 2-core machine): to the loss in
+5.7 s with 2 s windows, 10.9 s with 1 s, 25.8 s with 0.5 s ones; the fast peer alone 5.5 s.
+"""
+
+from __future__ import annotations
+
+AUTO_MIN_S = 2.0  # seconds: shorter windows lose more to the update landing a round late (the docstring)
+AUTO_FIRST_S = AUTO_MIN_S  # auto's window before any ring was timed
+AUTO_RING_TIMES = 10.0  # the exchange takes at most a tenth of the window
+AUTO_MIN_STEPS = 4.0  # inner steps of this member's at least, so a slow member contributes a few every window
+AUTO_MAX_S = 30.0  # a longer window lets the replicas' inner steps diverge too far (DiLoCo's H <= 500 steps)
+AUTO_MAX_CHANGE = 2.0  # times a window may grow or shrink from one contribution to the next
+
+
+def auto_window(previous: float | None, ring_mean: float | None, compute_mean: float) -> float:
+    """``auto``'s next window in seconds, from the last one (None: the first), the mean ring
+    seconds (None: none timed yet) and the mean seconds of one inner step."""
+    if ring_mean is None:
+        target = AUTO_FIRST_S
+    else:
+        target = AUTO_RING_TIMES * ring_mean
+    target = min(AUTO_MAX_S, max(AUTO_MIN_S, AUTO_MIN_STEPS * compute_mean, target))
+    if previous is not None:
+        target = min(previous * AUTO_MAX_CHANGE, max(previous / AUTO_MAX_CHANGE, target))
+    return target

@@ -1,0 +1,50 @@
+"""Rounds by time: auto's window (``round_window.auto_window``), pure, and the pacing rule that
+a member with rounds by time steps on where the cores are short (``pacing.must_wait``)."""
+
+import pytest
+
+from p2ptrain.trainer.pacing import must_wait
+from p2ptrain.trainer.round_window import AUTO_FIRST_S, AUTO_MAX_S, AUTO_MIN_S, auto_window
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.mark.parametrize("previous, ring, compute, window", [
+    (None, None, 0.1, AUTO_FIRST_S),  # no ring timed yet
+    (None, None, 1.1, 4.4),  # ... but never under four of this member's steps (a 10x slower laptop)
+    (None, 0.5, 0.1, 5.0),  # ten rings
+    (None, 0.01, 0.01, AUTO_MIN_S),  # a fast ring: the floor
+    (None, 0.2, 0.8, 3.2),  # a slow member: four of its steps
+    (None, 50.0, 0.1, AUTO_MAX_S),  # a very slow ring: the ceiling
+    (2.0, 5.0, 0.1, 4.0), (12.0, 0.01, 0.01, 6.0),  # at most x2 or /2 per contribution
+    (2.0, 0.3, 0.1, 3.0),  # within x2: the target
+])
+def test_auto_window_is_ten_rings_at_least_four_steps_bounded_and_changes_at_most_twofold(
+        previous, ring, compute, window):
+    assert auto_window(previous, ring, compute) == pytest.approx(window)
+
+
+def test_auto_window_settles_on_its_target_from_any_start():
+    w = None
+    for _ in range(10):
+        w = auto_window(w, 2.0, 0.1)
+    assert w == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("by_time, waits", [(False, True), (True, False)])
+def test_short_cores_make_a_count_member_wait_for_its_round_but_not_one_with_rounds_by_time(by_time, waits):
+    assert must_wait(staleness=1, local_steps=True, finished=False, accumulated=0, out=True, share=64,
+                     lockstep=False, cores_short=True, by_time=by_time) is waits
+    # (at staleness 0 both wait for the round holding their pseudo-gradient)
+    assert must_wait(staleness=0, local_steps=True, finished=False, accumulated=0, out=True, share=64,
+                     lockstep=False, cores_short=False, by_time=by_time)
+
+
+@pytest.mark.parametrize("sync_every, expected", [
+    (16, (0.7, 0.9)), ("16", (0.7, 0.9)),  # a count: DiLoCo's
+    ("2s", (0.8, 0.6)), ("auto", (0.8, 0.6)),  # rounds by time: many short rounds, each a round late
+])
+def test_outer_defaults_by_count_and_by_time_and_what_is_given_wins(sync_every, expected):
+    from p2ptrain.trainer.options import local_steps_defaults
+    assert local_steps_defaults(None, None, sync_every) == expected
+    assert local_steps_defaults(0.5, 0.0, sync_every) == (0.5, 0.0)
