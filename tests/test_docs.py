@@ -115,8 +115,10 @@ class _WouldStart(Exception):
     """Raised where ``join`` has checked its options and would start listening."""
 
 
-def test_every_join_command_in_the_readme_passes_the_checks_join_makes_before_it_starts(monkeypatch):
+def test_every_join_command_in_the_readme_passes_the_checks_join_makes_before_it_starts(monkeypatch, tmp_path):
     checks = join_command.check
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # (the README's paths, from a checkout's root)
+    monkeypatch.chdir(tmp_path)  # (the checks make --checkpoint-dir's folder: not in the checkout)
 
     def stop(args):
         checks(args)  # every check join makes before the task loads, then stop short of starting
