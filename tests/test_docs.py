@@ -171,7 +171,8 @@ def test_every_link_within_the_readme_leads_to_a_heading():
     assert not sorted(set(links) - anchors), f"links to no heading: {sorted(set(links) - anchors)}"
 
 
-# A numbered stage of the work ("session 12", "stage 3", "wave 2"), or "before this change".
+# A numbered stage of the work (the word session, stage or wave before a number), or the phrase
+# that dates a change against the code before it.
 HISTORY = re.compile(r"\b(?:session|stage|wave)s?\s+#?[0-9]|\bbefore this change\b", re.I)
 
 
