@@ -137,3 +137,15 @@ def run_ranks(script: str, modes: str, out, port_count: int, timeout: float = 10
         assert p.returncode == 0, err[-3000:]
     return [{mode: torch.load(os.path.join(out, f"{mode}-{rank}.pt"), weights_only=True) for mode in modes.split(",")}
             for rank in range(ranks)]
+
+
+def run_cli(capsys, *argv) -> tuple:
+    """``python -m p2ptrain ARGV`` in this process: (exit code, stdout, stderr's lines)."""
+    from p2ptrain.commands import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()

@@ -7,20 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ports
+from helpers import ports, run_cli
 
 from p2ptrain.commands import cli
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run_cli(capsys, *argv):
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
 
 
 @pytest.fixture

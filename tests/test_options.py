@@ -3,19 +3,9 @@ line naming it and what is allowed, exit 2 (``p2ptrain.commands.options``). In-p
 parser never gets as far as importing torch."""
 
 import pytest
-
-from p2ptrain.commands import cli
+from helpers import run_cli
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def run_cli(capsys, *argv):
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
 
 
 @pytest.mark.parametrize("args, names, allowed", [
