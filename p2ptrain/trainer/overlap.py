@@ -32,7 +32,9 @@ after backward too: through ``DistributedOptimizer`` it hands ``step`` its scale
 hooks divide by the last step's (``Filling.scale``; GradScaler's are powers of two, so the same
 bits as unscaling first), and ``step`` confirms it, withdraws the batch where the scale changed
 (it goes in unscaled, as without overlap), or skips it where the scaler found an overflow
-(``ScaledStep``).
+(``ScaledStep``). The ring reads such a batch only once it has looked that each range it reads
+is finite (``until``): an overflow withdraws the batch there, so the others' batches wait for
+the next round, as they do without overlap, where the skipped step never reached a round.
 
 On CUDA each hook also copies its range to the pinned host buffer the ring reads (an
 asynchronous copy on the stream backward used, with an event the ring waits on).
@@ -100,6 +102,7 @@ class Filling:
         self.complete = False
         self.withdrawn: str | None = None  # why, once withdrawn
         self.used: np.ndarray | None = None  # which parameters had a gradient (``step`` says, before ``finish``)
+        self._finite = bytearray(len(views))  # (under a loss scale: the ranges the ring looked were finite)
 
     def write(self, i: int, grad: torch.Tensor | None) -> bool:
         """(backward's thread) Parameter ``i``'s gradient times the guess, into its range. True:
@@ -168,6 +171,23 @@ class Filling:
         for event in self._events[first:last]:  # (CUDA: the copies to host memory)
             while event is not None and not event.query():
                 await asyncio.sleep(POLL_S)
+        if self.scale is not None:
+            self._look_finite(first, last)
+
+    def _look_finite(self, first: int, last: int) -> None:
+        """(the ring, under a loss scale) Withdraw the batch where a range it is about to read
+        holds inf or NaN: GradScaler will skip this step. Without the look, a sum the others
+        finish first would hold it, and the whole round would be left out on every peer,
+        where without overlap the others' batches went into it."""
+        values = self.views if self.host is None else self.host
+        for i in range(first, last):
+            if not self._finite[i]:
+                if not bool(torch.isfinite(values[i]).all()):
+                    self.withdraw("inf or NaN in its gradients: an overflow under GradScaler, whose step is skipped")
+                    if self.withdrawn is None:  # (step confirmed it first: the ring's own checks see it)
+                        return
+                    raise WithdrawnError(f"this peer withdrew its batch from the round: {self.withdrawn}")
+                self._finite[i] = 1
 
 
 def offsets_of(params: list[torch.Tensor]) -> list[int]:
