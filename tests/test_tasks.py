@@ -159,12 +159,13 @@ def test_fingerprint_diff_names_the_first_difference():
         "parameters on every peer"
     small[0].weight.requires_grad_(True)
     assert fingerprint_diff(here, model_fingerprint(smaller)) == \
+        "another size: 100,015 parameters here, 9,930 on the other peer; " \
         "parameter '0.weight' has shape (295, 32) here and (80, 32) on the other peer"
     assert fingerprint_diff(here, model_fingerprint(small.half())) == \
         "parameter '0.weight' has dtype float32 here and float16 on the other peer"
-    assert fingerprint_diff(here, here[:-1]) == "parameter '4.bias' exists here but not on the other peer"
-    assert fingerprint_diff(here[:-1], here) == "parameter '4.bias' exists on the other peer but not here"
-    renamed = [("extra.weight", (1,), "float32", True)] + here[1:]
+    assert fingerprint_diff(here, here[:-1]).endswith("; parameter '4.bias' exists here but not on the other peer")
+    assert fingerprint_diff(here[:-1], here).endswith("; parameter '4.bias' exists on the other peer but not here")
+    renamed = [("extra.weight", (295, 32), "float32", True)] + here[1:]  # (the same size: no sizes said)
     assert fingerprint_diff(here, renamed) == "parameter '0.weight' exists here but not on the other peer"
     assert fingerprint_diff(renamed, here) == "parameter 'extra.weight' exists here but not on the other peer"
     swapped = [here[1], here[0]] + here[2:]

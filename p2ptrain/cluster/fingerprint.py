@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -42,7 +43,9 @@ def _normalized(fingerprint: Any) -> Fingerprint | None:
 
 
 def fingerprint_diff(here: Sequence, there: Sequence) -> str | None:
-    """None when the fingerprints match, else one line naming the first difference.
+    """None when the fingerprints match, else one line naming the first difference, led by the
+    two models' sizes where they differ (``another size: 999,526 parameters here, ...``: a
+    newcomer's usual mistake, another ``--model-size``, said in its own terms).
 
     ``here`` is this peer's, ``there`` the other peer's; the order of parameters matters,
     since gradients travel as one flat buffer packed in that order."""
@@ -51,6 +54,18 @@ def fingerprint_diff(here: Sequence, there: Sequence) -> str | None:
         raise TypeError("fingerprint_diff: 'here' is not a model_fingerprint() list")
     if theirs is None:
         return "the other peer's model fingerprint is malformed"
+    first = _first_difference(mine, theirs)
+    size_here, size_there = _size(mine), _size(theirs)
+    if first is None or size_here == size_there:
+        return first
+    return f"another size: {size_here:,} parameters here, {size_there:,} on the other peer; {first}"
+
+
+def _size(fingerprint: Fingerprint) -> int:
+    return sum(math.prod(shape) for _, shape, *_ in fingerprint)
+
+
+def _first_difference(mine: Fingerprint, theirs: Fingerprint) -> str | None:
     their_names = {entry[0] for entry in theirs}
     my_names = {entry[0] for entry in mine}
     for index, (mine_entry, their_entry) in enumerate(zip(mine, theirs)):
