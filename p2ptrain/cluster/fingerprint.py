@@ -24,7 +24,7 @@ def model_fingerprint(model: torch.nn.Module) -> Fingerprint:
             for name, p in model.named_parameters()]
 
 
-def _normalized(fingerprint: Any) -> Fingerprint | None:
+def normalized(fingerprint: Any) -> Fingerprint | None:
     """The fingerprint with shapes as tuples (``trainable`` None where a checkpoint's does not
     say), or None if it is not one (e.g. from a bad peer)."""
     if not isinstance(fingerprint, (list, tuple)):
@@ -49,7 +49,7 @@ def fingerprint_diff(here: Sequence, there: Sequence) -> str | None:
 
     ``here`` is this peer's, ``there`` the other peer's; the order of parameters matters,
     since gradients travel as one flat buffer packed in that order."""
-    mine, theirs = _normalized(here), _normalized(there)
+    mine, theirs = normalized(here), normalized(there)
     if mine is None:
         raise TypeError("fingerprint_diff: 'here' is not a model_fingerprint() list")
     if theirs is None:

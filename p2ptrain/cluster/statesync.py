@@ -37,7 +37,7 @@ from p2ptrain.net import wire
 from p2ptrain.errors import FingerprintError, LinkError, P2PTrainError, RemoteProtocolError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.cluster.rounds import SyncPoint
-from p2ptrain.cluster.fingerprint import fingerprint_diff
+from p2ptrain.cluster.fingerprint import normalized, fingerprint_diff
 
 log = logging.getLogger("p2ptrain.cluster.statesync")
 
@@ -141,8 +141,9 @@ class StateTransfer:
                 return
             if type(header.get("id")) is not int:
                 raise RemoteProtocolError("malformed state ask: no id")
-            if diff:
-                self.refuse(peer, header["id"], f"another model: {diff}", cause=MODEL)
+            if diff:  # (told in the asker's words: "here" is the asker, where its fingerprint reads)
+                told = fingerprint_diff(theirs, self.fingerprint) if normalized(theirs) is not None else diff
+                self.refuse(peer, header["id"], f"another model: {told}", cause=MODEL)
             else:
                 self._on_ask(peer, header["id"], header.get("only") == "parameters")
         elif kind in (PART, REFUSE):
