@@ -1,0 +1,174 @@
+"""What an admitted peer (one that knows the secret) can make another hold: a peer that stops
+reading (SIGSTOPped, or hostile) costs its sender one frame at most beside the kernel's buffers,
+a few thousand posted messages at most, and its link once a send's timeout passes; a link that
+brings nothing at all is closed after ``mesh.IDLE_TIMEOUT``. Meanwhile the others go on. The
+insider here is raw bytes over a socket: it passes the handshake, then does what it likes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import pytest
+
+from helpers import until
+
+from p2ptrain.errors import ClosedError, LinkError
+from p2ptrain.net import auth, mesh, transport, wire
+from p2ptrain.net.mesh import Mesh
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"s"
+
+
+class Member:
+    def __init__(self, pid):
+        self.heard = []
+        self.lost = []
+        self.mesh = Mesh(cluster="lab", peer_id=pid, secret=SECRET, host="127.0.0.1",
+                         on_message=lambda p, h: self.heard.append((p, h.get("i"))),
+                         on_lost=lambda p, why: self.lost.append((p, why)))
+
+
+async def linked_pair():
+    """Two honest members linked to each other."""
+    a, b = Member("a"), Member("b")
+    for m in (a, b):
+        await m.mesh.start()
+    b.mesh.propose("127.0.0.1", a.mesh.port)
+    await until(lambda: a.mesh.peers == ["b"] and b.mesh.peers == ["a"])
+    return a, b
+
+
+async def insider(port: int, pid: str = "h"):
+    """A raw connection that passes the handshake with the secret (as the dialer), then reads
+    nothing more: its socket's receive buffer is small, so the sender's fill up soon."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hs = auth.Handshake(cluster="lab", peer_id=pid, secret=SECRET, info={})
+    for h in hs.start(dialer=True):
+        writer.write(wire.frame_bytes(h))
+    decoder = wire.FrameDecoder()
+    while not hs.done:
+        data = await asyncio.wait_for(reader.read(4096), 5)
+        assert data, "the listener closed the insider's connection during the handshake"
+        for frame in decoder.feed(data):
+            if not hs.done:
+                for h in hs.receive(frame.header):
+                    writer.write(wire.frame_bytes(h))
+    return reader, writer
+
+
+async def close_all(*members):
+    for m in members:
+        await m.mesh.close()
+
+
+async def talk(a, b, n, every=0.05):
+    """a and b post numbered messages to each other while the insider stalls a."""
+    for i in range(n):
+        a.mesh.post("b", {"t": "note", "i": i})
+        b.mesh.post("a", {"t": "note", "i": i})
+        await asyncio.sleep(every)
+
+
+@pytest.mark.parametrize("path", ["sendmsg", "transport"])
+async def test_a_peer_that_stops_reading_costs_one_frame_at_most_and_its_link_at_the_timeout(monkeypatch, path):
+    """Sends to a peer that reads nothing, each cancelled while it waits (a round aborted while
+    its chunk was on the way) and then one that is not: the transport's write buffer never holds
+    more than one frame (through the transport, a send wrote its frame whatever the one before had
+    left: one more frame held per cancelled send, 40 MiB here), the last send fails at its timeout
+    and the link is dropped; the other member hears everything meanwhile."""
+    if path == "transport":  # (the loops without ``add_writer``: Windows' proactor)
+        monkeypatch.setattr(transport, "direct_sender", lambda t: None)
+    a, b = await linked_pair()
+    try:
+        reader, writer = await insider(a.mesh.port)
+        await until(lambda: "h" in a.mesh.peers)
+        link = a.mesh._links["h"]
+        frame = 1 << 20
+        payload = bytearray(frame)
+        chatter = asyncio.ensure_future(talk(a, b, 40))
+        peak = 0
+        for _ in range(40):
+            try:
+                await asyncio.wait_for(a.mesh.send("h", {"t": wire.STATE, "k": "x"}, [payload], timeout=3.0), 0.05)
+            except asyncio.TimeoutError:
+                pass
+            peak = max(peak, link._transport.get_write_buffer_size())
+        bound = frame + 64  # (one frame: its payload and its header)
+        print(f"\n{path}: the most the transport held for a peer that stopped reading: {peak} bytes (bound {bound})")
+        assert peak <= bound
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(LinkError):
+            await a.mesh.send("h", {"t": wire.STATE, "k": "x"}, [payload], timeout=1.0)
+        # (it waits behind the sends queued ahead of it, each within its own timeout: a keepalive's is longest)
+        assert asyncio.get_running_loop().time() - began < mesh.KEEPALIVE * 5 + 2.0
+        await until(lambda: "h" not in a.mesh.peers, timeout=3)
+        assert [p for p, _ in a.lost] == ["h"]
+        await chatter
+        await until(lambda: len(a.heard) == 40 and len(b.heard) == 40, timeout=10)
+        assert [i for _, i in b.heard] == list(range(40)) and a.mesh.peers == ["b"]
+        writer.close()
+    finally:
+        await close_all(a, b)
+
+
+async def test_messages_posted_to_a_peer_that_stopped_reading_pile_up_to_a_limit_then_its_link_closes(caplog):
+    """Round messages are posted (``Mesh.post``: never waits); behind a send that a stopped
+    reader holds up they queued without end. At ``MAX_POSTED`` the link is closed, in one line."""
+    caplog.set_level(logging.WARNING, "p2ptrain")
+    a, b = await linked_pair()
+    try:
+        reader, writer = await insider(a.mesh.port)
+        await until(lambda: "h" in a.mesh.peers)
+        stuck = asyncio.ensure_future(a.mesh.send("h", {"t": wire.STATE, "k": "x"}, [bytearray(8 << 20)],
+                                                  timeout=20.0))
+        await asyncio.sleep(0.3)  # (the kernel's buffers are full: the send waits)
+        assert not stuck.done()
+        for i in range(mesh.MAX_POSTED + 1):
+            a.mesh.post("h", {"t": "note", "i": i})
+            a.mesh.post("b", {"t": "note", "i": i})
+            if i % 256 == 0:
+                await asyncio.sleep(0)
+        assert len(a.mesh._outbox.get("h", ())) <= mesh.MAX_POSTED
+        await until(lambda: "h" not in a.mesh.peers, timeout=2)
+        with pytest.raises(ClosedError):  # (the send held up ends with its link)
+            await asyncio.wait_for(stuck, 2)
+        lines = [r.getMessage() for r in caplog.records if "closing the link to h" in r.getMessage()]
+        assert len(lines) == 1 and "stopped reading" in lines[0], lines
+        await until(lambda: len(b.heard) == mesh.MAX_POSTED + 1, timeout=20)
+        writer.close()
+    finally:
+        await close_all(a, b)
+
+
+async def test_an_admitted_link_that_sends_nothing_is_closed_after_the_idle_timeout(monkeypatch, caplog):
+    """An insider that passes the handshake and then sends nothing held its connection (and a
+    place among the peers) for as long as it liked. Closed after ``IDLE_TIMEOUT`` in one line
+    naming it; a peer that pings, or one whose frame is still coming byte by byte, stays."""
+    caplog.set_level(logging.WARNING, "p2ptrain")
+    monkeypatch.setattr(mesh, "IDLE_TIMEOUT", 1.0)
+    monkeypatch.setattr(mesh, "KEEPALIVE", 0.2)
+    a, b = await linked_pair()
+    try:
+        silent_reader, silent = await insider(a.mesh.port, "h")
+        slow_reader, slow = await insider(a.mesh.port, "s")
+        await until(lambda: {"h", "s"} <= set(a.mesh.peers))
+        began, took = asyncio.get_running_loop().time(), None
+        data = wire.frame_bytes({"t": wire.STATE, "k": "x"}, b"z" * 40)
+        for i in range(len(data)):  # (one byte every 0.05 s: 2.5 s for the frame, 2.5 idle timeouts)
+            slow.write(data[i:i + 1])
+            await asyncio.sleep(0.05)
+            if took is None and "h" not in a.mesh.peers:
+                took = asyncio.get_running_loop().time() - began
+        assert took is not None and 0.9 < took < 2.5, took
+        assert "s" in a.mesh.peers and "b" in a.mesh.peers
+        lines = [r.getMessage() for r in caplog.records if "sent nothing" in r.getMessage()]
+        assert len(lines) == 1 and "closing the link to h " in lines[0], lines
+        for w in (silent, slow):
+            w.close()
+    finally:
+        await close_all(a, b)
