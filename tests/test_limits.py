@@ -15,7 +15,7 @@ import pytest
 from helpers import until
 
 from p2ptrain.errors import ClosedError, LinkError
-from p2ptrain.net import auth, mesh, transport, wire
+from p2ptrain.net import admission, auth, mesh, transport, wire
 from p2ptrain.net.mesh import Mesh
 
 pytestmark = pytest.mark.timeout(60)
@@ -170,5 +170,50 @@ async def test_an_admitted_link_that_sends_nothing_is_closed_after_the_idle_time
         assert len(lines) == 1 and "closing the link to h " in lines[0], lines
         for w in (silent, slow):
             w.close()
+    finally:
+        await close_all(a, b)
+
+
+async def test_fuzzed_handshakes_on_a_live_listener_leave_it_up_admitting_the_next_honest_peer(monkeypatch):
+    """300 connections each send a dialer's handshake (hello, proof, welcome) mutated as bytes
+    (``bench/fuzz.py``'s edits, seeded), or random bytes, then end: the listener admits none of
+    them, gives none a payload buffer (``wire.PENDING_MAX_PAYLOAD_BYTES``), answers each with a
+    refusal or a close, and then admits an honest peer."""
+    import random
+
+    import fuzz
+
+    allocated = []
+    real_init = transport.Link.__init__
+
+    def spied(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._decoder.allocate = lambda header, size: allocated.append(size) or memoryview(bytearray(size))
+
+    monkeypatch.setattr(transport.Link, "__init__", spied)
+    a, b = Member("a"), Member("b")
+    a.mesh.handshake_timeout = 1.0  # (one that announces a payload is held unread until then)
+    await a.mesh.start()
+    await b.mesh.start()
+    try:
+        hs = auth.Handshake(cluster="lab", peer_id="f", secret=SECRET, info={"port": 1})
+        honest = [*hs.start(dialer=True), {"t": wire.PROOF, "mac": b"m" * 32}, {"t": wire.WELCOME}]
+        sample = b"".join(wire.frame_bytes(h) for h in honest)
+        rng = random.Random(65)
+        inputs = [rng.randbytes(rng.randrange(1, 200)) if i % 16 == 0 else fuzz.mutate(rng, sample, [sample])
+                  for i in range(300)]
+
+        async def send(data):
+            reader, writer = await asyncio.open_connection("127.0.0.1", a.mesh.port)
+            writer.write(data)
+            writer.write_eof()
+            await asyncio.wait_for(reader.read(), 3)  # (until it closes: at once, or at the handshake's timeout)
+            writer.close()
+
+        for i in range(0, len(inputs), admission.MAX_PENDING_PER_SOURCE):
+            await asyncio.gather(*[send(data) for data in inputs[i:i + admission.MAX_PENDING_PER_SOURCE]])
+        assert a.mesh.peers == [] and allocated == []
+        b.mesh.propose("127.0.0.1", a.mesh.port)
+        await until(lambda: a.mesh.peers == ["b"] and b.mesh.peers == ["a"], timeout=10)
     finally:
         await close_all(a, b)

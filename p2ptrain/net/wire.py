@@ -185,9 +185,10 @@ class FrameDecoder:
         return frames
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        """Push bytes through get_buffer/buffer_updated; return the frames completed."""
+        """Push bytes through get_buffer/buffer_updated; return the frames completed. A ``held``
+        decoder takes nothing more (the rest of ``data`` is left, as a link stops reading)."""
         view = memoryview(data).cast("B")
-        while view.nbytes:
+        while view.nbytes and not self._held:
             buf = self.get_buffer()
             n = min(len(buf), view.nbytes)
             buf[:n] = view[:n]
