@@ -217,3 +217,69 @@ async def test_fuzzed_handshakes_on_a_live_listener_leave_it_up_admitting_the_ne
         await until(lambda: a.mesh.peers == ["b"] and b.mesh.peers == ["a"], timeout=10)
     finally:
         await close_all(a, b)
+
+
+def blocking_insider(port: int, cluster: str, secret: bytes, pid: str = "h") -> socket.socket:
+    """``insider`` with a blocking socket, for a test whose peers run on threads of their own."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hs = auth.Handshake(cluster=cluster, peer_id=pid, secret=secret, info={})
+    for h in hs.start(dialer=True):
+        sock.sendall(wire.frame_bytes(h))
+    decoder = wire.FrameDecoder()
+    while not hs.done:
+        data = sock.recv(4096)
+        assert data, "the peer closed the insider's connection during the handshake"
+        for frame in decoder.feed(data):
+            if not hs.done:
+                for h in hs.receive(frame.header):
+                    sock.sendall(wire.frame_bytes(h))
+    return sock
+
+
+@pytest.mark.timeout(120)
+def test_training_goes_on_beside_an_insider_that_pings_and_never_reads():
+    """Two peers train while a third connection, admitted with the secret, pings (so it is not
+    idle) and reads nothing: the peer it reached holds one frame at most for it and closes its
+    link once the messages posted to it wait too long; both peers reach the last round equal."""
+    import threading
+
+    import torch.nn.functional as F
+    from test_trainer_staleness import close_all as close_peers, label, make_adam, open_peers, run_threads
+    import torch
+
+    peers = open_peers([make_adam] * 2, staleness=0, compression="int8", max_rounds=30)
+    stop, held = threading.Event(), []
+    sock = blocking_insider(peers[0].port, "default", b"s")
+
+    def ping():
+        while not stop.wait(0.5):
+            try:
+                sock.sendall(wire.frame_bytes({"t": wire.PING, "at": []}))
+            except OSError:
+                return
+
+    def loop(r):
+        g = torch.Generator().manual_seed(100 + r)
+        while not peers[r].finished:
+            x = torch.randn(32, 16, generator=g)
+            F.cross_entropy(peers[r].model(x), label(x)).backward()
+            peers[r].step(batch_size=32)
+            link = peers[0]._peer.cluster.mesh._links.get("h")
+            if r == 0 and link is not None and link._transport is not None:
+                held.append(link._transport.get_write_buffer_size())
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        run_threads([lambda r=r: loop(r) for r in range(2)])
+    finally:
+        stop.set()
+        pinger.join(5)
+        sock.close()
+        close_peers(peers)
+    assert [p.version for p in peers] == [30, 30]
+    for a, b in zip(peers[0].model.parameters(), peers[1].model.parameters()):
+        assert torch.equal(a, b)
+    print(f"\n{len(held)} looks at the link to the insider: the transport held at most {max(held, default=0)} bytes")
+    assert held and max(held) <= 1 << 20  # (one frame at most: round messages are small)
