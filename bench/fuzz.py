@@ -1,6 +1,6 @@
 """A long fuzz run of every parser that reads the network, by mutation of valid samples.
 
-    python bench/fuzz.py                         # 1,000,000 inputs per parser (about 10 minutes on one core)
+    python bench/fuzz.py                         # 1,000,000 inputs per parser (15 minutes, one core)
     python bench/fuzz.py --per-parser 100000     # a few minutes
     python bench/fuzz.py --seconds 30 --only frame,handshake-listener
     python bench/fuzz.py --findings /tmp/found   # each finding's input written there, to replay

@@ -55,7 +55,7 @@ MAX_SHARED = 64  # addresses a keepalive carries at most (``at``)
 # holding a connection open). ``Cluster`` gives at least three of its peer timeouts.
 IDLE_TIMEOUT = 60.0
 # Messages posted to one peer that may wait for it (one in flight, the rest queued): one that
-# stopped reading (SIGSTOP, hostile) closes its link before we hold more (a few hundred KB).
+# stopped reading (SIGSTOP, hostile) closes its link before we hold more (small dicts: a few MB).
 MAX_POSTED = 4096
 
 
