@@ -3,12 +3,15 @@ succeeds or raises the remote-fault error (``RemoteProtocolError`` and its subty
 else, and allocates nothing past its limit. A ``TypeError`` from a peer's bytes reached the
 cluster's actor, which stops the whole peer on anything but a ``RemoteProtocolError``.
 
-Parsers: the frame decoder (fed a byte at a time and in random splits), beacons, the round
+Parsers: the frame decoder (fed a byte at a time and in random splits), the handshake (both
+ends, with and without a secret: it admits on the honest transcript only), beacons, the round
 messages (parsed, then handled by a round machine), the other frame headers (ring chunks, state
 transfer, keepalives, parameter sketches), codec payloads (decode and decode_add), snapshots
-(mutated from valid ones) and their parts. The handshake is ``test_auth``'s.
+(mutated from valid ones) and their parts.
 
-A few hundred examples each in the normal run; ``P2PTRAIN_FUZZ_EXAMPLES=N`` for a longer one.
+A few hundred examples each in the normal run; ``P2PTRAIN_FUZZ_EXAMPLES=N`` for a longer one, and
+``bench/fuzz.py`` for a million inputs a parser (its targets run briefly here too). A finding of
+either becomes a test below.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.chunk_header import chunk_header, check_chunk_header
 from p2ptrain.collective.ring import Transfer
 from p2ptrain.errors import GroupError, RemoteProtocolError
-from p2ptrain.net import beacon, wire
+from p2ptrain.net import auth, beacon, wire
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -351,3 +354,95 @@ def test_a_snapshot_tensor_entry_with_an_unhashable_dtype_is_the_peers_fault():
     body = msgpack.packb({"state": {}, "tensors": [[["float32"], [1], 4]]}, use_bin_type=True)
     with pytest.raises(RemoteProtocolError):
         snapshot.unpack(struct.pack("<I", len(body)) + body + b"\0" * 4)
+
+
+def test_a_signalling_nan_in_a_bf16_chunk_is_no_floating_point_trap_in_decode_add():
+    """(found by bench/fuzz.py) a bf16 value 0x7f81 decodes to a signalling NaN, whose add raised
+    FloatingPointError under a caller's np.seterr(all="raise") (and warned otherwise)."""
+    codec = parse_codec("bf16+nozstd")
+    enc = codec.encode(np.ones(8, np.float32))
+    payload = bytearray(enc.tobytes())
+    payload[0:2] = b"\x81\x7f"
+    dst = np.zeros(8, np.float32)
+    with np.errstate(all="raise"):
+        codec.decode_add(dict(enc.params), bytes(payload), dst, np.empty(8, np.float32))
+    assert np.isnan(dst[0]) and (dst[1:] == 1).all()
+
+
+@pytest.mark.timeout(10)
+def test_feeding_a_held_decoder_returns_instead_of_spinning():
+    """(found by bench/fuzz.py) ``feed`` on a decoder held before admission (a frame announced
+    a payload) looped for ever on the empty buffer it was given; a link stops reading there."""
+    dec = wire.FrameDecoder(admitted=False)
+    assert dec.feed(wire.pack_header({"t": wire.CHUNK}, 10) + b"x" * 10) == [] and dec.held
+
+
+# -- the handshake --------------------------------------------------------------------------------
+NONCES = {"d": b"D" * auth.NONCE_BYTES, "l": b"L" * auth.NONCE_BYTES}
+INFO = {"port": 7000, "settings": {"compression": "int8", "staleness": 1}, "model": b"m" * 16}
+
+
+def handshake_end(pid, secret):
+    return auth.Handshake(cluster="lab", peer_id=pid, secret=secret, info=INFO, nonce=NONCES[pid])
+
+
+def honest_transcript(secret):
+    """What an honest dialer sends to the listener, and the listener to it."""
+    d, listener = handshake_end("d", secret), handshake_end("l", secret)
+    d_hello, l_hello = d.start(dialer=True), listener.start(dialer=False)
+    d_proof = d.receive(l_hello[0])
+    listener.receive(d_hello[0])
+    l_proof = listener.receive(d_proof[0])
+    welcome = d.receive(l_proof[0])
+    return d_hello + d_proof + welcome, l_hello + l_proof
+
+
+def proven(header):
+    """The fields the proofs cover, with their types (the hello's ``info`` is not among them)."""
+    return [(type(header.get(k)), header.get(k)) for k in ("t", "v", "cluster", "id", "nonce", "auth", "mac")]
+
+
+HANDSHAKE_FIELDS = st.dictionaries(st.sampled_from(["t", "v", "cluster", "id", "nonce", "auth", "info", "mac", "x"]),
+                                   VALUES | st.binary(min_size=32, max_size=32), max_size=8)
+
+
+@FUZZ
+@given(st.booleans(), st.sampled_from([None, b"secret"]), EDITS,
+       st.lists(st.tuples(st.integers(0, 4), HANDSHAKE_FIELDS), max_size=3))
+def test_the_handshake_admits_on_the_honest_transcript_only_or_raises_the_remote_fault_error(
+        dialer, secret, edits, forged):
+    """Either end, fed the other's honest messages mutated as bytes, with forged headers (any
+    fields) put among them: each step answers or raises ``RemoteProtocolError`` (a FrameError
+    from the bytes, a HandshakeError from the end), and with a secret it admits only when what
+    the proofs cover is what the honest peer sent."""
+    to_listener, to_dialer = honest_transcript(secret)
+    honest = to_dialer if dialer else to_listener
+    headers = [f.header for f in wire.FrameDecoder(admitted=False).feed(b"".join(wire.frame_bytes(h) for h in honest))]
+    data = mutate(b"".join(wire.frame_bytes(h) for h in headers), edits)
+    hs = handshake_end("d" if dialer else "l", secret)
+    hs.start(dialer=dialer)
+    got = []
+    try:
+        received = wire.FrameDecoder(admitted=False).feed(data)
+        steps = [f.header for f in received]
+        for where, fields in forged:
+            steps.insert(where % (len(steps) + 1), through_msgpack({**fields, "t": fields.get("t", wire.HELLO)}))
+        for header in steps:
+            if hs.done:
+                break
+            got.append(header)
+            hs.receive(header)
+    except RemoteProtocolError:
+        pass
+    if hs.done and secret is not None:
+        assert [proven(h) for h in got] == [proven(h) for h in honest[:len(got)]]
+
+
+def test_the_long_fuzz_runs_every_parser_briefly():
+    """``bench/fuzz.py``'s targets, 300 inputs each: its list stays the parsers', and none finds anything."""
+    import fuzz
+
+    reports = [fuzz.fuzz(t, 300, 60.0, seed=1, hang=None) for t in fuzz.targets()]
+    assert [r["name"] for r in reports] == fuzz.TARGET_NAMES
+    assert all(r["tried"] == 300 for r in reports)
+    assert [r["findings"] for r in reports if r["findings"]] == []

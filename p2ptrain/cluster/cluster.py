@@ -56,7 +56,7 @@ from p2ptrain.codecs import parse_codec
 from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
 from p2ptrain.cluster.faultlog import FaultLog
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
-from p2ptrain.net.mesh import Mesh
+from p2ptrain.net.mesh import IDLE_TIMEOUT, Mesh
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.sleepwatch import SleepWatch
@@ -95,7 +95,8 @@ class Cluster:
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
                          on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
                          on_admitted=lambda p, info: self.vetting.admitted(p, info),
-                         on_state=lambda p, f: self.transfer.on_frame(p, f))
+                         on_state=lambda p, f: self.transfer.on_frame(p, f),
+                         idle_timeout=max(IDLE_TIMEOUT, 3 * self.machine.config.peer_timeout))
         self.transfer = StateTransfer(self.mesh, fingerprint or [], on_ask=lambda p, i, only: self._post("ask", p, i, 0.0, only),
                                       on_foreign=lambda p, diff: self._post("foreign", p, diff))
         if fingerprint is not None:

@@ -371,7 +371,8 @@ class Codec:
         add_raw = getattr(self._t, "add_raw", None)
         if add_raw is None:
             self.decode(params, payload, scratch)
-            np.add(dst, scratch, out=dst)
+            with np.errstate(all="ignore"):  # (a signalling NaN sent on purpose: ``decode``'s words)
+                np.add(dst, scratch, out=dst)
             return
         raw = self._validated_raw(params, payload, dst)
         with np.errstate(all="ignore"):

@@ -49,6 +49,14 @@ POST_TIMEOUT = 10.0  # seconds a posted message may wait for its link to take it
 KEEPALIVE = 2.0  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
 DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
 MAX_SHARED = 64  # addresses a keepalive carries at most (``at``)
+# A link that brings not one byte for this long is closed: an honest peer pings every KEEPALIVE
+# seconds, and a round machine drops a silent member after its peer timeout (10 s by default), so
+# this catches the admitted links nothing else watches (a peer that never joins, a hostile one
+# holding a connection open). ``Cluster`` gives at least three of its peer timeouts.
+IDLE_TIMEOUT = 60.0
+# Messages posted to one peer that may wait for it (one in flight, the rest queued): one that
+# stopped reading (SIGSTOP, hostile) closes its link before we hold more (small dicts: a few MB).
+MAX_POSTED = 4096
 
 
 class ChunkChannel:
@@ -124,13 +132,14 @@ class Mesh:
                  on_admitted: Callable[[str, dict], None] = lambda p, info: None,
                  on_state: Callable[[str, wire.Frame], None] = lambda p, frame: None,
                  own_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "0.0.0.0"}),
-                 handshake_timeout: float = transport.HANDSHAKE_TIMEOUT):
+                 handshake_timeout: float = transport.HANDSHAKE_TIMEOUT, idle_timeout: float | None = None):
         self.cluster, self.peer_id, self._secret = cluster, peer_id, secret
         self.host, self.port = host, port
         self.info = dict(info or {})
         self._on_message, self._on_lost, self._on_admitted = on_message, on_lost, on_admitted
         self._on_state = on_state
         self.handshake_timeout = handshake_timeout  # (each way: a connection that takes longer is closed)
+        self.idle_timeout = IDLE_TIMEOUT if idle_timeout is None else idle_timeout  # (``_next_frame``)
         self._own_hosts = own_hosts | {host}
         self._links: dict[str, transport.Link] = {}
         self._dialer: dict[str, str] = {}  # peer id -> which end opened our link to it
@@ -232,11 +241,16 @@ class Mesh:
         peer that stopped reading (its cable pulled, behind a ring chunk) never holds up the
         caller, the round machine's one actor, which must go on hearing the others and noticing
         that peer's silence. One the link does not take within POST_TIMEOUT of its turn closes
-        the link (reported through ``on_lost`` as any loss); none is sent once the link is gone."""
+        the link (reported through ``on_lost`` as any loss), and so does a message that finds
+        MAX_POSTED waiting; none is sent once the link is gone."""
         if peer_id not in self._links:
             log.debug("not sent to %s (no link): %s", peer_id, header.get("t"))
             return
         waiting = self._outbox.get(peer_id)
+        if waiting is not None and len(waiting) >= MAX_POSTED:
+            log.warning("closing the link to %s: it stopped reading (%d messages wait for it)", peer_id, len(waiting))
+            self._drop(peer_id, f"stopped reading ({len(waiting)} messages waiting)")
+            return
         if waiting is None:
             waiting = self._outbox[peer_id] = collections.deque()
             task = self._tasks.spawn(self._send_posted(peer_id, waiting))
@@ -402,7 +416,7 @@ class Mesh:
         why = "link closed"
         try:
             while True:
-                frame = await link.recv()
+                frame = await self._next_frame(pid, link)
                 if self._links.get(pid) is link:
                     self.heard_at[pid] = asyncio.get_running_loop().time()
                 if frame.type == wire.PING:
@@ -433,6 +447,21 @@ class Mesh:
         finally:
             if self._links.get(pid) is link:
                 self._drop(pid, why)
+
+    async def _next_frame(self, pid: str, link: transport.Link) -> wire.Frame:
+        """The link's next frame. One that brought not a byte (a frame still coming counts) for
+        ``idle_timeout`` seconds raises ``LinkError``, said in one line naming the peer."""
+        while True:
+            seen = link.bytes_received
+            try:
+                return await link.recv(timeout=self.idle_timeout)
+            except LinkError:
+                if link.closed:
+                    raise
+                if link.bytes_received == seen:
+                    log.warning("closing the link to %s at %s: it sent nothing for %.0f s (peers ping every "
+                                "%.0f s)", pid, link.remote, self.idle_timeout, KEEPALIVE)
+                    raise LinkError(f"{pid}: sent nothing for {self.idle_timeout:.0f} s") from None
 
     def _drop(self, pid: str, why: str, report: bool = True) -> None:
         link = self._links.pop(pid, None)

@@ -10,7 +10,8 @@
   duplicate of the connection's socket, on the loop or on a thread of the link). Where the
   loop has no ``add_writer`` (Windows' proactor), pieces go through the transport, each
   handed over only when its buffer is empty. Either way ``send`` returns once nothing of
-  the frame is left in user space: the caller may then reuse its buffer. A loopback link's
+  the frame is left in user space: the caller may then reuse its buffer. A peer that stops reading
+  makes us hold one frame at most beside the kernel's (none with ``sendmsg``), ``timeout`` long. A loopback link's
   send buffer is held at ``LOOPBACK_SNDBUF``, so that the receiver copies data still in cache.
   ``queued_bytes`` tells how much the kernel holds that the peer has not acknowledged: how
   far the link is behind us (the ring compresses only then).
@@ -154,6 +155,11 @@ class Link:
     def closed(self) -> bool:
         return self._error is not None
 
+    @property
+    def bytes_received(self) -> int:
+        """Bytes read off the connection so far (a frame still coming counts: the link is not idle)."""
+        return self._decoder.received
+
     def queued_bytes(self) -> int | None:
         """Bytes sent into the kernel that the peer has not acknowledged yet: how far the link
         is behind us (None where the OS cannot tell, before the link is up, once closed)."""
@@ -174,6 +180,7 @@ class Link:
                 if self._direct is not None:
                     await self._direct.send(wire.encode_frame(header, payload), timeout, self.name)
                     return
+                await self._writable(timeout)  # (a cancelled send's frame first: one frame held at most)
                 for buf in wire.encode_frame(header, payload):  # (the transport copies what waits)
                     self._transport.write(buf)
                 await self._writable(timeout)

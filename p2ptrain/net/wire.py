@@ -136,6 +136,7 @@ class FrameDecoder:
         self._payload_have = 0
         self._frames: list[Frame] = []
         self._dead = False
+        self.received = 0  # bytes taken in so far (a link that takes none for long is idle: ``mesh``)
 
     @property
     def held(self) -> bool:
@@ -166,6 +167,7 @@ class FrameDecoder:
 
     def buffer_updated(self, nbytes: int) -> None:
         """Account for ``nbytes`` written into the last ``get_buffer()``; parse what is complete."""
+        self.received += nbytes
         try:
             if self._payload is not None:
                 self._payload_have += nbytes
@@ -183,9 +185,10 @@ class FrameDecoder:
         return frames
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        """Push bytes through get_buffer/buffer_updated; return the frames completed."""
+        """Push bytes through get_buffer/buffer_updated; return the frames completed. A ``held``
+        decoder takes nothing more (the rest of ``data`` is left, as a link stops reading)."""
         view = memoryview(data).cast("B")
-        while view.nbytes:
+        while view.nbytes and not self._held:
             buf = self.get_buffer()
             n = min(len(buf), view.nbytes)
             buf[:n] = view[:n]
