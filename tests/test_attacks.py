@@ -71,7 +71,9 @@ async def test_a_relay_between_two_peers_is_refused_and_each_says_so_once(caplog
         for port in relay_ports:
             await until(lambda: refusals(caplog, port), timeout=3)
             lines = refusals(caplog, port)
-            assert len(lines) == 1 and "handshake not completed" in lines[0], lines
+            # (its own timeout, or the other's refusal for it, relayed, where that came first: both end at TIMEOUT)
+            assert len(lines) == 1 and ("handshake not completed" in lines[0]
+                                        or auth.REASON_TIMEOUT in lines[0]), lines
     finally:
         for p in (a, b):
             await p.mesh.close()
@@ -191,7 +193,9 @@ async def test_600_idle_connections_neither_take_every_descriptor_nor_write_600_
             peak = max(peak, open_fds())
         print(f"\n{line.strip()} idle connections held; the peer's descriptors {before} -> at most {peak}")
         assert int(line) == 600
-        assert peak - before < 80  # (at most 8 handshakes pending from one address, and a few closing)
+        # (at most 8 handshakes pending from one address, and the ones being closed: asyncio accepts up
+        # to create_server's backlog, 100, in one turn of its loop before the admission closes them)
+        assert peak - before < 8 + 100 + 32
         clients.stdin.close()
         clients.wait(10)
         await asyncio.sleep(TIMEOUT + 0.5)
