@@ -152,7 +152,10 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
     committed = sum(s for v, s in samples_of.items() if times[v] >= t0)
     usage = []
     for inc in incs:
-        during = [u for u in inc.usage if u[0] <= last]  # (not its exit's: connections closed then)
+        # from its first round with the others (start-up aside) to the last update (not its exit's:
+        # connections closed then)
+        ours = in_cluster(inc)
+        during = [u for u in inc.usage if ours and ours[0]["time"] <= u[0] <= last]
         if not inc.killed and len(during) >= 2:
             first, lst = _settled(during), during[-1]
             usage.append((inc.host, first[1], lst[1], first[2], lst[2]))
@@ -167,9 +170,9 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
 
 
 def _settled(usage: list) -> tuple:
-    """The first sample past the first fifth of an incarnation's life (start-up's growth aside)."""
+    """The first sample past the first tenth of the samples' span (the first rounds' growth aside)."""
     t_first, t_last = usage[0][0], usage[-1][0]
-    return next(u for u in usage if u[0] >= t_first + 0.2 * (t_last - t_first))
+    return next(u for u in usage if u[0] >= t_first + 0.1 * (t_last - t_first))
 
 
 def problems(f: Figures) -> list[str]:

@@ -1,8 +1,8 @@
 """A churn soak: peers on an emulated LAN, killed, paused, unplugged and joined at random but
 seeded moments, checked for lost samples, hangs, diverged parameters and growing memory.
 
-    python bench/soak.py                      # short: 3 peers + 1 joiner, 60 s, about 12 faults
-    python bench/soak.py --long               # 3 + 2 joiners, 900 s, 110 faults
+    python bench/soak.py                      # short: 3 peers + 1 joiner, 60 s, 12 faults
+    python bench/soak.py --long               # 4 peers + 2 joiners, 900 s, 110 faults
     python bench/soak.py --seconds 120 --faults 30 --seed 7 --rate 1gbit
 
 Every peer is ``python -m p2ptrain join --task synthetic --no-discovery --peers ...`` (int8,
@@ -10,19 +10,24 @@ staleness 1, ``--checkpoint-dir``, ``--metrics``) on its own network namespace (
 its link capped by tbf both ways at ``--rate``. The run is the cluster's ``--duration``; faults
 fall in its middle (from a tenth to ``FAULT_WINDOW`` of it), each at a seeded random time:
 
-- ``kill``: ``kill -9`` of a running peer, started again 1-5 s later, resuming from its
+- ``kill``: ``kill -9`` of a running peer, started again ``--restart`` s later, resuming from its
   checkpoint directory or (half the time) fresh with an empty one;
 - ``stop``: SIGSTOP, SIGCONT ``--stop`` seconds later (a laptop's lid; 5-60 s long, 2-6 s short);
 - ``link``: its cable pulled (``ip link set vI down`` on its veth's bridge end), back
   ``--link`` seconds later;
 - ``join``: a new peer on a spare host.
 
-At most ``--peers - 2`` peers are under a fault at once (so two are always healthy; a fault
-with no eligible peer waits a second). The same peers run the same time without faults first
-(``--no-baseline`` skips it): the throughput kept is the faulty run's committed samples per
-second over the baseline's, both from the moment every first peer is a member to the last update.
-Every process is bounded: a peer still running ``--grace`` s after the run's end is a hang,
-reported and killed; every process is killed and every namespace removed in ``finally``.
+A fault needs three healthy peers, so that two stay healthy (a fault with no eligible peer waits
+a second, until ``LAST_TRY`` of the run); a peer back from one, or joining, is healthy once its
+metrics record a round with others (the table's ``back in a round after``). The same peers run
+without faults first (``--no-baseline`` skips it; ``--baseline-seconds`` shortens it): the
+throughput kept is the faulty run's committed samples per second over the baseline's, both from
+the moment every first peer is a member to the last update. A peer under no fault whose metrics
+have not grown for ``SILENT`` s while the others' have is stuck (its stacks go to ``stackN.txt``
+where ``py-spy`` is installed). Every process is bounded: a peer still running ``--grace`` s after
+the run's end is a hang, reported and killed; every process is killed and every namespace removed
+in ``finally``. Open fds count one connection per member: compare a peer's start and end with the
+cluster's size at each.
 The checks and the table's columns: bench/_soak_check.py. Exit 1 on any finding.
 """
 
@@ -59,9 +64,11 @@ SILENT = 5.0             # seconds without a record, under no fault, that make a
 
 
 def schedule(rng: random.Random, seconds: float, n_faults: int, joiners: int) -> list[tuple[float, str]]:
-    """``n_faults`` (offset from the run's start, kind), sorted: ``joiners`` joins, the rest kill,
-    stop and link in turn at random, each at a uniform time in the fault window."""
-    kinds = ["join"] * min(joiners, n_faults) + [rng.choice(KINDS[:3]) for _ in range(n_faults - min(joiners, n_faults))]
+    """``n_faults`` (offset from the run's start, kind), sorted: ``joiners`` joins, one each of kill,
+    stop and link, the rest of those three at random; each at a uniform time in the fault window."""
+    joins = min(joiners, n_faults)
+    rest = n_faults - joins
+    kinds = ["join"] * joins + list(KINDS[:min(3, rest)]) + [rng.choice(KINDS[:3]) for _ in range(rest - 3)]
     rng.shuffle(kinds)
     times = sorted(rng.uniform(0.1 * seconds, FAULT_WINDOW * seconds) for _ in kinds)
     return list(zip(times, kinds))
@@ -208,7 +215,7 @@ class Soak:
             inc.killed = True
             os.kill(p.pid, signal.SIGKILL)
             fresh = rng.random() < 0.5
-            self.later(rng.uniform(1, 5), "restart-fresh" if fresh else "restart", host)
+            self.later(rng.uniform(*a.restart), "restart-fresh" if fresh else "restart", host)
             self.note(f"kill -9: host {host}" + (" (rejoins fresh)" if fresh else " (resumes its checkpoint)"))
         elif kind == "stop":
             os.kill(p.pid, signal.SIGSTOP)
@@ -352,6 +359,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--stop", help="SIGSTOP lasts MIN,MAX seconds (2,6; --long 5,60)")
     p.add_argument("--link", help="a link is down MIN,MAX seconds (1,5; --long 2,20)")
+    p.add_argument("--restart", help="a killed peer starts again MIN,MAX seconds later (0.5,2; --long 1,5)")
     p.add_argument("--settle", type=float, default=10.0, help="updates are counted this long after each fault")
     p.add_argument("--grace", type=float, default=45.0, help="seconds past the run's end before a peer is a hang")
     p.add_argument("--start-timeout", type=float, default=90.0)
@@ -367,6 +375,7 @@ def main(argv=None) -> int:
     a.joiners = a.joiners if a.joiners is not None else (2 if a.long else 1)
     a.stop = tuple(float(x) for x in (a.stop or ("5,60" if a.long else "2,6")).split(","))
     a.link = tuple(float(x) for x in (a.link or ("2,20" if a.long else "1,5")).split(","))
+    a.restart = tuple(float(x) for x in (a.restart or ("1,5" if a.long else "0.5,2")).split(","))
     if a.peers < 3:
         p.error("--peers must be >= 3 (two stay healthy while a third is under a fault)")
     ok, reason = netns.netns_available()
