@@ -60,7 +60,8 @@ KINDS = ("kill", "stop", "link", "join")
 SAMPLE_EVERY = 1.0       # seconds between RSS/fd samples
 POLL = 0.1
 REJOIN_LIMIT = 60.0      # seconds a peer back from a fault has to be in a round with the others
-SILENT = 5.0             # seconds without a record, under no fault, that make a peer stuck
+SILENT = 30.0            # seconds without a record, under no fault, that make a peer stuck (a round
+                         # waits for a paused member up to --peer-timeout, 10 s, before it goes on without)
 
 
 def schedule(rng: random.Random, seconds: float, n_faults: int, joiners: int) -> list[tuple[float, str]]:
@@ -91,6 +92,7 @@ class Soak:
         self.started: set[int] = set()
         self.injected: list[tuple[float, str]] = []
         self.log: list[str] = []
+        self.skipped: list[str] = []               # faults of the plan no host was eligible for in time
         self.stray: list[str] = []                 # hosts that did not rejoin within REJOIN_LIMIT
         self.silent: list[_soak_check.Incarnation] = []  # live, under no fault, and no record for SILENT s
         self.recoveries: list = []                 # heap of (time, seq, what, host)
@@ -142,7 +144,7 @@ class Soak:
             path = self.dir / f"m{self.incs.index(inc)}.jsonl"
             if host in self.faulted or inc in self.silent or not path.exists() or now - inc.start < 2 * SILENT:
                 continue
-            if now - path.stat().st_mtime > SILENT and now - self.newest() < SILENT:
+            if now - path.stat().st_mtime > SILENT and now - self.newest() < 5.0:
                 self.silent.append(inc)
                 self.note(f"host {host} silent {SILENT:g} s while the others go on")
                 if shutil.which("py-spy"):
@@ -263,6 +265,7 @@ class Soak:
                     elif now < self.t0 + LAST_TRY * a.seconds:
                         plan.append((now + 1.0, f[1]))
                     else:
+                        self.skipped.append(f[1])
                         self.note(f"{f[1]}: no eligible host before the window closed; not injected")
                 plan.sort()
                 while self.recoveries and self.recoveries[0][0] <= time.monotonic():
@@ -324,7 +327,7 @@ def _kill(p: subprocess.Popen) -> None:
 def report(a, faulty: _soak_check.Figures, base: _soak_check.Figures | None, soak: Soak) -> str:
     mib = 1 << 20
     rows = [["faults injected", ", ".join(f"{k} {faulty.faults.get(k, 0)}" for k in KINDS)
-             + f" ({sum(faulty.faults.values())})"],
+             + f" ({sum(faulty.faults.values())}; {len(soak.skipped)} found no eligible peer in time)"],
             ["rounds completed", f"{faulty.rounds}" + (f" (fault-free: {base.rounds})" if base else "")],
             ["samples lost", f"{faulty.lost} (reported dropped: {faulty.dropped}; updates not adding up: "
                              f"{faulty.split_rounds})"],

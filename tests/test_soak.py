@@ -61,11 +61,13 @@ def test_checks_leave_a_peer_alone_out_of_the_cluster_lineage():
 
 
 @requires_netns
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_soak_short_run_loses_nothing_and_keeps_training(tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(REPO / "bench" / "soak.py"), "--peers", "4", "--seconds", "35", "--faults", "4", "--joiners", "1",
-           "--stop", "2,4", "--link", "1,3", "--settle", "12", "--grace", "30", "--no-baseline", "--json", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "soak.py"), "--peers", "4", "--seconds", "35", "--faults", "4",
+           "--joiners", "1", "--stop", "2,4", "--link", "1,3", "--settle", "12", "--grace", "30", "--no-baseline",
+           "--json", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         text = p.communicate(timeout=130)[0]
