@@ -28,6 +28,8 @@ import dataclasses
 import json
 from collections import Counter, defaultdict
 
+SAME_COMMIT_S = 2.0  # records of one version this close in time are one commit (else: another lineage's)
+
 
 @dataclasses.dataclass
 class Incarnation:
@@ -48,6 +50,7 @@ class Figures:
     rounds: int                       # the cluster's updates committed (the highest version seen)
     samples_committed: int            # every member's samples in them
     alone: int                        # samples of updates a peer applied alone (members 1), from t0
+    split_versions: int               # versions two lineages of 2+ members each committed (a split)
     lost: int                         # samples computed, neither applied nor reported dropped
     dropped: int                      # samples reported dropped
     lost_by: list                     # (host, lost) of each incarnation that lost some
@@ -114,26 +117,33 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
     """The figures of a run. ``faults``: (time injected, kind); ``t0``: when every first peer was
     a member; ``settle``: the window after a fault in which updates are counted."""
     times = commit_times(incs)
-    samples_of: dict[int, int] = {}
-    own_of: dict[int, int] = defaultdict(int)
-    members_of: dict[int, int] = {}
-    recorded: dict[int, int] = defaultdict(int)
-    sums: dict[int, set] = defaultdict(set)
+    # A version's records, grouped into commits: one lineage commits a version once, all its
+    # members within moments; two sides of a split (or two fresh peers that met before they met the
+    # cluster) commit the same number apart, each on its own parameters.
+    commits: dict[tuple, list] = defaultdict(list)
+    by_version: dict[int, list] = defaultdict(list)
     alone = 0
     for inc in incs:
         alone += sum(r["own_samples"] for r in inc.records if (r.get("members") or 0) < 2 and r["time"] >= t0)
         for r in in_cluster(inc):
-            v = r["version"]
-            samples_of[v] = max(samples_of.get(v, 0), r["samples"])
-            own_of[v] += r["own_samples"]
-            members_of[v] = max(members_of.get(v, 0), r.get("members") or 0)
-            recorded[v] += 1
-            if r.get("param_checksum"):
-                sums[v].add((inc.host, r["param_checksum"]))
+            by_version[r["version"]].append((r["time"], inc.host, r))
+    for v, recs in by_version.items():
+        recs.sort(key=lambda x: x[0])
+        start = recs[0][0]
+        for t, host, r in recs:
+            if t - start > SAME_COMMIT_S:
+                start = t
+            commits[(v, start)].append((host, r))
+    samples_of = {k: max(r["samples"] for _, r in rs) for k, rs in commits.items()}
+    own_of = {k: sum(r["own_samples"] for _, r in rs) for k, rs in commits.items()}
+    members_of = {k: max(r.get("members") or 0 for _, r in rs) for k, rs in commits.items()}
+    recorded = {k: len(rs) for k, rs in commits.items()}
+    sums = {k: {(h, r["param_checksum"]) for h, r in rs if r.get("param_checksum")} for k, rs in commits.items()}
+    split_versions = sum(1 for n in Counter(v for v, _ in commits).values() if n > 1)
     split = sum(1 for v, s in samples_of.items()
                 if recorded[v] >= members_of[v] and s != own_of[v])
     compared = {v: {c for _, c in hs} for v, hs in sums.items() if len(hs) >= 2}
-    disagree = sorted(v for v, cs in compared.items() if len(cs) > 1)
+    disagree = sorted({k[0] for k, cs in compared.items() if len(cs) > 1})
     lost_by, lost, dropped = [], 0, 0
     for inc in incs:
         if inc.summary is None:
@@ -149,7 +159,7 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
     after = [sum(1 for t in times.values() if ft < t <= ft + settle) for ft, _ in faults]
     ends = {inc.summary["param_checksum"] for inc in incs
             if inc.summary and inc.summary.get("end") and not inc.summary["end"].get("behind")}
-    committed = sum(s for v, s in samples_of.items() if times[v] >= t0)
+    committed = sum(s for k, s in samples_of.items() if k[1] >= t0)
     usage = []
     for inc in incs:
         # from its first round with the others (start-up aside) to the last update (not its exit's:
@@ -161,7 +171,7 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
             usage.append((inc.host, first[1], lst[1], first[2], lst[2]))
     return Figures(
         faults=Counter(kind for _, kind in faults), rounds=max(times, default=0),
-        samples_committed=committed, alone=alone, lost=lost, dropped=dropped, lost_by=lost_by, split_rounds=split,
+        samples_committed=committed, alone=alone, split_versions=split_versions, lost=lost, dropped=dropped, lost_by=lost_by, split_rounds=split,
         checksum_versions=len(compared), checksum_disagree=disagree, end_checksums=ends,
         longest_stall=stall, stall_at=stall_at, min_rounds_after_fault=min(after, default=0),
         rate=committed / (last - t0) if last > t0 else 0.0,

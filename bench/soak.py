@@ -332,8 +332,9 @@ def report(a, faulty: _soak_check.Figures, base: _soak_check.Figures | None, soa
             ["samples lost", f"{faulty.lost} (reported dropped: {faulty.dropped}; updates not adding up: "
                              f"{faulty.split_rounds})"],
             ["samples applied alone", f"{faulty.alone} (in a peer's own lineage until it reached the others)"],
-            ["checksums", f"{faulty.checksum_versions} versions compared, {len(faulty.checksum_disagree)} differ; "
-                          f"{len(faulty.end_checksums)} at the end"],
+            ["checksums", f"{faulty.checksum_versions} commits compared, {len(faulty.checksum_disagree)} differ "
+                          f"within one; {len(faulty.end_checksums)} at the end; {faulty.split_versions} versions "
+                          "committed by two lineages (a split)"],
             ["longest stall", f"{faulty.longest_stall:.1f} s" + (f" (fault-free: {base.longest_stall:.1f} s)" if base
                                                                  else "")],
             ["fewest updates after a fault", f"{faulty.min_rounds_after_fault} in {a.settle:g} s"],

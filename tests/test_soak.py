@@ -31,7 +31,7 @@ def _summary(own, dropped=0, unapplied=0, checksum="c"):
 def _pair(own_a=64, dropped_a=0, checksum_b="x"):
     a = _soak_check.Incarnation(0, 0.0, [_rec(1, 1.0, 64, 32, checksum="x"), _rec(2, 2.0, 64, 32)],
                                 _summary(own_a, dropped_a), 0)
-    b = _soak_check.Incarnation(1, 0.0, [_rec(1, 1.1, 64, 32, checksum=checksum_b), _rec(2, 7.0, 64, 32)],
+    b = _soak_check.Incarnation(1, 0.0, [_rec(1, 1.1, 64, 32, checksum=checksum_b), _rec(2, 2.1, 64, 32)],
                                 _summary(64), 0)
     return [a, b]
 
@@ -57,6 +57,11 @@ def test_checks_leave_a_peer_alone_out_of_the_cluster_lineage():
     incs[1].records.insert(0, _rec(1, 0.9, 32, 32, members=1, checksum="alone"))
     f = _soak_check.check(incs, [], t0=0.5, settle=10.0)
     assert f.checksum_disagree == [] and f.alone == 32
+    # two sides of a split commit the same version apart, each on its own parameters: not a divergence
+    incs += [_soak_check.Incarnation(h, 0.0, [_rec(1, 30.0, 64, 32, checksum="side")], None, -9, killed=True)
+             for h in (2, 3)]
+    f = _soak_check.check(incs, [], t0=0.5, settle=10.0)
+    assert f.checksum_disagree == [] and f.split_versions == 1 and f.split_rounds == 0
     assert _soak_check.read_metrics('{"event": "training", "version": 0}\n{"version": 1, "time": 1, "sa') == ([], None)
 
 
