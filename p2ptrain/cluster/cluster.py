@@ -452,9 +452,12 @@ class Cluster:
             except P2PTrainError as exc:
                 log.warning("loading state from %s failed: %s; trying again", donor, exc)
             await asyncio.sleep(RETRY_FETCH)
+            # Another synced member, if there is one: the one that failed may be right that it is not
+            # synced itself (our table lags), and asking it again would go on for the whole run.
             members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
-            if members and donor not in members:
-                donor = members[int(loop.time()) % len(members)]
+            others = [p for p in members if p != donor]
+            if others:
+                donor = others[int(loop.time()) % len(others)]
 
     def _record(self, rnd: Round, total: int, view: tuple) -> None:
         stats, r, began = rnd.stats, rnd.r, rnd.ring_began

@@ -1,0 +1,207 @@
+"""bench/soak.py's checks: what the peers' ``--metrics`` files and exits say about a soak run.
+
+Pure (no process, no clock): ``read_metrics`` parses one file, ``check`` turns every incarnation's
+records plus the faults injected into the figures of the table (``Figures``). One incarnation is one
+process of ``join``: a peer killed with ``kill -9`` and started again is two.
+
+What each figure is read from (``join --metrics``, commands/join_output.py):
+
+- a round record per update applied here: ``version`` (the cluster's update count, the same on
+  every peer), ``time``, ``samples`` (every member's in it), ``own_samples`` (this peer's),
+  ``param_checksum`` (every ``--checksum-every`` updates, null when the parameters then held
+  something else);
+- the ``summary`` at exit: ``own_samples`` (every sample this process computed), ``dropped`` (those
+  it reported dropped: staler than the bound, void at a state load, withdrawn as non-finite),
+  ``unapplied`` (those no round took before it left), ``param_checksum`` and ``end``.
+
+``lost`` of an incarnation that exited by itself is ``own_samples - sum(own_samples of its round
+records) - dropped - unapplied``: computed, neither applied nor reported. A killed one wrote no
+summary; what it had computed since its last round went with it, as kill -9 does, and is not
+counted. ``split_rounds`` are updates whose ``samples`` differ from the sum of their members'
+``own_samples`` where every member's record is there (a member that died before writing its record
+leaves its round out of this check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter, defaultdict
+
+SAME_COMMIT_S = 2.0  # records of one version this close in time are one commit (else: another lineage's)
+
+
+@dataclasses.dataclass
+class Incarnation:
+    host: int
+    start: float                      # unix time it was started
+    records: list                     # round records, as written
+    summary: dict | None              # its summary record, None without one (killed, or it hung)
+    exit_code: int | None             # None: it did not exit by the deadline (killed then: a hang)
+    killed: bool = False              # by a kill -9 fault (its exit -9 and missing summary expected)
+    hung: bool = False                # still running at the deadline
+    silent: bool = False              # alive, under no fault, and no record for a while as others went on
+    usage: list = dataclasses.field(default_factory=list)  # [(time, rss bytes, open fds)]
+
+
+@dataclasses.dataclass
+class Figures:
+    faults: Counter                   # kind -> injected
+    rounds: int                       # the cluster's updates committed (the highest version seen)
+    samples_committed: int            # every member's samples in them
+    alone: int                        # samples of updates a peer applied alone (members 1), from t0
+    split_versions: int               # versions two lineages of 2+ members each committed (a split)
+    lost: int                         # samples computed, neither applied nor reported dropped
+    dropped: int                      # samples reported dropped
+    lost_by: list                     # (host, lost) of each incarnation that lost some
+    split_rounds: int                 # updates whose samples != their members' own samples
+    checksum_versions: int            # versions with >= 2 checksums to compare
+    checksum_disagree: list           # versions where they differ
+    end_checksums: set                # the summaries' checksums at the cluster's end
+    longest_stall: float              # longest seconds between two consecutive updates
+    stall_at: float                   # when it began (unix time)
+    min_rounds_after_fault: int       # fewest updates in the window after any fault
+    rate: float                       # committed samples per second, from t0 to the last update
+    bad_exits: list                   # (host, code) of incarnations that failed (not killed by us)
+    hangs: list                       # hosts of incarnations still running at the deadline
+    stuck: list                       # hosts of incarnations silent under no fault (bench/soak.py's SILENT)
+    usage: list                       # (host, rss start, rss end, fds start, fds end) of long-lived ones
+
+
+def read_metrics(text: str) -> tuple[list, dict | None]:
+    """A ``--metrics`` JSON-lines file: its round records and its summary (None: none). A last
+    line cut short by a kill is skipped."""
+    records, summary = [], None
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "summary":
+            summary = rec
+        elif "event" not in rec and rec.get("version") is not None:
+            records.append(rec)
+    return records, summary
+
+
+def in_cluster(inc: Incarnation) -> list:
+    """Its round records of two or more members: the cluster's lineage. A peer alone (one started
+    with ``--min-peers 1`` trains alone until it reaches the others, a peer cut off) numbers its own
+    updates on its own parameters, which the cluster's state replaces when it joins."""
+    return [r for r in inc.records if (r.get("members") or 0) >= 2]
+
+
+def commit_times(incs: list[Incarnation]) -> dict[int, float]:
+    """version -> the earliest time any peer recorded it (the cluster's lineage)."""
+    times: dict[int, float] = {}
+    for inc in incs:
+        for r in in_cluster(inc):
+            v = r["version"]
+            times[v] = min(times.get(v, r["time"]), r["time"])
+    return times
+
+
+def longest_stall(times: dict[int, float], start: float, end: float) -> tuple[float, float]:
+    """The longest gap between consecutive updates committed in ``[start, end]`` (and from
+    ``start`` to the first): (seconds, when it began)."""
+    ts = sorted(t for t in times.values() if start <= t <= end)
+    best, at, prev = 0.0, start, start
+    for t in ts:
+        if t - prev > best:
+            best, at = t - prev, prev
+        prev = t
+    return best, at
+
+
+def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, settle: float) -> Figures:
+    """The figures of a run. ``faults``: (time injected, kind); ``t0``: when every first peer was
+    a member; ``settle``: the window after a fault in which updates are counted."""
+    times = commit_times(incs)
+    # A version's records, grouped into commits: one lineage commits a version once, all its
+    # members within moments; two sides of a split (or two fresh peers that met before they met the
+    # cluster) commit the same number apart, each on its own parameters.
+    commits: dict[tuple, list] = defaultdict(list)
+    by_version: dict[int, list] = defaultdict(list)
+    alone = 0
+    for inc in incs:
+        alone += sum(r["own_samples"] for r in inc.records if (r.get("members") or 0) < 2 and r["time"] >= t0)
+        for r in in_cluster(inc):
+            by_version[r["version"]].append((r["time"], inc.host, r))
+    for v, recs in by_version.items():
+        recs.sort(key=lambda x: x[0])
+        start = recs[0][0]
+        for t, host, r in recs:
+            if t - start > SAME_COMMIT_S:
+                start = t
+            commits[(v, start)].append((host, r))
+    samples_of = {k: max(r["samples"] for _, r in rs) for k, rs in commits.items()}
+    own_of = {k: sum(r["own_samples"] for _, r in rs) for k, rs in commits.items()}
+    members_of = {k: max(r.get("members") or 0 for _, r in rs) for k, rs in commits.items()}
+    recorded = {k: len(rs) for k, rs in commits.items()}
+    sums = {k: {(h, r["param_checksum"]) for h, r in rs if r.get("param_checksum")} for k, rs in commits.items()}
+    split_versions = sum(1 for n in Counter(v for v, _ in commits).values() if n > 1)
+    split = sum(1 for v, s in samples_of.items()
+                if recorded[v] >= members_of[v] and s != own_of[v])
+    compared = {v: {c for _, c in hs} for v, hs in sums.items() if len(hs) >= 2}
+    disagree = sorted({k[0] for k, cs in compared.items() if len(cs) > 1})
+    lost_by, lost, dropped = [], 0, 0
+    for inc in incs:
+        if inc.summary is None:
+            continue
+        s = inc.summary
+        gap = s["own_samples"] - sum(r["own_samples"] for r in inc.records) - s["dropped"] - s.get("unapplied", 0)
+        dropped += s["dropped"]
+        if gap:
+            lost += gap
+            lost_by.append((inc.host, gap))
+    last = max(times.values(), default=t0)
+    stall, stall_at = longest_stall(times, t0, last)
+    after = [sum(1 for t in times.values() if ft < t <= ft + settle) for ft, _ in faults]
+    ends = {inc.summary["param_checksum"] for inc in incs
+            if inc.summary and inc.summary.get("end") and not inc.summary["end"].get("behind")}
+    committed = sum(s for k, s in samples_of.items() if k[1] >= t0)
+    usage = []
+    for inc in incs:
+        # from its first round with the others (start-up aside) to the last update (not its exit's:
+        # connections closed then)
+        ours = in_cluster(inc)
+        during = [u for u in inc.usage if ours and ours[0]["time"] <= u[0] <= last]
+        if not inc.killed and len(during) >= 2:
+            first, lst = _settled(during), during[-1]
+            usage.append((inc.host, first[1], lst[1], first[2], lst[2]))
+    return Figures(
+        faults=Counter(kind for _, kind in faults), rounds=max(times, default=0),
+        samples_committed=committed, alone=alone, split_versions=split_versions, lost=lost, dropped=dropped, lost_by=lost_by, split_rounds=split,
+        checksum_versions=len(compared), checksum_disagree=disagree, end_checksums=ends,
+        longest_stall=stall, stall_at=stall_at, min_rounds_after_fault=min(after, default=0),
+        rate=committed / (last - t0) if last > t0 else 0.0,
+        bad_exits=[(i.host, i.exit_code) for i in incs if not i.killed and not i.hung and i.exit_code != 0],
+        hangs=[i.host for i in incs if i.hung], stuck=[i.host for i in incs if i.silent], usage=usage)
+
+
+def _settled(usage: list) -> tuple:
+    """The first sample past the first tenth of the samples' span (the first rounds' growth aside)."""
+    t_first, t_last = usage[0][0], usage[-1][0]
+    return next(u for u in usage if u[0] >= t_first + 0.1 * (t_last - t_first))
+
+
+def problems(f: Figures) -> list[str]:
+    """Every finding, one line each (empty: the run held)."""
+    out = []
+    if f.lost:
+        out.append(f"{f.lost} samples lost (computed, neither applied nor reported dropped): {f.lost_by}")
+    if f.split_rounds:
+        out.append(f"{f.split_rounds} updates whose samples differ from their members' own samples")
+    if f.checksum_disagree:
+        out.append(f"parameter checksums differ at versions {f.checksum_disagree[:10]}")
+    if len(f.end_checksums) > 1:
+        out.append(f"the peers ended with {len(f.end_checksums)} different checksums")
+    if f.hangs:
+        out.append(f"peers on hosts {f.hangs} still ran at the deadline (hang)")
+    if f.stuck:
+        out.append(f"peers on hosts {f.stuck} stopped recording updates under no fault while the others went on")
+    if f.bad_exits:
+        out.append(f"peers exited with failures (host, code): {f.bad_exits}")
+    if f.faults and f.min_rounds_after_fault == 0:
+        out.append("no update committed in the window after some fault")
+    return out
