@@ -182,7 +182,7 @@ async def upgrade(link, tls: TLS, *, dialer: bool, timeout: float) -> None:
     except HandshakeError as exc:
         link.close(None if exc.by_peer else exc.reason)  # (after TLS began the transport is closed: nothing sent)
         raise
-    except BaseException as exc:
+    except BaseException:
         link.close()
         raise
 
