@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError, HandshakeError, LinkError
 from p2ptrain.net import auth, wire
+from p2ptrain.waiting import wait_set
 
 log = logging.getLogger("p2ptrain.net.tls")
 
@@ -209,7 +210,7 @@ async def _upgrade(link, tls: TLS, dialer: bool, timeout: float) -> None:
         raise failure(exc) from None
     except ConnectionError:
         raise HandshakeError(auth.REASON_TLS_CLOSED, by_peer=True) from None
-    _secure(link, secure)
+    _secure(link, secure, raw)
     if dialer:  # TLS 1.3: the listener checks our certificate once our side is done; its HELLO says it did
         try:
             link.put_back(await link.recv())
@@ -219,14 +220,61 @@ async def _upgrade(link, tls: TLS, dialer: bool, timeout: float) -> None:
     log.debug("TLS with %s: certificate %r", link.remote, _common_name(peer))
 
 
-def _secure(link, transport: asyncio.Transport) -> None:
-    """``link`` sends and receives through the TLS ``transport`` from now on. The ways a link uses
-    its socket itself would bypass TLS, so they are off: sending from the caller's memory with
-    ``sendmsg`` (``sender.DirectSender``), a reading thread, the receive low-water mark. TLS
-    copies anyway (it encrypts into its own buffer), and its transport holds a frame while it
-    waits for the kernel (``high=1``: ``send`` returns once nothing is left above the socket)."""
+def _secure(link, transport: asyncio.Transport, raw: asyncio.Transport) -> None:
+    """``link`` sends and receives through the TLS ``transport`` (over the TCP transport ``raw``)
+    from now on. The ways a link uses its socket itself would bypass TLS, so they are off: sending
+    from the caller's memory with ``sendmsg`` (``sender.DirectSender``), a reading thread, the
+    receive low-water mark. TLS copies anyway (it encrypts into its own buffer).
+
+    ``send`` still returns only once the frame is all in the kernel, as on a plain link: first the
+    TLS layer's buffer empties (``high=1``: paused while it holds anything), then the TCP
+    transport's (``_Drain``). A peer that exits right after its last send loses none of it."""
     link._close_io()
     link._lowat_sock = link._reader_sock = None
     link._transport = transport
     transport.set_write_buffer_limits(high=1, low=0)
     link._can_write.set()
+    drain = _Drain(raw.get_protocol(), raw.get_write_buffer_size() == 0)
+    raw.set_protocol(drain)
+    plain = link._writable
+
+    async def writable(timeout: float | None) -> None:
+        await plain(timeout)
+        if not await wait_set(drain.empty, timeout):
+            raise LinkError(f"{link.name}: peer stopped reading for {timeout:.0f} s")
+        link._raise_if_failed()
+
+    link._writable = writable  # (this link's only: ``Link.send`` awaits it after each frame)
+
+
+class _Drain(asyncio.BufferedProtocol):
+    """Between the TCP transport and the TLS protocol: passes every call on, and keeps whether the
+    TCP transport holds bytes the kernel has not taken (it pauses its protocol as soon as it holds
+    any, ``transport._FrameProtocol``'s ``high=0``, and resumes it once empty)."""
+
+    def __init__(self, inner: asyncio.BaseProtocol, empty: bool):
+        self.inner = inner
+        self.empty = asyncio.Event()
+        if empty:
+            self.empty.set()
+
+    def get_buffer(self, sizehint):
+        return self.inner.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes):
+        self.inner.buffer_updated(nbytes)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc):
+        self.empty.set()  # (the link has failed: its waiters see that)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self):
+        self.empty.clear()
+        self.inner.pause_writing()
+
+    def resume_writing(self):
+        self.empty.set()  # (before: the TLS layer may write, and pause us again, in there)
+        self.inner.resume_writing()
