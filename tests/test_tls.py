@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from helpers import finish, ports, run_cli
 
 from p2ptrain.errors import ConfigError, HandshakeError
-from p2ptrain.net import auth, tls, wire
+from p2ptrain.net import auth, tls, transport, wire
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.trainer.peer import AsyncPeer
 
@@ -129,6 +129,35 @@ async def test_links_with_tls_carry_frames_encrypted_and_the_secret_still_decide
     assert seen.count(wire.MAGIC) == 2  # the two STARTTLS frames, and no frame after them
     for plain in (b"lab", b"peer-a", b"peer-b", b"secret-header", b"secret-payload", wire.HELLO.encode()):
         assert plain not in seen
+
+
+async def test_a_tls_links_send_returns_once_its_frame_is_all_in_the_kernel(certs):
+    """As on a plain link: a peer that exits right after its last send must lose none of it (its
+    TLS layer had passed a frame on while the TCP transport still held part of it, and a neighbour
+    read 'closed in the middle of a frame' when the sender's process ended)."""
+    got = asyncio.Queue()
+    listener = await transport.serve("127.0.0.1", 0, lambda: auth.Handshake(cluster="lab", peer_id="b", secret=b"s"),
+                                     got.put, tls=tls.load(*files(certs / "home", "pc")))
+    a = await transport.open_link("127.0.0.1", listener.port, auth.Handshake(cluster="lab", peer_id="a", secret=b"s"),
+                                  tls=tls.load(*files(certs / "home", "mac")))
+    b = await got.get()
+    payload = bytes(1 << 20)  # (more than the kernel takes at once: a loopback link's send buffer)
+    held = []
+
+    async def read():
+        for _ in range(16):
+            await b.recv(timeout=10)
+    try:
+        reader = asyncio.create_task(read())
+        for i in range(16):
+            await a.send({"t": wire.CHUNK, "i": i}, [payload], timeout=10)
+            held.append(a._tcp.get_write_buffer_size())
+        await reader
+    finally:
+        a.close()
+        b.close()
+        await listener.close()
+    assert held == [0] * 16
 
 
 async def test_a_wrong_secret_inside_tls_is_still_refused_at_both_ends(certs, caplog):

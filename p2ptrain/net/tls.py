@@ -236,6 +236,7 @@ def _secure(link, transport: asyncio.Transport, raw: asyncio.Transport) -> None:
     link._can_write.set()
     drain = _Drain(raw.get_protocol(), raw.get_write_buffer_size() == 0)
     raw.set_protocol(drain)
+    link._tcp = raw  # (what ``send`` waits for; tests read it)
     plain = link._writable
 
     async def writable(timeout: float | None) -> None:
