@@ -26,7 +26,7 @@ import tempfile
 
 from p2ptrain.errors import ConfigError
 
-HELP = "make a CA and per-machine certificates for join's --tls-cert/--tls-key/--tls-ca"
+HELP = "make a CA and a certificate per machine for join's --tls-cert, --tls-key, --tls-ca"
 DEFAULT_DAYS = 3650
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}")
 OPENSSL_TIMEOUT = 30.0  # seconds one openssl command may take

@@ -167,6 +167,8 @@ class Mesh:
                               "listen=; 0: any free one) or an address of this machine (--host)") from None
         self.port = self._listener.port
         self.info["port"] = self.port
+        if self._tls is not None:
+            log.info("mutual TLS on every link; this peer's certificate: %r", self._tls.name)
         self._tasks.spawn(self._ping())
 
     async def close(self) -> None:

@@ -21,7 +21,7 @@ stripped by someone in between: an end with TLS options goes on with TLS or not 
 Why no hostname check (``check_hostname`` False, ``verify_mode`` CERT_REQUIRED both ways): peers
 reach each other at the addresses beacons and ``--peers`` give, IPs that DHCP hands out and
 changes, never names a certificate could hold. The CA is the membership list instead: any
-certificate it signed is a member (its name is logged at admission). So the CA's key stays on the
+certificate it signed is a member (its name is in the debug log of each link). So the CA's key stays on the
 machine that ran ``tls-init``, and a machine that leaves for good means a new CA (there is no
 revocation).
 

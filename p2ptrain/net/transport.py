@@ -14,9 +14,9 @@
   send buffer is held at ``LOOPBACK_SNDBUF``, so that the receiver copies data still in cache.
   ``queued_bytes`` tells how much the kernel holds that the peer has not acknowledged: how
   far the link is behind us (the ring compresses only then).
-- Admission: ``open_link`` and ``serve`` run the ``auth.Handshake`` under a deadline; a peer
-  that fails it is logged in one line (one per source address a minute: ``admission``), sent a
-  fixed reason, and closed. The listener keeps serving everyone else. Until a link is admitted
+- Admission: ``open_link`` and ``serve`` run ``tls.upgrade`` (with TLS) and the ``auth.Handshake``
+  under a deadline each; a peer that fails is logged in one line (one per source address a minute:
+  ``admission``), sent a fixed reason, and closed. The listener serves everyone else. Until admitted
   its frames carry no payload (``wire.PENDING_MAX_PAYLOAD_BYTES``: one that announces a
   payload is held unread), it is read on the loop, and a listener holds at most
   ``admission.MAX_PENDING_PER_SOURCE`` such links per source address, ``admission.MAX_PENDING``
