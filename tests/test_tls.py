@@ -336,8 +336,8 @@ def test_two_joins_with_tls_train_to_the_same_parameters(certs, tmp_path):
             cert, key, ca = files(certs / "home", host)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "p2ptrain", "join", "--peers", f"127.0.0.1:{mine[1 - i]}", "--no-discovery",
-                 "--port", str(port), "--min-peers", "2", "--max-rounds", "8", "--model-size", "100k",
-                 "--compression", "int8", "--secret", "s", "--eval-every", "0", "--no-save",
+                 "--port", str(port), "--min-peers", "2", "--max-rounds", "8", "--task", "synthetic",
+                 "--model-size", "100k", "--compression", "int8", "--secret", "s", "--eval-every", "0", "--no-save",
                  "--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--metrics", str(tmp_path / f"m{i}.jsonl")],
                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = finish(procs, timeout=100)
