@@ -106,7 +106,8 @@ async def test_links_with_tls_carry_frames_encrypted_and_the_secret_still_decide
                 dst.close()
         await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
 
-    a, b = mesh("peer-a", tls.load(*files(certs / "home", "mac"))), mesh("peer-b", tls.load(*files(certs / "home", "pc")))
+    a = mesh("peer-a", tls.load(*files(certs / "home", "mac")))
+    b = mesh("peer-b", tls.load(*files(certs / "home", "pc")))
     got = []
     b._on_state = lambda p, frame: got.append(bytes(frame.payload))
     server = await asyncio.start_server(relay, "127.0.0.1", 0)
