@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from helpers import finish, ports, run_cli
 
-from p2ptrain.errors import ConfigError, HandshakeError
+from p2ptrain.errors import ConfigError, HandshakeError, LinkError
 from p2ptrain.net import auth, tls, transport, wire
 from p2ptrain.net.mesh import Mesh
 from p2ptrain.trainer.peer import AsyncPeer
@@ -82,6 +82,27 @@ def test_the_first_frame_with_tls_is_starttls_and_a_hello_there_is_a_mismatch():
     with pytest.raises(HandshakeError) as asked:
         plain.receive({"t": wire.STARTTLS})
     assert asked.value.reason == auth.REASON_TLS_MODE and auth.advice(auth.REASON_TLS_MODE)
+
+
+def ssl_error(reason: str, kind=ssl.SSLError) -> ssl.SSLError:
+    exc = kind(1, f"[SSL: {reason}] ...")
+    exc.reason = reason
+    return exc
+
+
+def test_tls_errors_say_whose_check_failed():
+    mine = tls.failure(ssl_error("CERTIFICATE_VERIFY_FAILED", ssl.SSLCertVerificationError))
+    theirs = tls.failure(ssl_error("TLSV1_ALERT_UNKNOWN_CA"))
+    expired = tls.failure(ssl_error("SSLV3_ALERT_CERTIFICATE_EXPIRED"))
+    other = tls.failure(ssl_error("WRONG_VERSION_NUMBER"))
+    assert (mine.reason, mine.by_peer) == (auth.REASON_TLS_CERT, False)
+    assert (theirs.reason, theirs.by_peer) == (expired.reason, expired.by_peer) == (auth.REASON_TLS_CERT_REFUSED, True)
+    assert other.reason == auth.REASON_TLS_FAILED
+    lost = LinkError("closed by peer")
+    lost.__cause__ = ssl_error("TLSV13_ALERT_CERTIFICATE_REQUIRED")  # (a link lost to an alert, as transport keeps it)
+    assert tls.failure(lost).reason == auth.REASON_TLS_CERT_REFUSED
+    assert tls.failure(LinkError("closed by peer")) is None
+    assert all(auth.advice(r) for r in (auth.REASON_TLS_CERT, auth.REASON_TLS_CERT_REFUSED, auth.REASON_TLS_CLOSED))
 
 
 # -- links ----------------------------------------------------------------------------------------------------------

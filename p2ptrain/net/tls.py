@@ -162,11 +162,11 @@ def failure(exc: BaseException) -> HandshakeError | None:
     if exc is None:
         return None
     if isinstance(exc, ssl.SSLCertVerificationError):
-        log.debug("TLS: the peer's certificate failed verification: %s", exc.verify_message)
+        log.debug("TLS: the peer's certificate failed verification: %s", getattr(exc, "verify_message", exc))
         return HandshakeError(auth.REASON_TLS_CERT)
     reason = exc.reason or ""
     log.debug("TLS error: %s", exc)
-    if "ALERT" in reason and any(w in reason for w in ("CA", "CERTIFICATE", "DECRYPT")):
+    if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):  # (the peer's verdict on ours)
         return HandshakeError(auth.REASON_TLS_CERT_REFUSED, by_peer=True)
     return HandshakeError(auth.REASON_TLS_FAILED)
 
