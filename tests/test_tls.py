@@ -182,6 +182,24 @@ async def test_a_tls_links_send_returns_once_its_frame_is_all_in_the_kernel(cert
     assert held == [0] * 16
 
 
+async def test_a_group_with_tls_sums_over_encrypted_links(certs):
+    from p2ptrain.collective.group import Group
+
+    first, second = ports(2)
+    addrs = [f"127.0.0.1:{first}", f"127.0.0.1:{second}"]
+    groups = [Group(addr, addrs, secret="s", **dict(zip(tls.KEYWORDS, files(certs / "home", host))))
+              for addr, host in zip(addrs, HOSTS)]
+    tensors = [torch.full((1000,), float(i + 1)) for i in range(2)]
+    entered = await asyncio.gather(*(g.__aenter__() for g in groups))
+    try:
+        assert all(link._transport.get_extra_info("ssl_object") for g in groups for link in g._links.values())
+        await asyncio.gather(*(g.allreduce(t) for g, t in zip(entered, tensors)))
+    finally:
+        for g in groups:
+            await g.__aexit__(None, None, None)
+    assert all(torch.equal(t, torch.full((1000,), 3.0)) for t in tensors)
+
+
 async def test_a_wrong_secret_inside_tls_is_still_refused_at_both_ends(certs, caplog):
     a = mesh("a", tls.load(*files(certs / "home", "mac")), secret=b"one")
     b = mesh("b", tls.load(*files(certs / "home", "pc")), secret=b"two")
