@@ -5,11 +5,14 @@
     python bench/allreduce.py --netns 1gbit --n 2,4 --sizes 16,64
     python bench/allreduce.py --codecs none,int8,topk:0.01 --netns 1gbit --n 2
     python bench/allreduce.py --quick                          # seconds: CI smoke run
+    python bench/allreduce.py --tls --n 2 --sizes 64 --no-gloo # each run also over mutual TLS
 
 Per size and codec, every rep is: a tiny allreduce as a barrier, then one timed allreduce
 on every peer; a rep's time is the slowest peer's; we print the median over ``--reps``
 after one warm-up. algbw = fp32 bytes / time (for a codec: the fp32 bytes it averaged, its
-"effective" bandwidth), busbw = algbw * 2(N-1)/N. With ``--netns RATE`` the peers run in
+"effective" bandwidth), busbw = algbw * 2(N-1)/N. ``--tls`` runs each p2ptrain case twice
+in turn, plain and over mutual TLS (certificates from ``tls-init`` in a scratch folder, the
+same secret inside): what encryption costs. With ``--netns RATE`` the peers run in
 network namespaces whose links are capped at RATE (bench/netns.py) and the table adds busbw
 as a fraction of the link rate. The last column is p2ptrain's busbw over gloo's fp32 busbw.
 """
@@ -48,8 +51,13 @@ async def _worker(a) -> None:
     if a.trace:  # (perf_counter is the machine's monotonic clock: the ranks' traces line up)
         from p2ptrain.trace import Tracer
         tracer = Tracer(f"{a.trace}-rank{a.rank}.json", process=f"rank {a.rank}")
+    tls = {}
+    if a.tls_dir:
+        host = os.path.join(a.tls_dir, f"rank{a.rank}")
+        tls = {"tls_cert": os.path.join(host, f"rank{a.rank}.pem"), "tls_key": os.path.join(host, f"rank{a.rank}.key"),
+               "tls_ca": os.path.join(host, "ca.pem")}
     async with Group(listen=addrs[a.rank], peers=addrs, connect_timeout=60, timeout=300,
-                     secret="bench", **({} if a.chunk_kib is None else {"chunk_bytes": a.chunk_kib * 1024}),
+                     secret="bench", **tls, **({} if a.chunk_kib is None else {"chunk_bytes": a.chunk_kib * 1024}),
                      **({} if tracer is None else {"trace": tracer}),
                      codec_threads=None if a.threads is None else int(a.threads)) as g:
         barrier = torch.zeros(1)
@@ -113,8 +121,10 @@ def _collect(outputs: list[str], n: int, link_bps: float | None) -> list[dict]:
 
 def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=None, uvloop=True,
                  timeout: float = 900, chunk_kib: int | None = None, threads: int | None = None,
-                 tree: str | None = None, trace_dir: str | None = None) -> list[dict]:
+                 tree: str | None = None, trace_dir: str | None = None, tls_dir: str | None = None) -> list[dict]:
     """Launch n worker processes (locally, or one per host of ``lan``) and gather their rows.
+
+    ``tls_dir``: a ``tls-init`` folder with hosts rank0, rank1, ...: the links use mutual TLS.
 
     ``tree``: import p2ptrain from that source tree instead of this one (a baseline).
     ``trace_dir``: each worker writes its Chrome trace there (a later run of the same N overwrites)."""
@@ -129,6 +139,8 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
                [] if threads is None else ["--threads", str(threads)])
     if not uvloop:
         cmd.append("--no-uvloop")
+    if tls_dir is not None:
+        cmd += ["--tls-dir", tls_dir]
     if trace_dir is not None:
         os.makedirs(trace_dir, exist_ok=True)
         cmd += ["--trace", os.path.join(trace_dir, f"n{n}" + ("" if threads is None else f"-t{threads}")
@@ -164,7 +176,19 @@ def run_p2ptrain(n: int, sizes: list[float], reps: int, codecs: list[str], lan=N
     if tree is not None:
         for r in rows:
             r["impl"] += " (baseline)"
+    if tls_dir is not None:
+        for r in rows:
+            r["impl"] += " tls"
     return rows
+
+
+def make_certs(folder: str, n: int) -> str:
+    """A CA and certificates for hosts rank0..rank{n-1} in ``folder`` (``tls-init``), for ``--tls``."""
+    from p2ptrain.commands import tls_init
+
+    if not os.path.exists(os.path.join(folder, "rank0")):
+        tls_init.make(folder, [f"rank{i}" for i in range(n)], 1, tls_init.openssl_command())
+    return folder
 
 
 def _cpu(r: dict) -> str:
@@ -203,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
     p.add_argument("--chunk-kib", type=int, default=None, help="p2ptrain's largest chunk in KiB (default: Group's)")
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
+    p.add_argument("--tls", action="store_true", help="run each p2ptrain case plain and over mutual TLS, in turn")
+    p.add_argument("--tls-dir", help=argparse.SUPPRESS)  # (a worker's certificates)
     p.add_argument("--threads", default=None, help="data-path threads per peer, comma-separated to compare "
                    "(default: the machine's rule, p2ptrain.collective.pool)")
     p.add_argument("--baseline-tree", help="also run p2ptrain from this source tree, before this one "
@@ -234,6 +260,10 @@ def main(argv=None) -> int:
     gloo_rows: list[dict] = []
     import gloo_allreduce
     import netns
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="p2ptrain-bench-tls-")
+    tls_dirs = [None] + ([make_certs(scratch.name, max(ns))] if a.tls else [])
     for n in ns:
         rates = a.rates.split(",") if a.rates else ([a.netns] * n if a.netns else None)
         if rates is not None:
@@ -241,16 +271,19 @@ def main(argv=None) -> int:
                 for _ in range(a.rounds):
                     for tree in trees:
                         for t in threads:
-                            rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop,
-                                                 chunk_kib=a.chunk_kib, threads=t, tree=tree, trace_dir=a.trace)
+                            for tls_dir in tls_dirs:
+                                rows += run_p2ptrain(n, sizes, a.reps, codecs, lan=lan, uvloop=a.uvloop,
+                                                     chunk_kib=a.chunk_kib, threads=t, tree=tree, trace_dir=a.trace,
+                                                     tls_dir=tls_dir)
                 if not a.no_gloo:
                     gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps, lan=lan)
         else:
             for _ in range(a.rounds):
                 for tree in trees:
                     for t in threads:
-                        rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib,
-                                             threads=t, tree=tree, trace_dir=a.trace)
+                        for tls_dir in tls_dirs:
+                            rows += run_p2ptrain(n, sizes, a.reps, codecs, uvloop=a.uvloop, chunk_kib=a.chunk_kib,
+                                                 threads=t, tree=tree, trace_dir=a.trace, tls_dir=tls_dir)
             if not a.no_gloo:
                 gloo_rows += gloo_allreduce.run_gloo(n, sizes, a.reps)
     gloo = {(g["n"], g["size_bytes"]): g for g in gloo_rows}

@@ -108,7 +108,7 @@ def test_every_p2ptrain_command_in_the_readme_parses():
             args = parser.parse_args(argv)
         except SystemExit as exc:
             pytest.fail(f"the parser refuses a README command (exit {exc.code}): python -m p2ptrain {shlex.join(argv)}")
-        assert args.command in {"join", "doctor", "peers"}, argv
+        assert args.command in {"join", "doctor", "peers", "tls-init"}, argv
 
 
 class _WouldStart(Exception):
@@ -126,6 +126,10 @@ def test_every_join_command_in_the_readme_passes_the_checks_join_makes_before_it
 
     monkeypatch.setattr(join_command, "check", stop)
     parser = build_parser()
+    for argv in p2ptrain_argvs(readme()):  # (the certificates a join names: made as a reader makes them)
+        if argv[:1] == ["tls-init"]:
+            args = parser.parse_args(argv)
+            assert args._run(args) == 0, argv
     joins = [argv for argv in p2ptrain_argvs(readme()) if argv[:1] == ["join"]]
     for argv in joins:
         args = parser.parse_args(argv)

@@ -57,6 +57,7 @@ from p2ptrain.errors import FingerprintError, P2PTrainError, RemoteProtocolError
 from p2ptrain.cluster.faultlog import FaultLog
 from p2ptrain.cluster.membership import DEAD, SYNCED, WINDOW, genesis
 from p2ptrain.net.mesh import IDLE_TIMEOUT, Mesh
+from p2ptrain.net.tls import TLS
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 from p2ptrain.cluster.sleepwatch import SleepWatch
@@ -85,14 +86,14 @@ class Cluster:
     def __init__(self, *, peer_id: str, trainer: Contributions, checksum: bytes, cluster: str = "default",
                  secret: bytes | None = None, host: str = "127.0.0.1", port: int = 0, compression: str = "none",
                  config: RoundConfig | None = None, ring_timeout: float = 30.0, fingerprint: list | None = None,
-                 start: SyncPoint | None = None, settings: dict | None = None):
+                 start: SyncPoint | None = None, settings: dict | None = None, tls: TLS | None = None):
         self.peer_id = peer_id
         self.trainer = trainer
         self._secret = secret
         self.codec = parse_codec(compression)
         self.machine = RoundMachine(peer_id, config)
         self._sleep = SleepWatch(self.machine.config.peer_timeout / 2)  # (a lid closed: ``on_woken``)
-        self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port,
+        self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port, tls=tls,
                          on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
                          on_admitted=lambda p, info: self.vetting.admitted(p, info),
                          on_state=lambda p, f: self.transfer.on_frame(p, f),

@@ -9,6 +9,7 @@ Every process of a group runs the same code::
 ``peers`` is the whole group, this peer included; a peer's position in it is its place in
 the ring. Entering connects each peer to its two ring neighbours (the one earlier in the
 list dials) and waits, up to ``connect_timeout``, until both links passed the handshake.
+``tls_cert``, ``tls_key``, ``tls_ca``: mutual TLS on both links, as ``Peer``'s (``net.tls``).
 
 Collectives are called in the same order with tensors of the same shapes on every peer,
 as with torch.distributed. Any floating-point tensors are accepted, on any device: they
@@ -27,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from p2ptrain.net import auth, transport
+from p2ptrain.net import auth, tls, transport
 from p2ptrain.codecs import parse_codec
 from p2ptrain.net.discovery import parse_host_port, peer_list
 from p2ptrain.collective.allreduce import AllreduceStats, RingAllreduce
@@ -46,7 +47,7 @@ class Group:
     def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
                  cluster: str = "default", compression: str = "none", connect_timeout: float = 60.0,
                  timeout: float = 120.0, chunk_bytes: int = DEFAULT_CHUNK_ELEMS * 4, codec_threads: int | None = None,
-                 trace=NO_TRACE):
+                 trace=NO_TRACE, tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None):
         check_numpy_bridge()
         self.peers = peer_list(peers)
         if not self.peers:
@@ -71,6 +72,7 @@ class Group:
         self.trace = trace  # (``p2ptrain.trace.Tracer``: every call's chunks, as spans)
         self.peer_id = new_peer_id()
         self._secret = auth.secret_from(secret)
+        self._tls = tls.load(tls_cert, tls_key, tls_ca)
         self._links: dict[int, transport.Link] = {}
         self._linked = asyncio.Event()
         self._server = None
@@ -117,7 +119,7 @@ class Group:
             try:
                 link = await transport.open_link(
                     host, port, self._handshake(), timeout=max(0.1, min(10.0, deadline - loop.time())),
-                    expect=lambda h: h.info.get("rank") == j and h.info.get("listen") == self.peers[j])
+                    expect=lambda h: h.info.get("rank") == j and h.info.get("listen") == self.peers[j], tls=self._tls)
             except transport.LinkError:
                 if loop.time() + delay > deadline:
                     return  # __aenter__ reports who is missing
@@ -136,7 +138,7 @@ class Group:
         host, port = parse_host_port(self.listen)
         try:
             self._server = await transport.serve(host, port, self._handshake, self._on_incoming,
-                                                 expect=self._expected_dialer)
+                                                 expect=self._expected_dialer, tls=self._tls)
         except OSError as exc:
             raise ConfigError(f"cannot listen on {self.listen}: {exc.strerror or exc}") from None
         loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """``python -m p2ptrain COMMAND``: the command line.
 
-Each command lives in its own module ``p2ptrain.commands.<name>`` exposing ``HELP`` (one line),
+Each command lives in its own module ``p2ptrain.commands.<name>`` (``-`` as ``_``) exposing ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches, importing a
 command's module (and torch) only when that command runs.
 
@@ -24,7 +24,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_CLUSTER = 3
 
-COMMANDS = ("join", "peers", "doctor")
+COMMANDS = ("join", "peers", "doctor", "tls-init")
 
 
 def secret_option(secret: str | None, secret_file: str | None) -> bytes | None:
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.commands = {}  # name -> its parser (it reports its own usage errors)
     for name in COMMANDS:
-        module = importlib.import_module(f"p2ptrain.commands.{name}")
+        module = importlib.import_module(f"p2ptrain.commands.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], metavar="L",
                        help="debug, info (default), warning, error")

@@ -133,7 +133,8 @@ class _Join:
                          compression=a.compression, staleness=a.staleness, min_peers=a.min_peers,
                          reconcile_every=a.reconcile_every, weight_prediction=a.weight_prediction, overlap=a.overlap,
                          step_timeout=float("inf"), seed=a.seed, max_rounds=a.max_rounds, duration=a.duration,
-                         peer_timeout=a.peer_timeout, **kwargs)
+                         peer_timeout=a.peer_timeout, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca,
+                         **kwargs)
         self._resume(peer, task)
         self._version = peer.version  # (the checkpoint's, or 0: each record's version counts on from it)
         metrics = open_metrics(a.metrics, a.tensorboard)

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--secret", default=_env("secret"), metavar="S", help="shared secret (or $P2PTRAIN_SECRET)")
     g.add_argument("--secret-file", default=_env("secret_file"), metavar="PATH", help="read the secret from a file")
     g.add_argument("--peers", default=_env("peers"), metavar="H:P,...", help="other peers' addresses")
+    g.add_argument("--tls-cert", default=_env("tls_cert"), metavar="FILE", help="mutual TLS: this machine's cert")
+    g.add_argument("--tls-key", default=_env("tls_key"), metavar="FILE", help="mutual TLS: its private key")
+    g.add_argument("--tls-ca", default=_env("tls_ca"), metavar="FILE", help="mutual TLS: the cluster's CA certificate")
     g.add_argument("--no-discovery", action="store_true", default=_flag("no_discovery"),
                    help="no UDP beacons: --peers only")
     g.add_argument("--interface", default=_env("interface"), metavar="IF", help="interface for beacons (all)")
@@ -120,6 +123,9 @@ def check(args: argparse.Namespace) -> bytes | None:
     parse_codec(args.compression)
     peer_list(args.peers or "")
     secret = secret_option(args.secret, args.secret_file)
+    from p2ptrain.net import tls
+
+    tls.load(args.tls_cert, args.tls_key, args.tls_ca, names=tls.OPTIONS)  # (all three or none; files that work)
     _check_where(args)
     _check_port_free(args.host, args.port)
     _check_outputs(args)

@@ -61,8 +61,10 @@ class P2PHook:
     Use as a context manager; ``register(ddp)`` once, before the first backward."""
 
     def __init__(self, listen: str, peers: Sequence[str], *, secret: str | bytes | None = None,
-                 cluster: str = "default", compression: str = "none", timeout: float = 120.0):
-        self.group = Group(listen, peers, secret=secret, cluster=cluster, compression=compression, timeout=timeout)
+                 cluster: str = "default", compression: str = "none", timeout: float = 120.0,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None):
+        self.group = Group(listen, peers, secret=secret, cluster=cluster, compression=compression, timeout=timeout,
+                           tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
         self.batch_size: int | None = None  # samples behind this step's gradient, for a weighted mean
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -28,7 +28,9 @@ a proof sent back to its maker is refused (it names the other role).
 What it does not prove: that the TCP connection is the one the proofs were made on. A third
 party that an honest peer dials (it had that peer's address and answered there) can pass the
 whole exchange between two peers that know the secret, and then sees and may alter their
-traffic: nothing is encrypted or integrity-checked after admission (that waits for TLS).
+traffic: without TLS nothing is encrypted or integrity-checked after admission. With TLS
+(``p2ptrain.net.tls``) this handshake runs inside the encrypted channel, whose ends each showed
+a certificate of the cluster's CA, so such a relay would need a member's key as well.
 
 Without a secret the MACs are empty (ids and nonces are still exchanged, in the same order)
 and anyone on the network can join (the caller logs that once).
@@ -64,6 +66,12 @@ REASON_UNEXPECTED = "unexpected peer"
 REASON_TIMEOUT = "handshake timed out"
 REASON_NOT_FINITE = "it left the allreduce: its values held NaN or inf, which a lossy codec cannot carry"  # (Group)
 REASON_FAILED = "it left the allreduce after a failure (that peer's own error says which)"  # (Group)
+REASON_TLS_MODE = "TLS mismatch: one side has --tls-cert/--tls-key/--tls-ca and the other has none"
+# TLS failures are said only to ourselves (the connection is unusable by then): never sent.
+REASON_TLS_CERT = "TLS: the peer's certificate is not of this peer's --tls-ca (another CA's, or expired)"
+REASON_TLS_CERT_REFUSED = "TLS: the peer refused this peer's certificate (not of its --tls-ca, or expired)"
+REASON_TLS_CLOSED = "TLS: the peer closed the connection in the TLS handshake (does it refuse this peer's certificate?)"
+REASON_TLS_FAILED = "TLS handshake failed"
 
 # What to do about a refusal that is a setting, not a fault: said with the refusal, once.
 ADVICE = {
@@ -71,7 +79,10 @@ ADVICE = {
     REASON_SECRET_MODE: "give every peer the same --secret (secret=), or none to all",
     REASON_CLUSTER: "give every peer the same --cluster (cluster=)",
     REASON_VERSION: "run the same p2ptrain version on every peer",
+    REASON_TLS_MODE: "give every peer --tls-cert, --tls-key and --tls-ca (tls_cert=, ...), or none to all",
 }
+ADVICE[REASON_TLS_CERT] = ADVICE[REASON_TLS_CERT_REFUSED] = ADVICE[REASON_TLS_CLOSED] = (
+    "give every machine a certificate of one CA (python -m p2ptrain tls-init) and that CA's ca.pem as --tls-ca")
 
 
 def advice(reason: str) -> str | None:
@@ -173,6 +184,8 @@ class Handshake:
         t = header.get("t")
         if t == wire.REJECT:
             raise HandshakeError(refusal_reason(header), by_peer=True)
+        if t == wire.STARTTLS:  # (a peer with TLS options; a link with TLS passed its STARTTLS before: ``tls``)
+            raise HandshakeError(REASON_TLS_MODE)
         if t == wire.HELLO and self._their is None:
             return self._on_hello(header)
         if t == wire.PROOF and self._their is not None and not self._verified:
@@ -233,6 +246,18 @@ class Handshake:
         msg = msgpack.packb(["p2ptrain/handshake", wire.PROTOCOL_VERSION, role, self.cluster, *ids, *nonces],
                             use_bin_type=True)
         return hmac.new(self._key, msg, hashlib.sha256).digest()
+
+
+def check_starttls(header: dict) -> None:
+    """The first frame either way on a link with TLS must be STARTTLS (``p2ptrain.net.tls``). Raises
+    HandshakeError otherwise: the peer's REJECT (``by_peer``), or REASON_TLS_MODE for a HELLO (a
+    peer without TLS, which sends its HELLO first), or REASON_MALFORMED for anything else."""
+    t = header.get("t")
+    if t == wire.STARTTLS:
+        return
+    if t == wire.REJECT:
+        raise HandshakeError(refusal_reason(header), by_peer=True)
+    raise HandshakeError(REASON_TLS_MODE if t == wire.HELLO else REASON_MALFORMED)
 
 
 _warned_open = False

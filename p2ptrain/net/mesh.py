@@ -38,6 +38,7 @@ import logging
 from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, transport, wire
+from p2ptrain.net.tls import TLS
 from p2ptrain.errors import ConfigError, LinkError, P2PTrainError
 from p2ptrain.taskset import TaskSet
 from p2ptrain.waiting import wait_set
@@ -132,8 +133,9 @@ class Mesh:
                  on_admitted: Callable[[str, dict], None] = lambda p, info: None,
                  on_state: Callable[[str, wire.Frame], None] = lambda p, frame: None,
                  own_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost", "0.0.0.0"}),
-                 handshake_timeout: float = transport.HANDSHAKE_TIMEOUT, idle_timeout: float | None = None):
-        self.cluster, self.peer_id, self._secret = cluster, peer_id, secret
+                 handshake_timeout: float = transport.HANDSHAKE_TIMEOUT, idle_timeout: float | None = None,
+                 tls: TLS | None = None):
+        self.cluster, self.peer_id, self._secret, self._tls = cluster, peer_id, secret, tls  # (``net.tls``)
         self.host, self.port = host, port
         self.info = dict(info or {})
         self._on_message, self._on_lost, self._on_admitted = on_message, on_lost, on_admitted
@@ -168,13 +170,15 @@ class Mesh:
         """Listen. A port taken or an address not of this machine is a ``ConfigError``."""
         try:
             self._listener = await transport.serve(self.host, self.port, self._handshake, self._admit_incoming,
-                                                   timeout=self.handshake_timeout)
+                                                   timeout=self.handshake_timeout, tls=self._tls)
         except OSError as exc:  # (EADDRINUSE, EADDRNOTAVAIL, a name that does not resolve)
             why = exc.strerror or str(exc)
             raise ConfigError(f"cannot listen on {self.host}:{self.port}: {why}; pick another port (--port, "
                               "listen=; 0: any free one) or an address of this machine (--host)") from None
         self.port = self._listener.port
         self.info["port"] = self.port
+        if self._tls is not None:
+            log.info("mutual TLS on every link; this peer's certificate: %r", self._tls.name)
         self._tasks.spawn(self._ping())
 
     async def close(self) -> None:
@@ -296,7 +300,8 @@ class Mesh:
 
     async def _dial(self, host: str, port: int) -> None:
         try:
-            link = await transport.open_link(host, port, self._handshake(), timeout=self.handshake_timeout)
+            link = await transport.open_link(host, port, self._handshake(), timeout=self.handshake_timeout,
+                                             tls=self._tls)
         except auth.HandshakeError as exc:
             self._refused_by((host, port), exc)
             return

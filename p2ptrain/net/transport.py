@@ -15,9 +15,9 @@
   send buffer is held at ``LOOPBACK_SNDBUF``, so that the receiver copies data still in cache.
   ``queued_bytes`` tells how much the kernel holds that the peer has not acknowledged: how
   far the link is behind us (the ring compresses only then).
-- Admission: ``open_link`` and ``serve`` run the ``auth.Handshake`` under a deadline; a peer
-  that fails it is logged in one line (one per source address a minute: ``admission``), sent a
-  fixed reason, and closed. The listener keeps serving everyone else. Until a link is admitted
+- Admission: ``open_link`` and ``serve`` run ``tls.upgrade`` (with TLS) and the ``auth.Handshake``
+  under a deadline each; a peer that fails is logged in one line (one per source address a minute:
+  ``admission``), sent a fixed reason, and closed. The listener serves everyone else. Until admitted
   its frames carry no payload (``wire.PENDING_MAX_PAYLOAD_BYTES``: one that announces a
   payload is held unread), it is read on the loop, and a listener holds at most
   ``admission.MAX_PENDING_PER_SOURCE`` such links per source address, ``admission.MAX_PENDING``
@@ -36,7 +36,7 @@ import os
 import socket
 from typing import Awaitable, Callable
 
-from p2ptrain.net import admission, auth, wire
+from p2ptrain.net import admission, auth, tls as tls_, wire
 from p2ptrain.net.sockopts import (LOOPBACK_SNDBUF, WHOLE_PAYLOAD_BYTES, _is_loopback,  # noqa: F401 (tests')
                                    _reads_whole_payloads, _same_host, _tune_socket)
 from p2ptrain.net.reader import ThreadReader
@@ -352,7 +352,9 @@ class Link:
         elif self._error is None:
             where = "" if self._decoder.idle else " in the middle of a frame"
             why = f": {exc}" if exc else ""
-            self._fail(LinkError(f"{self.name}: connection closed by peer{where}{why}"))
+            lost = LinkError(f"{self.name}: connection closed by peer{where}{why}")
+            lost.__cause__ = exc  # (a TLS alert: ``tls.failure`` reads it)
+            self._fail(lost)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -397,8 +399,9 @@ async def _admit(link: Link, hs: auth.Handshake, timeout: float,
 
 async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float = HANDSHAKE_TIMEOUT,
                     expect: Callable[[auth.PeerHello], bool] | None = None,
-                    max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES) -> Link:
-    """Connect to ``host:port`` and pass the handshake. Raises LinkError or HandshakeError."""
+                    max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES, tls: tls_.TLS | None = None) -> Link:
+    """Connect to ``host:port``, go TLS with ``tls`` (``tls.upgrade``), and pass the handshake.
+    Raises LinkError or HandshakeError."""
     loop = asyncio.get_running_loop()
     link = Link(hostport(host, port), max_payload)
     try:
@@ -408,6 +411,8 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
         why = os.strerror(errno) if errno and errno > 0 else getattr(exc, "strerror", None) or str(exc) or "timed out"
         raise LinkError(f"cannot connect to {hostport(host, port)}: {why}") from None
     try:
+        if tls is not None:
+            await tls_.upgrade(link, tls, dialer=True, timeout=timeout)
         await _admit(link, hs, timeout, expect, dialer=True)
     except FrameError as exc:
         if exc.peer_version is None:
@@ -441,8 +446,8 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
                 timeout: float = HANDSHAKE_TIMEOUT,
                 expect: Callable[[auth.PeerHello], bool] | None = None,
                 max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
-                pending: admission.PendingHandshakes | None = None) -> Listener:
-    """Listen on ``host:port``; every connection that passes the handshake goes to ``on_link``.
+                pending: admission.PendingHandshakes | None = None, tls: tls_.TLS | None = None) -> Listener:
+    """Listen on ``host:port``; every connection that passes TLS (with ``tls``) and the handshake goes to ``on_link``.
 
     Failures never stop the listener; each is logged one line, at most one per source address
     a minute (a peer with a wrong secret dials again every few seconds; a flood of connections
@@ -473,6 +478,8 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
         async def admit(source: str):
             try:
                 try:
+                    if tls is not None:  # (each of the two steps within ``timeout``)
+                        await tls_.upgrade(link, tls, dialer=False, timeout=timeout)
                     await _admit(link, make_handshake(), timeout, expect, dialer=False)
                 finally:
                     pending.end(source)

@@ -102,7 +102,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2ptrain.net import auth
+from p2ptrain.net import auth, tls
 from p2ptrain.trainer.accumulator import RoundMetrics
 from p2ptrain.trainer.apply import optimizer_step
 from p2ptrain.cluster.cluster import Cluster
@@ -160,7 +160,8 @@ class AsyncPeer:
     cluster's run ends at its version ``max_rounds`` after the one this peer starts from, or
     ``duration`` seconds after its leader started (on the leader's clock), for every member at
     once; ``finished`` says so. ``peer_timeout``: a member silent this many seconds (a lid closed,
-    a cable pulled) is dropped, and the others go on without it (default 10, at least 5)."""
+    a cable pulled) is dropped, and the others go on without it (default 10, at least 5). ``tls_cert``,
+    ``tls_key``, ``tls_ca``: PEM files (``tls-init`` makes them): mutual TLS on every link (``net.tls``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",
@@ -170,12 +171,14 @@ class AsyncPeer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
                  duration: float | None = None, sync_every: int | str | None = None, outer_lr: float | None = None,
-                 outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
+                 outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None):
         check_options(staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
                       clip_grad_norm=clip_grad_norm, reconcile_every=reconcile_every,
                       step_timeout=step_timeout, weight_prediction=weight_prediction, max_rounds=max_rounds,
                       duration=duration, cluster=cluster, sync_every=sync_every, outer_lr=outer_lr,
                       outer_momentum=outer_momentum, overlap=overlap, peer_timeout=peer_timeout)
+        self._tls = tls.load(tls_cert, tls_key, tls_ca)  # (None: no TLS; a ConfigError for a bad file)
         check_model_and_optimizer(model, optimizer)
         check_numpy_bridge()
         outer_lr, outer_momentum = local_steps_defaults(outer_lr, outer_momentum, sync_every)
@@ -330,7 +333,7 @@ class AsyncPeer:
                                cluster=self._cluster_name, secret=self._secret, host=self._host, port=self._port,
                                compression=self._compression, config=config,
                                start=st.params_point, fingerprint=model_fingerprint(self.module),
-                               settings=self._settings)
+                               settings=self._settings, tls=self._tls)
         await self.cluster.__aenter__()  # (when it fails, it has opened nothing)
         try:  # (cancelled midway, by an interrupted waiter: what was opened is closed again)
             for array in st.acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)

@@ -41,7 +41,8 @@ class Peer:
                  scheduler: Any = None, step_timeout: float = 300.0, reconcile_every: int = RECONCILE_EVERY,
                  weight_prediction: bool = False, seed: int | None = None, max_rounds: int | None = None,
                  duration: float | None = None, sync_every: int | str | None = None, outer_lr: float | None = None,
-                 outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT):
+                 outer_momentum: float | None = None, overlap: bool = False, peer_timeout: float = PEER_TIMEOUT,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None):
         self._peer = AsyncPeer(model, optimizer, cluster=cluster, secret=secret, peers=peers, listen=listen,
                                discovery=discovery, interface=interface, compression=compression,
                                staleness=staleness, target_batch_size=target_batch_size, min_peers=min_peers,
@@ -50,7 +51,7 @@ class Peer:
                                weight_prediction=weight_prediction, seed=seed,
                                max_rounds=max_rounds, duration=duration, sync_every=sync_every,
                                outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap,
-                               peer_timeout=peer_timeout)
+                               peer_timeout=peer_timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
         self._lifetime = lifetime_of(self._peer)  # its loop thread: what start, step and close drive
 
     def __enter__(self) -> Self:
