@@ -1,30 +1,25 @@
 """TCP links that carry frames: the thin asyncio layer around ``wire`` and ``auth``.
 
-- Receiving: an ``asyncio.BufferedProtocol`` whose ``get_buffer`` is the decoder's, so the
-  kernel writes payloads straight into the buffer the link's ``allocate`` hook gives out
-  (a preallocated ring segment, a pooled buffer): no copy in Python, on the stock loop and
-  on uvloop alike; or, with ``P2PTRAIN_IO_THREADS=1``, a thread of the link reads into the same
-  decoder (``reader.ThreadReader``). Frames queue on the link (bounded: reading pauses at the
-  high-water mark).
+- Receiving: an ``asyncio.BufferedProtocol`` whose ``get_buffer`` is the decoder's, so the kernel
+  writes payloads straight into the buffer the link's ``allocate`` hook gives out (a ring segment,
+  a pooled buffer), on the stock loop and uvloop alike; or, with ``P2PTRAIN_IO_THREADS=1``, a
+  thread of the link reads into the same decoder (``reader.ThreadReader``). Frames queue on the
+  link (bounded: reading pauses at the high-water mark).
 - Sending: payloads go out from the caller's memory (``sender.DirectSender``: ``sendmsg`` on a
-  duplicate of the connection's socket, on the loop or on a thread of the link). Where the
-  loop has no ``add_writer`` (Windows' proactor), pieces go through the transport, each
-  handed over only when its buffer is empty. Either way ``send`` returns once nothing of
-  the frame is left in user space: the caller may then reuse its buffer. A peer that stops reading
-  makes us hold one frame at most beside the kernel's (none with ``sendmsg``), ``timeout`` long. A loopback link's
-  send buffer is held at ``LOOPBACK_SNDBUF``, so that the receiver copies data still in cache.
-  ``queued_bytes`` tells how much the kernel holds that the peer has not acknowledged: how
-  far the link is behind us (the ring compresses only then).
+  duplicate of the socket, on the loop or a thread of the link); where the loop has no
+  ``add_writer`` (Windows' proactor), through the transport, each piece once its buffer is empty.
+  ``send`` returns once nothing of the frame is left in user space. A peer that stops reading
+  makes us hold one frame at most beside the kernel's (none with ``sendmsg``), ``timeout`` long.
+  A loopback link's send buffer is ``LOOPBACK_SNDBUF`` (the receiver copies data still in cache);
+  ``queued_bytes``: what the kernel holds unacknowledged, how far the link is behind us.
 - Admission: ``open_link`` and ``serve`` run ``tls.upgrade`` (with TLS) and the ``auth.Handshake``
   under a deadline each; a peer that fails is logged in one line (one per source address a minute:
-  ``admission``), sent a fixed reason, and closed. The listener serves everyone else. Until admitted
-  its frames carry no payload (``wire.PENDING_MAX_PAYLOAD_BYTES``: one that announces a
-  payload is held unread), it is read on the loop, and a listener holds at most
-  ``admission.MAX_PENDING_PER_SOURCE`` such links per source address, ``admission.MAX_PENDING``
-  in all; one more is closed on accept.
+  ``admission``), sent a fixed reason, and closed. Until admitted its frames carry no payload
+  (``wire.PENDING_MAX_PAYLOAD_BYTES``), it is read on the loop, and a listener holds at most
+  ``admission.MAX_PENDING_PER_SOURCE`` such links per address, ``admission.MAX_PENDING`` in all.
 
-Failures surface as ``LinkError`` (closed, reset, timed out) or ``RemoteProtocolError``
-(bad frame, refused handshake). Every wait has a timeout.
+Failures: ``LinkError`` (closed, reset, timed out), ``RemoteProtocolError`` (bad frame, refused
+handshake). Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -49,7 +44,6 @@ log = logging.getLogger("p2ptrain.net.transport")
 
 MAX_QUEUED_FRAMES = 64  # received frames waiting for their consumer before reading pauses
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connection may take to pass the handshake
-MAX_SAID = 1024  # (remote host, reason) pairs a listener remembers having logged
 
 
 def hostport(host: str, port: int) -> str:
