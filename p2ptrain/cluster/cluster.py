@@ -457,6 +457,9 @@ class Cluster:
             # synced itself (our table lags), and asking it again would go on for the whole run.
             members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
             others = [p for p in members if p != donor]
+            if not others and donor not in self.mesh.peers:  # (a donor gone, killed, say, and no synced member
+                others = [p for p in self.mesh.peers if p != self.peer_id]  # linked: any linked peer, which serves
+                #   where our table lags, or refuses in one frame: never the dead donor for the rest of the run)
             if others:
                 donor = others[int(loop.time()) % len(others)]
 
