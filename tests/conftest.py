@@ -91,3 +91,16 @@ def spare_cores(monkeypatch):
     from p2ptrain.trainer import state
 
     monkeypatch.setattr(state, "cpu_times", lambda pid="self": None)
+
+
+# The files that take longest, first: ``--dist loadfile`` hands whole files to the two workers in
+# collection order, and alphabetically the longest (test_soak, test_tls, the trainer pairs) came
+# last, so one worker ran them alone at the end while the other sat idle.
+FIRST = ("test_soak.py", "test_bench.py", "test_tls.py", "test_limits.py", "test_faults.py", "test_bench_lan.py",
+         "test_trainer_staleness.py", "test_trainer_local_steps.py", "test_integrations_transformers.py",
+         "test_integrations_lightning.py", "test_integrations_ddp.py", "test_join.py", "test_examples.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # (stable: the rest keep their order)
