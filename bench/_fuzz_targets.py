@@ -58,26 +58,38 @@ def frame_target() -> Target:
     return Target("frame", samples, run)
 
 
+def handshake_end(pid: str, secret, info: dict):
+    """A handshake of peer ``pid`` ("d" the dialer, "l" the listener) with a fixed nonce."""
+    from p2ptrain.net import auth
+
+    nonce = (b"D" if pid == "d" else b"L") * auth.NONCE_BYTES
+    return auth.Handshake(cluster="lab", peer_id=pid, secret=secret, info=info, nonce=nonce)
+
+
+def honest_transcript(secret, info: dict):
+    """What an honest dialer sends to the listener, and the listener to it (both end admitted)."""
+    d, lst = handshake_end("d", secret, info), handshake_end("l", secret, info)
+    d_hello, l_hello = d.start(dialer=True), lst.start(dialer=False)
+    d_proof = d.receive(l_hello[0])
+    lst.receive(d_hello[0])
+    l_proof = lst.receive(d_proof[0])
+    welcome = d.receive(l_proof[0])
+    assert d.done and lst.receive(welcome[0]) == [] and lst.done
+    return d_hello + d_proof + welcome, l_hello + l_proof
+
+
 def handshake_targets() -> list[Target]:
     from p2ptrain.cluster import settings as shared_settings
     from p2ptrain.net import auth
 
     ours = shared_settings.shared(compression="int8", staleness=1)
     info = {"port": 7000, "settings": ours, "model": b"m" * 16}
-    nonces = {"d": b"D" * auth.NONCE_BYTES, "l": b"L" * auth.NONCE_BYTES}
 
     def end(pid, secret):
-        return auth.Handshake(cluster="lab", peer_id=pid, secret=secret, info=info, nonce=nonces[pid])
+        return handshake_end(pid, secret, info)
 
     def transcript(secret):
-        d, lst = end("d", secret), end("l", secret)
-        d_hello, l_hello = d.start(dialer=True), lst.start(dialer=False)
-        d_proof = d.receive(l_hello[0])
-        lst.receive(d_hello[0])
-        l_proof = lst.receive(d_proof[0])
-        welcome = d.receive(l_proof[0])
-        assert d.done and lst.receive(welcome[0]) == [] and lst.done
-        return d_hello + d_proof + welcome, l_hello + l_proof
+        return honest_transcript(secret, info)
 
     def make(name, secret, dialer):
         to_listener, to_dialer = transcript(secret)

@@ -26,13 +26,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import _fuzz_targets  # (bench/, on the path: conftest)
+
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster import snapshot, statesync
 from p2ptrain.codecs import parse_codec
 from p2ptrain.collective.chunk_header import chunk_header, check_chunk_header
 from p2ptrain.collective.ring import Transfer
 from p2ptrain.errors import GroupError, RemoteProtocolError
-from p2ptrain.net import auth, beacon, wire
+from p2ptrain.net import beacon, wire
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -378,23 +380,16 @@ def test_feeding_a_held_decoder_returns_instead_of_spinning():
 
 
 # -- the handshake --------------------------------------------------------------------------------
-NONCES = {"d": b"D" * auth.NONCE_BYTES, "l": b"L" * auth.NONCE_BYTES}
 INFO = {"port": 7000, "settings": {"compression": "int8", "staleness": 1}, "model": b"m" * 16}
 
 
 def handshake_end(pid, secret):
-    return auth.Handshake(cluster="lab", peer_id=pid, secret=secret, info=INFO, nonce=NONCES[pid])
+    return _fuzz_targets.handshake_end(pid, secret, INFO)
 
 
 def honest_transcript(secret):
     """What an honest dialer sends to the listener, and the listener to it."""
-    d, listener = handshake_end("d", secret), handshake_end("l", secret)
-    d_hello, l_hello = d.start(dialer=True), listener.start(dialer=False)
-    d_proof = d.receive(l_hello[0])
-    listener.receive(d_hello[0])
-    l_proof = listener.receive(d_proof[0])
-    welcome = d.receive(l_proof[0])
-    return d_hello + d_proof + welcome, l_hello + l_proof
+    return _fuzz_targets.honest_transcript(secret, INFO)
 
 
 def proven(header):
