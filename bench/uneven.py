@@ -80,6 +80,7 @@ def run_flags() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float)
     p.add_argument("--outer-momentum", type=float)
     p.add_argument("--target-batch-size", type=int)
+    p.add_argument("--lookahead", action="store_true")  # (the trainer's A/B switch, P2PTRAIN_LOOKAHEAD=1)
     return p
 
 
@@ -122,6 +123,8 @@ def _worker(a) -> None:
     batches = task.train_batches(1000 + a.rank, 1, a.batch_size, 0)
     addrs = a.addrs.split(",")
     kw = peer_keywords(a.flags)
+    if run_flags().parse_args(shlex.split(a.flags)).lookahead:
+        os.environ["P2PTRAIN_LOOKAHEAD"] = "1"
     ends = {"max_rounds": a.max_rounds} if a.max_rounds else {"duration": a.seconds}
     snaps, timeline, out = [], [], {"rank": a.rank}
     try:

@@ -24,10 +24,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2ptrain.trainer.options import PEER_TIMEOUT
-from p2ptrain.trainer.peer import RECONCILE_EVERY, AsyncPeer, RoundMetrics, lifetime_of
+from p2ptrain.trainer.peer import RECONCILE_EVERY, AsyncPeer, lifetime_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+
+def _forwarded(name: str, doc: str | None = None):
+    """``AsyncPeer``'s property, method or attribute ``name``, read from the wrapped peer, with its
+    docstring (``doc`` for an attribute of the instance)."""
+    attr = getattr(AsyncPeer, name, None)
+    if attr is None or isinstance(attr, property):
+        return property(lambda self: getattr(self._peer, name), doc=doc or getattr(attr, "__doc__", None))
+
+    def method(self, *args, **kwargs):
+        return getattr(self._peer, name)(*args, **kwargs)
+    method.__name__, method.__doc__ = name, attr.__doc__
+    return method
 
 
 class Peer:
@@ -88,83 +101,18 @@ class Peer:
             self._lifetime.wait(waiting)
         return self._lifetime.end_step()
 
-    def state_dict(self) -> dict:
-        return self._peer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._peer.load_state_dict(state)
-
-    def param_checksum(self) -> str:
-        return self._peer.param_checksum()
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self._peer.model
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self._peer.module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._peer.optimizer
-
-    @property
-    def device(self) -> torch.device:
-        return self._peer.device
-
-    @property
-    def peer_id(self) -> str:
-        return self._peer.peer_id
-
-    @property
-    def version(self) -> int:
-        """Updates applied to the parameters here."""
-        return self._peer.version
-
-    @property
-    def metrics(self) -> RoundMetrics | None:
-        """The last update applied here."""
-        return self._peer.metrics
-
-    @property
-    def history(self):
-        """The last updates applied here (``RoundMetrics``, newest last)."""
-        return self._peer.history
-
-    @property
-    def dropped(self) -> int:
-        return self._peer.dropped
-
-    @property
-    def unapplied(self) -> int:
-        """Samples stepped that no round took before this peer left (a batch in flight when it
-        was stopped; local steps not sent): known once closed."""
-        return self._peer.unapplied
-
-    @property
-    def staleness_max(self) -> int:
-        return self._peer.staleness_max
-
-    @property
-    def finished(self) -> bool:
-        """The cluster's run is over and this peer applied its last update (``AsyncPeer.finished``)."""
-        return self._peer.finished
-
-    @property
-    def corrected(self) -> int:
-        """The leader's parameters loaded here because ours drifted past ``drift.TOLERANCE``."""
-        return self._peer.corrected
-
-    @property
-    def members(self) -> int:
-        """Live synced peers, this one included."""
-        return self._peer.members
-
-    @property
-    def cluster(self):
-        """The ``Cluster`` (rounds, mesh, ``reconciled``, ``loads``) once started: for inspection."""
-        return self._peer.cluster
+    state_dict = _forwarded("state_dict")
+    load_state_dict = _forwarded("load_state_dict")
+    param_checksum = _forwarded("param_checksum")
+    model, module, optimizer, device, peer_id = (_forwarded(n) for n in ("model", "module", "optimizer", "device",
+                                                                         "peer_id"))
+    version, metrics, history, dropped = (_forwarded(n) for n in ("version", "metrics", "history", "dropped"))
+    unapplied = _forwarded("unapplied", "Samples stepped that no round took before this peer left (a batch in "
+                                        "flight when it was stopped; local steps not sent): known once closed.")
+    staleness_max, finished, corrected, members = (_forwarded(n) for n in (
+        "staleness_max", "finished", "corrected", "members"))
+    cluster = _forwarded("cluster", "The ``Cluster`` (rounds, mesh, ``reconciled``, ``loads``) once started: for "
+                                    "inspection.")
 
     @property
     def port(self) -> int:
