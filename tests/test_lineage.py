@@ -45,6 +45,32 @@ def test_joiner_that_is_behind_is_told_and_loads_again():
     assert net.applied("a") and net.m["b"].table.state("a") == SYNCED
 
 
+def test_a_joiner_whose_donor_died_mid_load_goes_on_and_loads_from_a_member_still_there():
+    """The host gave up loading (``Cluster._fetch_state``: the donor, the leader, was killed
+    mid-download and nobody else was asked in time). The joiner is synced again on its own chain,
+    says so once, and the STATUS of the peers still linked decide: it loads from one of them,
+    never the dead donor, and trains with them."""
+    net = cluster("abc", run=0.5)
+    net.manual_sync.add("z")
+    net.add("z")
+    net.handle("z", net.m["z"].on_synced(SyncPoint(0, GENESIS.digest, -1, 0), net.now))
+    net.run(0.3)
+    assert net.needs_sync["z"] == "a" and not net.m["z"].synced
+    net.crash("a")
+    for p in "bcz":  # (kill -9: the kernel resets its links, and every end notices)
+        net.cut("a", p)
+    net.handle("z", net.m["z"].on_load_failed("a", "lost the link to a mid-download", net.clock("z")))
+    assert net.m["z"].synced and net.m["z"].history.version == 0
+    gave_up = [x.text for x in net.of("z", M.Log) if x.text.startswith("gave up loading state from a")]
+    assert len(gave_up) == 1 and "compares it with b, c's" in gave_up[0], gave_up
+    net.run(0.5)
+    assert net.needs_sync["z"] in ("b", "c") and len(net.resyncs["z"]) == 2
+    net.manual_sync.discard("z")
+    net.run(2.0)
+    assert net.applied("z") and net.applied("z")[-1][1] == ("b", "c", "z")
+    net.check_safety()
+
+
 @pytest.mark.parametrize("leader_link", ["up", "late"])
 def test_a_fresh_joiner_says_it_joins_at_info_and_a_peer_back_behind_still_warns(leader_link):
     """Every joiner loads the cluster's state: that is joining, not a fault. It was said as a

@@ -36,7 +36,7 @@ class TensorTrainer:
         self.version += 1
         self.seen[self.version] = self.w.clone()
 
-    def put_back(self, contribution, samples):
+    def put_back(self, contribution, samples, not_finite=False):
         pass
 
     def snapshot(self):

@@ -11,7 +11,8 @@ returns, in order:
     Apply(r, total)   -> trainer.apply(summed, total, used)
     PutBack(r)        -> cancel the ring if it runs; trainer.put_back(contribution) (left out: not finite)
     Resync(donor)     -> fetch a snapshot from it (``statesync``), ``trainer.restore`` it, then
-                         ``on_synced`` with its SyncPoint; another synced member if that fails
+                         ``on_synced`` with its SyncPoint; another synced member if that fails;
+                         ``on_load_failed`` once no linked peer is left to ask, or MAX_FETCH_TRIES failed
     Stall / Waiting / Log -> logging
     Finish(version)   -> ``finished``; trainer.finish(): the cluster's run is over (``ending``)
 
@@ -72,6 +73,7 @@ from p2ptrain.trace import NO_TRACE
 log = logging.getLogger("p2ptrain.cluster.cluster")
 TICK = 0.1
 RETRY_FETCH = 1.0  # seconds before a failed state download is tried again (from another member)
+MAX_FETCH_TRIES = 3  # failed downloads in a row before the round machine decides again (``_fetch_state``)
 SNAPSHOT_WAIT = 10.0  # seconds a member waits for its trainer to reach a round boundary before refusing
 
 
@@ -94,7 +96,7 @@ class Cluster:
         self.machine = RoundMachine(peer_id, config)
         self._sleep = SleepWatch(self.machine.config.peer_timeout / 2)  # (a lid closed: ``on_woken``)
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port, tls=tls,
-                         on_message=self._on_message, on_lost=lambda p, why: self._post("lost", p, why),
+                         on_message=self._on_message, on_lost=self._lost,
                          on_admitted=lambda p, info: self.vetting.admitted(p, info),
                          on_state=lambda p, f: self.transfer.on_frame(p, f),
                          idle_timeout=max(IDLE_TIMEOUT, 3 * self.machine.config.peer_timeout))
@@ -177,6 +179,10 @@ class Cluster:
     def _on_message(self, peer: str, header: dict) -> None:
         if peer not in self.vetting.foreign:
             self._post("params" if header.get("t") == PARAMS else "message", peer, header)
+
+    def _lost(self, peer: str, why: str) -> None:
+        self.transfer.lost(peer, why)  # (a download from it fails now: ``_fetch_state`` asks another)
+        self._post("lost", peer, why)
 
     # -- the actor ------------------------------------------------------------------------
     def _post(self, kind: str, *args) -> None:
@@ -275,6 +281,10 @@ class Cluster:
                     log.info("loaded the cluster's state from %s: version %d, round %d",
                              args[2], args[1].version, args[1].round)
                     actions = machine.on_synced(dataclasses.replace(args[1], window=window), now, args[2])
+                elif kind == "unloaded":  # (``_fetch_state`` gave up: the rounds held here are void, as at
+                    for r in list(self._rounds):  # a Resync, and nothing replaces the accumulator: put back)
+                        self._put_back(r)
+                    actions = machine.on_load_failed(args[0], args[1], now)
                 elif kind == "leave":
                     await self._carry_out(machine.leave(now))
                     args[0].set_result(None)
@@ -439,9 +449,13 @@ class Cluster:
         return actions
 
     async def _fetch_state(self, donor: str) -> None:
-        """Download a snapshot, from ``donor`` first, then from any synced member, until one loads."""
-        loop = asyncio.get_running_loop()
-        while True:
+        """Download a snapshot, from ``donor`` first, then from another linked member, until one
+        loads; once no linked peer is left to ask (the donor killed mid-download) or MAX_FETCH_TRIES
+        failed (the peers linked refuse: they load too), the machine decides again from the cluster
+        as it is now (``on_load_failed``): asking on went on for whole runs (bench/soak.py)."""
+        loop, asked = asyncio.get_running_loop(), []
+        for tries in range(1, MAX_FETCH_TRIES + 1):
+            asked += [donor] if donor not in asked else []
             try:
                 state, point = await self.transfer.fetch(donor)
                 self._post("restored", state, point, donor)
@@ -451,17 +465,26 @@ class Cluster:
                 log.error("%s", exc)
                 return
             except P2PTrainError as exc:
-                log.warning("loading state from %s failed: %s; trying again", donor, exc)
-            await asyncio.sleep(RETRY_FETCH)
-            # Another synced member, if there is one: the one that failed may be right that it is not
-            # synced itself (our table lags), and asking it again would go on for the whole run.
-            members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
-            others = [p for p in members if p != donor]
-            if not others and donor not in self.mesh.peers:  # (a donor gone, killed, say, and no synced member
-                others = [p for p in self.mesh.peers if p != self.peer_id]  # linked: any linked peer, which serves
-                #   where our table lags, or refuses in one frame: never the dead donor for the rest of the run)
-            if others:
-                donor = others[int(loop.time()) % len(others)]
+                failed, after = exc, None
+            if tries < MAX_FETCH_TRIES:
+                log.warning("loading state from %s failed: %s; trying again", donor, failed)
+                await asyncio.sleep(RETRY_FETCH)
+                after = self._next_donor(donor, loop.time())
+            if after is None:
+                return self._post("unloaded", ", ".join(asked), f"{failed} ({tries} of {MAX_FETCH_TRIES} tries)")
+            donor = after
+
+    def _next_donor(self, donor: str, now: float) -> str | None:
+        """Whom to ask after ``donor`` failed: another synced member (the one that failed may be
+        right that it is not synced itself: our table lags); with the donor gone (no link), any linked
+        peer, which serves or refuses in one frame; else the donor while linked. None: nobody linked."""
+        members = [p for p in self.machine.table.live_synced() if p != self.peer_id and p in self.mesh.peers]
+        others = [p for p in members if p != donor]
+        if not others and donor not in self.mesh.peers:
+            others = [p for p in self.mesh.peers if p != self.peer_id]
+        if others:
+            return others[int(now) % len(others)]
+        return donor if donor in self.mesh.peers else None
 
     def _record(self, rnd: Round, total: int, view: tuple) -> None:
         stats, r, began = rnd.stats, rnd.r, rnd.ring_began

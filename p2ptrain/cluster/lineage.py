@@ -62,6 +62,7 @@ class LineageKeeper:
         self._start: int | None = None  # the version we started from (genesis: 0, or a checkpoint's)
         self._alone = True  # no round with another peer yet, and no load: a first load is joining
         self._loads_in_a_row = 0  # loads since our last round with another peer (one: behind is catching up)
+        self._before_load = (True, 0)  # (_alone, _loads_in_a_row) before the load asked for: one that failed
 
     def on_synced(self, peers, now: float) -> None:
         """We loaded state: our side is the one we loaded (see ``_side``), and we await the
@@ -253,6 +254,7 @@ class LineageKeeper:
         if self._alone:  # our rounds so far were solo, on a lineage we now drop: we served in no view
             machine.table.set_served(machine.id, False)  # of this side's (see ``coordinator``): else
             #   we took the lead from its leader while it held for a joiner
+        self._before_load = (self._alone, self._loads_in_a_row)  # (``load_failed``: no load came)
         self._alone, self._loads_in_a_row = False, self._loads_in_a_row + 1
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
         if machine.leader.lead:  # (joining, the round it aborts is no fault: the load says what it drops)
@@ -263,6 +265,28 @@ class LineageKeeper:
         machine._emit(Resync(reason, donor))
         machine._emit(said)
         machine._broadcast(self.status(), machine._peers())
+
+    def load_failed(self, asked: str, why: str, now: float) -> None:
+        """No load (``_resync``) came: the host gave up on the peers it ``asked`` (``why``). We
+        are synced again on our own chain, which nothing changed, as a peer that has just started
+        is: we await the STATUS of the peers linked now before we lead (``hello``), and theirs
+        decides, as between any peers that meet: one ahead is loaded from, a peer on our chain
+        trains with us, a split heals; with nobody linked, we train on alone. Nothing waits on
+        the donor: it is loaded from again only if its STATUS shows it ahead."""
+        machine = self.machine
+        if machine.synced:  # (a stale word from the host: nothing to go back to)
+            return
+        machine.synced, machine._heard_lead = True, now
+        machine.member.reset()  # (the ballot we obeyed was the side's whose state we failed to load)
+        machine._set_self()
+        self.side_leader, (self._alone, self._loads_in_a_row) = "", self._before_load
+        self.on_synced(machine._peers(), now)
+        machine._tell.update(self.hello)
+        peers = ", ".join(sorted(self.hello))
+        machine._emit(Log("warning", f"gave up loading state from {asked}: {why}; this peer goes on from its own "
+                                     f"state (version {machine.history.version})"
+                                     + (f" and compares it with {peers}'s (one ahead is loaded from)" if peers
+                                        else ", alone until a peer links")))
 
     def tick(self, now: float) -> None:
         """On a tick: a load put off, once the leader no longer leaves us out and the wait for

@@ -210,6 +210,13 @@ class RoundMachine:
         self.lineage.on_synced(self._peers(), now)
         return self._run(now, self._after_sync, point.version if donor is not None else None)
 
+    def on_load_failed(self, asked: str, why: str, now: float) -> list:
+        """The host stopped trying to load state (``Resync``) from the peers it ``asked``: the
+        last failed (``why``) and nobody linked was left to ask, or every try failed (a donor
+        killed mid-download). We go on from our own state, which the host left as it was, and
+        the linked peers' STATUS decide again (``lineage.load_failed``)."""
+        return self._run(now, self.lineage.load_failed, asked, why, now)
+
     def _after_sync(self, loaded: int | None) -> None:
         self._tell.update(self.lineage.hello)
         if loaded is not None:  # (a state from the cluster: --max-rounds may count from it, ``ending``)

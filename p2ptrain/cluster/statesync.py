@@ -204,10 +204,17 @@ class StateTransfer:
             return False
 
     # -- fetching -----------------------------------------------------------------------------
+    def lost(self, peer: str, why: str) -> None:
+        """The link to ``peer`` is gone (``Mesh``'s ``on_lost``): a download from it fails now,
+        not after ``FLOOR_S`` of silence (a donor killed mid-download sends nothing more)."""
+        for owner, inbox in self._fetches.values():
+            if owner == peer:
+                inbox.put_nowait(LinkError(f"lost the link to {peer} mid-download: {why}"))
+
     async def fetch(self, peer: str, parameters_only: bool = False) -> tuple[dict, SyncPoint]:
         """Download, decode and check a snapshot from ``peer`` (``parameters_only``: its trainable
         parameters alone, to correct a drift). Raises ``FingerprintError`` if
-        it trains another model, ``LinkError`` if it refuses or goes silent, and
+        it trains another model, ``LinkError`` if it refuses, goes silent or its link is lost, and
         ``RemoteProtocolError`` if what it sends is malformed or fails its checksum."""
         ask_id, inbox = next(self._ids), asyncio.Queue()
         self._fetches[ask_id] = (peer, inbox)
@@ -222,6 +229,8 @@ class StateTransfer:
                     frame = await asyncio.wait_for(inbox.get(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     raise LinkError(f"{peer} sent no state for {FLOOR_S:.0f} s") from None
+                if isinstance(frame, LinkError):  # (``lost``)
+                    raise frame
                 if frame.header["k"] == REFUSE:
                     why = str(frame.header.get("why", ""))[:200]
                     if frame.header.get("cause") == MODEL:
