@@ -99,13 +99,15 @@ def pending_tasks() -> list:
 
 
 @contextlib.asynccontextmanager
-async def async_peers_on_loopback(made: list, **options):
+async def async_peers_on_loopback(made: list, each: list[dict] | None = None, **options):
     """One ``AsyncPeer`` per ``(model, optimizer)`` in ``made``, on loopback, entered, each told
-    the others' addresses (the ports are known only once entered); all closed on leaving."""
+    the others' addresses (the ports are known only once entered); all closed on leaving.
+    ``options`` go to every peer, ``each[i]`` to peer ``i`` alone (its certificate, say)."""
     from p2ptrain.trainer.peer import AsyncPeer
 
-    peers = [AsyncPeer(*m, listen="127.0.0.1:0", min_peers=len(made), secret="s", discovery=False, **options)
-             for m in made]
+    each = each or [{}] * len(made)
+    peers = [AsyncPeer(*m, listen="127.0.0.1:0", min_peers=len(made), secret="s", discovery=False, **options, **own)
+             for m, own in zip(made, each)]
     entered = []
     try:
         for p in peers:

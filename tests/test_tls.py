@@ -6,6 +6,7 @@ time, while the others go on; bad option files are one line each."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finish, ports, run_cli
+from helpers import async_peers_on_loopback, finish, ports, run_cli
 
 from p2ptrain.errors import ConfigError, HandshakeError, LinkError
 from p2ptrain.net import auth, tls, transport, wire
@@ -52,12 +53,23 @@ def mesh(pid, contexts, secret=b"s", timeout=3.0):
     return Mesh(cluster="lab", peer_id=pid, secret=secret, host="127.0.0.1", tls=contexts, handshake_timeout=timeout)
 
 
-async def link_or_refuse(dialer: Mesh, listener: Mesh, wait=2.0) -> None:
-    dialer.propose("127.0.0.1", listener.port)
-    end = time.monotonic() + wait
-    while time.monotonic() < end and not (dialer.peers and listener.peers) and not dialer.refused:
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.2)  # (the other end's line)
+@contextlib.asynccontextmanager
+async def dialed(dialer: Mesh, listener: Mesh, wait=2.0):
+    """Both meshes started, ``dialer`` dialing ``listener`` until linked or refused (at most
+    ``wait`` s, then the other end's line); yields the seconds that took; both closed on leaving."""
+    try:
+        await dialer.start()
+        await listener.start()
+        start = time.monotonic()
+        dialer.propose("127.0.0.1", listener.port)
+        while time.monotonic() < start + wait and not (dialer.peers and listener.peers) and not dialer.refused:
+            await asyncio.sleep(0.02)
+        took = time.monotonic() - start
+        await asyncio.sleep(0.2)  # (the other end's line)
+        yield took
+    finally:
+        await dialer.close()
+        await listener.close()
 
 
 def lines(caplog, start: float) -> list[str]:
@@ -204,15 +216,9 @@ async def test_a_wrong_secret_inside_tls_is_still_refused_at_both_ends(certs, ca
     a = mesh("a", tls.load(*files(certs / "home", "mac")), secret=b"one")
     b = mesh("b", tls.load(*files(certs / "home", "pc")), secret=b"two")
     start = time.time()
-    try:
-        await a.start()
-        await b.start()
-        await link_or_refuse(a, b)
+    async with dialed(a, b):
         assert a.peers == b.peers == []
         assert a.refused[("127.0.0.1", b.port)][0] == auth.REASON_SECRET
-    finally:
-        await a.close()
-        await b.close()
     said = lines(caplog, start)
     assert len(said) == 2 and all(auth.REASON_SECRET in line for line in said), said
 
@@ -223,16 +229,9 @@ async def test_tls_against_plaintext_is_refused_at_both_ends_in_bounded_time(cer
     a = mesh("a", contexts if with_tls == "dialer" else None)
     b = mesh("b", contexts if with_tls == "listener" else None)
     start = time.time()
-    try:
-        await a.start()
-        await b.start()
-        await link_or_refuse(a, b)
-        took = time.time() - start
+    async with dialed(a, b) as took:
         assert a.peers == b.peers == []
         assert a.refused[("127.0.0.1", b.port)][0] == auth.REASON_TLS_MODE
-    finally:
-        await a.close()
-        await b.close()
     said = lines(caplog, start)
     assert len(said) == 2 and all(auth.REASON_TLS_MODE in line and "--tls-ca" in line for line in said), said
     assert any("refused connection from" in line for line in said)  # (the listener's line, and the dialer's)
@@ -245,14 +244,8 @@ async def test_a_certificate_of_another_ca_is_refused_at_both_ends(certs, caplog
     a = mesh("a", stranger if who == "dialer" else home)
     b = mesh("b", stranger if who == "listener" else home)
     start = time.time()
-    try:
-        await a.start()
-        await b.start()
-        await link_or_refuse(a, b)
+    async with dialed(a, b):
         assert a.peers == b.peers == []
-    finally:
-        await a.close()
-        await b.close()
     said = lines(caplog, start)
     assert len(said) == 2, said
     assert any(auth.REASON_TLS_CERT in line for line in said), said  # (the end that checked the certificate)
@@ -268,38 +261,29 @@ async def test_a_peer_with_another_cas_certificate_is_refused_and_the_others_tra
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 3)
         made.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
-    peers = [AsyncPeer(m, o, listen="127.0.0.1:0", min_peers=2, secret="s", discovery=False,
-                       **dict(zip(("tls_cert", "tls_key", "tls_ca"), files(certs / "home", host))))
-             for (m, o), host in zip(made, HOSTS)]
+    each = [dict(zip(("tls_cert", "tls_key", "tls_ca"), files(certs / "home", host))) for host in HOSTS[:2]]
     stranger = mesh("stranger", tls.load(*files(certs / "other", "stranger")))
     start = time.time()
-    entered = []
-    try:
-        for p in peers:
-            await p.__aenter__()
-            entered.append(p)
-        for p in peers:
-            p.discovery.static_addresses = [("127.0.0.1", q.cluster.port) for q in peers]
-        await stranger.start()
+    async with async_peers_on_loopback(made, each) as peers:
+        try:
+            await stranger.start()
 
-        async def train(rank, steps):
-            g = torch.Generator().manual_seed(rank)
-            for _ in range(steps):
-                x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-                F.cross_entropy(peers[rank].model(x), y).backward()
-                await peers[rank].step(batch_size=4)
+            async def train(rank, steps):
+                g = torch.Generator().manual_seed(rank)
+                for _ in range(steps):
+                    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+                    F.cross_entropy(peers[rank].model(x), y).backward()
+                    await peers[rank].step(batch_size=4)
 
-        await asyncio.gather(train(0, 3), train(1, 3))
-        stranger.propose("127.0.0.1", peers[0].cluster.port)
-        await asyncio.gather(train(0, 5), train(1, 5))
-        await asyncio.sleep(0.5)
-        assert stranger.peers == [] and "stranger" not in peers[0].cluster.mesh.peers
-        assert [p.version for p in peers] == [8, 8]
-        assert peers[0].param_checksum() == peers[1].param_checksum()
-    finally:
-        await stranger.close()
-        for p in entered:
-            await p.__aexit__(None, None, None)
+            await asyncio.gather(train(0, 3), train(1, 3))
+            stranger.propose("127.0.0.1", peers[0].cluster.port)
+            await asyncio.gather(train(0, 5), train(1, 5))
+            await asyncio.sleep(0.5)
+            assert stranger.peers == [] and "stranger" not in peers[0].cluster.mesh.peers
+            assert [p.version for p in peers] == [8, 8]
+            assert peers[0].param_checksum() == peers[1].param_checksum()
+        finally:
+            await stranger.close()
     said = [line for line in lines(caplog, start) if "TLS" in line]
     assert len([line for line in said if "refused connection from" in line]) == 1, said  # (one per source a minute)
 
