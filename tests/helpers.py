@@ -43,15 +43,23 @@ async def until(cond, timeout=10.0, every=0.02):
         await asyncio.sleep(every)
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[tuple[str, str]]:
-    """Wait for every process; kill any still running, whatever happens."""
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen):
+    """Leaving, kill and wait for each of ``procs`` still running, whatever happened (a failed
+    assertion, a timeout): no test leaves a process behind. A list passed in may grow inside."""
     try:
-        return [p.communicate(timeout=timeout) for p in procs]
+        yield
     finally:
-        for p in procs:
+        for p in (procs[0] if len(procs) == 1 and isinstance(procs[0], list) else procs):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[tuple[str, str]]:
+    """Wait for every process; kill any still running, whatever happens."""
+    with reaped(procs):
+        return [p.communicate(timeout=timeout) for p in procs]
 
 
 @dataclasses.dataclass(frozen=True)

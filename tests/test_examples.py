@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ports
+from helpers import ports, reaped
 
 pytestmark = pytest.mark.timeout(90)
 REPO = Path(__file__).resolve().parents[1]
@@ -25,15 +25,11 @@ def test_ctrl_c_in_an_example_leaves_in_one_line_and_exits_0(tmp_path, example):
         args += ["--checkpoint", str(checkpoint)]
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
+    with reaped(p):
         first = p.stdout.readline()  # (the first step's line: it trains)
         assert first.startswith("step"), (first, p.stderr.read() if p.poll() is not None else "")
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 0, err[-1500:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-1500:]
     if example == "custom_loop.py":

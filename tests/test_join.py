@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import finish, ports
+from helpers import finish, ports, reaped
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -419,17 +419,13 @@ def test_ctrl_c_while_the_peer_opens_leaves_politely(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", opening_slowly, "join", "--task", "synthetic", "--model-size", "100k",
                           "--no-discovery", "--port", str(ports(1)[0]), "--metrics", str(tmp_path / "m.jsonl")],
                          env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(p):
         said = ""
         while "opening" not in said and p.poll() is None:
             said += p.stderr.readline()
         time.sleep(0.5)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 0, (said + err)[-1500:]
     assert "leaving the cluster" in err and "interrupted" not in err, (said + err)[-1500:]
     assert records(tmp_path / "m.jsonl")[-1]["event"] == "summary"
@@ -446,16 +442,12 @@ def test_stopped_alone_every_applied_batch_has_its_record(tmp_path):
     # and steps cost this test three times the CPU)
     p = join("--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", str(ports(1)[0]),
              "--eval-every", "0", "--metrics", str(metrics))
-    try:
+    with reaped(p):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
             time.sleep(0.05)
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 0, err[-1500:]
     run = [r for r in records(metrics) if r.get("event") != "training"]
     summary = run.pop()
@@ -505,17 +497,13 @@ def test_sigterm_before_the_first_round_with_a_checkpoint_dir_exits_0_with_a_sum
 
     p = join("--task", "synthetic", "--model-size", "100k", "--no-discovery", "--port", str(ports(1)[0]),
              "--min-peers", "2", "--checkpoint-dir", str(tmp_path / "ck"))
-    try:
+    with reaped(p):
         said = ""
         while "listening on port" not in said and p.poll() is None:
             said += p.stderr.readline()
         time.sleep(0.5)
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 0, (said + err)[-1500:]
     assert "summary" in out and "left before the cluster's run was over" in out, out
     assert "no round ran in this run: no checkpoint to write" in err, err[-1500:]

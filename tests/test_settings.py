@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ports
+from helpers import ports, reaped
 
 from p2ptrain import AsyncPeer, SettingsError
 from p2ptrain.cluster.settings import differences, refusal, shared
@@ -114,14 +114,9 @@ def test_join_peers_with_other_compression_exit_3_within_seconds_with_one_line()
                                "--max-rounds", "100000", "--eval-every", "0", "--min-peers", "2", *codec],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for (port, other), codec in zip(((mine[0], mine[1]), (mine[1], mine[0])), (["--compression", "int8"], []))]
-    try:
+    with reaped(procs):
         outs = [p.communicate(timeout=120) for p in procs]
         ended = time.time()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     assert [p.returncode for p in procs] == [3, 3], [err[-800:] for _, err in outs]
     listening = []
     for _, err in outs:

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import async_peers_on_loopback, finish, ports, run_cli
+from helpers import async_peers_on_loopback, finish, ports, reaped, run_cli
 
 from p2ptrain.errors import ConfigError, HandshakeError, LinkError
 from p2ptrain.net import auth, tls, transport, wire
@@ -355,7 +355,7 @@ def test_tls_init_without_openssl_says_what_to_do(tmp_path, capsys, monkeypatch)
 def test_two_joins_with_tls_train_to_the_same_parameters(certs, tmp_path):
     mine = ports(2)
     procs = []
-    try:
+    with reaped(procs):
         for i, (port, host) in enumerate(zip(mine, HOSTS)):
             cert, key, ca = files(certs / "home", host)
             procs.append(subprocess.Popen(
@@ -365,11 +365,6 @@ def test_two_joins_with_tls_train_to_the_same_parameters(certs, tmp_path):
                  "--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--metrics", str(tmp_path / f"m{i}.jsonl")],
                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = finish(procs, timeout=100)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for _, e in outs]
     summaries = [[json.loads(line) for line in open(tmp_path / f"m{i}.jsonl")][-1] for i in range(2)]
     assert all(s["event"] == "summary" and s["rounds"] == 8 for s in summaries), summaries
