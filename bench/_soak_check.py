@@ -20,15 +20,32 @@ summary; what it had computed since its last round went with it, as kill -9 does
 counted. ``split_rounds`` are updates whose ``samples`` differ from the sum of their members'
 ``own_samples`` where every member's record is there (a member that died before writing its record
 leaves its round out of this check).
+
+The faults' cost is read against the fault log (``events``: (unix time, what, host), ``what`` one of
+``kill``, ``restart``, ``restart-fresh``, ``stop``, ``cont``, ``link``, ``up``, ``join``):
+``capacity`` is the share of peer-seconds in which each peer could compute for the cluster (not
+killed and not yet back in a round with the others, not stopped, not unplugged) of those of the
+same run without faults (every host from ``t0``, or from its join, to the last update), the bound
+on the throughput kept that the faults themselves set; ``waits`` is, per kind of event, the longest
+wait for an update in the ``settle`` seconds after each; ``stalls`` blames each gap between updates
+longer than ``STALL_FACTOR`` usual gaps (and ``STALL_MIN_S``) on the first event in it or just
+before it (``LOOKBACK_S``: the round in flight at a fault may still commit), else the last before.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
+import statistics
 from collections import Counter, defaultdict
 
 SAME_COMMIT_S = 2.0  # records of one version this close in time are one commit (else: another lineage's)
+ABSENT_UNTIL = {"kill": None, "stop": "cont", "link": "up"}  # a fault's absence ends at (None: back in a round)
+STALL_FACTOR = 3.0  # a gap between updates this many times the median gap is a stall
+STALL_MIN_S = 0.5  # (and at least this long)
+LOOKBACK_S = 1.0  # a stall is blamed on an event this long before it began too
 
 
 @dataclasses.dataclass
@@ -66,6 +83,9 @@ class Figures:
     hangs: list                       # hosts of incarnations still running at the deadline
     stuck: list                       # hosts of incarnations silent under no fault (bench/soak.py's SILENT)
     usage: list                       # (host, rss start, rss end, fds start, fds end) of long-lived ones
+    capacity: float = 1.0             # peer-seconds present over those without faults (``capacity``)
+    waits: dict = dataclasses.field(default_factory=dict)  # event what -> [longest wait for an update after each]
+    stalls: dict = dataclasses.field(default_factory=dict)  # cause -> [gaps, s past the median gap, longest]
 
 
 def read_metrics(text: str) -> tuple[list, dict | None]:
@@ -113,9 +133,91 @@ def longest_stall(times: dict[int, float], start: float, end: float) -> tuple[fl
     return best, at
 
 
-def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, settle: float) -> Figures:
+def absences(incs: list[Incarnation], events) -> dict[int, list[tuple[float, float]]]:
+    """host -> the spans (from, to) in which it computed nothing for the cluster: from a kill -9
+    to its next incarnation's first round with the others, from SIGSTOP to SIGCONT, from its
+    link down to up; ``to`` is infinite where the end never came."""
+    out: dict[int, list] = defaultdict(list)
+    events = sorted(events)
+    for i, (t, what, host) in enumerate(events):
+        if what not in ABSENT_UNTIL:
+            continue
+        if what == "kill":
+            later = sorted((inc for inc in incs if inc.host == host and inc.start >= t), key=lambda inc: inc.start)
+            back = next((r["time"] for inc in later for r in in_cluster(inc) if r["time"] >= t), math.inf)
+        else:
+            back = next((u for u, w, h in events[i + 1:] if h == host and w == ABSENT_UNTIL[what]), math.inf)
+        out[host].append((t, back))
+    return dict(out)
+
+
+def capacity(incs: list[Incarnation], events, t0: float, end: float) -> float:
+    """The peer-seconds in ``[t0, end]`` in which peers could compute for the cluster over those of
+    the same run without faults: every host from ``t0`` (a joiner from its first start) to ``end``,
+    less its ``absences`` (overlapping ones once). 1.0 where there is no span."""
+    starts: dict[int, float] = {}
+    for inc in incs:
+        starts[inc.host] = min(starts.get(inc.host, math.inf), inc.start)
+    full = absent = 0.0
+    gone = absences(incs, events)
+    for host, start in starts.items():
+        lo = max(t0, start)
+        full += max(0.0, end - lo)
+        reach = lo
+        for a, b in sorted(gone.get(host, [])):
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                absent += b - a
+                reach = b
+    return (full - absent) / full if full > 0 else 1.0
+
+
+def waits_after(times: dict[int, float], events, window: float) -> dict[str, list[float]]:
+    """Event what -> for each such event at t, the longest wait for an update in ``[t, t + window]``:
+    from t to the next update, or a gap between updates that begins in the window (a paused peer
+    stalls the round after the one in flight). An event with no update after it is left out."""
+    ts = sorted(times.values())
+    out: dict[str, list] = defaultdict(list)
+    for t, what, _ in sorted(events):
+        i = bisect.bisect_right(ts, t)
+        if i == len(ts):
+            continue
+        wait, prev = ts[i] - t, ts[i]
+        for u in ts[i + 1:]:
+            if prev >= t + window:
+                break
+            wait, prev = max(wait, u - prev), u
+        out[what].append(wait)
+    return dict(out)
+
+
+def stalls_by_cause(times: dict[int, float], events, t0: float, end: float) -> dict[str, list]:
+    """Each gap between updates (from ``t0``) over ``STALL_FACTOR`` times the median gap and
+    ``STALL_MIN_S``, blamed on the first event in it or ``LOOKBACK_S`` before it, else the last
+    one before it (``none``: no event yet): cause -> [gaps, seconds past the median gap, the longest]."""
+    ts = [t0] + sorted(t for t in times.values() if t0 <= t <= end)
+    gaps = [(a, b) for a, b in zip(ts, ts[1:])]
+    if not gaps:
+        return {}
+    usual = statistics.median(b - a for a, b in gaps)
+    events = sorted(events)
+    out: dict[str, list] = {}
+    for a, b in gaps:
+        if b - a <= max(STALL_FACTOR * usual, STALL_MIN_S):
+            continue
+        inside = [w for t, w, _ in events if a - LOOKBACK_S <= t < b]
+        before = [w for t, w, _ in events if t < a]
+        cause = inside[0] if inside else (before[-1] if before else "none")
+        row = out.setdefault(cause, [0, 0.0, 0.0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + (b - a - usual), max(row[2], b - a)
+    return out
+
+
+def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, settle: float,
+          events=()) -> Figures:
     """The figures of a run. ``faults``: (time injected, kind); ``t0``: when every first peer was
-    a member; ``settle``: the window after a fault in which updates are counted."""
+    a member; ``settle``: the window after a fault in which updates are counted; ``events``: the
+    fault log (the module's docstring)."""
     times = commit_times(incs)
     # A version's records, grouped into commits: one lineage commits a version once, all its
     # members within moments; two sides of a split (or two fresh peers that met before they met the
@@ -176,7 +278,9 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
         longest_stall=stall, stall_at=stall_at, min_rounds_after_fault=min(after, default=0),
         rate=committed / (last - t0) if last > t0 else 0.0,
         bad_exits=[(i.host, i.exit_code) for i in incs if not i.killed and not i.hung and i.exit_code != 0],
-        hangs=[i.host for i in incs if i.hung], stuck=[i.host for i in incs if i.silent], usage=usage)
+        hangs=[i.host for i in incs if i.hung], stuck=[i.host for i in incs if i.silent], usage=usage,
+        capacity=capacity(incs, events, t0, last), waits=waits_after(times, events, settle),
+        stalls=stalls_by_cause(times, events, t0, last))
 
 
 def _settled(usage: list) -> tuple:

@@ -22,7 +22,12 @@ a second, until ``LAST_TRY`` of the run); a peer back from one, or joining, is h
 metrics record a round with others (the table's ``back in a round after``). The same peers run
 without faults first (``--no-baseline`` skips it; ``--baseline-seconds`` shortens it): the
 throughput kept is the faulty run's committed samples per second over the baseline's, both from
-the moment every first peer is a member to the last update. A peer under no fault whose metrics
+the moment every first peer is a member to the last update. A killed, paused or unplugged peer
+computes nothing meanwhile: the capacity present (its peer-seconds over those of the run without
+faults) bounds what can be kept, and the throughput kept per capacity is the part the handling of
+the faults loses (where peers share too few cores, one paused lends the others its core: that
+part then reads high). Each fault's cost: the longest wait for an update after it, and the stalls
+blamed on it (bench/_soak_check.py). A peer under no fault whose metrics
 have not grown for ``SILENT`` s while the others' have is stuck (its stacks go to ``stackN.txt``
 where ``py-spy`` is installed). Every process is bounded: a peer still running ``--grace`` s after
 the run's end is a hang, reported and killed; every process is killed and every namespace removed
@@ -40,6 +45,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +97,7 @@ class Soak:
         self.rejoin_s: dict[str, list] = {}        # what -> seconds from recovery to its first round with others
         self.started: set[int] = set()
         self.injected: list[tuple[float, str]] = []
+        self.events: list[tuple[float, str, int]] = []  # the fault log: (time, what, host), recoveries too
         self.log: list[str] = []
         self.skipped: list[str] = []               # faults of the plan no host was eligible for in time
         self.stray: list[str] = []                 # hosts that did not rejoin within REJOIN_LIMIT
@@ -205,6 +212,7 @@ class Soak:
             self.start(host)
             self.faulted.add(host)
             self.back[host] = (time.time(), "join")
+            self.events.append((time.time(), "join", host))
             self.note(f"join: host {host}")
             return True
         healthy = sorted(h for h in self.live if h not in self.faulted)
@@ -213,6 +221,7 @@ class Soak:
         host = rng.choice(healthy)
         p, inc = self.live[host]
         self.faulted.add(host)
+        self.events.append((time.time(), kind, host))
         if kind == "kill":
             inc.killed = True
             os.kill(p.pid, signal.SIGKILL)
@@ -231,6 +240,7 @@ class Soak:
 
     def recover(self, what: str, host: int) -> None:
         self.back[host] = (time.time(), what)
+        self.events.append((time.time(), what, host))
         if what.startswith("restart"):
             self.live.pop(host, None)
             self.start(host, fresh=what == "restart-fresh")
@@ -295,7 +305,7 @@ class Soak:
             inc.records, inc.summary = _soak_check.read_metrics(path.read_text() if path.exists() else "")
         for inc in self.silent:
             inc.silent = True
-        return _soak_check.check(self.incs, self.injected, begun, a.settle)
+        return _soak_check.check(self.incs, self.injected, begun, a.settle, self.events)
 
     def wait_members(self) -> float:
         """Until a round record shows every first peer a member (bounded): that time."""
@@ -340,6 +350,16 @@ def report(a, faulty: _soak_check.Figures, base: _soak_check.Figures | None, soa
             ["fewest updates after a fault", f"{faulty.min_rounds_after_fault} in {a.settle:g} s"],
             ["throughput kept", f"{100 * faulty.rate / base.rate:.1f} % ({faulty.rate:.0f} of {base.rate:.0f} "
                                 "samples/s, machine shared)" if base and base.rate else f"{faulty.rate:.0f} samples/s"],
+            ["capacity present", f"{100 * faulty.capacity:.1f} % of the peer-seconds (killed until back in a round, "
+                                 "stopped, unplugged: absent)"],
+            ["throughput kept per capacity", f"{100 * faulty.rate / base.rate / faulty.capacity:.1f} % (what the "
+                                             "handling of the faults kept)" if base and base.rate and faulty.capacity
+             else "-"],
+            [f"longest wait for an update {a.settle:g} s after (median/max s)", ", ".join(
+                f"{k} {statistics.median(v):.1f}/{max(v):.1f}" for k, v in sorted(faulty.waits.items()))],
+            [f"stalls (> {_soak_check.STALL_FACTOR:g} usual gaps) by cause", ", ".join(
+                f"{k} {n} ({s:.0f} s lost, longest {m:.1f})" for k, (n, s, m) in
+                sorted(faulty.stalls.items(), key=lambda x: -x[1][1])) or "none"],
             ["hangs / stuck / failed exits", f"{len(faulty.hangs)} / {len(faulty.stuck)} / {len(faulty.bad_exits)}"],
             ["back in a round after (max s)", ", ".join(f"{k} {max(v):.1f}" for k, v in sorted(soak.rejoin_s.items()))
              + (f"; {len(soak.stray)} not within {REJOIN_LIMIT:g} s" if soak.stray else "")]]
@@ -406,7 +426,8 @@ def main(argv=None) -> int:
         for line in found:
             print(f"FINDING: {line}")
         if a.json:
-            Path(a.json).write_text(json.dumps({"faulty": vars(faulty), "baseline": base and vars(base)},
+            Path(a.json).write_text(json.dumps({"faulty": vars(faulty), "baseline": base and vars(base),
+                                                "events": soak.events},
                                                default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
         if found or a.keep:
             print(f"peers' output kept in {soak.dir}")

@@ -145,7 +145,11 @@ def assert_nothing_lost_and_replicas_agree(peers, survivors):
     # they left, which a leaver cannot know committed, and by updates applied while leaving)
 
 
-def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
+def test_sigstop_and_sigkill_of_a_member_then_sigkill_of_the_coordinator(tmp_path):
+    """A member frozen (SIGSTOP: a laptop's lid) stalls the others' round for 5 s of its silence
+    (half the 10 s peer timeout: ``Leader.silent_members``), not until the timeout expires it;
+    woken, it tells its state at once, loads the cluster's (behind) and trains in the view again.
+    Then it is killed, then the coordinator: the others go on each time, nothing lost."""
     peers = Peers(tmp_path, extra=["--min-peers", "2"])
     try:
         for name in "abcd":
@@ -153,7 +157,21 @@ def test_sigkill_of_a_member_then_of_the_coordinator(tmp_path):
         peers.wait("4 members", lambda: any(r["members"] == 4 for r in peers.rounds("a")))
         peers.wait("rounds of 4", at_least(peers, "abcd", 8))
         peers.wait("one coordinator", lambda: peers.coordinator() is not None)
-        first = [n for n in "abcd" if n != peers.coordinator()][0]
+        boss = peers.coordinator()
+        first = [n for n in "abcd" if n != boss][0]
+        base = len(peers.rounds(boss))
+        stopped_at = time.time()
+        peers.procs[first].send_signal(signal.SIGSTOP)
+        peers.wait("3 members without it", lambda: any(r["members"] == 3 for r in peers.rounds(boss)[base:]), 30)
+        gone_on = next(r["time"] for r in peers.rounds(boss)[base:] if r["members"] == 3) - stopped_at
+        woke_at = time.time()
+        peers.procs[first].send_signal(signal.SIGCONT)
+        assert gone_on < 8.0, (gone_on, peers.events(boss))  # (the peer timeout: 10 s)
+        base = len(peers.rounds(first))
+        peers.wait("4 members again", lambda: sum(r["members"] == 4 for r in peers.rounds(first)[base:]) >= 3)
+        back = next(r["time"] for r in peers.rounds(first)[base:] if r["members"] == 4) - woke_at
+        assert back < 4.0 and [x.split(":")[0] for x in load_reasons(peers, first, woke_at)] == ["behind"], \
+            (back, peers.events(first))
         killed_at = time.time()
         peers.procs[first].send_signal(signal.SIGKILL)
         left = [n for n in "abcd" if n != first]

@@ -6,7 +6,8 @@ import pytest
 from roundnet import GENESIS, Net, cluster
 
 from p2ptrain.cluster import roundmsg as M
-from p2ptrain.cluster.leader import COLLECTING
+from p2ptrain.cluster.leader import BETWEEN, COLLECTING, QUERYING, RUNNING, _Lead
+from p2ptrain.cluster.rounds import RoundConfig, RoundMachine
 from p2ptrain.cluster.roundmsg import Log, Waiting
 from p2ptrain.cluster.refusals import LEAVE_OUT, REFUSAL_BACKOFF
 
@@ -471,3 +472,50 @@ def test_a_joiner_with_a_smaller_id_leads_only_after_its_first_round():
     assert not net.resyncs["d"][1:] and len({net.m[p].version for p in "abcd"}) == 1
     assert a.lead is not None and net.m["b"].lead is None  # (handed over at a boundary)
     assert [x.text for x in net.of("b", Log) if "handing the lead over to a" in x.text]
+
+
+# -- a member silent in a round we lead: left out of that round at half the peer timeout --------
+# (what, the round's phase, the members it waits for, seconds since b and c were last heard, config, left out;
+#  a gap of our own events, 3 s long, that ended this many seconds ago)
+SILENT = [
+    ("collecting: c silent past 5 s", COLLECTING, "bc", (1.0, 5.5), {}, ["c"]),
+    ("running: both silent, the leader never", RUNNING, "abc", (6.0, 7.0), {}, ["b", "c"]),
+    ("running: c's DONE is in", RUNNING, "b", (1.0, 9.0), {}, []),
+    ("within half the peer timeout", COLLECTING, "bc", (4.9, 4.9), {}, []),
+    ("peer timeout 20 s: 10 s", COLLECTING, "bc", (9.0, 11.0), {"peer_timeout": 20.0}, ["c"]),
+    ("peer timeout 5 s: never under the 5 s floor", COLLECTING, "bc", (3.0, 4.0), {"peer_timeout": 5.0}, []),
+    ("between rounds: none in flight", BETWEEN, "", (9.0, 9.0), {}, []),
+    ("querying: a takeover has its own rule", QUERYING, "bc", (9.0, 9.0), {}, []),
+    ("our own events stood 3 s apart: silence counts from their end", COLLECTING, "bc", (1.0, 9.0), {}, [], 4.0),
+    ("... which c's outlasts", COLLECTING, "bc", (1.0, 9.0), {}, ["c"], 5.5),
+]
+
+
+@pytest.mark.parametrize("what,phase,waiting,ago,cfg,expected,gap_ended", [c + (None,) * (7 - len(c)) for c in SILENT],
+                         ids=[c[0] for c in SILENT])
+def test_a_round_leaves_out_the_members_silent_for_half_the_peer_timeout(what, phase, waiting, ago, cfg, expected,
+                                                                        gap_ended):
+    m = RoundMachine("a", RoundConfig(**cfg))
+    for peer, seconds in zip("bc", ago):
+        m.table.connected(peer, 100.0 - seconds)
+    if gap_ended is not None:  # (ticks: our events)
+        m.on_tick(100.0 - gap_ended - 3.0)
+        m.on_tick(100.0 - gap_ended)
+    m.leader.lead = _Lead((1, "a"), phase, 3, 90.0, view=("a", "b", "c"), waiting=set(waiting))
+    assert m.leader.silent_members(100.0) == expected
+
+
+def test_a_stopped_member_is_left_out_after_5_s_and_trains_again_once_it_loads_the_state():
+    """SIGSTOP (a laptop's lid) for 6 s, under the 10 s peer timeout: the others commit without it
+    after 5 s of its silence, rather than wait until it wakes; woken, it is behind, loads the
+    state, and is in the view again."""
+    net = cluster("abc", run=1.0)
+    n = len(net.applied("a"))
+    net.stand_still("c", 6.0)
+    during = net.applied("a")[n:]
+    assert during and {v for _, v, _ in during} >= {("a", "b")}, during
+    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["reason"].startswith("c sent nothing for 5 s")] == [["c"]]
+    net.run(2.0)
+    assert net.resyncs["c"] and net.resyncs["c"][-1].startswith("behind")
+    assert net.applied("c")[-1][1] == ("a", "b", "c") and net.m["c"].table.state("a") != "dead"
+    net.check_safety()

@@ -65,6 +65,53 @@ def test_checks_leave_a_peer_alone_out_of_the_cluster_lineage():
     assert _soak_check.read_metrics('{"event": "training", "version": 0}\n{"version": 1, "time": 1, "sa') == ([], None)
 
 
+def _inc(host, start, *times, killed=False):
+    """An incarnation on ``host`` started at ``start`` whose round records (2 members) are at ``times``."""
+    return _soak_check.Incarnation(host, start, [_rec(i + 1, t, 64, 32) for i, t in enumerate(times)], None, None,
+                                   killed=killed)
+
+
+# (what, incarnations, fault log, capacity over [t0 0, end 100])
+CAPACITY = [
+    ("no faults", [_inc(0, -5), _inc(1, -5)], [], 1.0),
+    ("SIGSTOP 10-30 of two peers' 200 s", [_inc(0, -5), _inc(1, -5)], [(10, "stop", 0), (30, "cont", 0)], 0.9),
+    ("a link down 10 s, a kill 2 s before the restart and 8 s to its first round",
+     [_inc(0, -5, 40, killed=True), _inc(0, 52, 60, 61), _inc(1, -5)],
+     [(10, "link", 1), (20, "up", 1), (50, "kill", 0), (52, "restart", 0)], 0.9),
+    ("a joiner counts from its join", [_inc(0, -5), _inc(1, -5), _inc(2, 50)],
+     [(50, "join", 2), (60, "stop", 2), (70, "cont", 2)], 240 / 250),
+    ("a pause never ended, a kill never back: absent to the end", [_inc(0, -5, 10, killed=True), _inc(1, -5),
+                                                                    _inc(2, -5)],
+     [(50, "kill", 0), (51, "restart", 0), (80, "stop", 1)], (300 - 50 - 20) / 300),
+    ("a second fault of the same host counts on its own", [_inc(0, -5), _inc(1, -5)],
+     [(10, "stop", 0), (20, "cont", 0), (30, "link", 0), (35, "up", 0), (40, "link", 1), (45, "up", 1)], 0.9),
+]
+
+
+@pytest.mark.parametrize("what,incs,events,expected", CAPACITY, ids=[c[0] for c in CAPACITY])
+def test_capacity_counts_the_peer_seconds_each_fault_took(what, incs, events, expected):
+    assert _soak_check.capacity(incs, events, t0=0.0, end=100.0) == pytest.approx(expected)
+
+
+def test_resume_and_stalls_are_read_against_the_fault_log():
+    times = {v: float(t) for v, t in enumerate([1, 2, 3, 4, 5, 15, 16, 17, 18, 26, 27], start=1)}
+    events = [(2.5, "stop", 0), (5.5, "link", 1), (7, "stop", 2), (9, "up", 1), (12, "cont", 2), (19, "join", 3),
+              (30, "kill", 0)]
+    # the longest wait in the 10 s after each: to the next update, or a gap that begins in them
+    assert _soak_check.waits_after(times, events, 10.0) == {"stop": [10.0, 8.0], "link": [9.5], "up": [8.0],
+                                                             "cont": [8.0], "join": [7.0]}  # (the kill: no update after)
+    # the gaps 5-15 and 18-26 (median 1): the first event in one, else the last before it
+    assert _soak_check.stalls_by_cause(times, events, t0=0.0, end=27.0) == {"link": [1, 9.0, 10.0],
+                                                                            "join": [1, 7.0, 8.0]}
+    assert _soak_check.stalls_by_cause({1: 1.0, 2: 2.0, 3: 9.0}, [], t0=0.0, end=9.0) == {"none": [1, 6.0, 7.0]}
+    # a pause just before the round in flight committed stalled the next one: its stall, not the SIGCONT's
+    assert _soak_check.stalls_by_cause({1: 1.0, 2: 2.0, 3: 3.0, 4: 9.0}, [(2.6, "stop", 0), (5, "cont", 0)],
+                                       t0=0.0, end=9.0) == {"stop": [1, 5.0, 6.0]}
+    f = _soak_check.check([_inc(0, -5, *times.values()), _inc(1, -5, *times.values())], [], 0.0, 10.0,
+                          events=[(2.5, "stop", 0), (5.5, "link", 1), (8, "cont", 0), (12, "up", 1)])
+    assert f.capacity == pytest.approx((54 - 5.5 - 6.5) / 54) and f.stalls == {"link": [1, 9.0, 10.0], "up": [1, 7.0, 8.0]}
+
+
 @requires_netns
 @pytest.mark.slow
 @pytest.mark.timeout(150)

@@ -156,9 +156,10 @@ class Leader:
         self.lead = None
 
     def check_stall(self, now: float) -> None:
-        """On a tick: a phase we lead that waits past its mark says so (Stall); past its
-        deadline the silent are left out of a takeover, a collecting round waits for a slow
-        batch up to ``ready_patience``, a running one waits as long while its ring ended ok at
+        """On a tick: a round we lead that waits for a member silent ``silence()`` s aborts and
+        leaves it out; a phase we lead that waits past its mark says so (Stall); past its deadline
+        the silent are left out of a takeover, a collecting round waits for a slow batch up to
+        ``ready_patience``, a running one waits as long while its ring ended ok at
         some member or ours still moves (``_ring_moves``), and any other round aborts. A ring
         with a slow link, a laptop on poor Wi-Fi, is slow everywhere and ends last downstream
         of it; its first rounds outran a deadline set before it joined, and aborting dropped
@@ -166,6 +167,10 @@ class Leader:
         member hangs, ours stops within a few chunks, so such a round still aborts at its next
         mark, and a dead member is caught by its silence."""
         machine, lead = self.machine, self.lead
+        silent = self.silent_members(now)
+        if silent:
+            return self.abort(now, f"{', '.join(silent)} sent nothing for {self.silence():g} s (stopped, or "
+                                   "unplugged): left out until it shows its state", drop=silent)
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited, deadline = now - lead.since, machine._deadline(lead.phase, lead.view)
             if waited >= lead.mark * deadline:
@@ -186,6 +191,24 @@ class Leader:
                 else:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
+
+    def silence(self) -> float:
+        """Seconds without a frame (keepalives come every 2 s) after which a round we lead gives a
+        member up: half the peer timeout, the gap a peer takes for its own stillness
+        (``RoundMachine._notice_stillness``), at least a phase's ``floor``. A member computing a
+        slow batch still pings (``ready_patience`` waits for it)."""
+        return max(self.machine.config.floor, self.machine.config.peer_timeout / 2)
+
+    def silent_members(self, now: float) -> list[str]:
+        """The members our collecting or running round waits for that sent nothing for ``silence()``
+        s while we listened (since ``listening_since``: after a gap in our own events, frames wait
+        unread): stopped (a laptop's lid) or unplugged. Left out (unsynced, not dead: its links
+        stay), it shows its state when it runs again, and loads the cluster's."""
+        lead, table, since = self.lead, self.machine.table, self.machine.listening_since
+        if lead is None or lead.phase not in (COLLECTING, RUNNING):
+            return []
+        return sorted(p for p in lead.waiting if p != self.machine.id and table.get(p) is not None
+                      and now - max(table.get(p).last_heard, since) > self.silence())
 
     def stood_still(self, now: float, seconds: float) -> None:
         """This process stood still ``seconds`` (``RoundMachine._notice_stillness``): a round

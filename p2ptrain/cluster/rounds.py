@@ -65,6 +65,7 @@ from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadc
                                        Log, Message, Nack, Propose, Query, Ready, Send, Start, Status, parse)
 
 MAX_RATES = 256  # peers whose link rate a machine remembers (``learn_rate``; the oldest go first)
+LISTEN_GAP = 1.0  # seconds between our own events (ticks come every 0.1 s) past which what we heard is stale
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class RoundConfig:
     stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline (the first round's: 1)
     # A member still computing its batch is waited for up to this many ready deadlines (the
     # stalls warn at 1, 2, 4): dropping a live member from a round would make it load the
-    # state again. A dead one is caught by its silence (peer_timeout) or its link, not this.
+    # state again. A silent one is left out of the round at half the peer timeout
+    # (``Leader.silent_members``), a dead one by its link, not this.
     ready_patience: float = 8.0
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
     listen: float = 0.0  # a peer leads nothing this long after its start: peers started with it meet at genesis
@@ -117,6 +119,7 @@ class RoundMachine:
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
         self._ran_at: float | None = None  # (the last event: a long gap since is our own stillness)
+        self.listening_since = -math.inf  # the end of our last gap over LISTEN_GAP: silences count from it
         self._tell: set = set()  # peers to send our STATUS once this event is handled
         self._left = False  # we said goodbye: every later event is ignored
         self._now = 0.0  # the time of the event being handled
@@ -321,9 +324,13 @@ class RoundMachine:
         (``PeerTable.forgive``): expiring one made us load its state as from a split, not as a
         peer left behind. A round we lead is void (``Leader.stood_still``): a member in doubt
         may have given us up and decided it meanwhile, and committing it on the DONE that waited
-        in the socket split the chain. An event loop held up as long (a host's long wait) reads
-        the same; forgiving and voiding cost nothing then but a round tried again."""
+        in the socket split the chain. Every peer hears our STATUS: a leader that left us out of
+        its round meanwhile (``Leader.silent_members``) finds us behind at once. An event loop
+        held up as long (a host's long wait) reads the same; forgiving, voiding and telling cost
+        nothing then but a round tried again."""
         last, self._ran_at = self._ran_at, now
+        if last is not None and now - last > LISTEN_GAP:  # (frames may wait unread in our sockets)
+            self.listening_since = now
         if last is not None and now - last > self.config.peer_timeout / 2:
             self._stood_still(now, now - last)
 
@@ -333,6 +340,7 @@ class RoundMachine:
                                "stopped, or its event loop was held up): the others are heard before any is given up"))
         self.table.forgive(now)
         self.leader.stood_still(now, seconds)
+        self._tell.update(self._peers())
 
     def _emit(self, action) -> None:
         self._out.append(action)
