@@ -4,7 +4,7 @@
     python bench/fuzz.py --per-parser 100000     # a few minutes
     python bench/fuzz.py --seconds 30 --only frame,handshake-listener
     python bench/fuzz.py --findings /tmp/found   # each finding's input written there, to replay
-    python bench/fuzz.py --coverage --seconds 180   # coverage-guided, under atheris: _fuzz_coverage.py
+    python bench/fuzz.py --coverage --seconds 180   # coverage-guided under atheris (_fuzz_coverage.py)
 
 The rule is h11's: a parser succeeds or raises the error it documents for a peer's fault
 (``RemoteProtocolError`` and its subtypes; also ``GroupError`` for a chunk of another call's
@@ -230,14 +230,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-parser", "--inputs", type=int, default=1_000_000, metavar="N",
                     help="inputs per parser (default 1,000,000)")
-    ap.add_argument("--seconds", type=float, default=3600.0, metavar="S", help="at most this long per parser (default 3600)")
+    ap.add_argument("--seconds", type=float, default=3600.0, metavar="S",
+                    help="at most this long per parser (default 3600)")
     ap.add_argument("--seed", type=int, default=0, help="the mutations' seed (not --coverage's: libFuzzer picks)")
-    ap.add_argument("--only", "--targets", default="", metavar="NAMES", help="comma-separated parser names: " + ", ".join(TARGET_NAMES))
+    ap.add_argument("--only", "--targets", default="", metavar="NAMES",
+                    help="comma-separated parser names: " + ", ".join(TARGET_NAMES))
     ap.add_argument("--findings", default=None, metavar="DIR", help="a folder to write each finding's input to "
                     "(--coverage: ./fuzz-findings unless given)")
     ap.add_argument("--coverage", action="store_true", help="coverage-guided, each parser under atheris "
                     "(pip install atheris): _fuzz_coverage.py")
-    ap.add_argument("--corpus", default=None, metavar="DIR", help="--coverage: keep each parser's corpus in DIR/NAME, to resume")
+    ap.add_argument("--corpus", default=None, metavar="DIR",
+                    help="--coverage: keep each parser's corpus in DIR/NAME, to resume")
     ap.add_argument("--replay", default=None, metavar="FILE", help="run one finding's input through the one "
                     "parser --targets names, and exit")
     args = ap.parse_args(argv)
