@@ -319,5 +319,14 @@ def targets() -> list[Target]:
             keepalive_target(), codec_target(), snapshot_target(), sketch_target()]
 
 
+def target(name: str) -> Target:
+    """The one parser ``name``, built alone (a process that fuzzes one builds only its own)."""
+    if name.startswith("handshake-"):
+        return next(t for t in handshake_targets() if t.name == name)
+    return {"frame": frame_target, "beacon": beacon_target, "round-messages": round_target,
+            "chunk-header": chunk_target, "state-frames": state_target, "keepalive": keepalive_target,
+            "codec-payloads": codec_target, "snapshot": snapshot_target, "param-sketch": sketch_target}[name]()
+
+
 TARGET_NAMES = ["frame", "handshake-listener", "handshake-dialer", "handshake-open", "beacon", "round-messages",
                 "chunk-header", "state-frames", "keepalive", "codec-payloads", "snapshot", "param-sketch"]

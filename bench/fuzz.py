@@ -4,6 +4,7 @@
     python bench/fuzz.py --per-parser 100000     # a few minutes
     python bench/fuzz.py --seconds 30 --only frame,handshake-listener
     python bench/fuzz.py --findings /tmp/found   # each finding's input written there, to replay
+    python bench/fuzz.py --coverage --seconds 180   # coverage-guided under atheris (_fuzz_coverage.py)
 
 The rule is h11's: a parser succeeds or raises the error it documents for a peer's fault
 (``RemoteProtocolError`` and its subtypes; also ``GroupError`` for a chunk of another call's
@@ -39,7 +40,9 @@ import traceback
 
 import msgpack
 
+import _fuzz_coverage
 from _fuzz_targets import TARGET_NAMES, Target, targets  # noqa: F401 (the tests' too)
+from _fuzz_targets import target as build_target
 
 TOKENS = [b"\x00", b"\xff", b"\x7f", b"\x80", b"\x90", b"\xc0", b"\xc1", b"\xc2", b"\xc3", b"\xa0",
           b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff", b"\xd3\x80\x00\x00\x00\x00\x00\x00\x00",
@@ -202,7 +205,7 @@ def _hang(signum, frame):
 
 
 def _child(name: str, inputs: int, seconds: float, seed: int, findings_dir: str | None, out) -> None:
-    target = next(t for t in targets() if t.name == name)
+    target = build_target(name)
     out.send(fuzz(target, inputs, seconds, seed, findings_dir))
 
 
@@ -225,16 +228,35 @@ def run_isolated(name: str, inputs: int, seconds: float, seed: int, findings_dir
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--per-parser", type=int, default=1_000_000, help="inputs per parser (default 1,000,000)")
-    ap.add_argument("--seconds", type=float, default=3600.0, help="at most this long per parser (default 3600)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default="", help="comma-separated parser names: " + ", ".join(TARGET_NAMES))
-    ap.add_argument("--findings", default=None, help="a folder to write each finding's input to")
+    ap.add_argument("--per-parser", "--inputs", type=int, default=1_000_000, metavar="N",
+                    help="inputs per parser (default 1,000,000)")
+    ap.add_argument("--seconds", type=float, default=3600.0, metavar="S",
+                    help="at most this long per parser (default 3600)")
+    ap.add_argument("--seed", type=int, default=0, help="the mutations' seed (not --coverage's: libFuzzer picks)")
+    ap.add_argument("--only", "--targets", default="", metavar="NAMES",
+                    help="comma-separated parser names: " + ", ".join(TARGET_NAMES))
+    ap.add_argument("--findings", default=None, metavar="DIR", help="a folder to write each finding's input to "
+                    "(--coverage: ./fuzz-findings unless given)")
+    ap.add_argument("--coverage", action="store_true", help="coverage-guided, each parser under atheris "
+                    "(pip install atheris): _fuzz_coverage.py")
+    ap.add_argument("--corpus", default=None, metavar="DIR",
+                    help="--coverage: keep each parser's corpus in DIR/NAME, to resume")
+    ap.add_argument("--replay", default=None, metavar="FILE", help="run one finding's input through the one "
+                    "parser --targets names, and exit")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or TARGET_NAMES
     unknown = sorted(set(names) - set(TARGET_NAMES))
     if unknown:
         ap.error(f"unknown parser {', '.join(unknown)}; choose among {', '.join(TARGET_NAMES)}")
+    if args.replay:
+        if len(names) != 1:
+            ap.error("--replay FILE needs the one parser it came from: --targets NAME")
+        if not os.path.isfile(args.replay):
+            ap.error(f"--replay {args.replay}: no such file")
+        return _fuzz_coverage.replay(names[0], args.replay)
+    if args.coverage:
+        return _fuzz_coverage.run_all(names, args.per_parser, args.seconds, args.findings or "fuzz-findings",
+                                      args.corpus)
     print(f"fuzz: {args.per_parser:,} inputs per parser (at most {args.seconds:g} s each), seed {args.seed}, "
           f"python {sys.version.split()[0]}", flush=True)
     print(f"| {'parser':<18} | {'inputs':>10} | {'inputs/s':>9} | {'slowest':>8} | {'max RSS (grew)':>14} | outcomes")

@@ -371,6 +371,21 @@ def test_a_signalling_nan_in_a_bf16_chunk_is_no_floating_point_trap_in_decode_ad
     assert np.isnan(dst[0]) and (dst[1:] == 1).all()
 
 
+def test_a_signalling_nan_in_a_peers_parameter_sketch_is_no_floating_point_trap():
+    """(found by bench/fuzz.py --coverage) a sketch whose sum of squares is a signalling NaN raised
+    FloatingPointError in ``compare`` under a caller's np.seterr(all="raise") (and warned otherwise);
+    it is a replica as far as can be."""
+    from p2ptrain.cluster import drift
+
+    mine = drift.param_sketch([torch.ones(50, 20), torch.ones(20)])
+    theirs = drift.decode(mine).copy()
+    theirs[0, 0] = 1.0  # (its bit sum: not identical)
+    theirs[0, 2:3] = np.array([0x7FF0000000000001], np.uint64).view("<f8")
+    with np.errstate(all="raise"):
+        d = drift.compare(mine, theirs.tobytes())
+    assert d.relative == float("inf") and d.group == 0 and d.beyond
+
+
 @pytest.mark.timeout(10)
 def test_feeding_a_held_decoder_returns_instead_of_spinning():
     """(found by bench/fuzz.py) ``feed`` on a decoder held before admission (a frame announced

@@ -237,8 +237,8 @@ def compare(mine: bytes, theirs: bytes) -> Drift:
         raise ValueError(f"sketches of {len(a)} and {len(b)} groups, or of other sizes: not the same model")
     if np.array_equal(a[:, 0].view(np.int64), b[:, 0].view(np.int64)):
         return Drift(True, 0.0)
-    norm_a, norm_b = np.sqrt(np.maximum(a[:, 2], 0.0)), np.sqrt(np.maximum(b[:, 2], 0.0))
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # (a peer's NaN, a signalling one too, is inf below)
+        norm_a, norm_b = np.sqrt(np.maximum(a[:, 2], 0.0)), np.sqrt(np.maximum(b[:, 2], 0.0))
         est = np.sqrt(np.mean((a[:, 3:] - b[:, 3:]) ** 2, axis=1))
         est = np.maximum(est, np.abs(norm_a - norm_b))
         scale = np.maximum(np.maximum(norm_a, norm_b), FLOOR_RMS * np.sqrt(np.maximum(a[:, 1], 1.0)))
