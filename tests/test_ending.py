@@ -67,6 +67,35 @@ def test_members_keep_the_leaders_limits_and_a_new_leader_ends_there():
     assert finished(net, "b") == finished(net, "c") and finished(net, "b")[0][0] == 30
 
 
+def test_a_leader_that_never_heard_the_deadline_is_ended_by_its_members():
+    """The leader started later (its --duration ends long after) and never heard the cluster's
+    deadline, which its members hold: two peer timeouts past it, a member ends the run between
+    rounds and the others finish at its version (they trained on past every --duration of
+    theirs: a churn soak's peers had to be killed)."""
+    net = Net("abc")
+    own(net, "a", deadline=100.0)
+    for p in "bc":
+        own(net, p, deadline=1.0)
+    net.found()
+    net.run(1.0 + 2 * net.m["b"].config.peer_timeout + 2.0)
+    ends = {p: finished(net, p) for p in "abc"}
+    assert all(ends.values()) and ends["a"] == ends["b"] == ends["c"], ends
+    assert any("never heard it" in f.reason for p in "bc" for f in net.of(p, Finish)), ends
+    net.check_safety()
+
+
+def test_a_later_deadline_from_a_new_leader_does_not_move_the_end_a_member_heard():
+    """Members keep the earliest deadline heard: a leader that took over without it (it was
+    restarted, say) does not move the run's end away."""
+    net = Net("abc")
+    own(net, "a", deadline=1.0)
+    net.found()
+    net.run(0.5)
+    heard = net.m["b"].ending.limits()[1]
+    net.m["b"].ending.adopt_limits(M.Propose(r=99, b=(9, "x"), view=("b", "c", "x"), end=(0, 500.0)), net.now)
+    assert net.m["b"].ending.limits()[1] == heard < 2.0
+
+
 def test_a_joiner_catching_up_at_the_end_finishes_with_the_same_parameters():
     """The leader holds the end, as it holds a round, while a joiner loads its state: the
     joiner finishes at the same version (so with the same parameters)."""

@@ -56,6 +56,7 @@ from p2ptrain.cluster.roundmsg import END, End, Finish, Log, Propose, beats
 
 FRESH_S = 0.5  # a message this long after waking was sent after it, not waiting in our sockets
 PACE_KEEP = 32  # (time, version) points a peer keeps to know the cluster's pace (``stood_still``)
+OVERDUE_TIMEOUTS = 2.0  # peer timeouts past its deadline after which a member ends a run its leader did not (``overdue``)
 
 
 class Ending:
@@ -105,9 +106,13 @@ class Ending:
         return [version, None if deadline == math.inf else round(max(0.0, deadline - now - self._asleep), 3)]
 
     def adopt_limits(self, m: Propose, now: float) -> None:
-        """The leader we obey proposed with its limits: they are the cluster's now."""
+        """The leader we obey proposed with its limits: they are the cluster's now; a deadline
+        heard before stays if it is earlier (a leader that started later and never heard it, a
+        peer restarted or the side of a split, must not move the cluster's end away: the run went
+        on past every original peer's --duration in a churn soak)."""
         version, left = m.end if m.end is not None else (0, None)
-        self._heard_limits = (version, math.inf if left is None else now + self._asleep + left)
+        deadline = math.inf if left is None else now + self._asleep + left
+        self._heard_limits = (version, min(deadline, self._heard_limits[1]))
 
     def run_over(self, now: float) -> str:
         """Why the run is over at this boundary ("" if it is not)."""
@@ -158,6 +163,23 @@ class Ending:
         if self._end_heard is not None:
             s, version = self._end_heard
             self.heard_end(s, version, now)
+
+    def overdue(self, now: float) -> None:
+        """(on each tick) A member whose deadline (its own --duration, or one heard) passed
+        ``OVERDUE_TIMEOUTS`` peer timeouts ago, while the leader goes on (it holds a later one and
+        never heard ours), ends the run here at its version, between rounds: its STATUS and
+        GOODBYE carry the end, and the peers not ahead of it finish too (``heard_end``). A leader
+        that knows the deadline ends the run long before (at its next boundary; a new leader at
+        once, after ``peer_timeout``)."""
+        machine = self.machine
+        pending = machine.member.pending
+        if self.ended is not None or machine.is_leader or (pending is not None and pending.started):
+            return
+        late = now + self._asleep - self.limits()[1]
+        if late >= OVERDUE_TIMEOUTS * machine.config.peer_timeout:
+            self._finish_run(now, f"the cluster's --duration ended {late:.0f} s ago and its leader goes on (it "
+                                  "started later and never heard it): the run ends here")
+            machine._broadcast(machine.lineage.status(), machine._peers())  # (it carries the end)
 
     def note(self, now: float) -> None:
         """(on each tick) The version as it grows: the pace a peer that stood still reckons by."""

@@ -446,6 +446,7 @@ class RoundMachine:
             self._gone(peer, now, f"was silent for {self.config.peer_timeout:g} s")
         self.ending.note(now)
         self.ending.alone_after_stillness(now)
+        self.ending.overdue(now)
         if self.ending.ended is not None:
             return
         pending = self.member.pending
