@@ -236,15 +236,19 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
             if t - start > SAME_COMMIT_S:
                 start = t
             commits[(v, start)].append((host, r))
+    # More records than the commit had members: two sides of a split committed this version in the
+    # same moments (each of 2+ members, numbered alike from where they parted): not one commit.
+    concurrent = {k for k, rs in commits.items() if len(rs) > max(r.get("members") or 0 for _, r in rs)}
     samples_of = {k: max(r["samples"] for _, r in rs) for k, rs in commits.items()}
     own_of = {k: sum(r["own_samples"] for _, r in rs) for k, rs in commits.items()}
     members_of = {k: max(r.get("members") or 0 for _, r in rs) for k, rs in commits.items()}
     recorded = {k: len(rs) for k, rs in commits.items()}
     sums = {k: {(h, r["param_checksum"]) for h, r in rs if r.get("param_checksum")} for k, rs in commits.items()}
-    split_versions = sum(1 for n in Counter(v for v, _ in commits).values() if n > 1)
+    split_versions = sum(1 for v, n in Counter(v for v, _ in commits).items()
+                         if n > 1 or any(k[0] == v for k in concurrent))
     split = sum(1 for v, s in samples_of.items()
-                if recorded[v] >= members_of[v] and s != own_of[v])
-    compared = {v: {c for _, c in hs} for v, hs in sums.items() if len(hs) >= 2}
+                if v not in concurrent and recorded[v] >= members_of[v] and s != own_of[v])
+    compared = {v: {c for _, c in hs} for v, hs in sums.items() if len(hs) >= 2 and v not in concurrent}
     disagree = sorted({k[0] for k, cs in compared.items() if len(cs) > 1})
     lost_by, lost, dropped = [], 0, 0
     for inc in incs:

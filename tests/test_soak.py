@@ -62,6 +62,11 @@ def test_checks_leave_a_peer_alone_out_of_the_cluster_lineage():
              for h in (2, 3)]
     f = _soak_check.check(incs, [], t0=0.5, settle=10.0)
     assert f.checksum_disagree == [] and f.split_versions == 1 and f.split_rounds == 0
+    # ... or in the same moments, numbered alike: more records than a commit has members
+    incs += [_soak_check.Incarnation(h, 0.0, [_rec(1, 1.2, 64, 32, checksum="other")], None, -9, killed=True)
+             for h in (4, 5)]
+    f = _soak_check.check(incs, [], t0=0.5, settle=10.0)
+    assert f.checksum_disagree == [] and f.split_versions == 1 and f.split_rounds == 0
     assert _soak_check.read_metrics('{"event": "training", "version": 0}\n{"version": 1, "time": 1, "sa') == ([], None)
 
 
