@@ -358,3 +358,19 @@ def test_look_ahead_moves_local_progress_onto_the_next_steps_momentum_and_never_
     ahead.stepped(8)
     delta, _ = ahead.contribute()
     assert torch.allclose(delta[0], torch.full((3,), 0.125), atol=1e-6)  # inner progress only
+
+
+def test_look_ahead_is_on_for_rounds_by_time_and_off_for_a_count(monkeypatch):
+    """Rounds by time correct the update that lands a round late (``LocalSteps._look_ahead``,
+    measured in its docstring); a count keeps DiLoCo's outer step as published;
+    ``P2PTRAIN_LOOKAHEAD`` overrides either way."""
+    from p2ptrain.trainer.local_steps import local_steps
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    assert local_steps([p], "2s", 0.8, 0.6, opt).lookahead and local_steps([p], "auto", 0.8, 0.6, opt).lookahead
+    assert not local_steps([p], 16, 0.7, 0.9, opt).lookahead
+    monkeypatch.setenv("P2PTRAIN_LOOKAHEAD", "0")
+    assert not local_steps([p], "auto", 0.8, 0.6, opt).lookahead
+    monkeypatch.setenv("P2PTRAIN_LOOKAHEAD", "1")
+    assert local_steps([p], 16, 0.7, 0.9, opt).lookahead
