@@ -104,6 +104,7 @@ class Soak:
         self.silent: list[_soak_check.Incarnation] = []  # live, under no fault, and no record for SILENT s
         self.recoveries: list = []                 # heap of (time, seq, what, host)
         self.seq = 0
+        self.ends_at: float | None = None  # when the cluster's --duration ends (once every first peer is in)
 
     # -- processes
     def start(self, host: int, fresh: bool = False) -> None:
@@ -114,9 +115,14 @@ class Soak:
         ckpt.mkdir(exist_ok=True)
         addrs = [f"{h.addr}:{PORT}" for h in self.lan.hosts[:self.n_hosts]]
         me = addrs[host]
+        # A peer started once the run is under way (a restart, a joiner) is given the time left,
+        # as a user restarting a machine of a run with an end would: --duration counts from a
+        # peer's own start, and a cluster whose every first peer was restarted with the whole
+        # duration runs on that long (the leader's clock: README, --duration).
+        seconds = a.seconds if self.ends_at is None else max(5.0, self.ends_at - time.time())
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--task", "synthetic", "--model-size", a.model_size,
                "--batch-size", str(a.batch_size), "--no-discovery", "--host", me.split(":")[0], "--port", str(PORT),
-               "--peers", ",".join(x for x in addrs if x != me), "--secret", "soak", "--duration", str(a.seconds),
+               "--peers", ",".join(x for x in addrs if x != me), "--secret", "soak", "--duration", f"{seconds:.1f}",
                "--compression", "int8", "--staleness", "1", "--metrics", str(self.dir / f"m{n}.jsonl"),
                "--checksum-every", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50", "--no-save",
                "--eval-every", "0"]
@@ -260,6 +266,7 @@ class Soak:
             for h in range(a.peers):
                 self.start(h)
             begun = self.wait_members()
+            self.ends_at = begun + a.seconds
             # (offsets from the launch, which is before the cluster's --duration began: no fault
             # or recovery comes near its end)
             plan = [(max(begun, self.t0 + t), kind) for t, kind in self.plan]
