@@ -282,7 +282,8 @@ def _params(raw: bytes):
         raise RemoteProtocolError("params") from None
 
 
-def snapshot_target() -> Target:
+def valid_snapshot() -> bytes:
+    """An honest snapshot: a small model's and its optimizer's state after one step."""
     import torch
 
     from p2ptrain.cluster import snapshot
@@ -292,8 +293,13 @@ def snapshot_target() -> Target:
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "round": 7, "lineage": [[1, b"x" * 16]]}
-    sample = b"".join(bytes(b) for b in snapshot.pack(state))
-    return Target("snapshot", [sample], lambda data: snapshot.unpack(data))
+    return b"".join(bytes(b) for b in snapshot.pack(state))
+
+
+def snapshot_target() -> Target:
+    from p2ptrain.cluster import snapshot
+
+    return Target("snapshot", [valid_snapshot()], lambda data: snapshot.unpack(data))
 
 
 def sketch_target() -> Target:

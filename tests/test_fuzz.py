@@ -318,13 +318,7 @@ def test_codec_payloads_decode_and_decode_add_or_raise_codec_error(spec, n, any_
 
 
 # -- snapshots -------------------------------------------------------------------------------------
-def valid_snapshot() -> bytes:
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "round": 7, "lineage": [[1, b"x" * 16]]}
-    return b"".join(bytes(b) for b in snapshot.pack(state))
+valid_snapshot = _fuzz_targets.valid_snapshot  # (the fuzz bench's honest snapshot)
 
 
 SNAPSHOT = valid_snapshot()
