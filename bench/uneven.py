@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=DEFAULT_RUNS, help="';'-separated flag sets, one row each (default: "
                    f"{DEFAULT_RUNS!r})")
     p.add_argument("--model", default="9m", choices=sorted(MODELS))
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, help="samples a step on each peer (default 64; 8 with --gpu-like)")
     p.add_argument("--target", type=float, help="evaluation loss to reach (default: the model's)")
     p.add_argument("--samples", type=int, help="the loss @ S column's S, in all peers' samples (default: the model's)")
     p.add_argument("--seconds", type=float, help="each run's duration (default: the model's)")
@@ -356,8 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-period", type=float, default=1.0, help="seconds between rank 0's snapshots")
     p.add_argument("--device-ms", type=float, default=0.0, help="emulated device time per step on every peer "
                    "(bench/train.py's: the host idle, as while a GPU computes)")
-    p.add_argument("--gpu-like", action="store_true", help="a GPU's regime: little compute a step (batch 8) and "
-                   "30 ms of emulated device time; with --netns, the wire decides")
+    p.add_argument("--gpu-like", action="store_true", help="a GPU's regime: little compute a step (batch 8 unless "
+                   "--batch-size) and 30 ms of emulated device time; with --netns, the wire decides")
     p.add_argument("--netns", metavar="RATE", help="each peer on an emulated host, links capped at RATE (root)")
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the sync fp32 runs")
     p.add_argument("--reps", type=int, default=1, help="repetitions, interleaved; each row shows the median")
@@ -381,7 +381,8 @@ def main(argv=None) -> int:
         model.update(seconds=3.0, samples=1000, target=1.5)
         a.slow_seconds, a.eval_period = 2.0, 0.5
     if a.gpu_like:
-        a.batch_size, a.device_ms = 8, a.device_ms or 30.0
+        a.batch_size, a.device_ms = a.batch_size or 8, a.device_ms or 30.0
+    a.batch_size = a.batch_size or 64
     a.model_size = model["size"]
     a.target = a.target if a.target is not None else model["target"]
     a.samples = a.samples or model["samples"]
