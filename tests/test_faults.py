@@ -199,6 +199,43 @@ def test_sigstop_and_sigkill_of_a_member_then_sigkill_of_the_coordinator(tmp_pat
         peers.stop_all()
 
 
+def test_a_stopped_coordinator_is_given_up_after_5_s_and_rejoins_by_loading_the_state(tmp_path):
+    """The coordinator frozen (SIGSTOP: a laptop's lid) stalls the others for 5 s of its silence
+    (``Member.give_up_silent_leader``), not the 10 s peer timeout: the next peer leads and the
+    two commit rounds without it; woken, it loads the state (behind) and trains in the view
+    again, nothing lost, the replicas equal."""
+    peers = Peers(tmp_path, extra=["--min-peers", "2"])
+    try:
+        for name in "abc":
+            peers.start(name)
+        peers.wait("rounds of 3", lambda: all(sum(r["members"] == 3 for r in peers.rounds(n)) >= 8 for n in "abc"))
+        peers.wait("one coordinator", lambda: peers.coordinator() is not None)
+        boss = peers.coordinator()
+        others = [n for n in "abc" if n != boss]
+        base = {n: len(peers.rounds(n)) for n in others}
+        stopped_at = time.time()
+        peers.procs[boss].send_signal(signal.SIGSTOP)
+        peers.wait("2 members without it", lambda: all(
+            sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 3 for n in others), 30)
+        gone_on = min(next(r["time"] for r in peers.rounds(n)[base[n]:] if r["members"] == 2) for n in others)
+        woke_at = time.time()
+        peers.procs[boss].send_signal(signal.SIGCONT)
+        assert gone_on - stopped_at < 8.0, (gone_on - stopped_at, peers.events(others[0]))  # (the peer timeout: 10 s)
+        base = len(peers.rounds(boss))
+        peers.wait("3 members again", lambda: sum(r["members"] == 3 for r in peers.rounds(boss)[base:]) >= 3)
+        assert [x.split(":")[0] for x in load_reasons(peers, boss, woke_at)] == ["behind"], peers.events(boss)
+        for n in "abc":
+            peers.procs[n].send_signal(signal.SIGTERM)
+        for n in "abc":
+            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        assert_nothing_lost_and_replicas_agree(peers, "abc")
+    finally:
+        for p in peers.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        peers.stop_all()
+
+
 @pytest.mark.parametrize("mode", [(), ("--sync-every", "4", "--compression", "int8")], ids=["gradients", "local-steps"])
 def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path, mode):
     """A frozen process (SIGSTOP: a lid closed, its sockets still open) stalls the other for

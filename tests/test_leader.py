@@ -519,3 +519,39 @@ def test_a_stopped_member_is_left_out_after_5_s_and_trains_again_once_it_loads_t
     assert net.resyncs["c"] and net.resyncs["c"][-1].startswith("behind")
     assert net.applied("c")[-1][1] == ("a", "b", "c") and net.m["c"].table.state("a") != "dead"
     net.check_safety()
+
+
+def test_a_stopped_leader_is_given_up_after_5_s_and_the_next_peer_leads():
+    """SIGSTOP of the leader (a laptop's lid) for 7 s, under the 10 s peer timeout: after 5 s of
+    its silence the next smallest peer leads and the other two commit rounds without it, rather
+    than wait the peer timeout out (``Member.give_up_silent_leader``); woken, it finds a newer
+    ballot, loads the state (behind) and is in the view again."""
+    net = cluster("abc", run=1.0)
+    n = {p: len(net.applied(p)) for p in "bc"}
+    net.stand_still("a", 7.0)
+    for p in "bc":
+        during = net.applied(p)[n[p]:]
+        assert during and {v for _, v, _ in during} == {("b", "c")}, (p, during)
+        assert [x.text for x in net.of(p, Log) if x.text.startswith("leader a sent nothing for 5 s")], p
+    assert net.m["b"].lead is not None and net.m["b"].table.state("a") != "dead"
+    net.run(3.0)
+    assert net.resyncs["a"] and net.resyncs["a"][-1].startswith("behind"), net.resyncs["a"]
+    assert ("a", "b", "c") in {v for _, v, _ in net.applied("a")[-3:]}
+    net.check_safety()
+
+
+@pytest.mark.parametrize("what,heard,expected", [
+    ("the leader silent 5.5 s, b heard 1 s ago", {"a": 5.5, "b": 1.0}, "syncing"),
+    ("the leader silent 4.5 s: not yet", {"a": 4.5, "b": 1.0}, "synced"),
+    ("every peer silent: our own link, not the leader", {"a": 5.5, "b": 6.0}, "synced"),
+    ("the leader is the only other peer", {"a": 5.5}, "syncing"),
+])
+def test_a_member_gives_up_a_leader_silent_for_half_the_peer_timeout_unless_all_are(what, heard, expected):
+    m = RoundMachine("c", RoundConfig())
+    m.synced = True
+    for peer, ago in heard.items():
+        m.table.connected(peer, 100.0 - ago)
+        m.table.synced(peer, 0, b"", -1)
+    m.member.promised = (1, "a")
+    m.member.give_up_silent_leader(100.0)
+    assert m.table.state("a") == expected

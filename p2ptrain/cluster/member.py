@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.cluster.membership import SYNCED
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, NOT_FINITE, PROPOSE, PROPOSED, READIED, READY, RING,
                                        RINGED, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query,
                                        Stall, Start, StartRing, beats, move, with_used)
@@ -272,6 +273,31 @@ class Member:
             machine._emit(Apply(pending.r, pending.total, pending.view, pending.used))
         machine._set_self()
         machine.ending.decided(now)  # (an end a peer told us while this round awaited its decision)
+
+    def give_up_silent_leader(self, now: float) -> None:
+        """On a tick: the leader we obey sent nothing at all (keepalives come every 2 s) for the
+        silence a leader gives a member up after (``Leader.silence``: half the peer timeout, at
+        least 5 s) while we listened, and another peer was heard meanwhile (so the silence is
+        the leader's, not our own link's): it is stopped or unplugged. It is left out as a
+        silent member is (unsynced, not dead: its links stay), so the next smallest synced peer
+        takes the lead (``Takeover.may_lead``) and resolves a round in doubt, rather than every
+        peer waiting out the peer timeout. Back, the old leader stood still, tells its state,
+        finds a newer ballot and loads the cluster's state if it is behind."""
+        machine = self.machine
+        leader, table, silence = (self.promised or (0, None))[1], machine.table, machine.leader.silence()
+        if not machine.synced or leader in (None, machine.id) or table.state(leader) != SYNCED:
+            return
+        quiet = {p: now - max(table.get(p).last_heard, machine.listening_since) for p in machine._peers()}
+        others = [q for p, q in quiet.items() if p != leader]
+        if quiet[leader] <= silence or (others and min(others) > silence):
+            return
+        table.unsynced(leader)
+        machine._tell.add(leader)  # (read once it runs again: it steps down at once)
+        pending = self.pending
+        if pending is not None and not pending.started and pending.b[1] == leader:
+            self.withdraw(pending)
+        machine._emit(Log("warning", f"leader {leader} sent nothing for {silence:g} s (stopped, or unplugged): the "
+                                     "next peer leads; it is left out until it shows its state"))
 
     def check_stall(self, now: float) -> None:
         """On a tick: our READY or DONE waits longer than its deadline for the leader's answer

@@ -449,6 +449,7 @@ class RoundMachine:
         self.ending.overdue(now)
         if self.ending.ended is not None:
             return
+        self.member.give_up_silent_leader(now)
         pending = self.member.pending
         self.leader.check_stall(now)
         quiet = min(2 * self.config.query_timeout, self.config.peer_timeout / 2)  # well before we seem dead
