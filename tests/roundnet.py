@@ -124,22 +124,24 @@ class Net:
         """p stands still ``seconds`` (a lid closed): SIGSTOP, or with ``slept`` a suspended
         machine, whose clock stops too (its host then tells it first, ``on_woken``). The others
         go on, ticking every ``dt``; what they send p waits in its sockets, what it sent before
-        arrives. Then p runs again."""
-        into = {(o, p) for o in self.m if o != p} - self.held
+        arrives. Then p runs again. ``p`` may name several peers ("ab"): they stand still together."""
+        still = [p] if p in self.m else list(p)
+        into = {(o, q) for q in still for o in self.m if o != q} - self.held
         self.held |= into
-        self.still.add(p)
+        self.still.update(still)
         for _ in range(round(seconds / dt)):
             self.tick(dt)
-        self.still.discard(p)
+        self.still.difference_update(still)
         self.held -= into
-        if slept:
-            self.asleep[p] += seconds
-            self.handle(p, self.m[p].on_woken(self.clock(p), seconds))
+        for q in still if slept else ():
+            self.asleep[q] += seconds
+            self.handle(q, self.m[q].on_woken(self.clock(q), seconds))
         self.settle()  # (p reads what waited in its sockets)
-        for o in sorted(self.m):  # a host closes the link to a peer its machine found dead, and
-            if o != p and DEAD in (self.m[o].table.state(p), self.m[p].table.state(o)) \
-                    and frozenset((o, p)) not in self.down:  # the two dial each other again
-                self.cut(o, p).reconnect(o, p)
+        for q in still:
+            for o in sorted(self.m):  # a host closes the link to a peer its machine found dead, and
+                if o != q and DEAD in (self.m[o].table.state(q), self.m[q].table.state(o)) \
+                        and frozenset((o, q)) not in self.down:  # the two dial each other again
+                    self.cut(o, q).reconnect(o, q)
         return self
 
     def cut(self, a, b):

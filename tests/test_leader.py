@@ -2,6 +2,8 @@
 connectivity and who is left out, taking the lead when a leader goes, rivals and ballots,
 min_peers, and answering a READY sent again, on the fake bus of ``roundnet``."""
 
+import math
+
 import pytest
 from roundnet import GENESIS, Net, cluster
 
@@ -555,3 +557,26 @@ def test_a_member_gives_up_a_leader_silent_for_half_the_peer_timeout_unless_all_
     m.member.promised = (1, "a")
     m.member.give_up_silent_leader(100.0)
     assert m.table.state("a") == expected
+
+
+def test_a_member_stopped_with_the_leader_does_not_hold_the_takeover_for_its_query_timeout():
+    """The leader and a member stopped together (two lids) for 7.5 s: after 5 s of silence the
+    next peer leads, and its takeover leaves the silent member out as a round does, rather than
+    wait the 5 s query timeout for its STATUS: the two left commit rounds before the others wake
+    (with the wait, not before 10 s). Woken, both load the state and are in the view again."""
+    net = cluster("abcd", run=1.0)
+    n = len(net.applied("c"))
+    net.stand_still("ab", 7.5, dt=0.1)
+    during = net.applied("c")[n:]
+    assert during and {v for _, v, _ in during} == {("c", "d")}, during
+    net.run(3.0)
+    assert all(net.applied(p)[-1][1] == ("a", "b", "c", "d") for p in "abcd"), [net.applied(p)[-1] for p in "abcd"]
+    net.check_safety()
+
+
+@pytest.mark.parametrize("silent_for,held", [(1.0, True), (5.5, False)])
+def test_a_joiner_stopped_mid_download_holds_the_boundary_only_until_it_is_silent(silent_for, held):
+    m = RoundMachine("a", RoundConfig())
+    m.table.connected("d", 100.0 - silent_for)
+    m.leader._admit = {"d": math.inf}  # (our state is on its way to d: ``hold_for``)
+    assert bool(m.leader._catching_up(100.0)) == held

@@ -171,6 +171,11 @@ class Leader:
         if silent:
             return self.abort(now, f"{', '.join(silent)} sent nothing for {self.silence():g} s (stopped, or "
                                    "unplugged): left out until it shows its state", drop=silent)
+        if lead is not None and lead.phase == QUERYING:  # (a takeover after a silent leader: a member
+            for q in self.silent(lead.waiting, now):  # stopped with it is not waited for query_timeout more)
+                lead.waiting.discard(q)
+                machine.table.unsynced(q)
+                machine._tell.add(q)
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited, deadline = now - lead.since, machine._deadline(lead.phase, lead.view)
             if waited >= lead.mark * deadline:
@@ -204,10 +209,15 @@ class Leader:
         s while we listened (since ``listening_since``: after a gap in our own events, frames wait
         unread): stopped (a laptop's lid) or unplugged. Left out (unsynced, not dead: its links
         stay), it shows its state when it runs again, and loads the cluster's."""
-        lead, table, since = self.lead, self.machine.table, self.machine.listening_since
+        lead = self.lead
         if lead is None or lead.phase not in (COLLECTING, RUNNING):
             return []
-        return sorted(p for p in lead.waiting if p != self.machine.id and table.get(p) is not None
+        return self.silent(lead.waiting, now)
+
+    def silent(self, peers, now: float) -> list[str]:
+        """Those of ``peers`` that sent nothing for ``silence()`` s while we listened, sorted."""
+        table, since = self.machine.table, self.machine.listening_since
+        return sorted(p for p in peers if p != self.machine.id and table.get(p) is not None
                       and now - max(table.get(p).last_heard, since) > self.silence())
 
     def stood_still(self, now: float, seconds: float) -> None:
@@ -244,6 +254,12 @@ class Leader:
         elif lead.phase == BETWEEN:
             self._propose(now)
 
+    def _catching_up(self, now: float) -> dict:
+        """The joiners we still hold the boundary for: live, within their hold, and heard from
+        within ``silence()`` (one stopped or unplugged mid-download holds nobody for long)."""
+        silent = set(self.silent(self._admit, now))
+        return {p: t for p, t in self._admit.items() if t > now and self.machine.table.is_live(p) and p not in silent}
+
     def _takeover(self, now: float) -> None:
         machine = self.machine
         b = (machine.max_epoch + 1, machine.id)
@@ -273,7 +289,7 @@ class Leader:
         lead = self.lead
         over = machine.ending.run_over(now)
         if over:  # (``ending``) once no joiner is catching up: they end with the same parameters
-            self._admit = {p: t for p, t in self._admit.items() if t > now and machine.table.is_live(p)}
+            self._admit = self._catching_up(now)
             if not self._admit:
                 machine.ending.end_run(now, over)
             return
@@ -290,7 +306,7 @@ class Leader:
         self._waiting_since = None
         if not self.refusals.may_propose(now):
             return
-        self._admit = {p: t for p, t in self._admit.items() if t > now and machine.table.is_live(p)}
+        self._admit = self._catching_up(now)
         if self._admit:
             return  # at the boundary, for a joiner catching up
         view = tuple(p for p in machine.table.live_synced() if p == machine.id or not self.refusals.is_left_out(p, now))

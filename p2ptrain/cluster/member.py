@@ -281,23 +281,29 @@ class Member:
         the leader's, not our own link's): it is stopped or unplugged. It is left out as a
         silent member is (unsynced, not dead: its links stay), so the next smallest synced peer
         takes the lead (``Takeover.may_lead``) and resolves a round in doubt, rather than every
-        peer waiting out the peer timeout. Back, the old leader stood still, tells its state,
-        finds a newer ballot and loads the cluster's state if it is behind."""
+        peer waiting out the peer timeout; so is that next peer, while it is as silent (two lids
+        closed together). Back, a peer left out stood still, tells its state, finds a newer
+        ballot and loads the cluster's state if it is behind."""
         machine = self.machine
-        leader, table, silence = (self.promised or (0, None))[1], machine.table, machine.leader.silence()
-        if not machine.synced or leader in (None, machine.id) or table.state(leader) != SYNCED:
+        table, silence = machine.table, machine.leader.silence()
+        if not machine.synced:
             return
         quiet = {p: now - max(table.get(p).last_heard, machine.listening_since) for p in machine._peers()}
-        others = [q for p, q in quiet.items() if p != leader]
-        if quiet[leader] <= silence or (others and min(others) > silence):
-            return
-        table.unsynced(leader)
-        machine._tell.add(leader)  # (read once it runs again: it steps down at once)
-        pending = self.pending
-        if pending is not None and not pending.started and pending.b[1] == leader:
-            self.withdraw(pending)
-        machine._emit(Log("warning", f"leader {leader} sent nothing for {silence:g} s (stopped, or unplugged): the "
-                                     "next peer leads; it is left out until it shows its state"))
+        if not quiet or (len(quiet) > 1 and all(q > silence for q in quiet.values())):
+            return  # (every other peer silent: our own link, not theirs; alone with the leader we cannot tell)
+        leader = (self.promised or (0, None))[1]
+        while True:
+            lead = leader if table.state(leader) == SYNCED else table.coordinator()
+            if lead in (None, machine.id) or quiet.get(lead, 0.0) <= silence:
+                return
+            table.unsynced(lead)
+            machine._tell.add(lead)  # (read once it runs again: it steps down at once)
+            pending = self.pending
+            if pending is not None and not pending.started and pending.b[1] == lead:
+                self.withdraw(pending)
+            who = f"leader {lead}" if lead == leader else f"{lead}, next to lead,"
+            machine._emit(Log("warning", f"{who} sent nothing for {silence:g} s (stopped, or unplugged): the next "
+                                         "peer leads; it is left out until it shows its state"))
 
     def check_stall(self, now: float) -> None:
         """On a tick: our READY or DONE waits longer than its deadline for the leader's answer
