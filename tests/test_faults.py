@@ -185,10 +185,7 @@ def test_sigstop_and_sigkill_of_a_member_then_sigkill_of_the_coordinator(tmp_pat
         base = {n: len(peers.rounds(n)) for n in survivors}
         peers.wait("2 members go on", lambda: all(
             sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in survivors))
-        for n in survivors:
-            peers.procs[n].send_signal(signal.SIGTERM)  # a graceful end: exit 0, summary written
-        for n in survivors:
-            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        finish_all(peers, survivors)  # (a graceful end: exit 0, summary written)
         assert_nothing_lost_and_replicas_agree(peers, survivors)
         for n in survivors:  # the kills split nobody off: the numbering went on, with no state loaded
             since = [r for r in peers.records(n) if r.get("time", 0) > killed_at and r.get("event") != "summary"]
@@ -224,16 +221,10 @@ def test_a_stopped_coordinator_is_given_up_after_5_s_and_rejoins_by_loading_the_
         base = len(peers.rounds(boss))
         peers.wait("3 members again", lambda: sum(r["members"] == 3 for r in peers.rounds(boss)[base:]) >= 3)
         assert [x.split(":")[0] for x in load_reasons(peers, boss, woke_at)] == ["behind"], peers.events(boss)
-        for n in "abc":
-            peers.procs[n].send_signal(signal.SIGTERM)
-        for n in "abc":
-            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        finish_all(peers, "abc")  # (a graceful end: exit 0, summary written)
         assert_nothing_lost_and_replicas_agree(peers, "abc")
     finally:
-        for p in peers.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-        peers.stop_all()
+        peers.stop_all()  # (SIGKILL ends a stopped process too)
 
 
 @pytest.mark.parametrize("mode", [(), ("--sync-every", "4", "--compression", "int8")], ids=["gradients", "local-steps"])
@@ -261,17 +252,11 @@ def test_a_laptop_lid_closed_then_opened_rejoins_by_loading_the_state(tmp_path, 
         base = {n: len(peers.rounds(n)) for n in "ab"}
         peers.wait("rounds of 2 again", lambda: all(
             sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in "ab"))
-        for n in "ab":
-            peers.procs[n].send_signal(signal.SIGTERM)
-        for n in "ab":
-            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        finish_all(peers, "ab")  # (a graceful end: exit 0, summary written)
         assert [reason.split(":")[0] for reason in load_reasons(peers, "b", woke_at)] == ["behind"], peers.log("b")[-3000:]
         assert_nothing_lost_and_replicas_agree(peers, "ab")
     finally:
-        for p in peers.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-        peers.stop_all()
+        peers.stop_all()  # (SIGKILL ends a stopped process too)
 
 
 def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp_path):
@@ -298,10 +283,7 @@ def test_a_joiner_from_other_parameters_loads_the_state_and_a_graceful_leave(tmp
             sum(r["members"] == 2 for r in peers.rounds(n)[base[n]:]) >= 5 for n in "bc"))
         reformed = min(r["time"] for r in peers.rounds("b") if r["time"] > left and r["members"] == 2)
         assert reformed - left < 5.0  # at once on its goodbye, not after the 10 s silence timeout
-        for n in "bc":
-            peers.procs[n].send_signal(signal.SIGTERM)
-        for n in "bc":
-            assert peers.procs[n].wait(timeout=60) == 0, peers.log(n)[-1500:]
+        finish_all(peers, "bc")  # (a graceful end: exit 0, summary written)
         assert_nothing_lost_and_replicas_agree(peers, ["b", "c"])
         joined, founders = checksums(peers, "c"), checksums(peers, "a")
         shared = set(joined) & set(founders)
