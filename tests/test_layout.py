@@ -21,7 +21,7 @@ SANS_IO = {
     "p2ptrain.cluster.membership", "p2ptrain.cluster.roundmsg", "p2ptrain.cluster.rounds", "p2ptrain.cluster.member",
     "p2ptrain.cluster.ending", "p2ptrain.cluster.refusals", "p2ptrain.cluster.takeover", "p2ptrain.cluster.used",
     "p2ptrain.cluster.leader", "p2ptrain.cluster.lineage", "p2ptrain.cluster.snapshot",
-    "p2ptrain.cluster.fingerprint", "p2ptrain.cluster.settings", "p2ptrain.cluster.worth", "p2ptrain.cluster.sync_every", "p2ptrain.trainer.pacing", "p2ptrain.trainer.solo",
+    "p2ptrain.cluster.fingerprint", "p2ptrain.cluster.settings", "p2ptrain.cluster.worth", "p2ptrain.cluster.silence", "p2ptrain.cluster.sync_every", "p2ptrain.trainer.pacing", "p2ptrain.trainer.solo",
 } | {f"p2ptrain.codecs.{p.stem}" for p in (PACKAGE / "codecs").glob("*.py") if p.stem != "__init__"}
 IO_MODULES = {"asyncio", "socket", "selectors", "threading", "concurrent", "time", "datetime", "uvloop"}
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.refusals import Refusals
 from p2ptrain.cluster.takeover import Takeover
+from p2ptrain.cluster.silence import silence, silent as silent_peers
 from p2ptrain.cluster.worth import Worth
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, START, VOID, WITHDRAWN,
                                        Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse, with_used)
@@ -156,8 +157,8 @@ class Leader:
         self.lead = None
 
     def check_stall(self, now: float) -> None:
-        """On a tick: a round we lead that waits for a member silent ``silence()`` s aborts and
-        leaves it out; a phase we lead that waits past its mark says so (Stall); past its deadline
+        """On a tick: a round we lead that waits for a silent member (``silence``) aborts and
+        leaves it out, a takeover stops waiting for a silent candidate; a phase we lead that waits past its mark says so (Stall); past its deadline
         the silent are left out of a takeover, a collecting round waits for a slow batch up to
         ``ready_patience``, a running one waits as long while its ring ended ok at
         some member or ours still moves (``_ring_moves``), and any other round aborts. A ring
@@ -169,13 +170,12 @@ class Leader:
         machine, lead = self.machine, self.lead
         silent = self.silent_members(now)
         if silent:
-            return self.abort(now, f"{', '.join(silent)} sent nothing for {self.silence():g} s (stopped, or "
+            return self.abort(now, f"{', '.join(silent)} sent nothing for {silence(machine.config):g} s (stopped, or "
                                    "unplugged): left out until it shows its state", drop=silent)
-        if lead is not None and lead.phase == QUERYING:  # (a takeover after a silent leader: a member
-            for q in self.silent(lead.waiting, now):  # stopped with it is not waited for query_timeout more)
-                lead.waiting.discard(q)
-                machine.table.unsynced(q)
-                machine._tell.add(q)
+        for q in silent_peers(machine, lead.waiting, now) if lead is not None and lead.phase == QUERYING else ():
+            lead.waiting.discard(q)  # (a peer stopped with the leader we take over from)
+            machine.table.unsynced(q)
+            machine._tell.add(q)
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited, deadline = now - lead.since, machine._deadline(lead.phase, lead.view)
             if waited >= lead.mark * deadline:
@@ -197,28 +197,13 @@ class Leader:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
 
-    def silence(self) -> float:
-        """Seconds without a frame (keepalives come every 2 s) after which a round we lead gives a
-        member up: half the peer timeout, the gap a peer takes for its own stillness
-        (``RoundMachine._notice_stillness``), at least a phase's ``floor``. A member computing a
-        slow batch still pings (``ready_patience`` waits for it)."""
-        return max(self.machine.config.floor, self.machine.config.peer_timeout / 2)
-
     def silent_members(self, now: float) -> list[str]:
-        """The members our collecting or running round waits for that sent nothing for ``silence()``
-        s while we listened (since ``listening_since``: after a gap in our own events, frames wait
-        unread): stopped (a laptop's lid) or unplugged. Left out (unsynced, not dead: its links
-        stay), it shows its state when it runs again, and loads the cluster's."""
+        """The members our collecting or running round waits for that are silent (``silence``):
+        left out, they show their state when they run again, and load the cluster's."""
         lead = self.lead
         if lead is None or lead.phase not in (COLLECTING, RUNNING):
             return []
-        return self.silent(lead.waiting, now)
-
-    def silent(self, peers, now: float) -> list[str]:
-        """Those of ``peers`` that sent nothing for ``silence()`` s while we listened, sorted."""
-        table, since = self.machine.table, self.machine.listening_since
-        return sorted(p for p in peers if p != self.machine.id and table.get(p) is not None
-                      and now - max(table.get(p).last_heard, since) > self.silence())
+        return silent_peers(self.machine, lead.waiting, now)
 
     def stood_still(self, now: float, seconds: float) -> None:
         """This process stood still ``seconds`` (``RoundMachine._notice_stillness``): a round
@@ -256,8 +241,8 @@ class Leader:
 
     def _catching_up(self, now: float) -> dict:
         """The joiners we still hold the boundary for: live, within their hold, and heard from
-        within ``silence()`` (one stopped or unplugged mid-download holds nobody for long)."""
-        silent = set(self.silent(self._admit, now))
+        lately (``silence``: one stopped or unplugged mid-download holds nobody for long)."""
+        silent = set(silent_peers(self.machine, self._admit, now))
         return {p: t for p, t in self._admit.items() if t > now and self.machine.table.is_live(p) and p not in silent}
 
     def _takeover(self, now: float) -> None:

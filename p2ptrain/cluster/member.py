@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED
+from p2ptrain.cluster.silence import quiet_for, silence
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, NOT_FINITE, PROPOSE, PROPOSED, READIED, READY, RING,
                                        RINGED, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query,
                                        Stall, Start, StartRing, beats, move, with_used)
@@ -276,7 +277,7 @@ class Member:
 
     def give_up_silent_leader(self, now: float) -> None:
         """On a tick: the leader we obey sent nothing at all (keepalives come every 2 s) for the
-        silence a leader gives a member up after (``Leader.silence``: half the peer timeout, at
+        silence a leader gives a member up after (``silence.silence``: half the peer timeout, at
         least 5 s) while we listened, and another peer was heard meanwhile (so the silence is
         the leader's, not our own link's): it is stopped or unplugged. It is left out as a
         silent member is (unsynced, not dead: its links stay), so the next smallest synced peer
@@ -285,16 +286,16 @@ class Member:
         closed together). Back, a peer left out stood still, tells its state, finds a newer
         ballot and loads the cluster's state if it is behind."""
         machine = self.machine
-        table, silence = machine.table, machine.leader.silence()
+        table, limit = machine.table, silence(machine.config)
         if not machine.synced:
             return
-        quiet = {p: now - max(table.get(p).last_heard, machine.listening_since) for p in machine._peers()}
-        if not quiet or (len(quiet) > 1 and all(q > silence for q in quiet.values())):
+        quiet = {p: quiet_for(machine, p, now) for p in machine._peers()}
+        if not quiet or (len(quiet) > 1 and all(q > limit for q in quiet.values())):
             return  # (every other peer silent: our own link, not theirs; alone with the leader we cannot tell)
         leader = (self.promised or (0, None))[1]
         while True:
             lead = leader if table.state(leader) == SYNCED else table.coordinator()
-            if lead in (None, machine.id) or quiet.get(lead, 0.0) <= silence:
+            if lead in (None, machine.id) or quiet.get(lead, 0.0) <= limit:
                 return
             table.unsynced(lead)
             machine._tell.add(lead)  # (read once it runs again: it steps down at once)
@@ -302,7 +303,7 @@ class Member:
             if pending is not None and not pending.started and pending.b[1] == lead:
                 self.withdraw(pending)
             who = f"leader {lead}" if lead == leader else f"{lead}, next to lead,"
-            machine._emit(Log("warning", f"{who} sent nothing for {silence:g} s (stopped, or unplugged): the next "
+            machine._emit(Log("warning", f"{who} sent nothing for {limit:g} s (stopped, or unplugged): the next "
                                          "peer leads; it is left out until it shows its state"))
 
     def check_stall(self, now: float) -> None:
