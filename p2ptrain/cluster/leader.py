@@ -158,24 +158,25 @@ class Leader:
 
     def check_stall(self, now: float) -> None:
         """On a tick: a round we lead that waits for a silent member (``silence``) aborts and
-        leaves it out, a takeover stops waiting for a silent candidate; a phase we lead that waits past its mark says so (Stall); past its deadline
-        the silent are left out of a takeover, a collecting round waits for a slow batch up to
-        ``ready_patience``, a running one waits as long while its ring ended ok at
-        some member or ours still moves (``_ring_moves``), and any other round aborts. A ring
-        with a slow link, a laptop on poor Wi-Fi, is slow everywhere and ends last downstream
-        of it; its first rounds outran a deadline set before it joined, and aborting dropped
-        that peer, which fell behind and loaded the state again. A ring is a pipeline: where a
-        member hangs, ours stops within a few chunks, so such a round still aborts at its next
-        mark, and a dead member is caught by its silence."""
+        leaves it out, and a takeover stops waiting for a silent candidate; a phase we lead that
+        waits past its mark says so (Stall); past its deadline the silent are left out of a
+        takeover, a collecting round waits for a slow batch up to ``ready_patience``, a running
+        one waits as long while its ring ended ok at some member or ours still moves
+        (``_ring_moves``), and any other round aborts. A ring with a slow link, a laptop on poor
+        Wi-Fi, is slow everywhere and ends last downstream of it; its first rounds outran a
+        deadline set before it joined, and aborting dropped that peer, which fell behind and
+        loaded the state again. A ring is a pipeline: where a member hangs, ours stops within a
+        few chunks, so such a round still aborts at its next mark, and a dead member is caught
+        by its silence."""
         machine, lead = self.machine, self.lead
-        silent = self.silent_members(now)
-        if silent:
+        if silent := self.silent_members(now):
             return self.abort(now, f"{', '.join(silent)} sent nothing for {silence(machine.config):g} s (stopped, or "
                                    "unplugged): left out until it shows its state", drop=silent)
-        for q in silent_peers(machine, lead.waiting, now) if lead is not None and lead.phase == QUERYING else ():
-            lead.waiting.discard(q)  # (a peer stopped with the leader we take over from)
-            machine.table.unsynced(q)
-            machine._tell.add(q)
+        if lead is not None and lead.phase == QUERYING:  # (a peer stopped with the leader we take over from)
+            for q in silent_peers(machine, lead.waiting, now):
+                lead.waiting.discard(q)
+                machine.table.unsynced(q)
+                machine._tell.add(q)
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited, deadline = now - lead.since, machine._deadline(lead.phase, lead.view)
             if waited >= lead.mark * deadline:

@@ -293,7 +293,7 @@ class Member:
         if not quiet or (len(quiet) > 1 and all(q > limit for q in quiet.values())):
             return  # (every other peer silent: our own link, not theirs; alone with the leader we cannot tell)
         leader = (self.promised or (0, None))[1]
-        while True:
+        for _ in quiet:  # (each pass leaves one peer out: the next to lead, until one speaks or it is us)
             lead = leader if table.state(leader) == SYNCED else table.coordinator()
             if lead in (None, machine.id) or quiet.get(lead, 0.0) <= limit:
                 return
