@@ -256,16 +256,17 @@ class Net:
     def live(self):
         return [p for p in sorted(self.m) if p not in self.crashed and p not in self.still and not self.m[p]._left]
 
-    def commit_unheard(self, leader, unheard):
+    def commit_unheard(self, leader, unheard, used=None):
         """One round of every peer: ``leader`` commits it, and its COMMIT to ``unheard`` is held
-        (not sent yet: those members are left in doubt). A net of ``auto=False``, just founded."""
+        (not sent yet: those members are left in doubt). A net of ``auto=False``, just founded.
+        ``used``: peer -> the ``used`` mask its DONE carries."""
         self.tick()
         self.settle()
         for p in self.m:
             self.contribute(p)
         self.settle()
         for p in self.m:
-            self.finish_ring(p)
+            self.finish_ring(p, used=(used or {}).get(p))
         for p in unheard:
             self.hold(leader, p)
         self.settle()

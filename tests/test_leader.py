@@ -611,3 +611,21 @@ def test_a_peer_back_from_a_stop_leads_only_after_a_round_so_one_still_stopped_d
     assert all(net.applied(p)[-1][1] == ("a", "b", "c", "d") for p in "abcd"), [net.applied(p)[-1] for p in "abcd"]
     assert net.m["a"].lead is not None
     net.check_safety()
+
+
+def test_a_round_recommitted_by_a_new_leader_carries_the_mask_of_the_parameters_used():
+    """a commits a round in which some parameters had no gradient anywhere, tells only b, and
+    dies; c is in doubt. b, the new leader, commits it to c with the COMMIT's mask, so c leaves
+    those parameters' ``grad`` None as b did (without it, c stepped every parameter: apart)."""
+    net = Net("abc", auto=False)
+    net.found()
+    masks = {"a": b"\x01", "b": b"\x03", "c": b"\x01"}  # (bits: which parameters had a gradient)
+    net.commit_unheard("a", ["c"], used=masks)
+    net.crash("a")
+    net.auto = True
+    for p in "bc":
+        net.handle(p, net.m[p].on_peer_lost("a", net.now))
+    net.run(3.0)
+    first = {p: [x.used for x in net.of(p, M.Apply) if x.r == 0] for p in "bc"}
+    assert first["b"] == first["c"] == [b"\x03"], first
+    net.check_safety()

@@ -56,10 +56,11 @@ VALID = {
 }
 CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: M.Ready, M.START: M.Start,
            M.DONE: M.Done, M.COMMIT: M.Commit, M.ABORT: M.Abort, M.NACK: M.Nack, M.GOODBYE: M.Goodbye, M.END: M.End}
-FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True, "side": ["a", "b"]},
+FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True, "side": ["a", "b"],
+                         "masks": [[0, [1, "a"], b"\x03"]]},
         M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}, M.DONE: {**VALID[M.DONE], "used": b"\x05"},
         M.COMMIT: {**VALID[M.COMMIT], "used": b"\x07"}}  # every field of each type
-OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side"), M.PROPOSE: ("end",),
+OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side", "masks"), M.PROPOSE: ("end",),
            M.DONE: ("checksum", "void", "used"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",),
            M.COMMIT: ("total", "used")}  # what an older peer may leave out
 

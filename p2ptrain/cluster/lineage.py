@@ -100,6 +100,7 @@ class LineageKeeper:
                 "promised": list(machine.member.promised) if machine.member.promised else None,
                 "at": [their, at] if at is not None else None,
                 "log": [[r, list(bb), c] for r, bb, c in machine._log],
+                "masks": [[r, list(bb), m] for (r, bb), m in machine._masks.items()] or None,
                 "pending": pending and {"r": pending.r, "b": list(pending.b), "phase": pending.phase, "ok": pending.ok,
                                   "view": list(pending.view), "total": pending.total},
                 "out": (machine.leader.refusals.out_for(to) if to is not None and machine.leader.lead is not None

@@ -262,7 +262,7 @@ class Member:
         if pending.told:  # (since START: before it, the ring waited for the others' batches too)
             machine._record_ring(now - pending.since, pending.view)
         table.mark_served(pending.view)
-        machine._attempt_ended(pending.r, pending.b, pending.view, pending.total, committed)
+        machine._attempt_ended(pending.r, pending.b, pending.view, pending.total, committed, pending.used)
         if not committed:
             machine._emit(PutBack(pending.r, not_finite))
         else:

@@ -83,6 +83,7 @@ class Status:
     end: int | None = None  # the version at which the cluster's run ended there
     served: bool | None = None  # whether it has served in a view (``PeerTable.coordinator``; None: not said)
     side: tuple | None = None  # the peers of its side, sorted (``members`` of them; None: not said)
+    masks: list | None = None  # [(r, b, used)] of the logged attempts it committed with a ``used`` mask
 
 
 @_message
@@ -291,7 +292,8 @@ _SCHEMA = {m[0].t: m for m in (
              log=lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, c: (_int(r), _ballot(b), _of(bool)(c))),
              pending=_opt(_pending), promised=_opt(_ballot), b=_opt(_ballot), re=_of(bool),
              at=_opt(lambda v: _pairs([v], 1, 2, lambda a, d: (_int(a), _of(bytes, 64)(d)))[0]),
-             out=_opt(_seconds), end=_opt(_int), served=_opt(_of(bool)), side=_opt(_ids)),
+             out=_opt(_seconds), end=_opt(_int), served=_opt(_of(bool)), side=_opt(_ids),
+             masks=_opt(lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, m: (_int(r), _ballot(b), _mask(m))))),
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
     _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),

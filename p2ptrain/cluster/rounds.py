@@ -115,6 +115,7 @@ class RoundMachine:
         self._rates: dict[str, float] = {}  # peer -> bytes/s our state went to it at (``learn_rate``)
         self.ring_moved: dict[int, float] = {}  # round -> when our ring of it last received (``on_tick``)
         self._log: deque = deque(maxlen=LOG_KEEP)  # (r, b, committed) of attempts that ended here
+        self._masks: dict = {}  # (r, b) -> the COMMIT's ``used`` mask, of the committed ones logged
         self._seen_r = -1  # the highest round number seen in any proposal
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
@@ -377,12 +378,15 @@ class RoundMachine:
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)
 
-    def _attempt_ended(self, r: int, b: tuple, view, total: int, committed: bool) -> None:
+    def _attempt_ended(self, r: int, b: tuple, view, total: int, committed: bool, used: bytes | None = None) -> None:
         """Attempt r (ballot b) ended here, and is logged. Committed (a member's COMMIT, or a
         round of a peer alone: ``leader.commit_solo``), the chain grows by it (an idle round,
         total 0, leaves it as it was) and the peers of its view hold our state."""
         self.round = max(self.round, r)
         self._log.append((r, b, committed))
+        self._masks = {k: m for k, m in self._masks.items() if (*k, True) in self._log}
+        if committed and used:  # (a new leader that re-commits it to a member in doubt sends it on)
+            self._masks[(r, b)] = used
         if committed:
             self.history.append(r, view, total)
             self._last_view = view

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from p2ptrain.cluster.membership import SYNCED, History
-from p2ptrain.cluster.roundmsg import ABORT, COMMIT, RING, RINGED, Status
+from p2ptrain.cluster.roundmsg import ABORT, COMMIT, RING, RINGED, Status, with_used
 
 
 class Takeover:
@@ -90,6 +90,9 @@ class Takeover:
         learned, after = {}, {}
         for r, b, c in [e for st in got.values() for e in st.log] + list(machine._log):
             learned[(r, b)] = learned.get((r, b), False) or c
+        masks = dict(machine._masks)  # (the COMMIT's mask, from a member that had it: the same for all)
+        for st in got.values():
+            masks.update({(r, b): m for r, b, m in st.masks or ()})
         totals: dict = {}  # (a member whose START was lost knows none: a member that heard it does)
         for st in got.values():
             if st.pending is not None:
@@ -104,7 +107,8 @@ class Takeover:
                     self.decide(key, outcome)
                 if outcome and pd.phase == RINGED and pd.ok and totals[key]:  # (no total known: it loads state)
                     version, digest = History.after(version, digest, pd.r, pd.view, totals[key])
-                    machine._send(peer, {"t": COMMIT, "r": pd.r, "b": list(pd.b), "total": totals[key]})
+                    machine._send(peer, with_used({"t": COMMIT, "r": pd.r, "b": list(pd.b), "total": totals[key]},
+                                                  masks.get(key)))
                 else:
                     machine._send(peer, {"t": ABORT, "r": pd.r, "b": list(pd.b), "drop": [],
                                          "reason": "its leader was lost"})
