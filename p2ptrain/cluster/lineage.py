@@ -78,7 +78,6 @@ class LineageKeeper:
         self._elsewhere.difference_update(view)
         if any(p != self.machine.id for p in view):
             self._alone, self._loads_in_a_row = False, 0
-            self.hello.clear()  # (we heard who is synced: the view; a peer still silent is not of it)
 
     def compare_deferred(self, now: float) -> None:
         """The STATUS put off while a round of ours was in flight, once none is."""
@@ -253,11 +252,9 @@ class LineageKeeper:
         (why, their version, their side's size), for what the load says (``_said``)."""
         machine = self.machine
         said, joining = self._said(reason, donor, *what), self._alone or self._catching_up(what[0])
-        # We serve in no view of this side's until a round of it (see ``coordinator``): else, solo
-        # before, we took the lead from its leader while it held for a joiner; back from a stop,
-        # with the smallest id, its leader handed us the lead at once, and we led only once peers
-        # still stopped told their STATUS (``hello``): no round for up to ``query_timeout``.
-        machine.table.set_served(machine.id, False)
+        if self._alone:  # our rounds so far were solo, on a lineage we now drop: we served in no view
+            machine.table.set_served(machine.id, False)  # of this side's (see ``coordinator``): else
+            #   we took the lead from its leader while it held for a joiner
         self._before_load = (self._alone, self._loads_in_a_row)  # (``load_failed``: no load came)
         self._alone, self._loads_in_a_row = False, self._loads_in_a_row + 1
         self.load_later, self._load_at, self.side_leader = (), float("-inf"), leader
