@@ -173,10 +173,7 @@ class Leader:
             return self.abort(now, f"{', '.join(silent)} sent nothing for {silence(machine.config):g} s (stopped, or "
                                    "unplugged): left out until it shows its state", drop=silent)
         if lead is not None and lead.phase == QUERYING:  # (a peer stopped with the leader we take over from)
-            for q in silent_peers(machine, lead.waiting, now):
-                lead.waiting.discard(q)
-                machine.table.unsynced(q)
-                machine._tell.add(q)
+            self._unqueried(silent_peers(machine, lead.waiting, now))
         if lead is not None and lead.phase in (QUERYING, COLLECTING, RUNNING):
             waited, deadline = now - lead.since, machine._deadline(lead.phase, lead.view)
             if waited >= lead.mark * deadline:
@@ -184,11 +181,8 @@ class Leader:
                 machine._emit(Stall(tuple(sorted(lead.waiting)), what, waited, lead.r))
                 if lead.mark < 1.0:
                     lead.mark = 1.0
-                elif lead.phase == QUERYING:  # the silent are left out until they show a STATUS
-                    machine._tell.update(lead.waiting)
-                    for q in lead.waiting:
-                        machine.table.unsynced(q)
-                    lead.waiting.clear()
+                elif lead.phase == QUERYING:
+                    self._unqueried(list(lead.waiting))
                 elif lead.phase == COLLECTING and lead.mark * 2 <= machine.config.ready_patience:
                     lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
                 elif (lead.phase == RUNNING and not lead.failed and lead.mark * 2 <= machine.config.ready_patience
@@ -197,6 +191,13 @@ class Leader:
                 else:
                     self.abort(now, f"timed out after {waited:.1f} s waiting for {what} from "
                                     f"{', '.join(sorted(lead.waiting))}", drop=lead.waiting)
+
+    def _unqueried(self, peers) -> None:
+        """Our takeover waits no more for ``peers``: left out until they show a STATUS (told ours)."""
+        self.machine._tell.update(peers)
+        for q in peers:
+            self.machine.table.unsynced(q)
+        self.lead.waiting.difference_update(peers)
 
     def silent_members(self, now: float) -> list[str]:
         """The members our collecting or running round waits for that are silent (``silence``):
@@ -241,8 +242,7 @@ class Leader:
             self._propose(now)
 
     def _catching_up(self, now: float) -> dict:
-        """The joiners we still hold the boundary for: live, within their hold, and heard from
-        lately (``silence``: one stopped or unplugged mid-download holds nobody for long)."""
+        """The joiners we still hold the boundary for: live, within their hold, not silent (``silence``)."""
         silent = set(silent_peers(self.machine, self._admit, now))
         return {p: t for p, t in self._admit.items() if t > now and self.machine.table.is_live(p) and p not in silent}
 

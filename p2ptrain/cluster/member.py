@@ -286,13 +286,13 @@ class Member:
         closed together). Back, a peer left out stood still, tells its state, finds a newer
         ballot and loads the cluster's state if it is behind."""
         machine = self.machine
-        table, limit = machine.table, silence(machine.config)
-        if not machine.synced:
-            return
+        table, limit, leader = machine.table, silence(machine.config), (self.promised or (0, None))[1]
+        lead = leader if table.state(leader) == SYNCED else table.coordinator()
+        if not machine.synced or lead in (None, machine.id) or quiet_for(machine, lead, now) <= limit:
+            return  # (every tick: the usual answer, before a look at every peer)
         quiet = {p: quiet_for(machine, p, now) for p in machine._peers()}
-        if not quiet or (len(quiet) > 1 and all(q > limit for q in quiet.values())):
+        if len(quiet) > 1 and all(q > limit for q in quiet.values()):
             return  # (every other peer silent: our own link, not theirs; alone with the leader we cannot tell)
-        leader = (self.promised or (0, None))[1]
         for _ in quiet:  # (each pass leaves one peer out: the next to lead, until one speaks or it is us)
             lead = leader if table.state(leader) == SYNCED else table.coordinator()
             if lead in (None, machine.id) or quiet.get(lead, 0.0) <= limit:
