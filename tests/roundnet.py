@@ -45,6 +45,7 @@ class Net:
         self.out = defaultdict(Counter)  # contributions handed over, not applied or put back
         self.chain = defaultdict(dict)  # peer -> {round: digest after applying it}
         self.outcome = defaultdict(dict)  # peer -> {round: ("commit", view, total) | "abort"} (started ones)
+        self.applied_at = defaultdict(list)  # peer -> [(time, round)] of its Apply actions
         self.started = defaultdict(dict)  # (r, view) -> members that started the ring
         self.ring_bad = set()  # (r, view) rings that cannot finish ok
         self.running = defaultdict(list)  # peer -> [(r, view)] rings it runs
@@ -186,6 +187,7 @@ class Net:
                     self.crash(p, sent_arrive=True)
             elif isinstance(a, Apply):
                 self.close(p, a.r)
+                self.applied_at[p].append((self.now, a.r))
                 assert self.started.get((a.r, a.view), set()) == set(a.view), "applied a ring that did not run"
                 self.chain[p][a.r] = self.m[p].history.digest
                 self.ringed[p].discard(a.r)

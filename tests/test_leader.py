@@ -598,3 +598,35 @@ def test_a_round_recommitted_by_a_new_leader_carries_the_mask_of_the_parameters_
     first = {p: [x.used for x in net.of(p, M.Apply) if x.r == 0] for p in "bc"}
     assert first["b"] == first["c"] == [b"\x03"], first
     net.check_safety()
+
+
+def test_a_leader_back_from_a_stop_while_another_still_stands_still_stalls_no_round():
+    """a (the leader, the smallest id) and c stand still; b leads after 5 s. a wakes while c
+    still stands still: it leads no more (its last round aborted), hears the others, loads
+    their state (behind) and awaits the STATUS of the side it loaded, not c's. Leading on, a
+    waited 5 s for c's READY, the others' STATUS behind it, while b held its rounds for a to load;
+    then, handed the lead, a waited for c's STATUS up to the query timeout: the soak saw 10 s
+    without a round."""
+    net = cluster("abcd", run=1.0)
+    held = {p: {(o, p) for o in net.m if o != p} - net.held for p in "ac"}
+    for p in "ac":
+        net.held |= held[p]
+        net.still.add(p)
+    net.run(7.0)
+    assert net.m["b"].leader.lead is not None
+    net.still.discard("a")
+    net.held -= held["a"]
+    net.settle()
+    start = net.now
+    net.run(3.0)  # (c still stands still)
+    times = [t for t, _ in net.applied_at["b"] if t >= start]
+    gaps = [b - a for a, b in zip([start] + times, times)]
+    assert times and max(gaps) < 2.0, gaps
+    views = [v for r, v, _ in net.applied("b") if r > 0][-5:]
+    assert all(v == ("a", "b", "d") for v in views), views
+    net.still.discard("c")
+    net.held -= held["c"]
+    net.settle()
+    net.run(3.0)
+    assert all(net.applied(p)[-1][1] == ("a", "b", "c", "d") for p in "abcd"), [net.applied(p)[-1] for p in "abcd"]
+    net.check_safety()

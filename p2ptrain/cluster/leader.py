@@ -208,14 +208,14 @@ class Leader:
         return silent_peers(self.machine, lead.waiting, now)
 
     def stood_still(self, now: float, seconds: float) -> None:
-        """This process stood still ``seconds`` (``RoundMachine._notice_stillness``): a round
-        we lead is aborted, not committed on what waited in our sockets. A member in doubt
-        that gave us up took the lead and decided it without us (aborted: no one had committed
-        it), so committing it now would put the two chains apart. Aborting is always safe."""
-        lead = self.lead
-        if lead is not None and lead.phase in (COLLECTING, RUNNING):
-            self.abort(now, f"this peer stood still for {seconds:.0f} s: its members may "
-                            "have decided the round without it", drop=[])
+        """This process stood still ``seconds`` (``RoundMachine._notice_stillness``): we lead no
+        more, and a round we lead is aborted, not committed on what waited in our sockets. A
+        member in doubt that gave us up took the lead and decided it without us (aborted: no
+        one had committed it), so committing it would put the chains apart. Leading on, our next
+        round waited for a peer stopped with us, and the STATUS of those that went on behind it."""
+        if self.lead is not None:
+            self.step_down(now, f"this peer stood still for {seconds:.0f} s: its members may have decided the "
+                                "round without it")
 
     def _ring_moves(self, lead: _Lead, now: float, deadline: float) -> bool:
         """Our ring of the led round received a chunk within the last quarter of its

@@ -39,6 +39,7 @@ from __future__ import annotations
 from p2ptrain.cluster.leader import COLLECTING, RUNNING
 from p2ptrain.cluster.membership import History, Lineage, heal_decision, relation
 from p2ptrain.cluster.roundmsg import QUERY, RING, RINGED, STATUS, Log, Resync, Status, beats
+from p2ptrain.cluster.silence import silent
 
 
 LEADER_WAIT = 1.0  # seconds a peer that is behind waits for a link to the leader to load from it
@@ -57,6 +58,7 @@ class LineageKeeper:
         self._elsewhere: set = set()  # peers whose STATUS showed another state than ours
         self.hello: set = set()  # after on_synced: peers whose STATUS we still await (we do not lead before)
         self.hello_until = 0.0
+        self._loading_side: frozenset | None = None  # the peers of the side whose state we load (its STATUS says)
         self.listen_until = 0.0  # after our start: we lead nothing before (``RoundConfig.listen``)
         self._deferred: dict[str, Status] = {}  # STATUS that arrived while our own version was in flight
         self._start: int | None = None  # the version we started from (genesis: 0, or a checkpoint's)
@@ -66,12 +68,29 @@ class LineageKeeper:
 
     def on_synced(self, peers, now: float) -> None:
         """We loaded state: our side is the one we loaded (see ``_side``), and we await the
-        STATUS of ``peers`` for ``query_timeout``."""
+        STATUS of those of ``peers`` on it (its STATUS named them; all, where none did)."""
         self._elsewhere = set()
-        self.hello, self.hello_until = set(peers), now + self.machine.config.query_timeout
+        side, self._loading_side = self._loading_side, None
+        if side is not None:  # the others held what we loaded over: synced with that, not with this
+            for p in set(self.machine.table.live_synced()) - side - {self.machine.id}:
+                self.machine.table.unsynced(p)  # (a peer stopped meanwhile led on us: we queried it)
+        self.await_hello(peers if side is None else side.intersection(peers), now)
         if self._start is None:  # (the first is our start: genesis or a checkpoint)
             self._start = self.machine.history.version
             self.listen_until = now + self.machine.config.listen
+
+    def await_hello(self, peers, now: float) -> None:
+        """We lead nothing before the STATUS of ``peers`` (for ``query_timeout`` at most): we
+        do not know who else holds our state (we loaded it, started, or stood still)."""
+        self.hello, self.hello_until = set(peers), now + self.machine.config.query_timeout
+
+    def awaits_hello(self, now: float) -> bool:
+        """Whether a STATUS in ``hello`` is still awaited: one of a silent peer (``silence``;
+        stopped, unplugged) is not; it shows its state when it runs again, as any peer that meets us.
+        A peer back from a stop that took the lead waited up to ``query_timeout`` for another
+        still stopped, and no round ran meanwhile."""
+        self.hello.difference_update(silent(self.machine, self.hello, now))
+        return bool(self.hello) and now < self.hello_until
 
     def shared_round(self, view) -> None:
         """The peers of ``view`` committed a round with us: they hold our state again."""
@@ -180,7 +199,7 @@ class LineageKeeper:
                 leader = (m.promised or (0, s))[1]  # load from the leader: it holds while we load
                 donor = leader if leader != machine.id and machine.table.is_live(leader) else s
                 reason = f"{why}: {s} has version {their_version}, its side {sides[1].members} peer(s)"
-                what = (why, their_version, sides[1].members)  # (for ``_said``)
+                what = (why, their_version, sides[1].members, m.side)  # (for ``_said``; its side's peers)
                 if rel == "ahead" and now < self.out_until:  # stale again before we are in a view:
                     machine.counters["behind_left_out"] += 1  # load once our time left out is over
                     self.load_later = (reason, donor, leader, what)
@@ -249,9 +268,12 @@ class LineageKeeper:
     def _resync(self, reason: str, donor: str, now: float, leader: str, what: tuple) -> None:
         """Load state from ``donor``, of the side that ``leader`` leads (``on_synced`` backs
         off from leading while that leader is not seen synced: the side has one). ``what``:
-        (why, their version, their side's size), for what the load says (``_said``)."""
+        (why, their version, their side's size, its peers or None), for what the load says
+        (``_said``) and whose STATUS we await once loaded (``on_synced``: not a peer stopped
+        meanwhile, still linked and held synced in our table)."""
         machine = self.machine
-        said, joining = self._said(reason, donor, *what), self._alone or self._catching_up(what[0])
+        said, joining = self._said(reason, donor, *what[:3]), self._alone or self._catching_up(what[0])
+        self._loading_side = None if what[3] is None else frozenset(what[3]) - {machine.id}
         if self._alone:  # our rounds so far were solo, on a lineage we now drop: we served in no view
             machine.table.set_served(machine.id, False)  # of this side's (see ``coordinator``): else
             #   we took the lead from its leader while it held for a joiner
@@ -281,6 +303,7 @@ class LineageKeeper:
         machine.member.reset()  # (the ballot we obeyed was the side's whose state we failed to load)
         machine._set_self()
         self.side_leader, (self._alone, self._loads_in_a_row) = "", self._before_load
+        self._loading_side = None
         self.on_synced(machine._peers(), now)
         machine._tell.update(self.hello)
         peers = ", ".join(sorted(self.hello))

@@ -222,7 +222,7 @@ class RoundMachine:
         return self._run(now, self.lineage.load_failed, asked, why, now)
 
     def _after_sync(self, loaded: int | None) -> None:
-        self._tell.update(self.lineage.hello)
+        self._tell.update(self._peers())  # (every peer: ``hello`` awaits only those of the side we loaded)
         if loaded is not None:  # (a state from the cluster: --max-rounds may count from it, ``ending``)
             self.ending.loaded(loaded)
 
@@ -341,6 +341,7 @@ class RoundMachine:
                                "stopped, or its event loop was held up): the others are heard before any is given up"))
         self.table.forgive(now)
         self.leader.stood_still(now, seconds)
+        self.lineage.await_hello(self._peers(), now)
         self._tell.update(self._peers())
 
     def _emit(self, action) -> None:

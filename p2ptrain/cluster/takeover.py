@@ -52,7 +52,7 @@ class Takeover:
     def may_lead(self, now: float) -> bool:
         """On a tick, leading nothing: whether we take the lead now (see "Who leads")."""
         machine = self.machine
-        if machine.table.coordinator() != machine.id or (machine.lineage.hello and now < machine.lineage.hello_until):
+        if machine.table.coordinator() != machine.id or machine.lineage.awaits_hello(now):
             return False  # (not before we heard who else is synced)
         if machine.ending.wondering(now):  # (nor while the run may have ended as we stood still)
             return False
