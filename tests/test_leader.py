@@ -630,3 +630,20 @@ def test_a_leader_back_from_a_stop_while_another_still_stands_still_stalls_no_ro
     net.run(3.0)
     assert all(net.applied(p)[-1][1] == ("a", "b", "c", "d") for p in "abcd"), [net.applied(p)[-1] for p in "abcd"]
     net.check_safety()
+
+
+def test_a_back_off_from_a_leader_we_never_saw_ends_once_another_leads_us():
+    """A peer loads state from c, whose STATUS names a as its leader: it backs off from leading
+    while it does not see a (a replugged peer with a small id took a side from its leader). a was
+    stopped meanwhile; c took over, led a round with us, and hands us the lead (our id is
+    smaller): we take it at once, not when the back-off ends (the soak: 5 s without a round)."""
+    m = RoundMachine("b", RoundConfig())
+    m.synced = True
+    m._set_self()
+    m.table.connected("c", 99.0)
+    m.table.synced("c", 0, b"", -1)
+    m.table.mark_served(["b", "c"])
+    m.leader.back_off("a", 99.0)
+    assert not m.leader.takeover.may_lead(100.0)  # (no leader led us yet: a leads that side)
+    m.member.promised = (6, "c")
+    assert m.leader.takeover.may_lead(100.0)
