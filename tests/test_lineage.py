@@ -408,3 +408,16 @@ def test_peers_started_together_meet_at_genesis_and_none_loads(listen):
         assert not net.resyncs and views == {("a", "b")}
     else:
         assert net.resyncs["b"] and ("a",) in views
+
+
+@pytest.mark.parametrize("silent_for,awaited", [(1.0, True), (5.5, False)])
+def test_a_status_awaited_before_leading_is_not_awaited_from_a_silent_peer(silent_for, awaited):
+    """After a load we lead nothing before the linked peers told their STATUS, up to the query
+    timeout; a peer silent for 5 s (stopped, unplugged) is not waited for: it shows its state when
+    it runs again. (A peer back from a stop, the smallest id, waited for another still stopped.)"""
+    from p2ptrain.cluster.rounds import RoundConfig, RoundMachine
+    m = RoundMachine("a", RoundConfig())
+    m.table.connected("d", 100.0 - silent_for)
+    m.lineage.await_hello(["d"], 99.0)
+    assert m.lineage.awaits_hello(100.0) == awaited
+    assert not m.lineage.awaits_hello(104.5)  # (the query timeout: 5 s)
