@@ -421,3 +421,43 @@ def test_a_status_awaited_before_leading_is_not_awaited_from_a_silent_peer(silen
     m.lineage.await_hello(["d"], 99.0)
     assert m.lineage.awaits_hello(100.0) == awaited
     assert not m.lineage.awaits_hello(104.5)  # (the query timeout: 5 s)
+
+
+def test_a_joiner_handed_the_lead_leads_at_once_though_its_status_reached_a_member_after_a_round_with_it():
+    """A fresh joiner with the smallest id loads b's state and is in b's next round; its STATUS
+    reaches c only after that round (another link), where it is stale. Unanswered, the joiner,
+    handed the lead at the boundary, awaited c's STATUS for the 5 s query timeout and no round
+    ran (the soak: 5.0 s after each such join). A stale STATUS is answered, and a round with a
+    peer ends the wait for its STATUS (here c's and d's are lost: the round alone ends it)."""
+    net = Net("bcd")
+    net.found()
+    net.run(3.0)
+    net.manual_sync.add("a")
+    a = net.add("a")
+    net.handle("a", a.on_synced(GENESIS, net.now))
+    net.settle()
+    assert net.needs_sync == {"a": "b"}
+    net.drop("a", "c", M.STATUS).drop("a", "d", M.STATUS)
+    net.sync_from("a", "b")
+    net.manual_sync.discard("a")  # (a catching-up load, if any, lands at once)
+    loaded, stale = net.now, msgpack.unpackb(msgpack.packb(a.lineage.status()), raw=False)
+    while a.lead is None and net.now < loaded + 10:
+        net.run(0.1)
+    assert net.now < loaded + 2.0, [x.text for x in net.of("a", M.Log)]
+    net.run(2.0)
+    assert all(net.applied(p)[-1][1] == ("a", "b", "c", "d") for p in "abcd")
+    replies = [x for x in net.m["c"].on_message("a", stale, net.now) if isinstance(x, Send) and x.to == "a"]
+    assert [x.msg["t"] for x in replies] == [M.STATUS] and replies[0].msg["re"]
+    net.check_safety()
+
+
+def test_a_round_with_a_peer_ends_the_wait_for_its_status():
+    from p2ptrain.cluster.rounds import RoundConfig, RoundMachine
+    m = RoundMachine("a", RoundConfig())
+    for p in "cd":
+        m.table.connected(p, 99.0)
+    m.lineage.await_hello(["c", "d"], 99.0)
+    m.lineage.shared_round(("a", "c"))
+    assert m.lineage.hello == {"d"} and m.lineage.awaits_hello(100.0)
+    m.lineage.shared_round(("a", "c", "d"))
+    assert not m.lineage.awaits_hello(100.0)

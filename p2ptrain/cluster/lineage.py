@@ -95,6 +95,7 @@ class LineageKeeper:
     def shared_round(self, view) -> None:
         """The peers of ``view`` committed a round with us: they hold our state again."""
         self._elsewhere.difference_update(view)
+        self.hello.difference_update(view)  # (they hold our state: no STATUS of theirs is awaited)
         if any(p != self.machine.id for p in view):
             self._alone, self._loads_in_a_row = False, 0
 
@@ -181,9 +182,10 @@ class LineageKeeper:
         if rel == "unknown":  # they are ahead, too far for their window: ask, their reply says
             return machine._send(s, self.status())
         if rel == "behind" and m.round < machine.round and s in machine._last_view:
-            machine.counters["stale_status"] += 1  # sent before a round we both took part in
-            return
-        if rel == "same":
+            machine.counters["stale_status"] += 1  # sent before a round we both took part in: it holds ours.
+            #   Still answered: a joiner awaits our STATUS before it leads (``hello``); unanswered, a
+            #   joiner with the smallest id, handed the lead, led 5 s later (the query timeout)
+        elif rel == "same":
             self._elsewhere.discard(s)
             machine.table.synced(s, their_version, their_digest, m.round, now)
             machine.leader.caught_up(s)
