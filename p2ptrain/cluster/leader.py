@@ -212,7 +212,7 @@ class Leader:
         more, and a round we lead is aborted, not committed on what waited in our sockets. A
         member in doubt that gave us up took the lead and decided it without us (aborted: no
         one had committed it), so committing it would put the chains apart. Leading on, our next
-        round waited for a peer stopped with us, and the STATUS of those that went on behind it."""
+        round would wait for a peer stopped with us, and the STATUS of those that went on behind it."""
         if self.lead is not None:
             self.step_down(now, f"this peer stood still for {seconds:.0f} s: its members may have decided the "
                                 "round without it")

@@ -73,7 +73,8 @@ class LineageKeeper:
         side, self._loading_side = self._loading_side, None
         if side is not None:  # the others held what we loaded over: synced with that, not with this
             for p in set(self.machine.table.live_synced()) - side - {self.machine.id}:
-                self.machine.table.unsynced(p)  # (a peer stopped meanwhile led on us: we queried it)
+                self.machine.table.unsynced(p)  # (held synced, a peer stopped meanwhile is a candidate
+                #   our takeover would query and wait for)
         self.await_hello(peers if side is None else side.intersection(peers), now)
         if self._start is None:  # (the first is our start: genesis or a checkpoint)
             self._start = self.machine.history.version
@@ -87,8 +88,8 @@ class LineageKeeper:
     def awaits_hello(self, now: float) -> bool:
         """Whether a STATUS in ``hello`` is still awaited: one of a silent peer (``silence``;
         stopped, unplugged) is not; it shows its state when it runs again, as any peer that meets us.
-        A peer back from a stop that took the lead waited up to ``query_timeout`` for another
-        still stopped, and no round ran meanwhile."""
+        Else a peer back from a stop that takes the lead waits up to ``query_timeout`` for another
+        still stopped, and no round runs meanwhile."""
         self.hello.difference_update(silent(self.machine, self.hello, now))
         return bool(self.hello) and now < self.hello_until
 
@@ -184,7 +185,7 @@ class LineageKeeper:
         if rel == "behind" and m.round < machine.round and s in machine._last_view:
             machine.counters["stale_status"] += 1  # sent before a round we both took part in: it holds ours.
             #   Still answered: a joiner awaits our STATUS before it leads (``hello``); unanswered, a
-            #   joiner with the smallest id, handed the lead, led 5 s later (the query timeout)
+            #   joiner with the smallest id, handed the lead, would lead only at the query timeout
         elif rel == "same":
             self._elsewhere.discard(s)
             machine.table.synced(s, their_version, their_digest, m.round, now)
