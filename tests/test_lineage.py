@@ -9,7 +9,7 @@ from roundnet import GENESIS, Net, cluster
 from p2ptrain.cluster import roundmsg as M
 from p2ptrain.cluster.membership import SYNCED, genesis
 from p2ptrain.cluster.roundmsg import Broadcast, Resync, Send, StartRing
-from p2ptrain.cluster.rounds import SyncPoint
+from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
 
 
 # -- joiners ------------------------------------------------------------------------------------
@@ -415,7 +415,6 @@ def test_a_status_awaited_before_leading_is_not_awaited_from_a_silent_peer(silen
     """After a load we lead nothing before the linked peers told their STATUS, up to the query
     timeout; a peer silent for 5 s (stopped, unplugged) is not waited for: it shows its state when
     it runs again. (A peer back from a stop, the smallest id, waited for another still stopped.)"""
-    from p2ptrain.cluster.rounds import RoundConfig, RoundMachine
     m = RoundMachine("a", RoundConfig())
     m.table.connected("d", 100.0 - silent_for)
     m.lineage.await_hello(["d"], 99.0)
@@ -427,8 +426,8 @@ def test_a_joiner_handed_the_lead_leads_at_once_though_its_status_reached_a_memb
     """A fresh joiner with the smallest id loads b's state and is in b's next round; its STATUS
     reaches c only after that round (another link), where it is stale. Unanswered, the joiner,
     handed the lead at the boundary, awaited c's STATUS for the 5 s query timeout and no round
-    ran (the soak: 5.0 s after each such join). A stale STATUS is answered, and a round with a
-    peer ends the wait for its STATUS (here c's and d's are lost: the round alone ends it)."""
+    ran (the soak: 5.0 s after each such join). A stale STATUS is answered (and a round with a
+    peer ends the wait for its STATUS: the test below). Here its first STATUS to c and d is lost."""
     net = Net("bcd")
     net.found()
     net.run(3.0)
@@ -452,7 +451,6 @@ def test_a_joiner_handed_the_lead_leads_at_once_though_its_status_reached_a_memb
 
 
 def test_a_round_with_a_peer_ends_the_wait_for_its_status():
-    from p2ptrain.cluster.rounds import RoundConfig, RoundMachine
     m = RoundMachine("a", RoundConfig())
     for p in "cd":
         m.table.connected(p, 99.0)
