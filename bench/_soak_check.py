@@ -111,17 +111,7 @@ def in_cluster(inc: Incarnation) -> list:
     return [r for r in inc.records if (r.get("members") or 0) >= 2]
 
 
-def commit_times(incs: list[Incarnation]) -> dict[int, float]:
-    """version -> the earliest time any peer recorded it (the cluster's lineage)."""
-    times: dict[int, float] = {}
-    for inc in incs:
-        for r in in_cluster(inc):
-            v = r["version"]
-            times[v] = min(times.get(v, r["time"]), r["time"])
-    return times
-
-
-def longest_stall(times: dict[int, float], start: float, end: float) -> tuple[float, float]:
+def longest_stall(times: dict, start: float, end: float) -> tuple[float, float]:
     """The longest gap between consecutive updates committed in ``[start, end]`` (and from
     ``start`` to the first): (seconds, when it began)."""
     ts = sorted(t for t in times.values() if start <= t <= end)
@@ -172,7 +162,7 @@ def capacity(incs: list[Incarnation], events, t0: float, end: float) -> float:
     return (full - absent) / full if full > 0 else 1.0
 
 
-def waits_after(times: dict[int, float], events, window: float) -> dict[str, list[float]]:
+def waits_after(times: dict, events, window: float) -> dict[str, list[float]]:
     """Event what -> for each such event at t, the longest wait for an update in ``[t, t + window]``:
     from t to the next update, or a gap between updates that begins in the window (a paused peer
     stalls the round after the one in flight). An event with no update after it is left out."""
@@ -191,7 +181,7 @@ def waits_after(times: dict[int, float], events, window: float) -> dict[str, lis
     return dict(out)
 
 
-def stalls_by_cause(times: dict[int, float], events, t0: float, end: float) -> dict[str, list]:
+def stalls_by_cause(times: dict, events, t0: float, end: float) -> dict[str, list]:
     """Each gap between updates (from ``t0``) over ``STALL_FACTOR`` times the median gap and
     ``STALL_MIN_S``, blamed on the first event in it or ``LOOKBACK_S`` before it, else the last
     one before it (``none``: no event yet): cause -> [gaps, seconds past the median gap, the longest]."""
@@ -218,7 +208,6 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
     """The figures of a run. ``faults``: (time injected, kind); ``t0``: when every first peer was
     a member; ``settle``: the window after a fault in which updates are counted; ``events``: the
     fault log (the module's docstring)."""
-    times = commit_times(incs)
     # A version's records, grouped into commits: one lineage commits a version once, all its
     # members within moments; two sides of a split (or two fresh peers that met before they met the
     # cluster) commit the same number apart, each on its own parameters.
@@ -236,6 +225,10 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
             if t - start > SAME_COMMIT_S:
                 start = t
             commits[(v, start)].append((host, r))
+    # Each commit's time, keyed by (version, start): two lineages number their versions alike (a
+    # side of two peers cut off may run far ahead of the cluster), so a version's earliest record
+    # can be the other side's, and would hide this commit from the stalls and the waits.
+    times = {k: k[1] for k in commits}
     # More records than the commit had members: two sides of a split committed this version in the
     # same moments (each of 2+ members, numbered alike from where they parted): not one commit.
     concurrent = {k for k, rs in commits.items() if len(rs) > max(r.get("members") or 0 for _, r in rs)}
@@ -276,7 +269,7 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
             first, lst = _settled(during), during[-1]
             usage.append((inc.host, first[1], lst[1], first[2], lst[2]))
     return Figures(
-        faults=Counter(kind for _, kind in faults), rounds=max(times, default=0),
+        faults=Counter(kind for _, kind in faults), rounds=max((v for v, _ in commits), default=0),
         samples_committed=committed, alone=alone, split_versions=split_versions, lost=lost, dropped=dropped, lost_by=lost_by, split_rounds=split,
         checksum_versions=len(compared), checksum_disagree=disagree, end_checksums=ends,
         longest_stall=stall, stall_at=stall_at, min_rounds_after_fault=min(after, default=0),

@@ -117,6 +117,20 @@ def test_resume_and_stalls_are_read_against_the_fault_log():
     assert f.capacity == pytest.approx((54 - 5.5 - 6.5) / 54) and f.stalls == {"link": [1, 9.0, 10.0], "up": [1, 7.0, 8.0]}
 
 
+def test_a_side_cut_off_that_numbers_its_versions_ahead_hides_no_commit_of_the_cluster():
+    """Two peers cut off together train on as a side of two and number their updates like the
+    cluster, ahead of it; the cluster commits the same numbers later. Each commit counts where it
+    happened: taking a version's earliest record, the cluster's commits of 4-6 vanished behind
+    the side's and a 4 s stall appeared between 3 and 7 that the cluster never had."""
+    main = [_soak_check.Incarnation(h, 0.0, [_rec(v, float(v) + h / 100, 96, 32, members=3) for v in range(1, 9)],
+                                    _summary(256), 0) for h in range(3)]
+    side = [_soak_check.Incarnation(h, 0.0, [_rec(v, v / 10 - 0.2 + h / 100, 64, 32) for v in (4, 5, 6)],
+                                    _summary(96), 0) for h in (3, 4)]
+    f = _soak_check.check(main + side, [(3.5, "link")], t0=0.0, settle=2.0)
+    assert f.longest_stall == pytest.approx(1.0) and f.min_rounds_after_fault == 2 and f.rounds == 8
+    assert f.split_versions == 3 and f.lost == 0
+
+
 @requires_netns
 @pytest.mark.slow
 @pytest.mark.timeout(150)
