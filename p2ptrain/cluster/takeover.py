@@ -62,10 +62,10 @@ class Takeover:
             return False  # a leader leaves us out, or we are behind and load soon: do not fork
         owner, pending = (machine.member.promised or (0, None))[1], machine.member.pending
         owner_alive = owner != machine.id and machine.table.state(owner) == SYNCED
-        if now < self._no_lead_until and machine.table.state(self._rival) != SYNCED and owner in (None, self._rival,
-                                                                                                  machine.id):
-            return False  # a rival we cannot see leads: do not flip-flop with it every round (once a
-            #   leader we see led us, the side has one: the rival was given up, stopped, and it hands us the lead)
+        led_since = owner not in (None, self._rival, machine.id)  # (a leader we see led us: the side has one,
+        #   the rival was given up, stopped, and that leader may hand us the lead)
+        if now < self._no_lead_until and machine.table.state(self._rival) != SYNCED and not led_since:
+            return False  # a rival we cannot see leads: do not flip-flop with it every round
         if pending is not None and pending.started:  # in doubt: only once its leader is gone
             return not owner_alive
         # A smaller live leader keeps the lead, where it may coordinate too: one that has served
