@@ -9,6 +9,7 @@ rendezvous on PORT0). Both modes see the same batches per rank. Each rank writes
 ``state_dict`` (and what the test checks besides) to OUT/<mode>-<rank>.pt.
 """
 
+import faulthandler
 import os
 import sys
 
@@ -18,6 +19,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import torch
 
 STEPS, BATCH, WORLD = 6, 4, 2
+HANG_DUMP = 90  # seconds (run_ranks kills a rank after 100)
 
 
 def peer_options(rank, ports):
@@ -131,6 +133,7 @@ def run_ddp_hook(mode, rank, out, ports):
                 optimizer.zero_grad()
             result["own_buffers"] = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
             hook.average_buffers(model)
+    dist.barrier()  # (every rank past its last collective before any tears its group down)
     del ddp  # (before its process group: a DDP freed after it hung now and then at exit)
     dist.destroy_process_group()
     result["state"] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -169,6 +172,7 @@ def run_ddp_hook_desktops(mode, rank, out, ports):
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
                 optimizer.step()
                 optimizer.zero_grad()
+    dist.barrier()  # (every rank past its last collective before any tears its group down)
     del ddp  # (before its process group: a DDP freed after it hung now and then at exit)
     dist.destroy_process_group()
     torch.save({"state": {k: v.clone() for k, v in model.state_dict().items()}}, os.path.join(out, f"{mode}-{rank}.pt"))
@@ -237,6 +241,9 @@ SCRIPTS = {"hf": run_hf, "ddp_hook": run_ddp_hook, "ddp_hook_desktops": run_ddp_
            "lightning": run_lightning}
 
 if __name__ == "__main__":
+    # A rank still running after HANG_DUMP seconds prints every thread's stack and exits, so that a
+    # hang (in torch's teardown or ours) fails its test with where it stood, before run_ranks' kill.
+    faulthandler.dump_traceback_later(HANG_DUMP, exit=True)
     script, modes, rank, out, *ports = sys.argv[1:]
     for mode in modes.split(","):  # ("p2p,ddp": both in one process, p2p first: it needs no process group)
         SCRIPTS[script](mode, int(rank), out, [int(p) for p in ports])
