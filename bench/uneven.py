@@ -378,8 +378,8 @@ def main(argv=None) -> int:
     _common.finally_on_sigterm()  # (stopped, it still kills its workers)
     model = dict(MODELS["1m" if a.quick else a.model])
     if a.quick:
-        model.update(seconds=3.0, samples=1000, target=1.5)
-        a.slow_seconds, a.eval_period = 2.0, 0.5
+        model.update(seconds=2.0, samples=1000, target=1.5)
+        a.slow_seconds, a.eval_period = 1.5, 0.5
     if a.gpu_like:
         a.batch_size, a.device_ms = a.batch_size or 8, a.device_ms or 30.0
     a.batch_size = a.batch_size or 64
