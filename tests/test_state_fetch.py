@@ -162,3 +162,50 @@ async def test_a_donor_killed_mid_download_is_given_up_and_the_joiners_train_on(
             await j.close()
         await donor.transfer.close()
         await donor.mesh.close()
+
+
+def _stop(peer: cluster.Cluster) -> None:
+    """SIGSTOP as the others see it: nothing more comes from it (no keepalive, no part of a
+    snapshot, no round message), while its links stay open and its readers read on."""
+    for task in [*peer._tasks, *peer.transfer._sending]:
+        task.cancel()
+    for task in peer.mesh._tasks:
+        if task.get_coro().__qualname__ in ("Mesh._ping", "Mesh._ping_one"):
+            task.cancel()
+
+
+@pytest.mark.timeout(30)
+async def test_a_donor_stopped_mid_download_is_given_up_at_the_silence_not_the_peer_timeout(monkeypatch, caplog):
+    """A laptop's lid closed while a joiner downloads its state: the link stays open, so the
+    download would wait until ``--peer-timeout`` (10 s) closes it as dead. The donor is silent
+    at 5 s (``silence``): the download fails then, and the joiner decides again."""
+    monkeypatch.setattr(cluster, "RETRY_FETCH", 0.2)
+    send_parts = statesync.StateTransfer._send_parts
+
+    async def slow(self, peer, head, blob, on_sent):  # (the download is in flight when the donor stops)
+        await asyncio.sleep(0.5)
+        await send_parts(self, peer, head, blob, on_sent)
+
+    monkeypatch.setattr(statesync.StateTransfer, "_send_parts", slow)
+    trainers = [TensorTrainer(0), TensorTrainer(1, start=5.0)]
+    (donor,) = await start(["a"], trainers[:1], [FP], [b"a"])
+    joiner = None
+    try:
+        await until(lambda: trainers[0].version >= 3)
+        (joiner,) = await start(["j"], trainers[1:], [FP], [b"j"])
+        joiner.propose("127.0.0.1", donor.port)
+        await until(lambda: joiner.transfer._fetches)
+        _stop(donor)
+        stopped = asyncio.get_running_loop().time()
+        with caplog.at_level("WARNING", logger="p2ptrain"):
+            await until(lambda: joiner._fetcher.done() and joiner.machine.synced, timeout=12)
+        given_up = asyncio.get_running_loop().time() - stopped
+        assert 4.5 < given_up < 8.0, given_up  # (the link is closed as dead at 10 s)
+        assert "a sent nothing for 5 s mid-download (stopped, or unplugged)" in caplog.text
+        assert "a" in joiner.mesh.peers  # (given up as a donor, not as a peer: its link is still open)
+        assert joiner.failure is None
+    finally:
+        if joiner is not None:
+            await joiner.close()
+        await donor.transfer.close()
+        await donor.mesh.close()

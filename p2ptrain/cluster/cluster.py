@@ -61,6 +61,7 @@ from p2ptrain.net.mesh import IDLE_TIMEOUT, Mesh
 from p2ptrain.net.tls import TLS
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
+from p2ptrain.cluster.silence import silence, silent
 from p2ptrain.cluster.sleepwatch import SleepWatch
 from p2ptrain.cluster.records import Loaded, RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
@@ -233,6 +234,7 @@ class Cluster:
                         machine.table.message(peer, heard)
                     moved = {r: rnd.moved_at for r, rnd in self._rounds.items() if rnd.moved_at is not None}
                     actions = machine.on_tick(now, moved)
+                    self.transfer.silent(silent(machine, self.transfer.donors(), now), silence(machine.config))
                     for peer in self.mesh.peers:
                         if machine.table.state(peer) == DEAD:
                             self.mesh.disconnect(peer, "silent too long")

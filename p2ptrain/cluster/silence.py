@@ -4,8 +4,9 @@ Keepalives come every 2 s on every link (``net.mesh.KEEPALIVE``), so a live peer
 silent for long; a stopped or unplugged one is, while its links may stay open. The round
 machine's parts act on that without waiting for ``--peer-timeout`` to mark it dead: a round we
 lead leaves a silent member out, a takeover does not wait for a silent candidate's STATUS, a
-joiner silent mid-download holds the boundary no more (``leader``), and members give up a
-silent leader, and the next peer to lead while it is as silent (``member``). Unsynced, not dead:
+joiner silent mid-download holds the boundary no more (``leader``), a joiner gives up a donor
+silent mid-download and asks another (``Cluster``), and members give up a silent leader, and
+the next peer to lead while it is as silent (``member``). Unsynced, not dead:
 its links stay, and it shows its state when it runs again.
 """
 

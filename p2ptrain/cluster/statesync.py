@@ -207,9 +207,23 @@ class StateTransfer:
     def lost(self, peer: str, why: str) -> None:
         """The link to ``peer`` is gone (``Mesh``'s ``on_lost``): a download from it fails now,
         not after ``FLOOR_S`` of silence (a donor killed mid-download sends nothing more)."""
+        self._fail(peer, LinkError(f"lost the link to {peer} mid-download: {why}"))
+
+    def donors(self) -> set[str]:
+        """The peers a download is in flight from."""
+        return {owner for owner, _ in self._fetches.values()}
+
+    def silent(self, peers, seconds: float) -> None:
+        """``peers`` sent nothing for ``seconds``, keepalives included (stopped, or unplugged;
+        their links stay open until ``--peer-timeout``): a download from one fails now, and
+        ``Cluster._fetch_state`` asks another member."""
+        for peer in peers:
+            self._fail(peer, LinkError(f"{peer} sent nothing for {seconds:.0f} s mid-download (stopped, or unplugged)"))
+
+    def _fail(self, peer: str, error: LinkError) -> None:
         for owner, inbox in self._fetches.values():
             if owner == peer:
-                inbox.put_nowait(LinkError(f"lost the link to {peer} mid-download: {why}"))
+                inbox.put_nowait(error)
 
     async def fetch(self, peer: str, parameters_only: bool = False) -> tuple[dict, SyncPoint]:
         """Download, decode and check a snapshot from ``peer`` (``parameters_only``: its trainable
