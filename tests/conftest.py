@@ -1,4 +1,5 @@
-"""What every test runs under: cores to spare (``spare_cores``), and no traffic off this machine.
+"""What every test runs under: cores to spare (``spare_cores``), no traffic off this machine,
+and Ctrl-C as at a terminal.
 
 The network guard (tests/netguard.py) refuses, in this process and in every Python process a
 test starts, a connection or datagram to an address that is neither loopback nor inside a
@@ -7,6 +8,7 @@ even when the code under test caught the error or a child process made it.
 """
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +26,12 @@ _LOG: list[str] = []  # this process's refusal log (children append to it throug
 
 
 def pytest_configure(config):
+    # A shell starts its background jobs (``pytest &``) with SIGINT ignored, and an ignored signal
+    # stays ignored in every process they start: Python then installs no KeyboardInterrupt
+    # handler, and the tests that press Ctrl-C in an example saw it trained on to the end. The
+    # processes the tests start get SIGINT as a user's terminal gives it.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     guard = netguard.install()
     fd, path = tempfile.mkstemp(prefix="p2ptrain-netguard-", suffix=".log")
     os.close(fd)
