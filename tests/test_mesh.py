@@ -286,3 +286,24 @@ async def test_a_duplicate_that_wins_in_the_middle_of_a_ring_leaves_its_sum_whol
     finally:
         await a.mesh.close()
         await b.mesh.close()
+
+
+def test_a_frame_still_coming_counts_as_heard_and_a_link_that_brings_no_byte_does_not():
+    """A snapshot's 4 MB part on a slow link holds the keepalives behind it for seconds: the peer
+    sending it is not silent. Stopped or unplugged, a peer sends no byte: its time stays."""
+    mesh = Mesh(cluster="lab", peer_id="a", secret=b"s")
+
+    class Link:
+        bytes_received = 1000
+
+    sending, stopped = Link(), Link()
+    mesh._links, mesh.heard_at = {"b": sending, "c": stopped}, {"b": 1.0, "c": 1.0}
+    assert mesh.heard(2.0) == {"b": 2.0, "c": 2.0}  # (a link's first look: its bytes so far are news)
+    sending.bytes_received += 65536  # (part of a frame: no frame was read, heard_at not refreshed)
+    assert mesh.heard(6.0) == {"b": 6.0, "c": 2.0}
+    assert mesh.heard(9.0) == {"b": 6.0, "c": 2.0}  # (nothing more came)
+    mesh.heard_at["c"] = 9.5  # (a frame read: the reader's time is kept, never moved back)
+    assert mesh.heard(9.2)["c"] == 9.5
+    del mesh._links["c"]  # (a link dropped is forgotten)
+    mesh.heard(10.0)
+    assert list(mesh._bytes_seen) == [sending]

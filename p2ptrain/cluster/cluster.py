@@ -230,7 +230,7 @@ class Cluster:
                     args[0].set_result(None)
                     continue
                 if kind == "tick":
-                    for peer, heard in self.mesh.heard_at.items():  # any frame (pings too) is a sign of life
+                    for peer, heard in self.mesh.heard(now).items():  # any byte (pings too) is a sign of life
                         machine.table.message(peer, heard)
                     moved = {r: rnd.moved_at for r, rnd in self._rounds.items() if rnd.moved_at is not None}
                     actions = machine.on_tick(now, moved)

@@ -10,9 +10,7 @@ which routes what arrives:
 - the link's own farewell (``wire.BYE``, sent by ``close``) ends the link;
 - keepalives (``wire.PING``, every KEEPALIVE seconds on every link, and once on a new link)
   refresh ``heard_at`` and carry where our other linked peers listen (``at``): a peer given
-  one address (``--peers``, DDP's habit of one master address) dials the rest. Before, a
-  newcomer that knew one member could never reach the others, and the round machine left
-  an old member out, loading state every few seconds, for as long as the newcomer stayed;
+  one address (``--peers``, DDP's habit of one master address) dials the rest;
 - everything else (round messages, the round machine's GOODBYE too) to ``on_message(peer_id, header)``.
 
 Every task the mesh runs (dials, readers, keepalives) is in one ``TaskSet``, which ``close``
@@ -155,13 +153,13 @@ class Mesh:
         self._unreached: dict[tuple[str, int], str] = {}  # address -> why its last dial failed
         self._proposed: set[tuple[str, int]] = set()  # every address proposed (not our own)
         self._answered_by_us: set[tuple[str, int]] = set()  # dialed, and this peer answered (REASON_SELF)
-        # Addresses whose peer refuses our handshake for a setting (``auth.advice``): the reason,
-        # and since when; said once per address and reason (the dial is retried every few seconds).
+        # Addresses whose peer refuses our handshake for a setting (``auth.advice``): why, since when (said once).
         self.refused: dict[tuple[str, int], tuple[str, float]] = {}
         self._said: set[tuple[tuple[str, int], str]] = set()
         self._listener: transport.Listener | None = None
         self._closed = False
-        self.heard_at: dict[str, float] = {}  # peer id -> loop time of the last frame from it
+        self.heard_at: dict[str, float] = {}  # peer id -> loop time of the last frame from it (``heard``)
+        self._bytes_seen: dict[transport.Link, int] = {}  # (``heard``: a link's bytes at the last call)
         self._outbox: dict[str, collections.deque] = {}  # peer id -> messages posted, not yet sent
         self._posting: set[asyncio.Task] = set()  # the tasks sending them
 
@@ -415,6 +413,15 @@ class Mesh:
             if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and 0 < len(entry[0]) <= 255
                     and type(entry[1]) is int and 0 < entry[1] < 65536):
                 self.propose(entry[0], entry[1])
+
+    def heard(self, now: float) -> dict[str, float]:
+        """``heard_at``, a frame still coming counted as heard ``now`` (a snapshot's part on a slow
+        link holds the keepalives behind it): stopped or unplugged, a peer sends no byte at all."""
+        seen, self._bytes_seen = self._bytes_seen, {link: link.bytes_received for link in self._links.values()}
+        for pid, link in self._links.items():
+            if seen.get(link) != self._bytes_seen[link] and pid in self.heard_at:
+                self.heard_at[pid] = max(self.heard_at[pid], now)
+        return self.heard_at
 
     # -- routing --------------------------------------------------------------------------
     async def _read(self, pid: str, link: transport.Link) -> None:
