@@ -236,3 +236,30 @@ async def test_any_other_refusal_is_a_link_error_whatever_its_words():
     finally:
         await member.close()
         await asker.close()
+
+
+async def test_what_an_event_posts_is_in_the_socket_before_the_next_event_is_handled():
+    """The actor handles events back to back while they wait in its queue, and ``Mesh.post``
+    sends from a task: without a yield between events, a leader's COMMIT waited in its outbox
+    while it led the next round, and a lid closed then (SIGSTOP) left the other peers without a
+    round the leader had applied: its chain and theirs split (seen in CI)."""
+    from p2ptrain.cluster import roundmsg
+
+    a, b = await start(["a", "b"], [TensorTrainer(0), TensorTrainer(1)], [FP, FP], [b"same", b"same"], min_peers=2)
+    try:
+        link([a, b])
+        await until(lambda: "b" in a.mesh.peers and "a" in b.mesh.peers)
+        waiting, on_tick = [], a.machine.on_tick
+
+        def tick(now, moved):  # (the first posts a STATUS to b; each says what still waits for b)
+            waiting.append(len(a.mesh._outbox.get("b", ())))
+            return on_tick(now, moved) + ([roundmsg.Send("b", a.machine.lineage.status())] if len(waiting) == 1 else [])
+
+        a.machine.on_tick = tick
+        a._post("tick")
+        a._post("tick")  # (both queued: handled one after the other)
+        await until(lambda: len(waiting) >= 2)
+        assert waiting[:2] == [0, 0]  # the STATUS was sent before the second event
+    finally:
+        for c in (a, b):
+            await c.close()

@@ -213,9 +213,9 @@ class Cluster:
             log.error("cluster stopped: %s: %s", type(exc).__name__, exc)
 
     async def _serve_events(self) -> None:
-        loop = asyncio.get_running_loop()
-        machine = self.machine
+        loop, machine = asyncio.get_running_loop(), self.machine
         while True:
+            await asyncio.sleep(0)  # (the last event's posts reach the socket first: ``Mesh.post`` sends from tasks)
             self._go_solo(loop.time())
             kind, args = await self._events.get()
             now = loop.time()
