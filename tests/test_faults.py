@@ -116,6 +116,11 @@ def checksums(peers, name):
     return {r["round"]: r["param_checksum"] for r in peers.rounds(name, since_load=True) if r["param_checksum"]}
 
 
+def common_rounds(by_round) -> set:
+    """The rounds every peer's ``checksums`` hold."""
+    return set.intersection(*(set(b) for b in by_round))
+
+
 def at_least(peers, names, n):
     return lambda: all(len(peers.rounds(x)) >= n for x in names)
 
@@ -136,7 +141,7 @@ def assert_nothing_lost_and_replicas_agree(peers, survivors):
         since = peers.rounds(name, since_load=True)
         assert len(since) >= 3 and since[1]["dropped"] == summary["dropped"], (name, since[:3], summary)
     by_round = [checksums(peers, n) for n in survivors]
-    common = set.intersection(*(set(b) for b in by_round))
+    common = common_rounds(by_round)
     assert len(common) >= 5
     for r in common:
         assert len({b[r] for b in by_round}) == 1, f"replicas differ after round {r}: " + " | ".join(
@@ -309,8 +314,7 @@ def wait_agreeing(peers, names, n=5):
     ``assert_nothing_lost_and_replicas_agree`` compares: a record written together with a later
     round's carries no checksum, so a count of rounds alone can leave fewer (4 once, after a
     woken coordinator's 3 rounds back in the view)."""
-    peers.wait(f"{n} checked rounds in common", lambda: len(set.intersection(
-        *(set(checksums(peers, x)) for x in names))) >= n)
+    peers.wait(f"{n} checked rounds in common", lambda: len(common_rounds([checksums(peers, x) for x in names])) >= n)
 
 
 def finish_all(peers, names):

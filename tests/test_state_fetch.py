@@ -106,6 +106,17 @@ async def test_linked_peers_that_all_refuse_are_given_up_after_a_few_tries(monke
     assert [p[:2] for p in posted] == [("unloaded", "dead, b")] and "refused" in posted[0][2]
 
 
+def _slow_snapshots(monkeypatch) -> None:
+    """A member sends a snapshot's parts 0.5 s after it was asked: a test can act mid-download."""
+    send_parts = statesync.StateTransfer._send_parts
+
+    async def slow(self, peer, head, blob, on_sent):
+        await asyncio.sleep(0.5)
+        await send_parts(self, peer, head, blob, on_sent)
+
+    monkeypatch.setattr(statesync.StateTransfer, "_send_parts", slow)
+
+
 async def _crash(peer: cluster.Cluster) -> None:
     """kill -9 as the others see it: no goodbye, its links reset, nothing listens at its port."""
     for task in [*peer._tasks, *peer.mesh._tasks, *peer.transfer._sending]:
@@ -124,18 +135,14 @@ async def test_a_donor_killed_mid_download_is_given_up_and_the_joiners_train_on(
     on from its own state: one alone trains on; two heal their split (one loads the other's state)
     and train together. (Asking on went on for the rest of the run: 757 tries in bench/soak.py.)"""
     monkeypatch.setattr(cluster, "RETRY_FETCH", 0.2)
-    asks, fetch, send_parts = collections.Counter(), statesync.StateTransfer.fetch, statesync.StateTransfer._send_parts
+    asks, fetch = collections.Counter(), statesync.StateTransfer.fetch
 
     async def counted(self, peer, parameters_only=False):
         asks[self.mesh.peer_id, peer] += 1
         return await fetch(self, peer, parameters_only)
 
-    async def slow(self, peer, head, blob, on_sent):  # (the download is in flight while the donor dies)
-        await asyncio.sleep(0.5)
-        await send_parts(self, peer, head, blob, on_sent)
-
     monkeypatch.setattr(statesync.StateTransfer, "fetch", counted)
-    monkeypatch.setattr(statesync.StateTransfer, "_send_parts", slow)
+    _slow_snapshots(monkeypatch)  # (the download is in flight while the donor dies)
     trainers = [TensorTrainer(0), *(TensorTrainer(i + 1, start=5.0 + i) for i in range(n))]
     (donor,) = await start(["a"], trainers[:1], [FP], [b"a"])
     joiners = []
@@ -180,13 +187,7 @@ async def test_a_donor_stopped_mid_download_is_given_up_at_the_silence_not_the_p
     download would wait until ``--peer-timeout`` (10 s) closes it as dead. The donor is silent
     at 5 s (``silence``): the download fails then, and the joiner decides again."""
     monkeypatch.setattr(cluster, "RETRY_FETCH", 0.2)
-    send_parts = statesync.StateTransfer._send_parts
-
-    async def slow(self, peer, head, blob, on_sent):  # (the download is in flight when the donor stops)
-        await asyncio.sleep(0.5)
-        await send_parts(self, peer, head, blob, on_sent)
-
-    monkeypatch.setattr(statesync.StateTransfer, "_send_parts", slow)
+    _slow_snapshots(monkeypatch)  # (the download is in flight when the donor stops)
     trainers = [TensorTrainer(0), TensorTrainer(1, start=5.0)]
     (donor,) = await start(["a"], trainers[:1], [FP], [b"a"])
     joiner = None
