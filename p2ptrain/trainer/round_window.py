@@ -8,12 +8,16 @@ waits for another's count of steps; the round waits at most for the step each me
 progress when its window ends.
 
 ``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (a ring, from its start
-to its commit: ``pacing.Pacing.round_mean``), so that a round's exchange stays a tenth of the
+to its commit, the median of the last few: ``pacing.Pacing.ring_typical``), so that a round's exchange stays a tenth of the
 window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
 ``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each
 member computes its own; a round goes at the pace of the longest, which is right: the others
 step on meanwhile (staleness >= 1). A window changes by at most ``AUTO_MAX_CHANGE`` times per
 contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
+Why a median: a ring held up by a fault (the 5 s after which a silent member is left out, a
+joiner's download) is not the exchange. Fed a moving mean, the churn soak's windows grew to the
+30 s ceiling after its first faults and rounds stalled up to 38 s (``bench/soak.py --long
+--sync-every auto``, bench/README.md).
 Why a 2 s floor: each round's update lands a round late, plus the slower member's step in
 progress, and that delay is a larger share of a shorter window. Measured (``bench/uneven.py
 --model 1m``, a peer 3.7x slower, int8, staleness 1, a loaded 2-core machine): to the loss in

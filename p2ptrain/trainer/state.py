@@ -316,7 +316,7 @@ class TrainerState:
         local = self.local
         self.contributed_at = time.perf_counter()  # (by time: the next window begins)
         if local.auto:  # (the next window from the rings and steps measured so far: ``round_window``)
-            local.window_s = auto_window(local.window_s, self.pacing.round_mean, self.pacing.compute_mean)
+            local.window_s = auto_window(local.window_s, self.pacing.ring_typical(), self.pacing.compute_mean)
         delta, samples = local.contribute(into=self.acc.begin_writing())
         if delta is None:
             self.dropped += samples
