@@ -108,3 +108,27 @@ def test_a_long_ring_does_not_put_off_a_members_first_wait_for_the_decision():
     net.now += 0.4 * deadline  # 1.5 deadlines after START
     net.handle("c", net.m["c"].on_tick(net.now))
     assert [s.phase for s in net.of("c", Stall) if s.r == r] == ["decision"]
+
+
+def test_the_exchange_a_member_times_leaves_out_the_wait_for_a_later_member():
+    """Rounds by time (``--sync-every auto``) size their window from the exchange: a member that
+    contributed early and waited 3 s for the last one did not see a 3 s exchange (a window grown
+    on that wait makes the others wait longer in turn: the churn soak's windows reached 30 s)."""
+    net = Net("abc", auto=False)
+    net.found()
+    net.tick()
+    net.settle()
+    net.ring_time = 0.2
+    net.contribute("a")
+    net.contribute("b")
+    net.settle()
+    net.now += 3.0  # c's window ends later
+    net.contribute("c")
+    net.settle()
+    net.now += 0.2
+    for p in "abc":
+        net.finish_ring(p)
+    net.settle()
+    assert net.m["a"].history.version == 1
+    for p in "abc":
+        assert net.m[p].exchange_seconds() == pytest.approx(0.2, abs=0.05)

@@ -424,6 +424,10 @@ class RoundTimer:
     def throughput(self) -> float:
         return statistics.median(self._rates) if self._rates else self._default_tp
 
+    def median(self) -> float | None:
+        """The median of the recent durations (None: none yet)."""
+        return statistics.median(self._durations) if self._durations else None
+
     def usual(self) -> float:
         """The longest the recent rounds make usual: median + MAD_K MAD of the durations (0: none yet)."""
         if not self._durations:

@@ -420,6 +420,11 @@ class RoundMachine:
             self.timers["ring"], self._timed_view = self._new_ring_timer(view), frozenset(view)
         self.timers["ring"].record(seconds, self._link_bytes(len(view)))
 
+    def exchange_seconds(self) -> float | None:
+        """A ring's usual length in this view, from START (every member ready) to its end: the
+        exchange alone, without the wait for the members' batches or windows (None: none timed)."""
+        return self.timers["ring"].median() if self._timed_view else None
+
     def learn_rate(self, peer: str, rate: float) -> None:
         """Our state went to ``peer`` at ``rate`` bytes a second: a ring with it is no faster, so
         a new view with it is first timed at that rate where it is below the timer's default

@@ -199,7 +199,8 @@ class Contributor:
         took = cluster.ring_seconds(point.round)  # (ring start to commit: a moving mean)
         flags = self.state.flags(used)
         with self.state.lock:
-            if self.state.update_committed(summed, total_samples, point, took, compare, now, flags):
+            if self.state.update_committed(summed, total_samples, point, took, compare, now, flags,
+                                           cluster.machine.exchange_seconds()):
                 self._not_finite = [0, 0]  # (ours went in: finite)
             self._linger_due = False
             self._rounds_seen += 1

@@ -76,7 +76,6 @@ DELAY_COST = 2.0  # times the updates to a loss when every gradient is one updat
 PREDICTED_DELAY_COST = 1.25  # the same with weight prediction (batches computed on predicted parameters)
 COMPUTE_WEIGHT = 0.1  # the weight of the newest batch in the moving mean of compute seconds
 ROUND_WEIGHT = 0.2  # the weight of the newest round in the moving mean of ring seconds
-TYPICAL_RINGS = 9  # the last rings whose median is a ring's typical length (``Pacing.ring_typical``)
 QUEUED_LIMIT = 0.3  # local steps: waiting runnable for a CPU above this share of the time: no core to spare
 QUEUED_WEIGHT = 0.3  # the weight of the newest round in the moving mean of that share
 FIRST_TRUSTED = 0.1  # a first share below this starts the mean alone; a higher one waits for a second
@@ -92,6 +91,7 @@ class Pacing:
 
     compute_mean: float = 0.0  # a batch's compute, outside ``step``
     round_mean: float | None = None  # a ring, from its start to its commit (None: none seen yet)
+    exchange: float | None = None  # the cluster's usual ring from START, the exchange alone (None: untimed)
     predicted: bool = False  # weight prediction is on: a late gradient costs less
     queued_mean: float | None = None  # the share of runnable time spent waiting for a CPU (None: unmeasured)
     refuted: bool = False  # overlap was measured not to pay: lockstep for a while (``lockstep``)
@@ -100,7 +100,6 @@ class Pacing:
     _first_share: float | None = None  # a first share not trusted alone, until the second (the mean starts from both)
     _periods: dict[bool, deque] = field(default_factory=lambda: {  # a batch's period: in lockstep (True) or not
         True: deque(maxlen=LOCKSTEP_PERIODS), False: deque(maxlen=REALIZED_ROUNDS)})
-    _rings: deque = field(default_factory=lambda: deque(maxlen=TYPICAL_RINGS))  # (the last rings' seconds)
     _began: tuple[float, bool] | None = None  # (the last measured step's start, and whether it went in lockstep)
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
 
@@ -110,17 +109,10 @@ class Pacing:
 
     def ring_took(self, seconds: float) -> None:
         """A round that carried samples took ``seconds`` from its ring's start to its commit."""
-        self._rings.append(seconds)
         if self.round_mean is None:
             self.round_mean = seconds
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
-
-    def ring_typical(self) -> float | None:
-        """The median of the last ``TYPICAL_RINGS`` rings (None: none yet): the exchange's own
-        length, which a ring held up by a fault (5 s for a silent member, a joiner's download)
-        does not move, where it moves the mean for several rounds."""
-        return statistics.median(self._rings) if self._rings else None
 
     def step_began(self, at: float | None, lockstep: bool = False) -> None:
         """A ``step`` began at ``at`` (seconds), going in ``lockstep`` or not: the period since

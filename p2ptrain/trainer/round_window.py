@@ -7,17 +7,18 @@ window, a slow one few, and the round averages their changes weighted by samples
 waits for another's count of steps; the round waits at most for the step each member has in
 progress when its window ends.
 
-``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (a ring, from its start
-to its commit, the median of the last few: ``pacing.Pacing.ring_typical``), so that a round's exchange stays a tenth of the
+``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (the median ring of the
+current view, from the leader's START to its end: ``RoundMachine.exchange_seconds``), so that a round's exchange stays a tenth of the
 window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
 ``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each
 member computes its own; a round goes at the pace of the longest, which is right: the others
 step on meanwhile (staleness >= 1). A window changes by at most ``AUTO_MAX_CHANGE`` times per
 contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
-Why a median: a ring held up by a fault (the 5 s after which a silent member is left out, a
-joiner's download) is not the exchange. Fed a moving mean, the churn soak's windows grew to the
-30 s ceiling after its first faults and rounds stalled up to 38 s (``bench/soak.py --long
---sync-every auto``, bench/README.md).
+Why from START: before it, a ring waits for the members whose windows end later, and a window
+grown on that wait makes the others wait longer in turn. Fed the ring from its first chunk, the
+windows of five peers on two cores grew to the 30 s ceiling within 90 s, with or without faults
+(``bench/soak.py --long --sync-every auto``: 18 rounds in the 120 s without faults). A median,
+so that a ring held up by a fault (5 s for a silent member) does not move it.
 Why a 2 s floor: each round's update lands a round late, plus the slower member's step in
 progress, and that delay is a larger share of a shorter window. Measured (``bench/uneven.py
 --model 1m``, a peer 3.7x slower, int8, staleness 1, a loaded 2-core machine): to the loss in

@@ -220,10 +220,12 @@ class TrainerState:
         return None if flags is None else used.encode(flags)
 
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
-                         compare: bool, now: float, flags: np.ndarray | None = None) -> bool:
+                         compare: bool, now: float, flags: np.ndarray | None = None,
+                         exchange_s: float | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
         anything: the round still counts for the lineage). True: our contribution was in it.
-        ``flags``: which parameters some member had a gradient for (``flags``: None, all)."""
+        ``flags``: which parameters some member had a gradient for (``flags``: None, all);
+        ``exchange_s``: the cluster's usual ring from START (auto's window reads it)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -231,6 +233,7 @@ class TrainerState:
             self.acc.release(out)
         if ring_s is not None and total_samples:
             self.pacing.ring_took(ring_s)
+        self.pacing.exchange = exchange_s
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
@@ -316,7 +319,7 @@ class TrainerState:
         local = self.local
         self.contributed_at = time.perf_counter()  # (by time: the next window begins)
         if local.auto:  # (the next window from the rings and steps measured so far: ``round_window``)
-            local.window_s = auto_window(local.window_s, self.pacing.ring_typical(), self.pacing.compute_mean)
+            local.window_s = auto_window(local.window_s, self.pacing.exchange, self.pacing.compute_mean)
         delta, samples = local.contribute(into=self.acc.begin_writing())
         if delta is None:
             self.dropped += samples
