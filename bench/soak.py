@@ -4,9 +4,11 @@ seeded moments, checked for lost samples, hangs, diverged parameters and growing
     python bench/soak.py                      # short: 3 peers + 1 joiner, 60 s, 12 faults
     python bench/soak.py --long               # 4 peers + 2 joiners, 900 s, 110 faults
     python bench/soak.py --seconds 120 --faults 30 --seed 7 --rate 1gbit
+    python bench/soak.py --long --sync-every auto   # the same in local-steps mode, rounds by time
 
 Every peer is ``python -m p2ptrain join --task synthetic --no-discovery --peers ...`` (int8,
-staleness 1, ``--checkpoint-dir``, ``--metrics``) on its own network namespace (bench/netns.py),
+staleness 1, ``--checkpoint-dir``, ``--metrics``; ``--sync-every auto``: local-steps mode by time,
+the README's recipe for laptops beside desktops) on its own network namespace (bench/netns.py),
 its link capped by tbf both ways at ``--rate``. The run is the cluster's ``--duration``; faults
 fall in its middle (from a tenth to ``FAULT_WINDOW`` of it), each at a seeded random time:
 
