@@ -65,3 +65,23 @@ def test_a_ring_held_up_by_a_fault_does_not_stretch_autos_window():
         timer.record(0.5)
         w = auto_window(w, timer.median(), 0.001)
     assert w == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("members, min_peers, auto, waits", [
+    (2, 1, True, False),  # two step on through the exchange (staleness 1 won there)
+    (3, 1, True, True), (4, 1, True, True),  # three or more wait at a window's end, as at staleness 0
+    (2, 3, True, True),  # (no round runs with fewer than min_peers)
+    (4, 1, False, False),  # a window the user gave keeps the staleness the user gave
+])
+def test_auto_with_three_or_more_members_waits_for_its_round_at_a_windows_end(members, min_peers, auto, waits):
+    import torch
+
+    from p2ptrain.trainer.local_steps import LocalSteps
+    from p2ptrain.trainer.state import TrainerState
+    params = [torch.zeros(4, requires_grad=True)]
+    local = LocalSteps(params, None, 0.8, 0.6, window_s=2.0, auto=auto)
+    st = TrainerState(params, torch.device("cpu"), staleness=1, min_peers=min_peers, target_batch_size=None,
+                      members=lambda: members, local=local)
+    assert not st.must_wait()  # nothing of ours is out
+    st.out = object()  # our pseudo-gradient is in a round
+    assert st.must_wait() is waits

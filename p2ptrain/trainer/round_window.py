@@ -23,6 +23,15 @@ Why a 2 s floor: each round's update lands a round late, plus the slower member'
 progress, and that delay is a larger share of a shorter window. Measured (``bench/uneven.py
 --model 1m``, a peer 3.7x slower, int8, staleness 1, a loaded 2-core machine): to the loss in
 5.7 s with 2 s windows, 10.9 s with 1 s, 25.8 s with 0.5 s ones; the fast peer alone 5.5 s.
+
+``auto`` with three or more members waits at each window's end for its round to be applied
+(``auto_waits``), as at staleness 0, where the cluster allows staleness 1: with four replicas a
+round's update landing a window late left them stepping on from points a window apart. Measured
+(``bench/uneven.py --model 1m --n 4 --gpu-like --slow 3.7 --reps 2``, int8, batch 8, 40 s, quiet):
+final loss 0.698 and 0.698 waiting, 0.785 and 0.825 not, three fast peers alone 0.709 and 0.728
+(the waits cost 14-22 % of the samples/s). Two members step on: there staleness 1 won in each of
+three runs (``--slow 3.7``, ``10``, and ``--gpu-like``: 0.44x against 0.73x the fast peer's time,
+0.54x against 0.62x, and a final loss of 0.755 against 0.800).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ AUTO_RING_TIMES = 10.0  # the exchange takes at most a tenth of the window
 AUTO_MIN_STEPS = 4.0  # inner steps of this member's at least, so a slow member contributes a few every window
 AUTO_MAX_S = 30.0  # a longer window lets the replicas' inner steps diverge too far (DiLoCo's H <= 500 steps)
 AUTO_MAX_CHANGE = 2.0  # times a window may grow or shrink from one contribution to the next
+AUTO_WAIT_MEMBERS = 3  # members from which auto's rounds are waited for at each window's end (the docstring)
 
 
 def auto_window(previous: float | None, ring_mean: float | None, compute_mean: float) -> float:
@@ -46,3 +56,9 @@ def auto_window(previous: float | None, ring_mean: float | None, compute_mean: f
     if previous is not None:
         target = min(previous * AUTO_MAX_CHANGE, max(previous / AUTO_MAX_CHANGE, target))
     return target
+
+
+def auto_waits(members: int) -> bool:
+    """Whether ``auto``'s member waits at a window's end for its round, as at staleness 0 (the
+    module docstring): with ``members`` (at least ``min_peers``) of three or more."""
+    return members >= AUTO_WAIT_MEMBERS

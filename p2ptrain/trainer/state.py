@@ -70,7 +70,7 @@ from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing,
 from p2ptrain.trainer.contribution_decision import View
 from p2ptrain.trainer.cpu_queue import cpu_times
 from p2ptrain.trainer.pacing import Pacing, must_wait, share
-from p2ptrain.trainer.round_window import auto_window
+from p2ptrain.trainer.round_window import auto_waits, auto_window
 from p2ptrain.trainer.solo import SoloLane
 
 if TYPE_CHECKING:
@@ -129,10 +129,12 @@ class TrainerState:
         """Whether ``step`` waits now (the rule is ``pacing.must_wait``)."""
         if self.solo.flush and not self.finished:  # (the run's last version, applied alone: until it ends)
             return True
-        return must_wait(staleness=self.staleness, local_steps=self.local is not None, finished=self.finished,
-                         accumulated=self.acc.samples, out=self.out is not None, share=self.share(),
-                         lockstep=self.lockstep(), cores_short=self.pacing.cores_short(),
-                         by_time=self.local is not None and self.local.window_s is not None)
+        local = self.local
+        waits = local is not None and local.auto and auto_waits(max(self.members(), self.min_peers))
+        return must_wait(staleness=0 if waits else self.staleness, local_steps=local is not None,
+                         finished=self.finished, accumulated=self.acc.samples, out=self.out is not None,
+                         share=self.share(), lockstep=self.lockstep(), cores_short=self.pacing.cores_short(),
+                         by_time=local is not None and local.window_s is not None)
 
     def view(self, *, filling_ready: bool, linger_due: bool, idle_rounds: int) -> View:
         """What ``contribution_decision.decide`` reads (the contributor's linger state added)."""
