@@ -8,8 +8,8 @@ waits for another's count of steps; the round waits at most for the step each me
 progress when its window ends.
 
 ``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (the median ring of the
-current view, from the leader's START to its end: ``RoundMachine.exchange_seconds``), so that a round's exchange stays a tenth of the
-window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
+current view, from the leader's START to its end: ``RoundMachine.exchange_seconds``), so that a
+round's exchange stays a tenth of the window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
 ``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each
 member computes its own; a round goes at the pace of the longest, which is right: the others
 step on meanwhile (staleness >= 1). A window changes by at most ``AUTO_MAX_CHANGE`` times per
