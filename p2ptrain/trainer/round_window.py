@@ -9,10 +9,10 @@ progress when its window ends.
 
 ``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (the median ring of the
 current view, from the leader's START to its end: ``RoundMachine.exchange_seconds``), so that a
-round's exchange stays a tenth of the window it overlaps, and at least ``AUTO_MIN_STEPS`` of this member's inner steps and
-``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each
-member computes its own; a round goes at the pace of the longest, which is right: the others
-step on meanwhile (staleness >= 1). A window changes by at most ``AUTO_MAX_CHANGE`` times per
+round's exchange stays a tenth of the window it overlaps, and at least ``AUTO_MIN_STEPS`` of
+this member's inner steps and ``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is
+timed, ``AUTO_MIN_S``. Each member computes its own; a round goes at the pace of the longest,
+which is right: the others step on meanwhile (with two members; see ``auto_waits``). A window changes by at most ``AUTO_MAX_CHANGE`` times per
 contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
 Why from START: before it, a ring waits for the members whose windows end later, and a window
 grown on that wait makes the others wait longer in turn. Fed the ring from its first chunk, the
