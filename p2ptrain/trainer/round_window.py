@@ -12,8 +12,9 @@ current view, from the leader's START to its end: ``RoundMachine.exchange_second
 round's exchange stays a tenth of the window it overlaps, and at least ``AUTO_MIN_STEPS`` of
 this member's inner steps and ``AUTO_MIN_S`` seconds, at most ``AUTO_MAX_S``; before any ring is
 timed, ``AUTO_MIN_S``. Each member computes its own; a round goes at the pace of the longest,
-which is right: the others step on meanwhile (with two members; see ``auto_waits``). A window changes by at most ``AUTO_MAX_CHANGE`` times per
-contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
+which is right: the others step on meanwhile (with two members; see ``auto_waits``). A window
+changes by at most ``AUTO_MAX_CHANGE`` times per contribution, so one slow ring (a peer joining, a
+state transfer) does not swing it.
 Why from START: before it, a ring waits for the members whose windows end later, and a window
 grown on that wait makes the others wait longer in turn. Fed the ring from its first chunk, the
 windows of five peers on two cores grew to the 30 s ceiling within 90 s, with or without faults
