@@ -50,7 +50,6 @@ def test_outer_defaults_by_count_and_by_time_and_what_is_given_wins(sync_every, 
     assert local_steps_defaults(0.5, 0.0, sync_every) == (0.5, 0.0)
 
 
-
 def test_a_ring_held_up_by_a_fault_does_not_stretch_autos_window():
     """A silent member holds a ring 5-10 s before it is left out: the exchange did not get slower
     (auto reads the median of the view's rings, ``RoundMachine.exchange_seconds``)."""

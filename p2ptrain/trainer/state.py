@@ -119,18 +119,23 @@ class TrainerState:
         self.solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
 
     # -- the rules read under ``lock`` ----------------------------------------------------------
-    def lockstep(self) -> bool:  # (``pacing.Pacing.lockstep``; no round runs with fewer than min_peers)
-        return self.pacing.lockstep(max(self.members(), self.min_peers))
+    def round_members(self) -> int:
+        """The members a round of ours has: those live now, and no fewer than ``min_peers`` (no round
+        runs with fewer)."""
+        return max(self.members(), self.min_peers)
 
-    def share(self) -> int:  # (no round runs with fewer than min_peers)
-        return share(self.target_batch_size, max(self.members(), self.min_peers), self.batch)
+    def lockstep(self) -> bool:  # (``pacing.Pacing.lockstep``)
+        return self.pacing.lockstep(self.round_members())
+
+    def share(self) -> int:
+        return share(self.target_batch_size, self.round_members(), self.batch)
 
     def must_wait(self) -> bool:
         """Whether ``step`` waits now (the rule is ``pacing.must_wait``)."""
         if self.solo.flush and not self.finished:  # (the run's last version, applied alone: until it ends)
             return True
         local = self.local
-        waits = local is not None and local.auto and auto_waits(max(self.members(), self.min_peers))
+        waits = local is not None and local.auto and auto_waits(self.round_members())
         return must_wait(staleness=0 if waits else self.staleness, local_steps=local is not None,
                          finished=self.finished, accumulated=self.acc.samples, out=self.out is not None,
                          share=self.share(), lockstep=self.lockstep(), cores_short=self.pacing.cores_short(),
