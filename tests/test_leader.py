@@ -295,10 +295,11 @@ def test_a_member_whose_abort_was_lost_is_answered_when_its_ready_comes_again():
 
 def start_lost_to_c():
     """A net of a, b, c whose round r every member contributed to, the leader's START to c lost
-    (with a link that came back at once); nobody drives the rings yet. Returns (net, r). (A
-    silence of 20 s: the tests let c's deadline pass with no tick at the leader, which at the
-    default 10 s would take 6 s untouched for its own stillness, ``RoundMachine._notice_stillness``.)"""
-    net = cluster("abc", run=0.5, peer_timeout=20.0)
+    (with a link that came back at once); nobody drives the rings yet. Returns (net, r). (A peer
+    timeout of 40 s, a silence of 10 s: the tests let c's deadline pass with no tick at the
+    leader, which at the default would take 6 s untouched for its own stillness,
+    ``RoundMachine._notice_stillness``.)"""
+    net = cluster("abc", run=0.5, peer_timeout=40.0)
     net.auto = False
     net.tick()
     r = net.m["a"].lead.r
@@ -476,65 +477,65 @@ def test_a_joiner_with_a_smaller_id_leads_only_after_its_first_round():
     assert [x.text for x in net.of("b", Log) if "handing the lead over to a" in x.text]
 
 
-# -- a member silent in a round we lead: left out of that round at half the peer timeout --------
+# -- a member silent in a round we lead: left out of that round after 2.5 s (a quarter of the peer timeout) --
 # (what, the round's phase, the members it waits for, seconds since b and c were last heard, config, left out;
-#  a gap of our own events, 3 s long, that ended this many seconds ago)
+#  a gap of our own events, 1.5 s long (past LISTEN_GAP, short of our own stillness), that ended this many
+#  seconds ago)
 SILENT = [
-    ("collecting: c silent past 5 s", COLLECTING, "bc", (1.0, 5.5), {}, ["c"]),
-    ("running: both silent, the leader never", RUNNING, "abc", (6.0, 7.0), {}, ["b", "c"]),
+    ("collecting: c silent past 2.5 s", COLLECTING, "bc", (1.0, 3.0), {}, ["c"]),
+    ("running: both silent, the leader never", RUNNING, "abc", (3.0, 4.0), {}, ["b", "c"]),
     ("running: c's DONE is in", RUNNING, "b", (1.0, 9.0), {}, []),
-    ("within half the peer timeout", COLLECTING, "bc", (4.9, 4.9), {}, []),
-    ("peer timeout 20 s: 10 s", COLLECTING, "bc", (9.0, 11.0), {"peer_timeout": 20.0}, ["c"]),
-    ("peer timeout 5 s: never under the 5 s floor", COLLECTING, "bc", (3.0, 4.0), {"peer_timeout": 5.0}, []),
+    ("within the silence", COLLECTING, "bc", (2.4, 2.4), {}, []),
+    ("peer timeout 20 s: 5 s", COLLECTING, "bc", (4.5, 5.5), {"peer_timeout": 20.0}, ["c"]),
+    ("peer timeout 5 s: never under the 2.5 s floor", COLLECTING, "bc", (2.0, 2.4), {"peer_timeout": 5.0}, []),
     ("between rounds: none in flight", BETWEEN, "", (9.0, 9.0), {}, []),
     ("querying: a takeover has its own rule", QUERYING, "bc", (9.0, 9.0), {}, []),
-    ("our own events stood 3 s apart: silence counts from their end", COLLECTING, "bc", (1.0, 9.0), {}, [], 4.0),
-    ("... which c's outlasts", COLLECTING, "bc", (1.0, 9.0), {}, ["c"], 5.5),
+    ("our own events stood 1.5 s apart: silence counts from their end", COLLECTING, "bc", (1.0, 9.0), {}, [], 2.0),
+    ("... which c's outlasts", COLLECTING, "bc", (1.0, 9.0), {}, ["c"], 3.0),
 ]
 
 
 @pytest.mark.parametrize("what,phase,waiting,ago,cfg,expected,gap_ended", [c + (None,) * (7 - len(c)) for c in SILENT],
                          ids=[c[0] for c in SILENT])
-def test_a_round_leaves_out_the_members_silent_for_half_the_peer_timeout(what, phase, waiting, ago, cfg, expected,
-                                                                        gap_ended):
+def test_a_round_leaves_out_the_members_silent_past_the_silence(what, phase, waiting, ago, cfg, expected, gap_ended):
     m = RoundMachine("a", RoundConfig(**cfg))
     for peer, seconds in zip("bc", ago):
         m.table.connected(peer, 100.0 - seconds)
     if gap_ended is not None:  # (ticks: our events)
-        m.on_tick(100.0 - gap_ended - 3.0)
+        m.on_tick(100.0 - gap_ended - 1.5)
         m.on_tick(100.0 - gap_ended)
     m.leader.lead = _Lead((1, "a"), phase, 3, 90.0, view=("a", "b", "c"), waiting=set(waiting))
     assert m.leader.silent_members(100.0) == expected
 
 
-def test_a_stopped_member_is_left_out_after_5_s_and_trains_again_once_it_loads_the_state():
-    """SIGSTOP (a laptop's lid) for 6 s, under the 10 s peer timeout: the others commit without it
-    after 5 s of its silence, rather than wait until it wakes; woken, it is behind, loads the
+def test_a_stopped_member_is_left_out_after_2_5_s_and_trains_again_once_it_loads_the_state():
+    """SIGSTOP (a laptop's lid) for 4 s, under the 10 s peer timeout: the others commit without it
+    after 2.5 s of its silence, rather than wait until it wakes; woken, it is behind, loads the
     state, and is in the view again."""
     net = cluster("abc", run=1.0)
     n = len(net.applied("a"))
-    net.stand_still("c", 6.0)
+    net.stand_still("c", 4.0)
     during = net.applied("a")[n:]
     assert during and {v for _, v, _ in during} >= {("a", "b")}, during
-    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["reason"].startswith("c sent nothing for 5 s")] == [["c"]]
+    assert [m["drop"] for m in net.sent("a", M.ABORT) if m["reason"].startswith("c sent nothing for 2.5 s")] == [["c"]]
     net.run(2.0)
     assert net.resyncs["c"] and net.resyncs["c"][-1].startswith("behind")
     assert net.applied("c")[-1][1] == ("a", "b", "c") and net.m["c"].table.state("a") != "dead"
     net.check_safety()
 
 
-def test_a_stopped_leader_is_given_up_after_5_s_and_the_next_peer_leads():
-    """SIGSTOP of the leader (a laptop's lid) for 7 s, under the 10 s peer timeout: after 5 s of
-    its silence the next smallest peer leads and the other two commit rounds without it, rather
+def test_a_stopped_leader_is_given_up_after_2_5_s_and_the_next_peer_leads():
+    """SIGSTOP of the leader (a laptop's lid) for 4.5 s, under the 10 s peer timeout: after 2.5 s
+    of its silence the next smallest peer leads and the other two commit rounds without it, rather
     than wait the peer timeout out (``Member.give_up_silent_leader``); woken, it finds a newer
     ballot, loads the state (behind) and is in the view again."""
     net = cluster("abc", run=1.0)
     n = {p: len(net.applied(p)) for p in "bc"}
-    net.stand_still("a", 7.0)
+    net.stand_still("a", 4.5)
     for p in "bc":
         during = net.applied(p)[n[p]:]
         assert during and {v for _, v, _ in during} == {("b", "c")}, (p, during)
-        assert [x.text for x in net.of(p, Log) if x.text.startswith("leader a sent nothing for 5 s")], p
+        assert [x.text for x in net.of(p, Log) if x.text.startswith("leader a sent nothing for 2.5 s")], p
     assert net.m["b"].lead is not None and net.m["b"].table.state("a") != "dead"
     net.run(3.0)
     assert net.resyncs["a"] and net.resyncs["a"][-1].startswith("behind"), net.resyncs["a"]
@@ -543,12 +544,12 @@ def test_a_stopped_leader_is_given_up_after_5_s_and_the_next_peer_leads():
 
 
 @pytest.mark.parametrize("what,heard,expected", [
-    ("the leader silent 5.5 s, b heard 1 s ago", {"a": 5.5, "b": 1.0}, "syncing"),
-    ("the leader silent 4.5 s: not yet", {"a": 4.5, "b": 1.0}, "synced"),
-    ("every peer silent: our own link, not the leader", {"a": 5.5, "b": 6.0}, "synced"),
-    ("the leader is the only other peer", {"a": 5.5}, "syncing"),
+    ("the leader silent 3 s, b heard 1 s ago", {"a": 3.0, "b": 1.0}, "syncing"),
+    ("the leader silent 2.4 s: not yet", {"a": 2.4, "b": 1.0}, "synced"),
+    ("every peer silent: our own link, not the leader", {"a": 3.0, "b": 3.5}, "synced"),
+    ("the leader is the only other peer", {"a": 3.0}, "syncing"),
 ])
-def test_a_member_gives_up_a_leader_silent_for_half_the_peer_timeout_unless_all_are(what, heard, expected):
+def test_a_member_gives_up_a_leader_silent_past_the_silence_unless_all_are(what, heard, expected):
     m = RoundMachine("c", RoundConfig())
     m.synced = True
     for peer, ago in heard.items():
@@ -560,13 +561,13 @@ def test_a_member_gives_up_a_leader_silent_for_half_the_peer_timeout_unless_all_
 
 
 def test_a_member_stopped_with_the_leader_does_not_hold_the_takeover_for_its_query_timeout():
-    """The leader and a member stopped together (two lids) for 7.5 s: after 5 s of silence the
+    """The leader and a member stopped together (two lids) for 6 s: after 2.5 s of silence the
     next peer leads, and its takeover leaves the silent member out as a round does, rather than
     wait the 5 s query timeout for its STATUS: the two left commit rounds before the others wake
-    (with the wait, not before 10 s). Woken, both load the state and are in the view again."""
+    (with the wait, not before 7.5 s). Woken, both load the state and are in the view again."""
     net = cluster("abcd", run=1.0)
     n = len(net.applied("c"))
-    net.stand_still("ab", 7.5, dt=0.1)
+    net.stand_still("ab", 6.0, dt=0.1)
     during = net.applied("c")[n:]
     assert during and {v for _, v, _ in during} == {("c", "d")}, during
     net.run(3.0)

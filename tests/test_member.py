@@ -122,7 +122,7 @@ def test_the_exchange_a_member_times_leaves_out_the_wait_for_a_later_member():
     net.contribute("a")
     net.contribute("b")
     net.settle()
-    net.now += 3.0  # c's window ends later
+    net.run(3.0)  # c's window ends later
     net.contribute("c")
     net.settle()
     net.now += 0.2

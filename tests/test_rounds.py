@@ -86,13 +86,12 @@ def test_member_dies_mid_round_abort_put_back_then_continue_without_it():
         assert r in [a.r for a in net.of(p, PutBack)], p  # nothing lost: contribution goes back
         assert not [x for x in net.applied(p) if x[0] == r]
     aborts = [m for m in net.sent("a", M.ABORT) if m["r"] == r]
-    assert aborts and aborts[0]["drop"] == ["c"] and aborts[0]["reason"].startswith("c sent nothing for 5 s")
+    assert aborts and aborts[0]["drop"] == ["c"] and aborts[0]["reason"].startswith("c sent nothing for 2.5 s")
     after = [x for x in net.applied("a") if x[0] > r]
     assert after and all(v == ("a", "b") for _, v, _ in after)
     assert [x for x in net.applied("b") if x[0] > r] == after[:len([x for x in net.applied("b") if x[0] > r])]
-    stalls = [s for s in net.of("a", Stall) if s.r == r]
-    assert stalls and all(s.waiting_for == ("c",) and s.phase == "done" for s in stalls)
-    assert len(stalls) == 1  # at half the deadline (at 5 s it was left out for its silence)
+    # (left out for its 2.5 s of silence, no later than the first Stall at half the 5 s deadline)
+    assert not [s for s in net.of("a", Stall) if s.r == r]
     net.check_safety()
     net.check_same_outcomes()
 
@@ -197,7 +196,7 @@ def test_a_round_aborted_for_a_goodbye_is_logged_as_routine_and_one_for_a_fault_
 
     assert aborts(leaving="b") == [("info", "b said goodbye")]
     assert aborts(leaving="a") == [("info", "the leader is leaving")]
-    assert aborts(crash="c", run=15.0)[0] == ("warning", "c sent nothing for 5 s (stopped, or unplugged)")
+    assert aborts(crash="c", run=15.0)[0] == ("warning", "c sent nothing for 2.5 s (stopped, or unplugged)")
 
 
 # -- deadlines and stalls -----------------------------------------------------------------------

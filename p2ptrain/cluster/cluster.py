@@ -61,7 +61,7 @@ from p2ptrain.net.mesh import IDLE_TIMEOUT, Mesh
 from p2ptrain.net.tls import TLS
 from p2ptrain.cluster.rings import Round, Rings
 from p2ptrain.cluster.rounds import RoundConfig, RoundMachine, SyncPoint
-from p2ptrain.cluster.silence import silence, silent
+from p2ptrain.cluster.silence import silence, silent, stillness
 from p2ptrain.cluster.sleepwatch import SleepWatch
 from p2ptrain.cluster.records import Loaded, RoundLog, RoundRecord
 from p2ptrain.cluster.reconcile import PARAMS, Reconciler
@@ -95,7 +95,7 @@ class Cluster:
         self._secret = secret
         self.codec = parse_codec(compression)
         self.machine = RoundMachine(peer_id, config)
-        self._sleep = SleepWatch(self.machine.config.peer_timeout / 2)  # (a lid closed: ``on_woken``)
+        self._sleep = SleepWatch(stillness(self.machine.config))  # (a lid closed: ``on_woken``)
         self.mesh = Mesh(cluster=cluster, peer_id=peer_id, secret=secret, host=host, port=port, tls=tls,
                          on_message=self._on_message, on_lost=self._lost,
                          on_admitted=lambda p, info: self.vetting.admitted(p, info),

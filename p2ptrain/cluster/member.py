@@ -276,10 +276,10 @@ class Member:
         machine.ending.decided(now)  # (an end a peer told us while this round awaited its decision)
 
     def give_up_silent_leader(self, now: float) -> None:
-        """On a tick: the leader we obey sent nothing at all (keepalives come every 2 s) for the
-        silence a leader gives a member up after (``silence.silence``: half the peer timeout, at
-        least 5 s) while we listened, and another peer was heard meanwhile (so the silence is
-        the leader's, not our own link's): it is stopped or unplugged. It is left out as a
+        """On a tick: the leader we obey sent nothing at all (keepalives come every 0.5 s) for the
+        silence a leader gives a member up after (``silence.silence``: 2.5 s by default) while we
+        listened, and another peer was heard meanwhile (so the silence is the leader's, not our
+        own link's): it is stopped or unplugged. It is left out as a
         silent member is (unsynced, not dead: its links stay), so the next smallest synced peer
         takes the lead (``Takeover.may_lead``) and resolves a round in doubt, rather than every
         peer waiting out the peer timeout; so is that next peer, while it is as silent (two lids

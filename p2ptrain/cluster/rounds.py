@@ -61,6 +61,7 @@ from p2ptrain.cluster.leader import COLLECTING, QUERYING, SOLO, Leader, _Lead
 from p2ptrain.cluster.lineage import LineageKeeper
 from p2ptrain.cluster.member import Member, _Pending
 from p2ptrain.cluster.membership import SYNCED, SYNCING, History, PeerTable, RoundTimer
+from p2ptrain.cluster.silence import stillness
 from p2ptrain.cluster.roundmsg import (GOODBYE, LOG_KEEP, READIED, Abort, Broadcast, Commit, Done, End, Goodbye,
                                        Log, Message, Nack, Propose, Query, Ready, Send, Start, Status, parse)
 
@@ -88,7 +89,7 @@ class RoundConfig:
     stall_warn: float = 0.5  # a leader's first Stall, as a fraction of the deadline (the first round's: 1)
     # A member still computing its batch is waited for up to this many ready deadlines (the
     # stalls warn at 1, 2, 4): dropping a live member from a round would make it load the
-    # state again. A silent one is left out of the round at half the peer timeout
+    # state again. A silent one is left out of the round after ``silence.silence`` (2.5 s)
     # (``Leader.silent_members``), a dead one by its link, not this.
     ready_patience: float = 8.0
     join_hold: float = 10.0  # the leader holds the next round this long while a joiner catches up
@@ -319,7 +320,7 @@ class RoundMachine:
         raise RuntimeError("round machine did not settle")  # our bug
 
     def _notice_stillness(self, now: float) -> None:
-        """Events come at least a tick apart (0.1 s): a gap past half the peer timeout is this
+        """Events come at least a tick apart (0.1 s): a gap past ``silence.stillness`` is this
         process's own stillness (a lid closed, SIGSTOP), and the peers' messages wait unread in
         its sockets, whichever event comes first. Every live peer counts as heard now
         (``PeerTable.forgive``): expiring one made us load its state as from a split, not as a
@@ -332,7 +333,7 @@ class RoundMachine:
         last, self._ran_at = self._ran_at, now
         if last is not None and now - last > LISTEN_GAP:  # (frames may wait unread in our sockets)
             self.listening_since = now
-        if last is not None and now - last > self.config.peer_timeout / 2:
+        if last is not None and now - last > stillness(self.config):
             self._stood_still(now, now - last)
 
     def _stood_still(self, now: float, seconds: float, slept: bool = False) -> None:

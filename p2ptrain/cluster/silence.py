@@ -1,23 +1,39 @@
 """Which peers are silent: stopped (a laptop's lid, SIGSTOP) or unplugged. Pure code, no I/O.
 
-Keepalives come every 2 s on every link (``net.mesh.KEEPALIVE``), so a live peer is never
-silent for long; a stopped or unplugged one is, while its links may stay open. The round
+Keepalives come every half second on every link (``net.mesh.KEEPALIVE``), so a live peer is
+never silent for long; a stopped or unplugged one is, while its links may stay open. The round
 machine's parts act on that without waiting for ``--peer-timeout`` to mark it dead: a round we
 lead leaves a silent member out, a takeover does not wait for a silent candidate's STATUS, a
 joiner silent mid-download holds the boundary no more (``leader``), a joiner gives up a donor
 silent mid-download and asks another (``Cluster``), and members give up a silent leader, and
 the next peer to lead while it is as silent (``member``). Unsynced, not dead:
 its links stay, and it shows its state when it runs again.
+
+Why 2.5 s (a quarter of the default peer timeout): every silence is a gap in the rounds of all
+the others (a lid closed, a cable pulled), so it is kept short, yet five keepalives long, so
+that a live peer on a loaded machine is not left out for a late one. A process notices its own
+stillness a keepalive sooner (``stillness``): a peer the others found silent (its last frame
+up to a keepalive before it stopped) finds it stood still, and a round it led is void, not
+committed on the answers that waited in its sockets meanwhile.
 """
 
 from __future__ import annotations
 
 
+SILENT_AFTER = 2.5  # seconds without a frame: silent (the least; a quarter of --peer-timeout if longer)
+KEEPALIVE_GAP = 0.5  # the most seconds between a live peer's frames (``net.mesh.KEEPALIVE``)
+
+
 def silence(config) -> float:
-    """Seconds without a frame after which a peer is silent: half the peer timeout, the gap a
-    peer takes for its own stillness (``RoundMachine._notice_stillness``), at least a phase's
-    ``floor``. A member computing a slow batch still pings."""
-    return max(config.floor, config.peer_timeout / 2)
+    """Seconds without a frame after which a peer is silent: a quarter of the peer timeout, at
+    least ``SILENT_AFTER``. A member computing a slow batch still pings."""
+    return max(SILENT_AFTER, config.peer_timeout / 4)
+
+
+def stillness(config) -> float:
+    """The gap between this process's own events past which it stood still (a lid closed,
+    SIGSTOP: ``RoundMachine._notice_stillness``): a keepalive less than ``silence``."""
+    return silence(config) - KEEPALIVE_GAP
 
 
 def quiet_for(machine, peer: str, now: float) -> float:

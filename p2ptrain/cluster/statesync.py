@@ -218,7 +218,7 @@ class StateTransfer:
         their links stay open until ``--peer-timeout``): a download from one fails now, and
         ``Cluster._fetch_state`` asks another member."""
         for peer in peers:
-            self._fail(peer, LinkError(f"{peer} sent nothing for {seconds:.0f} s mid-download (stopped, or unplugged)"))
+            self._fail(peer, LinkError(f"{peer} sent nothing for {seconds:g} s mid-download (stopped, or unplugged)"))
 
     def _fail(self, peer: str, error: LinkError) -> None:
         for owner, inbox in self._fetches.values():

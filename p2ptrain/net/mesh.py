@@ -45,13 +45,13 @@ log = logging.getLogger("p2ptrain.net.mesh")
 
 RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
 POST_TIMEOUT = 10.0  # seconds a posted message may wait for its link to take it (``post``)
-KEEPALIVE = 2.0  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
+KEEPALIVE = 0.5  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
+PING_TIMEOUT = 10.0  # a ping waits this long for a peer that stopped reading before its link closes
 DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
 MAX_SHARED = 64  # addresses a keepalive carries at most (``at``)
-# A link that brings not one byte for this long is closed: an honest peer pings every KEEPALIVE
-# seconds, and a round machine drops a silent member after its peer timeout (10 s by default), so
-# this catches the admitted links nothing else watches (a peer that never joins, a hostile one
-# holding a connection open). ``Cluster`` gives at least three of its peer timeouts.
+# A link that brings not one byte this long closes: honest peers ping, a silent member is dropped
+# at its peer timeout, so this catches admitted links nothing else watches (one that never joins,
+# a hostile one holding a connection open). ``Cluster`` gives at least three peer timeouts.
 IDLE_TIMEOUT = 60.0
 # Messages posted to one peer that may wait for it (one in flight, the rest queued): one that
 # stopped reading (SIGSTOP, hostile) closes its link before we hold more (small dicts: a few MB).
@@ -392,7 +392,7 @@ class Mesh:
     @staticmethod
     async def _ping_one(link: transport.Link, addresses: list) -> None:
         try:
-            await link.send({"t": wire.PING, "at": addresses}, timeout=KEEPALIVE * 5)
+            await link.send({"t": wire.PING, "at": addresses}, timeout=PING_TIMEOUT)
         except P2PTrainError:
             pass  # the reader reports the loss
 
@@ -472,7 +472,7 @@ class Mesh:
                     raise
                 if link.bytes_received == seen:
                     log.warning("closing the link to %s at %s: it sent nothing for %.0f s (peers ping every "
-                                "%.0f s)", pid, link.remote, self.idle_timeout, KEEPALIVE)
+                                "%g s)", pid, link.remote, self.idle_timeout, KEEPALIVE)
                     raise LinkError(f"{pid}: sent nothing for {self.idle_timeout:.0f} s") from None
 
     def _drop(self, pid: str, why: str, report: bool = True) -> None:
