@@ -84,3 +84,36 @@ def test_auto_with_three_or_more_members_waits_for_its_round_at_a_windows_end(me
     assert not st.must_wait()  # nothing of ours is out
     st.out = object()  # our pseudo-gradient is in a round
     assert st.must_wait() is waits
+
+
+def test_the_time_a_member_waits_for_its_round_is_not_counted_in_its_next_window(monkeypatch):
+    """A member that waits at its window's end for its round (``auto`` from three members on, or
+    staleness 0) computes a whole window after the commit: its window begins as the step that
+    contributed returns. Counted from the contribution, the wait took from each next window,
+    and beside a slower member the waits grew until they filled it."""
+    import torch
+
+    from p2ptrain.trainer import state as state_module
+    from p2ptrain.trainer.contribution_decision import pseudo_gradient_due
+    from p2ptrain.trainer.local_steps import LocalSteps
+    from p2ptrain.trainer.state import TrainerState
+    clock = [100.0]
+    monkeypatch.setattr(state_module.time, "perf_counter", lambda: clock[0])
+    params = [torch.zeros(4, requires_grad=True)]
+    local = LocalSteps(params, None, 0.8, 0.6, window_s=2.0)
+    st = TrainerState(params, torch.device("cpu"), staleness=0, min_peers=1, target_batch_size=None,
+                      members=lambda: 4, local=local)
+    with torch.no_grad():
+        params[0].add_(1.0)  # (an inner step)
+    local.stepped(8)
+    with st.params_lock, st.lock:
+        assert st.add_pseudo_gradient()  # the window's end: our contribution at 100 s
+    clock[0] = 101.5  # the step waits 1.5 s for the slower members and the commit
+    st.step_ended()
+
+    def due(now: float) -> bool:
+        return pseudo_gradient_due(steps=1, every=None, accumulated=0, out=False, window_s=2.0, since=st.window_began,
+                                   now=now)
+
+    assert not due(103.4)  # 1.9 s of computing: not yet, though 3.4 s passed since the contribution
+    assert due(103.5)

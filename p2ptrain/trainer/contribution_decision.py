@@ -153,8 +153,9 @@ def pseudo_gradient_due(*, steps: int, every: int | None, accumulated: int, out:
     """Local-steps mode, after an inner step (caller's thread): the pseudo-gradient goes to the
     accumulator once it is owed and nothing of ours is accumulated or out. Owed: by count,
     ``every`` inner steps; by time (``window_s`` set, ``every`` None), at least one inner step
-    and ``window_s`` seconds since our last contribution (``since``; ``now``: the time now,
-    both ``time.perf_counter()``; ``round_window``)."""
+    and ``window_s`` seconds since our window began (``since``: the step of our last contribution
+    returned, ``TrainerState.window_began``; ``now``: the time now, both ``time.perf_counter()``;
+    ``round_window``)."""
     if accumulated or out:
         return False
     if window_s is not None:

@@ -347,7 +347,7 @@ class AsyncPeer:
             await self.cluster.close()
             raise
         self._tasks.spawn(self._propose())
-        st.step_end = st.contributed_at = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
+        st.step_end = st.window_began = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
         st.pacing.step_began(None)
         self._step_guard = StepGuard(self.optimizer)  # (last: nothing after it can fail the opening)
 
@@ -478,7 +478,7 @@ class AsyncPeer:
         with st.lock:
             local = st.local
             if not pseudo_gradient_due(steps=local.steps, every=local.every, accumulated=st.acc.samples,
-                                       out=st.out is not None, window_s=local.window_s, since=st.contributed_at,
+                                       out=st.out is not None, window_s=local.window_s, since=st.window_began,
                                        now=time.perf_counter()):
                 return False
             return st.add_pseudo_gradient()

@@ -4,7 +4,7 @@ What it holds: the accumulator (``acc``), our contribution in a round (``out``),
 updates waiting (``queue``), the versions (``version``: applied here; ``committed``: committed by
 the cluster; ``computing_on``: the batch in progress's; ``params_point``: the cluster's point of
 the parameters here), the batch in progress (``batch``, ``computing``, ``step_end``,
-``want_step``; ``contributed_at``: local steps by time, when our window began), the pacing
+``want_step``; ``window_began``: local steps by time, when our window began), the pacing
 means (``pacing``), the state loads waiting (``restore``,
 ``reconcile``), ``leaving``, ``finished``, a peer alone (``solo``), the counters (``dropped``,
 ``staleness_max``, the compute and wait seconds) and the parts that change with the parameters
@@ -115,7 +115,13 @@ class TrainerState:
         self.compute_n = 0
         self.pacing = Pacing(predicted=predicted)  # the compute and ring seconds the staleness rule needs
         self.step_end = time.perf_counter()
-        self.contributed_at = self.step_end  # local steps by time: our window began (our last contribution)
+        # Local steps by time: our window began when the step of our last contribution returned, so
+        # a member that waits there for its round (``must_wait``) counts no wait as computing: its
+        # window then began at the commit, and a window begun at the contribution itself ended a
+        # little sooner each round beside a slower member's, until the waits filled it (four peers,
+        # one 10x slower: waits 0.2 s in the first window, 2.0 s of 2.0 in the 24th).
+        self.window_began = self.step_end
+        self._window_opens = False  # (a contribution in this step: the next window begins as it returns)
         self.solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
 
     # -- the rules read under ``lock`` ----------------------------------------------------------
@@ -315,6 +321,8 @@ class TrainerState:
         with self.lock:
             self.computing_on, self.computing = self.version, True
             self.step_end = time.perf_counter()
+            if self._window_opens:
+                self.window_began, self._window_opens = self.step_end, False
         return applied
 
     def add_pseudo_gradient(self) -> bool:
@@ -324,7 +332,7 @@ class TrainerState:
         if self.staleness:  # (whether step waits for this one: the CPU time waited so far, ``pacing``)
             self.pacing.cpu_sampled(cpu_times())
         local = self.local
-        self.contributed_at = time.perf_counter()  # (by time: the next window begins)
+        self._window_opens = True  # (by time: the next window begins as this step returns)
         if local.auto:  # (the next window from the rings and steps measured so far: ``round_window``)
             local.window_s = auto_window(local.window_s, self.pacing.exchange, self.pacing.compute_mean)
         delta, samples = local.contribute(into=self.acc.begin_writing())
