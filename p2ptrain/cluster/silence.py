@@ -19,9 +19,9 @@ committed on the answers that waited in its sockets meanwhile.
 
 from __future__ import annotations
 
+from p2ptrain.net.mesh import KEEPALIVE
 
 SILENT_AFTER = 2.5  # seconds without a frame: silent (the least; a quarter of --peer-timeout if longer)
-KEEPALIVE_GAP = 0.5  # the most seconds between a live peer's frames (``net.mesh.KEEPALIVE``)
 
 
 def silence(config) -> float:
@@ -33,7 +33,7 @@ def silence(config) -> float:
 def stillness(config) -> float:
     """The gap between this process's own events past which it stood still (a lid closed,
     SIGSTOP: ``RoundMachine._notice_stillness``): a keepalive less than ``silence``."""
-    return silence(config) - KEEPALIVE_GAP
+    return silence(config) - KEEPALIVE
 
 
 def quiet_for(machine, peer: str, now: float) -> float:

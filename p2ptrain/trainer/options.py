@@ -11,7 +11,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.net.auth import MAX_CLUSTER_LEN
 
 PEER_TIMEOUT = RoundConfig.peer_timeout  # seconds a silent peer is waited for before the others go on (10)
-MIN_PEER_TIMEOUT = 5.0  # (a silent peer is left out of rounds after 2.5 s; dropped sooner, a Wi-Fi hiccup would drop it)
+MIN_PEER_TIMEOUT = 5.0  # (a silent peer is left out of rounds after 2.5 s; dropped sooner, a Wi-Fi hiccup drops it)
 
 
 def check_options(*, staleness, target_batch_size, min_peers, clip_grad_norm, reconcile_every, step_timeout,

@@ -160,8 +160,9 @@ class AsyncPeer:
     cluster's run ends at its version ``max_rounds`` after the one this peer starts from, or
     ``duration`` seconds after its leader started (on the leader's clock), for every member at
     once; ``finished`` says so. ``peer_timeout``: a member silent a quarter of this (at least
-    2.5 s: a lid closed, a cable pulled) is left out of rounds, all of it dropped (default 10, >= 5). ``tls_cert``,
-    ``tls_key``, ``tls_ca``: PEM files (``tls-init`` makes them): mutual TLS on every link (``net.tls``)."""
+    2.5 s: a lid closed, a cable pulled) is left out of rounds, all of it dropped (default 10,
+    >= 5). ``tls_cert``, ``tls_key``, ``tls_ca``: PEM files (``tls-init`` makes them): mutual TLS
+    on every link (``net.tls``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cluster: str = "default",
                  secret: str | bytes | None = None, peers: Sequence[str] = (), listen: str = "0.0.0.0:0",

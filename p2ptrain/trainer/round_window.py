@@ -31,9 +31,10 @@ round's update landing a window late left them stepping on from points a window 
 (``bench/uneven.py --model 1m --n 4 --gpu-like --slow 3.7``, int8, batch 8, quiet): final loss
 0.785 and 0.825 stepping on, three fast peers alone 0.709 and 0.728 (40 s); waiting, 0.672-0.690
 in six runs of 50 s, the three alone 0.659-0.758 (the waits, 0.05-0.10 s a round: a waiting
-member's window begins as its step returns, ``TrainerState.window_began``). Two members step on: there staleness 1 won in each of
-three runs (``--slow 3.7``, ``10``, and ``--gpu-like``: 0.44x against 0.73x the fast peer's time,
-0.54x against 0.62x, and a final loss of 0.755 against 0.800).
+member's window begins as its step returns, ``TrainerState.window_began``). Two members step
+on: there staleness 1 won in each of three runs (``--slow 3.7``, ``10``, and ``--gpu-like``:
+0.44x against 0.73x the fast peer's time, 0.54x against 0.62x, and a final loss of 0.755
+against 0.800).
 """
 
 from __future__ import annotations
