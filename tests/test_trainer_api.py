@@ -162,7 +162,7 @@ def test_errors_reach_the_caller_with_their_own_type():
     with pytest.raises(ConfigError, match="target_batch_size needs staleness"):
         alone(make(), target_batch_size=128)
     for silence in (2.0, "10", float("inf")):
-        with pytest.raises(ConfigError, match=r"peer_timeout must be a number of seconds >= 5 \(peers ping"):
+        with pytest.raises(ConfigError, match=r"peer_timeout must be a number of seconds >= 5 \(a silent peer is left out"):
             alone(make(), peer_timeout=silence)
     with peer:
         x, y = batch(0)

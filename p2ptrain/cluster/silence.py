@@ -1,6 +1,6 @@
 """Which peers are silent: stopped (a laptop's lid, SIGSTOP) or unplugged. Pure code, no I/O.
 
-Keepalives come every half second on every link (``net.mesh.KEEPALIVE``), so a live peer is
+Keepalives come every half second on every link (``net.wire.KEEPALIVE``), so a live peer is
 never silent for long; a stopped or unplugged one is, while its links may stay open. The round
 machine's parts act on that without waiting for ``--peer-timeout`` to mark it dead: a round we
 lead leaves a silent member out, a takeover does not wait for a silent candidate's STATUS, a
@@ -19,7 +19,7 @@ committed on the answers that waited in its sockets meanwhile.
 
 from __future__ import annotations
 
-from p2ptrain.net.mesh import KEEPALIVE
+from p2ptrain.net.wire import KEEPALIVE
 
 SILENT_AFTER = 2.5  # seconds without a frame: silent (the least; a quarter of --peer-timeout if longer)
 

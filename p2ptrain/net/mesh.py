@@ -36,6 +36,7 @@ import logging
 from typing import Awaitable, Callable
 
 from p2ptrain.net import auth, transport, wire
+from p2ptrain.net.wire import KEEPALIVE  # (any frame in refreshes ``heard_at``: liveness for the round machine)
 from p2ptrain.net.tls import TLS
 from p2ptrain.errors import ConfigError, LinkError, P2PTrainError
 from p2ptrain.taskset import TaskSet
@@ -45,7 +46,6 @@ log = logging.getLogger("p2ptrain.net.mesh")
 
 RETRY_AFTER = 2.0  # seconds before an address that failed is dialed again
 POST_TIMEOUT = 10.0  # seconds a posted message may wait for its link to take it (``post``)
-KEEPALIVE = 0.5  # seconds between pings: any frame in refreshes ``heard_at`` (liveness for the round machine)
 PING_TIMEOUT = 10.0  # a ping waits this long for a peer that stopped reading before its link closes
 DUPLICATE_GRACE = 2.0  # a losing duplicate link is still read this long (the other end may not know yet)
 MAX_SHARED = 64  # addresses a keepalive carries at most (``at``)

@@ -56,6 +56,7 @@ CHUNK = "chunk"
 BYE = "bye"
 STATE = "state"  # state transfer: see p2ptrain.cluster.statesync
 PING = "ping"  # keepalive: a link that carries nothing else still shows its peer alive
+KEEPALIVE = 0.5  # seconds between a link's pings (``net.mesh``): the longest a live peer is quiet (``cluster.silence``)
 STARTTLS = "starttls"  # the first frame each way on a link with TLS, before the handshake: see p2ptrain.net.tls
 
 Allocator = Callable[[dict, int], memoryview]
