@@ -35,6 +35,7 @@ class Net:
         self.m: dict[str, RoundMachine] = {}
         self.q = defaultdict(deque)  # (src, dst) -> messages in flight
         self.down = set()  # frozenset({a, b}): links that are cut
+        self.unplugged = set()  # frozenset({a, b}): links whose cable is out (``unplug``)
         self.crashed = set()
         self.still = set()  # peers standing still (``stand_still``): not run, what comes to them waits
         self.held = set()  # (src, dst) links whose messages wait until released
@@ -161,6 +162,18 @@ class Net:
         self.down.discard(frozenset((a, b)))
         self.handle(a, self.m[a].on_connected(b, self.clock(a)))
         self.handle(b, self.m[b].on_connected(a, self.clock(b)))
+        return self
+
+    def unplug(self, a, b):
+        """The cable between a and b is out: the connection stays open, what either sends
+        waits (TCP retransmits it later) and neither hears the other."""
+        self.unplugged.add(frozenset((a, b)))
+        self.held |= {(a, b), (b, a)}
+        return self
+
+    def replug(self, a, b):
+        self.unplugged.discard(frozenset((a, b)))
+        self.held -= {(a, b), (b, a)}
         return self
 
     # -- the fake host ------------------------------------------------------------------------
@@ -314,7 +327,7 @@ class Net:
         self.budget = Counter({p: 1 for p in self.m})
         for p in self.live():  # beacons: every live peer hears every other live one
             for o in self.live():
-                if o != p and frozenset((o, p)) not in self.down:
+                if o != p and frozenset((o, p)) not in self.down | self.unplugged:
                     self.m[p].table.heard(o, None, self.clock(p))
         for p in self.live():
             self.handle(p, self.m[p].on_tick(self.clock(p), self.moving(p)))

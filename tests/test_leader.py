@@ -644,7 +644,34 @@ def test_a_back_off_from_a_leader_we_never_saw_ends_once_another_leads_us():
     m.table.connected("c", 99.0)
     m.table.synced("c", 0, b"", -1)
     m.table.mark_served(["b", "c"])
-    m.leader.back_off("a", 99.0)
+    m.leader.takeover.back_off("a", 99.0)
     assert not m.leader.takeover.may_lead(100.0)  # (no leader led us yet: a leads that side)
     m.member.promised = (6, "c")
     assert m.leader.takeover.may_lead(100.0)
+
+
+def test_a_peer_back_from_an_unplugged_cable_does_not_take_the_lead_from_a_live_leader():
+    """b's cable is out for 7 s; it comes back first to c and d while its link to a, the leader,
+    stays quiet 3 s longer (TCP retransmits after a back-off). b finds a silent while it hears the
+    others and takes over; c and d hear a, so they refuse its QUERY (as Raft's followers refuse
+    a vote while their leader is live): a's rounds with c and d go on without a gap, and b, told
+    by their STATUS that it is behind, loads the state. Obeying b's newer epoch, c and d had left
+    a's round, and the soak saw the cluster without a round for 5-6 s."""
+    net = cluster("abcd", run=1.0)
+    for p in "acd":
+        net.unplug("b", p)
+    net.run(7.0)
+    assert {v for _, v, _ in net.applied("a")[-3:]} == {("a", "c", "d")}
+    for p in "cd":
+        net.replug("b", p)
+    start = net.now
+    net.run(3.0)
+    net.replug("b", "a")
+    net.run(3.0)
+    times = [t for t, _ in net.applied_at["a"] if t >= start]
+    gaps = [y - x for x, y in zip([start] + times, times)]
+    assert times and max(gaps) < 1.0, gaps
+    assert not [x for x in net.of("a", Log) if "superseded" in x.text or "follows b" in x.text]
+    assert net.resyncs["b"] and net.resyncs["b"][-1].startswith("behind"), net.resyncs["b"]
+    assert all(net.applied(p)[-1][1] == ("a", "b", "c", "d") for p in "abcd"), [net.applied(p)[-1] for p in "abcd"]
+    net.check_safety()

@@ -1,11 +1,10 @@
 """The leader part of the round machine: taking the lead, proposing, deciding. Pure code, no I/O.
 
 ``Leader`` is a part held by ``p2ptrain.cluster.rounds.RoundMachine`` (``machine.leader``). It
-owns the attempts this peer sequences (``lead``), the holds for joiners catching up, and, as
-parts of its own, whether it may take the lead and the decisions it took (``takeover``:
-``p2ptrain.cluster.takeover``), the refusals under partial
-connectivity (``refusals``: ``p2ptrain.cluster.refusals``) and who held its rounds more than its
-samples were worth (``worth``: ``p2ptrain.cluster.worth``; one line, at a commit). It reads and advances the machine's
+owns the attempts this peer sequences (``lead``), the holds for joiners catching up, and, as parts
+of its own, whether it may take the lead and the decisions it took (``takeover``), the refusals
+under partial connectivity (``refusals``) and who held its rounds more than its samples were
+worth (``worth``; one line, at a commit): modules of ``p2ptrain.cluster``. It reads and advances the machine's
 core (``table``, ``history``, ``round``, the attempt log) and sends through it (``_send``,
 ``_broadcast``, ``_emit``). ``rounds`` tells the round itself, ``member`` the member side; this
 module is what only the peer that sequences rounds does. The machine calls ``drive`` after every
@@ -75,7 +74,6 @@ class _Lead:  # the attempts this peer sequences as leader
     view: tuple = ()
     waiting: set = field(default_factory=set)
     got: dict = field(default_factory=dict)
-    failed: set = field(default_factory=set)
     mark: float = 0.5
     early: dict = field(default_factory=dict)  # DONEs that came while collecting (rings start as members contribute)
     ready_at: dict = field(default_factory=dict)  # member -> seconds from the proposal to its READY (``worth``)
@@ -98,10 +96,6 @@ class Leader:
         self._remind_at = WAIT_REMINDERS[0]  # seconds of it at which the next Waiting is said
 
     # -- what the machine and the other parts tell us ------------------------------------------
-    def back_off(self, rival: str, now: float) -> None:
-        """Do not take the lead for ``query_timeout`` while ``rival``, which leads, is not seen synced."""
-        self.takeover.back_off(rival, now)
-
     def peer_gone(self, s: str, now: float, why: str, routine: bool = False) -> None:
         """Peer s can no longer take part: the round we lead with it aborts at once; a rival we
         backed off from that is lost (link, goodbye, silence), not just behind, is forgotten."""
@@ -185,7 +179,7 @@ class Leader:
                     self._unqueried(list(lead.waiting))
                 elif lead.phase == COLLECTING and lead.mark * 2 <= machine.config.ready_patience:
                     lead.mark *= 2  # (the waited for are live: a slow device's batch, not a failure)
-                elif (lead.phase == RUNNING and not lead.failed and lead.mark * 2 <= machine.config.ready_patience
+                elif (lead.phase == RUNNING and lead.mark * 2 <= machine.config.ready_patience
                       and (len(lead.waiting) < len(lead.view) or self._ring_moves(lead, now, deadline))):
                     lead.mark *= 2  # (the sums went round, or are going round: a slow link, not a failure)
                 else:
@@ -300,7 +294,7 @@ class Leader:
             return  # (peers left out for a while: wait for them)
         lead.phase, lead.view = move(_LEADER, lead.phase, PROPOSE), view
         lead.since, lead.mark = now, self._ready_stall_mark()
-        lead.waiting, lead.got, lead.failed, lead.early, lead.ready_at = set(lead.view), {}, set(), {}, {}
+        lead.waiting, lead.got, lead.early, lead.ready_at = set(lead.view), {}, {}, {}
         lead.used = NONE_YET
         machine._broadcast({"t": PROPOSE, "r": lead.r, "b": list(lead.b), "view": list(lead.view),
                             "end": machine.ending.limits_msg(now)}, lead.view)
@@ -395,14 +389,12 @@ class Leader:
             #       that is not finite, which its peer leaves out)
             why = VOID[message.void].format(peer=sender)
             return self.abort(now, why, drop=[], routine=message.void == WITHDRAWN, void=message.void)
-        if not message.ok:
-            lead.failed.add(sender)
+        if not message.ok:  # (abort now: the others' rings may wait for chunks that will not come,
+            self.refusals.ring_failed(now)  # their ends of a closed link not told yet)
+            return self.abort(now, f"the ring failed at {sender}", drop=[])
         lead.used = merge(lead.used, message.used)  # (a mask of another length: ``RemoteProtocolError``)
         if lead.waiting:
             return
-        if lead.failed:
-            self.refusals.ring_failed(now)
-            return self.abort(now, f"the ring failed at {', '.join(sorted(lead.failed))}", drop=[])
         machine._record_ring(now - lead.since, lead.view)
         sums = {machine.table.get(p).checksum for p in lead.view if machine.table.get(p)} - {None}
         if len(sums) > 1:  # measured, not assumed away: replicas on different devices drift
@@ -448,6 +440,8 @@ class Leader:
     def on_nack(self, sender: str, message: Nack, now: float) -> None:
         self.superseded(sender, message.b, now)
         lead = self.lead  # (None if that ballot beat ours)
+        if lead is not None and lead.phase == QUERYING and message.r == -1 and sender in lead.waiting:
+            return self.takeover.refused(sender, message.b[1], message.reason, now)  # (``Member.on_query``)
         if lead is not None and message.r == lead.r and lead.phase == COLLECTING and sender in lead.view:
             drop = self.refusals.refused(sender, message.missing, lead.view, now)  # (it or nobody)
             self.abort(now, f"{sender} refused the proposal: {message.reason}", drop=drop)
@@ -496,5 +490,5 @@ class Leader:
         move(_LEADER, self.lead.phase, "step_down")
         self.lead = None
         if rival:
-            self.back_off(rival, now)
+            self.takeover.back_off(rival, now)
         machine._emit(Log("info", f"no longer coordinating: {why}"))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.cluster.membership import SYNCED
-from p2ptrain.cluster.silence import quiet_for, silence
+from p2ptrain.cluster.silence import lately, quiet_for, silence, speaks
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, DONE, NACK, NOT_FINITE, PROPOSE, PROPOSED, READIED, READY, RING,
                                        RINGED, Abort, Apply, Commit, Contribute, Log, Propose, PutBack, Query,
                                        Stall, Start, StartRing, beats, move, with_used)
@@ -105,9 +105,27 @@ class Member:
             raise RemoteProtocolError("QUERY from a peer that does not own its ballot")
         if machine.synced and beats(self.promised, message.b):
             return self._nack(sender, -1, "superseded")
+        if machine.synced and self._led_on(sender, now):  # (a peer left out, back from a cut cable whose
+            #   link to our leader is quiet a while longer: it found that leader silent)
+            self._nack(sender, -1, f"its leader {self.promised[1]} leads")  # it steps down; our STATUS shows it
+            return machine._send(sender, machine.lineage.status())  # where the cluster is (it loads if behind)
         if machine.synced:
             self.promise(message.b, now)
         machine._send(sender, machine.lineage.status(message.b, re=True))
+
+    def _led_on(self, candidate: str, now: float) -> bool:
+        """Whether a takeover by ``candidate``, which our table shows out of the cluster (not
+        synced), would replace a leader that leads us now: in its round, or one that sent us a
+        round's message while it speaks (``silence.speaks``). Refused, as Raft's followers refuse
+        a vote while their leader is live: obeyed for its newer epoch, a peer that had been cut
+        off deposed a working leader, and the soak saw 5-6 s without a round. A synced candidate
+        may take over (a smaller id after its first round, a side after a heal)."""
+        machine, leader = self.machine, (self.promised or (0, None))[1]
+        if leader in (None, candidate, machine.id) or machine.table.state(candidate) == SYNCED:
+            return False
+        in_round = self.pending is not None and self.pending.b == self.promised
+        return machine.table.state(leader) == SYNCED and speaks(machine, leader, now) and (
+            in_round or now - machine.led_at < lately(machine.config))
 
     def on_propose(self, sender: str, message: Propose, now: float) -> None:
         machine = self.machine

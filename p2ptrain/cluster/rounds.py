@@ -120,6 +120,7 @@ class RoundMachine:
         self._seen_r = -1  # the highest round number seen in any proposal
         self._last_view: tuple = ()  # the view of the last round we committed
         self._heard_lead = 0.0  # when a leader last spoke to us (quiet peers re-announce)
+        self.led_at = float("-inf")  # when the leader we obey last sent us a round's message (``member``)
         self._ran_at: float | None = None  # (the last event: a long gap since is our own stillness)
         self.listening_since = -math.inf  # the end of our last gap over LISTEN_GAP: silences count from it
         self._tell: set = set()  # peers to send our STATUS once this event is handled
@@ -210,7 +211,7 @@ class RoundMachine:
             self.table.synced(donor, point.version, point.digest, point.round, now)
         side_leader = self.lineage.side_leader
         if donor is not None and side_leader not in ("", self.id):  # that side has a leader: not us
-            self.leader.back_off(side_leader, now)
+            self.leader.takeover.back_off(side_leader, now)
         self._set_self()
         self.lineage.on_synced(self._peers(), now)
         return self._run(now, self._after_sync, point.version if donor is not None else None)
@@ -376,6 +377,8 @@ class RoundMachine:
         {Query: member.on_query, Status: self.lineage.on_status, Propose: member.on_propose, Ready: leader.on_ready,
          Start: member.on_start, Done: leader.on_done, Commit: member.on_decision, Abort: member.on_decision,
          Nack: leader.on_nack, Goodbye: self._on_goodbye, End: self.ending.on_end}[type(message)](sender, message, now)
+        if type(message) in (Propose, Start, Commit, Abort) and sender == (member.promised or (0, None))[1]:
+            self.led_at = now
 
     def _set_self(self) -> None:
         self.table.set_self(self.synced, self.history.version, self.history.digest, self.round)

@@ -42,6 +42,19 @@ def quiet_for(machine, peer: str, now: float) -> float:
     return now - max(machine.table.get(peer).last_heard, machine.listening_since)
 
 
+def speaks(machine, peer: str, now: float) -> bool:
+    """Whether ``peer`` was heard within ``silence`` less two keepalives while we listened: it
+    is not the silent one a takeover replaces (a candidate gives it up after ``silence``; its
+    keepalives to us and to the candidate go on separate links, up to a keepalive apart)."""
+    last = machine.table.get(peer).last_heard
+    return last >= machine.listening_since and now - last < lately(machine.config)
+
+
+def lately(config) -> float:
+    """Seconds within which a peer heard is surely not the silent one (``speaks``)."""
+    return silence(config) - 2 * KEEPALIVE
+
+
 def silent(machine, peers, now: float) -> list[str]:
     """Those of ``peers`` silent for ``silence`` seconds, sorted (never ourselves or a stranger)."""
     limit = silence(machine.config)

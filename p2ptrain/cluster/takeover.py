@@ -5,7 +5,7 @@
 peer took as leader (attempt -> committed). It reads the machine's ``table``, ``lineage``,
 ``member`` and attempt log (``_log``), and sends through it (``_send``). The leader asks
 ``may_lead`` on a tick while it leads nothing, calls ``back_off`` when a rival supersedes it,
-``peer_gone`` when a peer is lost, ``decide`` when it commits or aborts a running round
+``refused`` when a member refuses its QUERY, ``peer_gone`` when a peer is lost, ``decide`` when it commits or aborts a running round
 (``decision`` answers a late READY), and ``resolve`` once its QUERY is answered; the lineage
 calls ``resolve`` for a member in doubt that obeys us.
 
@@ -15,7 +15,10 @@ lead "for a moment" resolve deterministically and the loser steps down. A new le
 fresh epoch and first asks every candidate for its STATUS (QUERY): once a member answered,
 the old leader's COMMIT no longer reaches it (fencing). An attempt left in doubt by a lost
 leader commits where a survivor already committed it and aborts everywhere else; a leader's
-decision, once taken, is final.
+decision, once taken, is final. A member refuses the QUERY of a peer its table shows out of
+the cluster while its own leader leads it (``Member._led_on``), as Raft's followers refuse a
+vote while their leader is live: a peer back from a cut cable, its link to that leader quiet a
+while longer (TCP's back-off), found the leader silent and deposed it for its newer epoch.
 
 Who leads. The smallest live synced peer (``PeerTable.coordinator``), on a tick, once it heard
 who else is synced. A leader superseded by a rival it does not see as synced backs off for
@@ -42,6 +45,19 @@ class Takeover:
     def back_off(self, rival: str, now: float) -> None:
         """Do not take the lead for ``query_timeout`` while ``rival``, which leads, is not seen synced."""
         self._rival, self._no_lead_until = rival, now + self.machine.config.query_timeout
+
+    def refused(self, sender: str, leader: str, reason: str, now: float) -> None:
+        """``sender`` refused our QUERY: ``leader``, the one it obeys, leads it now (the member's
+        ``_led_on``: we were cut off and found that leader silent). We step down, our ballot is
+        void (we obey whoever leads), and show our state: that leader admits us, or we load."""
+        machine = self.machine
+        if leader == machine.id:
+            return
+        b = machine.leader.lead.b
+        machine.leader.step_down(now, f"{sender} refused: {reason}", rival=leader)
+        if machine.member.promised == b:
+            machine.member.promised = None
+        machine._broadcast(machine.lineage.status(), machine._peers())
 
     def peer_gone(self, s: str) -> None:
         """Peer s can no longer take part: a rival we backed off from that is lost (link,
