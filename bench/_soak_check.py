@@ -104,6 +104,18 @@ def read_metrics(text: str) -> tuple[list, dict | None]:
     return records, summary
 
 
+def process_up(text: str) -> float | None:
+    """When a peer's process began training (its metrics file's ``training`` event: Python, torch
+    and the task loaded, listening); None before that."""
+    for line in text.splitlines():
+        if '"training"' in line:
+            try:
+                return json.loads(line)["time"]
+            except (ValueError, KeyError):
+                return None
+    return None
+
+
 def in_cluster(inc: Incarnation) -> list:
     """Its round records of two or more members: the cluster's lineage. A peer alone (one started
     with ``--min-peers 1`` trains alone until it reaches the others, a peer cut off) numbers its own

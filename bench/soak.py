@@ -97,6 +97,8 @@ class Soak:
         self.faulted: set[int] = set()             # hosts under a fault, or back from one and not yet in a round
         self.back: dict[int, tuple[float, str]] = {}  # host -> (when it recovered or joined, what) until in a round
         self.rejoin_s: dict[str, list] = {}        # what -> seconds from recovery to its first round with others
+        self.once_up_s: dict[str, list] = {}       # restart, join -> of those, from its process's first
+        #   metrics record (Python, torch and the task loaded: seconds of a 2-core box's queue) to that round
         self.started: set[int] = set()
         self.injected: list[tuple[float, str]] = []
         self.events: list[tuple[float, str, int]] = []  # the fault log: (time, what, host), recoveries too
@@ -174,8 +176,10 @@ class Soak:
         for host, (since, what) in list(self.back.items()):
             live = self.live.get(host)
             path = self.dir / f"m{self.incs.index(live[1])}.jsonl" if live else None
-            recs = _soak_check.read_metrics(path.read_text())[0] if path and path.exists() else []
+            text = path.read_text() if path and path.exists() else ""
+            recs = _soak_check.read_metrics(text)[0]
             first = next((r["time"] for r in recs if r["time"] > since and (r.get("members") or 0) >= 2), None)
+            up = _soak_check.process_up(text) if what.startswith(("restart", "join")) else None
             if first is not None or now - since > REJOIN_LIMIT:
                 del self.back[host]
                 self.faulted.discard(host)
@@ -185,6 +189,8 @@ class Soak:
                     self.note(self.stray[-1])
                 else:
                     self.rejoin_s.setdefault(kind, []).append(first - since)
+                    if up is not None:
+                        self.once_up_s.setdefault(kind, []).append(first - max(up, since))
 
     def newest(self) -> float:
         """The last time any live peer's metrics file grew."""
@@ -370,7 +376,9 @@ def report(a, faulty: _soak_check.Figures, base: _soak_check.Figures | None, soa
                 f"{k} {n} ({s:.0f} s lost, longest {m:.1f})" for k, (n, s, m) in
                 sorted(faulty.stalls.items(), key=lambda x: -x[1][1])) or "none"],
             ["hangs / stuck / failed exits", f"{len(faulty.hangs)} / {len(faulty.stuck)} / {len(faulty.bad_exits)}"],
-            ["back in a round after (max s)", ", ".join(f"{k} {max(v):.1f}" for k, v in sorted(soak.rejoin_s.items()))
+            ["back in a round after (max s; once its process is up)", ", ".join(
+                f"{k} {max(v):.1f}" + (f" ({max(soak.once_up_s[k]):.1f})" if k in soak.once_up_s else "")
+                for k, v in sorted(soak.rejoin_s.items()))
              + (f"; {len(soak.stray)} not within {REJOIN_LIMIT:g} s" if soak.stray else "")]]
     for host, r0, r1, f0, f1 in faulty.usage:
         rows.append([f"host {host} RSS, fds start/end", f"{r0 / mib:.0f}/{r1 / mib:.0f} MiB, {f0}/{f1}"])

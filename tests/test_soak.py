@@ -117,6 +117,15 @@ def test_resume_and_stalls_are_read_against_the_fault_log():
     assert f.capacity == pytest.approx((54 - 5.5 - 6.5) / 54) and f.stalls == {"link": [1, 9.0, 10.0], "up": [1, 7.0, 8.0]}
 
 
+def test_a_peer_process_is_up_at_its_training_event():
+    """The soak tells a restarted peer's wait for a round once its process is up from its start
+    (Python and torch loading on a 2-core box shared by eight peers)."""
+    text = "\n".join(json.dumps(r) for r in [{"event": "training", "time": 12.5, "version": 0},
+                                              {"time": 13.0, "version": 1, "members": 2}])
+    assert _soak_check.process_up(text) == 12.5
+    assert _soak_check.process_up('{"time": 13.0, "version": 1}\n{"event": "trai') is None
+
+
 def test_a_side_cut_off_that_numbers_its_versions_ahead_hides_no_commit_of_the_cluster():
     """Two peers cut off together train on as a side of two and number their updates like the
     cluster, ahead of it; the cluster commits the same numbers later. Each commit counts where it
