@@ -42,6 +42,7 @@ import statistics
 from collections import Counter, defaultdict
 
 SAME_COMMIT_S = 2.0  # records of one version this close in time are one commit (else: another lineage's)
+QUIET_S = 10.0  # a window this long, with no event in it or in as long before, is fault-free (``same_peers``)
 ABSENT_UNTIL = {"kill": None, "stop": "cont", "link": "up"}  # a fault's absence ends at (None: back in a round)
 STALL_FACTOR = 3.0  # a gap between updates this many times the median gap is a stall
 STALL_MIN_S = 0.5  # (and at least this long)
@@ -86,6 +87,8 @@ class Figures:
     capacity: float = 1.0             # peer-seconds present over those without faults (``capacity``)
     waits: dict = dataclasses.field(default_factory=dict)  # event what -> [longest wait for an update after each]
     stalls: dict = dataclasses.field(default_factory=dict)  # cause -> [gaps, s past the median gap, longest]
+    quiet_rates: dict = dataclasses.field(default_factory=dict)  # peers -> samples/s in quiet windows (``same_peers``)
+    kept_same_peers: float | None = None  # committed over what the quiet rates give (``same_peers``)
 
 
 def read_metrics(text: str) -> tuple[list, dict | None]:
@@ -172,6 +175,36 @@ def capacity(incs: list[Incarnation], events, t0: float, end: float) -> float:
                 absent += b - a
                 reach = b
     return (full - absent) / full if full > 0 else 1.0
+
+
+def same_peers(commits: list, starts: list, events, t0: float, end: float,
+               window: float = QUIET_S) -> tuple[dict, float | None]:
+    """The throughput kept against the same run's fault-free rate with the same peers. ``commits``:
+    (time, members, samples); ``starts``: each host's first start. A quiet window (``window`` s
+    with no event in it or in the ``window`` s before, every host started by then in its updates)
+    gives the rate of that many peers; the expected samples are, second by second, the rate of the
+    hosts started by then (a killed, stopped or unplugged one still counts: the fault's cost; a
+    count with no quiet window takes the nearest). On a box whose cores the peers share, eight
+    peers make fewer samples/s than five, so a baseline of the first peers alone asks the run with
+    joiners for more than its cores give. Returns ({peers: samples/s}, kept or None)."""
+    commits, events = sorted(c for c in commits if t0 <= c[0] <= end), sorted(t for t, _, _ in events)
+    ts = [c[0] for c in commits]
+    up = lambda t: sum(1 for s in starts if s <= t)  # noqa: E731
+    got: dict = defaultdict(lambda: [0, 0.0])
+    w = t0
+    while w + window <= end:
+        i, j, k = bisect.bisect_left(ts, w), bisect.bisect_left(ts, w + window), bisect.bisect_left(events, w - window)
+        if j > i and not (k < len(events) and events[k] < w + window) \
+                and all(c[1] == up(w) for c in commits[i:j]):
+            got[up(w)][0] += sum(c[2] for c in commits[i:j])
+            got[up(w)][1] += window
+        w += window
+    rates = {n: s / secs for n, (s, secs) in sorted(got.items())}
+    if not rates or not commits:
+        return rates, None
+    expected = sum(rates[min(rates, key=lambda n: (abs(n - up(t)), n))] * min(1.0, end - t)
+                   for t in (t0 + x for x in range(math.ceil(end - t0))))
+    return rates, sum(c[2] for c in commits) / expected if expected else None
 
 
 def waits_after(times: dict, events, window: float) -> dict[str, list[float]]:
@@ -289,7 +322,10 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
         bad_exits=[(i.host, i.exit_code) for i in incs if not i.killed and not i.hung and i.exit_code != 0],
         hangs=[i.host for i in incs if i.hung], stuck=[i.host for i in incs if i.silent], usage=usage,
         capacity=capacity(incs, events, t0, last), waits=waits_after(times, events, settle),
-        stalls=stalls_by_cause(times, events, t0, last))
+        stalls=stalls_by_cause(times, events, t0, last),
+        **dict(zip(("quiet_rates", "kept_same_peers"), same_peers(
+            [(k[1], members_of[k], samples_of[k]) for k in commits if k not in concurrent],
+            [min(i.start for i in incs if i.host == h) for h in {i.host for i in incs}], events, t0, last))))
 
 
 def _settled(usage: list) -> tuple:

@@ -28,7 +28,11 @@ the moment every first peer is a member to the last update. A killed, paused or 
 computes nothing meanwhile: the capacity present (its peer-seconds over those of the run without
 faults) bounds what can be kept, and the throughput kept per capacity is the part the handling of
 the faults loses (where peers share too few cores, one paused lends the others its core: that
-part then reads high). Each fault's cost: the longest wait for an update after it, and the stalls
+part then reads high). Where they share cores, more peers also make fewer samples/s (eight on 2
+cores about 80 % of five), so a run with joiners cannot keep the first peers' rate: the throughput
+kept with the same peers compares with this run's own quiet windows (no event in them or the 10 s
+before, every peer started by then) at the count of peers started at each moment
+(``_soak_check.same_peers``). Each fault's cost: the longest wait for an update after it, and the stalls
 blamed on it (bench/_soak_check.py). A peer under no fault whose metrics
 have not grown for ``SILENT`` s while the others' have is stuck (its stacks go to ``stackN.txt``
 where ``py-spy`` is installed). Every process is bounded: a peer still running ``--grace`` s after
@@ -370,6 +374,10 @@ def report(a, faulty: _soak_check.Figures, base: _soak_check.Figures | None, soa
             ["throughput kept per capacity", f"{100 * faulty.rate / base.rate / faulty.capacity:.1f} % (what the "
                                              "handling of the faults kept)" if base and base.rate and faulty.capacity
              else "-"],
+            ["throughput kept, same peers", (f"{100 * faulty.kept_same_peers:.1f} % (against this run's quiet "
+             f"{_soak_check.QUIET_S:g} s windows with every peer started: " + ", ".join(
+                 f"{n} peers {r:.0f}" for n, r in faulty.quiet_rates.items()) + " samples/s)")
+             if faulty.kept_same_peers else "- (no quiet window)"],
             [f"longest wait for an update {a.settle:g} s after (median/max s)", ", ".join(
                 f"{k} {statistics.median(v):.1f}/{max(v):.1f}" for k, v in sorted(faulty.waits.items()))],
             [f"stalls (> {_soak_check.STALL_FACTOR:g} usual gaps) by cause", ", ".join(

@@ -126,6 +126,17 @@ def test_a_peer_process_is_up_at_its_training_event():
     assert _soak_check.process_up('{"time": 13.0, "version": 1}\n{"event": "trai') is None
 
 
+def test_throughput_kept_with_the_same_peers_reads_the_runs_own_quiet_windows():
+    """Two peers make 100 samples/s, three (a joiner from 40 s) 80: the run keeps all of it though
+    it makes less than the first two did; a kill at 70-75 s costs its samples and its quiet window."""
+    commits = [(t + 0.5, 2, 100) for t in range(40)] + [(t + 0.5, 3, 80) for t in range(40, 100) if not 70 <= t < 75]
+    rates, kept = _soak_check.same_peers(commits, [-5.0, -5.0, 40.0], [(40.0, "join", 2), (70.0, "kill", 1)],
+                                         0.0, 100.0)
+    assert rates == {2: 100.0, 3: 80.0}
+    assert kept == pytest.approx((4000 + 55 * 80) / (4000 + 60 * 80))
+    assert _soak_check.same_peers([], [0.0], [], 0.0, 10.0) == ({}, None)
+
+
 def test_a_side_cut_off_that_numbers_its_versions_ahead_hides_no_commit_of_the_cluster():
     """Two peers cut off together train on as a side of two and number their updates like the
     cluster, ahead of it; the cluster commits the same numbers later. Each commit counts where it
