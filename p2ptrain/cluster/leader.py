@@ -4,8 +4,8 @@
 owns the attempts this peer sequences (``lead``), the holds for joiners catching up, and, as parts
 of its own, whether it may take the lead and the decisions it took (``takeover``), the refusals
 under partial connectivity (``refusals``) and who held its rounds more than its samples were
-worth (``worth``; one line, at a commit): modules of ``p2ptrain.cluster``. It reads and advances the machine's
-core (``table``, ``history``, ``round``, the attempt log) and sends through it (``_send``,
+worth (``worth``; one line, at a commit): modules of ``p2ptrain.cluster``. It reads and advances
+the machine's core (``table``, ``history``, ``round``, the attempt log) and sends through it (``_send``,
 ``_broadcast``, ``_emit``). ``rounds`` tells the round itself, ``member`` the member side; this
 module is what only the peer that sequences rounds does. The machine calls ``drive`` after every
 event, ``check_stall`` on a tick, and ``on_ready``, ``on_done``, ``on_nack`` for the messages a

@@ -5,9 +5,9 @@
 peer took as leader (attempt -> committed). It reads the machine's ``table``, ``lineage``,
 ``member`` and attempt log (``_log``), and sends through it (``_send``). The leader asks
 ``may_lead`` on a tick while it leads nothing, calls ``back_off`` when a rival supersedes it,
-``refused`` when a member refuses its QUERY, ``peer_gone`` when a peer is lost, ``decide`` when it commits or aborts a running round
-(``decision`` answers a late READY), and ``resolve`` once its QUERY is answered; the lineage
-calls ``resolve`` for a member in doubt that obeys us.
+``refused`` when a member refuses its QUERY, ``peer_gone`` when a peer is lost, ``decide`` when
+it commits or aborts a running round (``decision`` answers a late READY), and ``resolve`` once
+its QUERY is answered; the lineage calls ``resolve`` for a member in doubt that obeys us.
 
 Ballots. A leader holds b = (epoch, its id). A member obeys the best ballot it has seen
 (higher epoch; on a tie the smaller id) and answers a worse one with NACK, so two peers that
@@ -51,8 +51,6 @@ class Takeover:
         ``_led_on``: we were cut off and found that leader silent). We step down, our ballot is
         void (we obey whoever leads), and show our state: that leader admits us, or we load."""
         machine = self.machine
-        if leader == machine.id:
-            return
         b = machine.leader.lead.b
         machine.leader.step_down(now, f"{sender} refused: {reason}", rival=leader)
         if machine.member.promised == b:
