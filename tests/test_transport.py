@@ -289,6 +289,34 @@ def send_thread(io_mode):
         pytest.skip("a test of the links' own threads")
 
 
+async def test_a_refusal_to_a_peer_that_reset_the_connection_closes_it_without_raising():
+    """A handshake timed out on a loaded machine while the peer (a relay) reset its end: the
+    refusal's half-close raised ENOTCONN out of ``close``, the admission task died with it, and the
+    socket stayed open (tests/test_attacks.py's relay saw its connections kept)."""
+    class Reset(asyncio.Transport):
+        closed = False
+
+        def is_closing(self):
+            return self.closed
+
+        def write(self, data):
+            pass
+
+        def can_write_eof(self):
+            return True
+
+        def write_eof(self):
+            raise OSError(107, "Transport endpoint is not connected")
+
+        def close(self):
+            self.closed = True
+
+    link, reset = transport.Link("incoming"), Reset()
+    link._transport = reset
+    link.close(auth.REASON_TIMEOUT)
+    assert reset.closed and link.closed
+
+
 def _link_threads() -> list:
     import threading
     return [t for t in threading.enumerate() if t.name.startswith(("p2ptrain-send", "p2ptrain-read"))]

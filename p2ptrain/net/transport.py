@@ -70,16 +70,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport):
         _tune_socket(transport)
-        # high=0: pause as soon as anything is buffered, resume when the buffer is empty.
-        transport.set_write_buffer_limits(high=0)
+        transport.set_write_buffer_limits(high=0)  # (pause as soon as anything is buffered, resume once empty)
         self.link._attach(transport)
         if self.on_connected is not None:
             self.on_connected()
 
     def get_buffer(self, sizehint):
-        if self.link._discarding:
-            return self.link._discard
-        return self.link._decoder.get_buffer()
+        return self.link._discard if self.link._discarding else self.link._decoder.get_buffer()
 
     def buffer_updated(self, nbytes):
         self.link._on_bytes(nbytes)
@@ -244,7 +241,10 @@ class Link:
         self._discarding = True
         transport.write(wire.frame_bytes({"t": wire.REJECT, "reason": reason}))
         if transport.can_write_eof():
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:  # (reset by the peer meanwhile: ENOTCONN; raised, it left the socket open)
+                return transport.close()
         if self._reading_paused or reading_thread:  # (the transport discards what comes now)
             transport.resume_reading()
         asyncio.get_running_loop().call_later(linger, transport.close)
