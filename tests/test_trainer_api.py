@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -245,7 +246,11 @@ def test_a_checkpoint_resumes_the_same_parameters_optimizer_and_lineage():
     resumed.load_state_dict(torch.load(saved, weights_only=True))
     assert param_checksum(resumed.model) == param_checksum(first.model) and resumed.version == 3
     with resumed:
-        assert resumed._peer.cluster.machine.sync_point() == point  # the same lineage: peers resumed together meet
+        machine = resumed._peer.cluster.machine  # (its start is its actor's first event: read once handled, as
+        deadline = time.monotonic() + 10.0  # a loaded machine ran this line first and read genesis)
+        while machine.sync_point() != point and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert machine.sync_point() == point  # the same lineage: peers resumed together meet
         x, y = batch(3)
         F.cross_entropy(first.model(x), y).backward()  # the same next update on both
         F.cross_entropy(resumed.model(x), y).backward()
