@@ -30,11 +30,15 @@ device on another machine would. Rows, per N and factor:
 
 Figures: ``time to loss``, wall seconds from the moment every member is present until rank 0's
 parameters (a fast peer's; snapshots taken every ``--eval-period`` s, evaluated after the run on
-1024 samples of the task's validation set: the first of every fourth below the target, then the
-crossing found between it and the one before and interpolated) first reach ``--target``;
+1024 samples of the task's validation set, smoothed by a centered running mean of five snapshots,
+the crossing interpolated between two) first reach ``--target``;
 ``samples/s``, every peer's samples over the run after its first tenth; ``vs sum alone``, that over
 the fast alone's plus the slow alone's; ``loss @ S``, the evaluation loss once the cluster has
-computed ``--samples`` samples in all (interpolated between snapshots), and its ratio to sync fp32's.
+computed ``--samples`` samples in all (interpolated between smoothed snapshots), and its ratio to
+sync fp32's; ``final loss``, the mean of the last five snapshots. A snapshot's loss moves about
+0.013 (a standard deviation) about that running mean (1m, batch 64, one peer), and near the 1m
+target the loss falls about 0.004 a second: read raw, the first crossing moved by about 3 s of a
+run's 20-35.
 Every run is bounded: the cluster's ``duration`` (``--seconds``), a kill ``--timeout`` s later.
 The 2-core machines here are shared: compare rows of one run only.
 """
@@ -46,6 +50,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,7 +64,7 @@ import _common  # noqa: E402
 import train  # noqa: E402  (its emulated device time)
 
 EVAL_SAMPLES = 1024
-STRIDE = 4  # snapshots between two looked at first, when finding where the loss crosses the target
+SMOOTH = 5  # snapshots in the running mean that time to loss, loss @ S and the final loss are read on
 LR = 1e-3
 # --model: the task's size, a target evaluation loss, and the S of the loss @ S column. The 1m
 # target takes the fast peer alone 22-28 s of the 40 (2 cores, quiet: 4,200-4,800 steps), so a
@@ -275,8 +280,8 @@ def run_peers(a, label: str, n: int, flags: str, delays: list[float], *, lan=Non
 
 # ------------------------------------------------------------------ reading a run
 class Evaluator:
-    """Evaluation losses of a run's snapshots, each computed at most once (after the run, in the
-    launcher: no worker's time is spent on it)."""
+    """Evaluation losses of a run's snapshots (after the run, in the launcher: no worker's time is
+    spent on it)."""
 
     def __init__(self, a):
         import torch
@@ -297,42 +302,41 @@ class Evaluator:
             return float(F.cross_entropy(self.task.model(self.x), self.y))
 
 
+def smoothed(losses: list[float], width: int = SMOOTH) -> list[float]:
+    """The centered running mean of ``width`` snapshots' losses; near the ends, of as many on each
+    side as there are (the first snapshot alone: a falling curve's mean is not pulled down early)."""
+    out = []
+    for i in range(len(losses)):
+        h = min(width // 2, i, len(losses) - 1 - i)
+        out.append(statistics.fmean(losses[i - h:i + h + 1]))
+    return out
+
+
 def read_run(ev: Evaluator, res: Result, target: float, samples: int) -> dict:
-    """Time to ``target`` (the module docstring says how it is found) and the loss at ``samples``."""
+    """Time to ``target`` and the loss at ``samples``, both read on the smoothed losses of every
+    snapshot (the module docstring says why)."""
     snaps = res.snaps
-    cache: dict[int, float] = {}
-
-    def loss(k: int) -> float:
-        if k not in cache:
-            cache[k] = ev.loss(snaps[k][1])
-        return cache[k]
-
     out = {"samples_per_s": res.samples_per_s(), "seconds": res.end - res.t0, "time_to_target": None,
            "loss_at_samples": None, "final_loss": None, "updates": res.updates, "dropped": res.dropped}
     if not snaps:
         return out
-    out["final_loss"] = loss(len(snaps) - 1)
-    # The first crossing on a grid of every STRIDE-th snapshot (the loss is noisy: a bisection over
-    # the whole run could land on a later crossing), then refined between its two grid points.
-    grid = list(range(0, len(snaps), STRIDE))
-    hi = next((k for k in grid if loss(k) < target), len(snaps) - 1 if loss(len(snaps) - 1) < target else None)
-    if hi is not None:
-        lo = max(-1, hi - STRIDE) if hi % STRIDE == 0 else grid[-1]  # loss(lo) >= target; -1: before the first
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if loss(mid) < target else (mid, hi)
-        if lo < 0:
-            out["time_to_target"] = snaps[hi][0] - res.t0
-        else:
-            f = (loss(lo) - target) / max(loss(lo) - loss(hi), 1e-12)
-            out["time_to_target"] = snaps[lo][0] - res.t0 + f * (snaps[hi][0] - snaps[lo][0])
-    counts = [res.samples_at(t) for t, _ in snaps]
+    raw = [ev.loss(path) for _, path in snaps]
+    loss = smoothed(raw)
+    times = [t for t, _ in snaps]
+    out["final_loss"] = statistics.fmean(raw[-SMOOTH:])
+    k = next((i for i, v in enumerate(loss) if v < target), None)
+    if k == 0:
+        out["time_to_target"] = times[0] - res.t0
+    elif k is not None:
+        f = (loss[k - 1] - target) / max(loss[k - 1] - loss[k], 1e-12)
+        out["time_to_target"] = times[k - 1] - res.t0 + f * (times[k] - times[k - 1])
+    counts = [res.samples_at(t) for t in times]
     k = next((i for i, c in enumerate(counts) if c >= samples), None)
     if k is not None and k > 0:
         f = (samples - counts[k - 1]) / max(counts[k] - counts[k - 1], 1e-9)
-        out["loss_at_samples"] = loss(k - 1) + f * (loss(k) - loss(k - 1))
+        out["loss_at_samples"] = loss[k - 1] + f * (loss[k] - loss[k - 1])
     elif k == 0:
-        out["loss_at_samples"] = loss(0)
+        out["loss_at_samples"] = loss[0]
     return out
 
 
