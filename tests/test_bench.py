@@ -123,3 +123,28 @@ def test_uneven_bench_quick_reads_a_slow_pair_against_the_fast_peer_alone_and_pa
     pair = rows["--staleness 1 --sync-every 1s"]  # (rounds by time, passed through to the library)
     assert pair[0].startswith("3x (") and float(pair[3]) > 0 and float(pair[4]) > 0  # samples/s, vs sum alone
     assert float(rows["sync fp32"][5]) > 0  # its loss at S samples: the pairs' loss @ S is read against it
+
+
+def test_uneven_bench_reads_time_to_loss_on_the_smoothed_losses_not_on_one_lucky_snapshot():
+    """A single snapshot below the target (the optimizer's noise) is not the crossing; the running
+    mean's crossing is, interpolated between two snapshots, and the final loss is the last five's mean."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import uneven
+
+    assert uneven.smoothed([5.0, 4.0, 3.0, 2.0, 1.0, 0.0]) == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]  # (a straight line)
+    losses = [1.0, 0.9, 0.8, 0.5, 0.8, 0.7, 0.6, 0.5, 0.4, 0.4, 0.4]  # (0.5 at 3 s: a dip)
+
+    class Losses:
+        def loss(self, path):
+            return losses[int(path)]
+
+    res = uneven.Result("run", 2, t0=100.0, end=110.0, snaps=[[100.0 + i, str(i)] for i in range(len(losses))],
+                        timelines=[[[100.0, 0], [110.0, 1000]]])
+    out = uneven.read_run(Losses(), res, target=0.55, samples=500)
+    smooth = uneven.smoothed(losses)
+    k = next(i for i, v in enumerate(smooth) if v < 0.55)
+    assert k > 3  # (the raw losses cross at the dip)
+    assert smooth[k - 1] >= 0.55 > smooth[k]
+    assert k - 1 < out["time_to_target"] <= k
+    assert out["final_loss"] == pytest.approx(sum(losses[-5:]) / 5)
+    assert out["loss_at_samples"] == pytest.approx(smooth[5])  # (500 of 1,000 samples at 5 s of 10)
