@@ -148,3 +148,15 @@ def test_pseudo_gradient_due(steps, every, accumulated, out, due):
 def test_pseudo_gradient_by_time_is_due_once_the_window_has_passed(steps, since, accumulated, out, due):
     assert pseudo_gradient_due(steps=steps, every=None, accumulated=accumulated, out=out, window_s=2.0,
                                since=since, now=NOW) is due
+
+
+# A window ends at the step whose end is nearest to it: a slow member's step that ends less than
+# half a step before the window's end is its last (the next would overshoot by more).
+@pytest.mark.parametrize("since, step_s, due", [
+    (NOW - 1.8, 0.6, True),  # 0.2 s before the end; the next step would end 0.4 s past it
+    (NOW - 1.6, 0.6, False),  # 0.4 s before; the next would end 0.2 s past: that one is nearer
+    (NOW - 1.997, 0.01, True), (NOW - 1.993, 0.01, False),  # a fast member's: within half its step
+])
+def test_pseudo_gradient_by_time_is_due_at_the_step_whose_end_is_nearest_the_windows(since, step_s, due):
+    assert pseudo_gradient_due(steps=3, every=None, accumulated=0, out=False, window_s=2.0, since=since, now=NOW,
+                               step_s=step_s) is due

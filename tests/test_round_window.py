@@ -24,6 +24,17 @@ def test_auto_window_is_ten_rings_at_least_four_steps_bounded_and_changes_at_mos
     assert auto_window(previous, ring, compute) == pytest.approx(window)
 
 
+@pytest.mark.parametrize("previous, ring, compute, window", [
+    (None, None, 1.1, AUTO_FIRST_S),  # a 10x slower laptop's four steps do not lengthen it
+    (None, 0.2, 0.8, AUTO_MIN_S), (None, 0.5, 0.8, 5.0), (2.0, 5.0, 0.8, 4.0),  # the rings and the bounds still do
+])
+def test_auto_window_where_the_members_wait_at_its_end_is_not_lengthened_by_a_slow_members_steps(
+        previous, ring, compute, window):
+    """Waited for at each window's end (three members or more), a slow member's longer window would
+    idle every other member for the difference each round."""
+    assert auto_window(previous, ring, compute, waits=True) == pytest.approx(window)
+
+
 def test_auto_window_settles_on_its_target_from_any_start():
     w = None
     for _ in range(10):

@@ -149,15 +149,16 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
 
 
 def pseudo_gradient_due(*, steps: int, every: int | None, accumulated: int, out: bool, window_s: float | None = None,
-                        since: float = 0.0, now: float = 0.0) -> bool:
+                        since: float = 0.0, now: float = 0.0, step_s: float = 0.0) -> bool:
     """Local-steps mode, after an inner step (caller's thread): the pseudo-gradient goes to the
     accumulator once it is owed and nothing of ours is accumulated or out. Owed: by count,
     ``every`` inner steps; by time (``window_s`` set, ``every`` None), at least one inner step
-    and ``window_s`` seconds since our window began (``since``: the step of our last contribution
-    returned, ``TrainerState.window_began``; ``now``: the time now, both ``time.perf_counter()``;
-    ``round_window``)."""
+    and the window's end nearer now than the next step's end: ``window_s`` seconds since our
+    window began (``since``: the step of our last contribution returned,
+    ``TrainerState.window_began``; ``now``: the time now, both ``time.perf_counter()``), less half
+    a step (``step_s``, the mean; ``round_window`` says why)."""
     if accumulated or out:
         return False
     if window_s is not None:
-        return steps >= 1 and now - since >= window_s
+        return steps >= 1 and now + step_s / 2 - since >= window_s
     return steps >= every

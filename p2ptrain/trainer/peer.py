@@ -480,7 +480,7 @@ class AsyncPeer:
             local = st.local
             if not pseudo_gradient_due(steps=local.steps, every=local.every, accumulated=st.acc.samples,
                                        out=st.out is not None, window_s=local.window_s, since=st.window_began,
-                                       now=time.perf_counter()):
+                                       now=time.perf_counter(), step_s=st.pacing.compute_mean):
                 return False
             return st.add_pseudo_gradient()
 

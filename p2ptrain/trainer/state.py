@@ -334,7 +334,8 @@ class TrainerState:
         local = self.local
         self._window_opens = True  # (by time: the next window begins as this step returns)
         if local.auto:  # (the next window from the rings and steps measured so far: ``round_window``)
-            local.window_s = auto_window(local.window_s, self.pacing.exchange, self.pacing.compute_mean)
+            local.window_s = auto_window(local.window_s, self.pacing.exchange, self.pacing.compute_mean,
+                                         waits=auto_waits(self.round_members()))
         delta, samples = local.contribute(into=self.acc.begin_writing())
         if delta is None:
             self.dropped += samples
