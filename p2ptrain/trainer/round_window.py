@@ -7,16 +7,17 @@ mean step): a fast device takes many inner steps in a window, a slow one few, an
 averages their changes weighted by samples. No member waits for another's count of steps; the
 round waits at most for about half the step each member has in progress when its window ends.
 Taking the first step past the window instead, a member 10x slower (0.57 s steps beside 40 ms
-ones) overshot its window by a quarter second on average, which every other member idled for
-each round where the members wait at each window's end (below).
+ones) overshot its window by about 0.3 s (half its step) on average, which every other member
+idled for each round where the members wait at each window's end (below).
 
 ``auto``: the window is ``AUTO_RING_TIMES`` times the measured exchange (the median ring of the
 current view, from the leader's START to its end: ``RoundMachine.exchange_seconds``), so that a
 round's exchange stays a tenth of the window it overlaps, and at least ``AUTO_MIN_STEPS`` of
 this member's inner steps (where the members step on through the exchange; where they wait at
 each window's end, a slow member's longer window would idle the others) and ``AUTO_MIN_S``
-seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each member computes its own; a round goes at the pace of the longest,
-which is right: the others step on meanwhile (with two members; see ``auto_waits``). A window
+seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each member computes
+its own; a round goes at the pace of the longest, which is right: the others step on meanwhile
+(with two members; see ``auto_waits``). A window
 changes by at most ``AUTO_MAX_CHANGE`` times per contribution, so one slow ring (a peer joining, a
 state transfer) does not swing it.
 Why from START: before it, a ring waits for the members whose windows end later, and a window
