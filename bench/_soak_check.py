@@ -313,6 +313,11 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
         if not inc.killed and len(during) >= 2:
             first, lst = _settled(during), during[-1]
             usage.append((inc.host, first[1], lst[1], first[2], lst[2]))
+    first_start: dict = {}
+    for inc in incs:
+        first_start[inc.host] = min(inc.start, first_start.get(inc.host, inc.start))
+    quiet_rates, kept_same_peers = same_peers([(k[1], members_of[k], samples_of[k]) for k in commits
+                                               if k not in concurrent], list(first_start.values()), events, t0, last)
     return Figures(
         faults=Counter(kind for _, kind in faults), rounds=max((v for v, _ in commits), default=0),
         samples_committed=committed, alone=alone, split_versions=split_versions, lost=lost, dropped=dropped, lost_by=lost_by, split_rounds=split,
@@ -322,10 +327,7 @@ def check(incs: list[Incarnation], faults: list[tuple[float, str]], t0: float, s
         bad_exits=[(i.host, i.exit_code) for i in incs if not i.killed and not i.hung and i.exit_code != 0],
         hangs=[i.host for i in incs if i.hung], stuck=[i.host for i in incs if i.silent], usage=usage,
         capacity=capacity(incs, events, t0, last), waits=waits_after(times, events, settle),
-        stalls=stalls_by_cause(times, events, t0, last),
-        **dict(zip(("quiet_rates", "kept_same_peers"), same_peers(
-            [(k[1], members_of[k], samples_of[k]) for k in commits if k not in concurrent],
-            [min(i.start for i in incs if i.host == h) for h in {i.host for i in incs}], events, t0, last))))
+        stalls=stalls_by_cause(times, events, t0, last), quiet_rates=quiet_rates, kept_same_peers=kept_same_peers)
 
 
 def _settled(usage: list) -> tuple:
