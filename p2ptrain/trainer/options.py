@@ -147,7 +147,10 @@ def local_steps_defaults(outer_lr, outer_momentum, sync_every=None) -> tuple:
     (``bench/uneven.py --model 9m --slow 10``, int8, staleness 1, ``--sync-every 2s``, one run):
     the pair reached the loss in 0.68x the fast peer's time alone with 0.8/0.6, 0.91x with 0.7/0.9,
     whose momentum, amplifying updates a round late, left the pair's final loss above the fast
-    peer's alone (0.72 against 0.67; 0.65 with 0.8/0.6)."""
+    peer's alone (0.72 against 0.67; 0.65 with 0.8/0.6). Plain averaging (1.0/0) took 1.3-1.7x
+    the default's time to the loss on a CPU pair at batch 64 and 2.3-2.4x with four peers at
+    batch 8, but a pair at batch 8 ended lower with it in eight runs of eight (0.78-0.83 against
+    0.80-0.86): ``bench/README.md``, "The outer step, by regime"."""
     by_time = sync_every is not None and parse_sync_every(sync_every).by_time
     lr, momentum = BY_TIME_OUTER if by_time else BY_COUNT_OUTER
     return (lr if outer_lr is None else outer_lr), (momentum if outer_momentum is None else outer_momentum)
