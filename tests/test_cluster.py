@@ -303,3 +303,22 @@ async def test_a_ring_begun_early_waits_for_a_batch_later_than_its_chunk_timeout
     finally:
         for c in clusters:
             await c.close()
+
+
+async def test_a_caller_that_stops_waiting_for_the_cluster_does_not_stop_it():
+    """``commit_solo`` (and ``close``, after 2 s) wait on a future the actor resolves; a waiter
+    cancelled first cancels that future, and resolving it raised InvalidStateError, which
+    stopped the cluster ("cluster stopped: InvalidStateError", seen as an opening cut short
+    under load left its listener open)."""
+    _, (c,) = make(["a"])
+    await c.__aenter__()
+    try:
+        waiter = asyncio.ensure_future(c.commit_solo())
+        await asyncio.sleep(0)  # (posted; now waiting)
+        waiter.cancel()
+        await asyncio.sleep(0.2)  # (the actor has served the event)
+        assert c.failure is None
+        await asyncio.wait_for(c.commit_solo(), 5)  # still serving
+    finally:
+        await c.close()
+    assert pending_tasks() == []

@@ -144,6 +144,31 @@ async def test_an_opening_cut_short_closes_what_it_opened(monkeypatch, caplog):
         await peer.__aenter__()
 
 
+async def test_an_opening_cut_short_finishes_closing_what_it_opened_however_long_that_takes(monkeypatch):
+    """The waiter's cancel reaches the opening through its future; the opening then closes what
+    it opened, which takes some awaits (a goodbye, the links). A second cancel, sent after the
+    first to make sure, cut that closing short: under load the peer's mesh stayed open."""
+    from p2ptrain.cluster.cluster import Cluster
+    from p2ptrain.net import discovery
+
+    async def slow(entries):
+        await asyncio.sleep(30)
+
+    close = Cluster.close
+
+    async def slow_close(self):
+        await asyncio.sleep(0.3)  # (a goodbye that takes a while)
+        await close(self)
+
+    monkeypatch.setattr(discovery, "resolve_static_peers", slow)
+    monkeypatch.setattr(Cluster, "close", slow_close)
+    model, opt = model_and_optimizer()
+    peer = AsyncPeer(model, opt, listen="127.0.0.1:0", secret="s", discovery=False, peers=["slow.example:7000"])
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(peer.__aenter__(), 0.5)
+    assert peer.cluster.mesh._closed
+
+
 async def test_a_waiter_interrupted_as_the_opening_ends_leaves_the_peer_it_opened(monkeypatch):
     """Ctrl-C in ``join`` just as its peer finished opening: the waiter saw CancelledError, the
     opening had succeeded on the loop thread, and its thread was stopped with the cluster

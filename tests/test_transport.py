@@ -472,3 +472,35 @@ async def test_a_lan_link_reads_a_large_payload_once_it_has_all_come_and_small_f
         if io_mode != "threads":
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
         client.close()
+
+
+async def test_a_listener_cancelled_while_it_opens_leaves_nothing_listening():
+    """asyncio's ``create_server`` binds, then yields once to start serving: a cancel there (a
+    waiter that stopped waiting for a peer's opening) dropped a server already accepting
+    connections, owned by no one; the peer's port stayed taken."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    def taken() -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return True
+            return False
+
+    opening = asyncio.ensure_future(transport.serve("127.0.0.1", port, lambda: None, lambda link: None))
+    for _ in range(100):  # (until it has bound: then it is at the yield before serving)
+        await asyncio.sleep(0)
+        if opening.done() or taken():
+            break
+    if opening.done():
+        await opening.result().close()
+        pytest.skip("this event loop bound and served without yielding in between")
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # free again

@@ -226,8 +226,8 @@ class Cluster:
                 await self._solo_commit(now, end=kind not in ("tick", "solo_commit")
                                         or not machine.solo_may_go_on(now))
             try:
-                if kind == "solo_commit":  # (committed above)
-                    args[0].set_result(None)
+                if kind == "solo_commit":  # (committed above; its waiter may have stopped waiting, cancelling it)
+                    args[0].done() or args[0].set_result(None)
                     continue
                 if kind == "tick":
                     for peer, heard in self.mesh.heard(now).items():  # any byte (pings too) is a sign of life
@@ -289,7 +289,7 @@ class Cluster:
                     actions = machine.on_load_failed(args[0], args[1], now)
                 elif kind == "leave":
                     await self._carry_out(machine.leave(now))
-                    args[0].set_result(None)
+                    args[0].done() or args[0].set_result(None)  # (``close`` stops waiting after 2 s)
                     continue
                 else:  # pragma: no cover - our own bug
                     raise RuntimeError(f"unknown cluster event {kind}")

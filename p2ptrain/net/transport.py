@@ -34,6 +34,7 @@ from typing import Awaitable, Callable
 from p2ptrain.net import admission, auth, tls as tls_, wire
 from p2ptrain.net.sockopts import (LOOPBACK_SNDBUF, WHOLE_PAYLOAD_BYTES, _is_loopback,  # noqa: F401 (tests')
                                    _reads_whole_payloads, _same_host, _tune_socket)
+from p2ptrain.net.listener import Listener, listen
 from p2ptrain.net.reader import ThreadReader
 from p2ptrain.net.sender import DirectSender, direct_sender, queued_reader
 from p2ptrain.errors import ClosedError, FrameError, HandshakeError, LinkError, P2PTrainError
@@ -415,26 +416,6 @@ async def open_link(host: str, port: int, hs: auth.Handshake, *, timeout: float 
     return link
 
 
-class Listener:
-    """A listening socket and the handshakes in progress on it; owns both. ``close()`` ends them."""
-
-    def __init__(self, server: asyncio.AbstractServer, admissions: TaskSet):
-        self.server = server
-        self._admissions = admissions
-
-    @property
-    def port(self) -> int:
-        return self.server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        self.server.close()
-        await self._admissions.close(timeout=5.0)
-        try:  # from 3.12 this also waits for accepted connections: their owners close them
-            await asyncio.wait_for(self.server.wait_closed(), 5.0)
-        except asyncio.TimeoutError:
-            log.debug("listener closed with connections still open")
-
-
 async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshake],
                 on_link: Callable[[Link], Awaitable[None] | None], *,
                 timeout: float = HANDSHAKE_TIMEOUT,
@@ -496,5 +477,4 @@ async def serve(host: str, port: int, make_handshake: Callable[[], auth.Handshak
 
         return _FrameProtocol(link, connected)
 
-    server = await loop.create_server(factory, host, port, reuse_address=True)
-    return Listener(server, admissions)
+    return await listen(factory, host, port, admissions)

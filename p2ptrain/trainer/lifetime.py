@@ -102,7 +102,10 @@ class Lifetime:
             if task is None:
                 return
             if not task.done():
-                task.cancel()
+                # The waiter's cancel reaches the task through its future first: a second one would
+                # cut short its closing of what it opened (3.10 cannot tell, and cancels again).
+                if not getattr(task, "cancelling", lambda: 0)():
+                    task.cancel()
                 await asyncio.wait([task], timeout=ABANDON_TIMEOUT)
             if task.done() and not task.cancelled() and task.exception() is None:  # (it opened after all)
                 await asyncio.wait_for(self._close(flush=False), ABANDON_TIMEOUT)

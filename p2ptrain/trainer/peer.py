@@ -335,8 +335,10 @@ class AsyncPeer:
                                compression=self._compression, config=config,
                                start=st.params_point, fingerprint=model_fingerprint(self.module),
                                settings=self._settings, tls=self._tls)
-        await self.cluster.__aenter__()  # (when it fails, it has opened nothing)
+        entered = False
         try:  # (cancelled midway, by an interrupted waiter: what was opened is closed again)
+            await self.cluster.__aenter__()  # (failing, it opened nothing; cancelled, its mesh may have)
+            entered = True
             for array in st.acc.result_buffers(KEEP_RESULTS):  # (pinned on CUDA: the sum returns at full speed)
                 self.cluster.recycle(array)
             # Beacons announce the mesh's port; discovery (or just --peers) proposes addresses.
@@ -345,7 +347,7 @@ class AsyncPeer:
                                        interface=self._interface, enabled=self._discovery_on)
             await self.discovery.__aenter__()
         except BaseException:
-            await self.cluster.close()
+            await (self.cluster.close() if entered else self.cluster.mesh.close())
             raise
         self._tasks.spawn(self._propose())
         st.step_end = st.window_began = time.perf_counter()  # (no step runs yet: the caller waits for the opening)
