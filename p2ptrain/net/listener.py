@@ -2,8 +2,8 @@
 
 ``listen`` opens it so that a cancel midway (a waiter that stopped waiting for a peer's
 opening: ``asyncio.wait_for``, Ctrl-C) leaves nothing listening: asyncio's ``create_server``
-binds, then yields once to start serving, and a cancel at that yield dropped a server that
-was already accepting connections, owned by no one.
+binds, then yields once to start serving, and a cancel at that yield would leave a server
+accepting connections that no one owns, the peer's port taken.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable
 
 from p2ptrain.taskset import TaskSet
 
-log = logging.getLogger("p2ptrain.net.transport")
+log = logging.getLogger("p2ptrain.net.transport")  # (its lines are the transport's)
 
 
 class Listener:
