@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import until
+from helpers import ports, until
 
 from p2ptrain.net import auth, sender, transport, wire
 from p2ptrain.errors import HandshakeError, LinkError
@@ -480,9 +480,8 @@ async def test_a_listener_cancelled_while_it_opens_leaves_nothing_listening():
     connections, owned by no one; the peer's port stayed taken."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ports(1)[0]
+
     def taken() -> bool:
         with socket.socket() as probe:
             try:
@@ -502,5 +501,4 @@ async def test_a_listener_cancelled_while_it_opens_leaves_nothing_listening():
     opening.cancel()
     with pytest.raises(asyncio.CancelledError):
         await opening
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", port))  # free again
+    assert not taken()  # free again
