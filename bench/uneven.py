@@ -69,8 +69,9 @@ LR = 1e-3
 # --model: the task's size, a target evaluation loss, and the S of the loss @ S column. The 1m
 # target takes the fast peer alone 22-28 s (2 cores, quiet: 4,200-4,800 steps) to 31-44 s (the
 # same machine slower) of the 50, so a run holds a dozen or more 2 s rounds, not one: a target
-# reached within the first window measures the first round's delay, not how the pair trains. The 9m one about 13,000 samples of the fast peer's
-# (its loss 0.76 after 6,400, 0.71 after 12,800: a third to a half of its 60 s).
+# reached within the first window measures the first round's delay, not how the pair trains. The
+# 9m one about 13,000 samples of the fast peer's (its loss 0.76 after 6,400, 0.71 after 12,800: a
+# third to a half of its 60 s).
 MODELS = {"9m": {"size": "9m", "target": 0.7, "seconds": 60.0, "samples": 15000},
           "1m": {"size": "1m", "target": 0.53, "seconds": 50.0, "samples": 100000}}
 DEFAULT_RUNS = "--compression int8 --staleness 1;--compression int8 --staleness 1 --sync-every 16"

@@ -17,9 +17,8 @@ this member's inner steps (where the members step on through the exchange; where
 each window's end, a slow member's longer window would idle the others) and ``AUTO_MIN_S``
 seconds, at most ``AUTO_MAX_S``; before any ring is timed, ``AUTO_MIN_S``. Each member computes
 its own; a round goes at the pace of the longest, which is right: the others step on meanwhile
-(with two members; see ``auto_waits``). A window
-changes by at most ``AUTO_MAX_CHANGE`` times per contribution, so one slow ring (a peer joining, a
-state transfer) does not swing it.
+(with two members; see ``auto_waits``). A window changes by at most ``AUTO_MAX_CHANGE`` times per
+contribution, so one slow ring (a peer joining, a state transfer) does not swing it.
 Why from START: before it, a ring waits for the members whose windows end later, and a window
 grown on that wait makes the others wait longer in turn. Fed the ring from its first chunk, the
 windows of five peers on two cores grew to the 30 s ceiling within 90 s, with or without faults
