@@ -21,8 +21,9 @@ device on another machine would. Rows, per N and factor:
 - ``slow alone``: the slow peer by itself for ``--slow-seconds``: only its samples/s.
 - a row per ``--runs`` entry: all N peers, flags passed to every peer as the library's keywords
   (``--compression``, ``--staleness``, ``--sync-every`` H, a duration such as ``2s`` or ``auto``,
-  ``--outer-lr``, ``--outer-momentum``, ``--target-batch-size``; ``--lookahead 0|1``: the
-  trainer's ``P2PTRAIN_LOOKAHEAD``). A setting this tree refuses is a
+  ``--outer-lr``, ``--outer-momentum``, ``--target-batch-size``; ``--lookahead 0|1`` and
+  ``--outer-whole 0|1``: the trainer's ``P2PTRAIN_LOOKAHEAD`` and ``P2PTRAIN_OUTER_WHOLE``). A
+  setting this tree refuses is a
   row saying so (its one-line ``ConfigError``), so one command can A/B trees that differ.
 - ``sync fp32``: the N peers at staleness 0, no compression and no delay (at staleness 0 a round
   takes one batch from each member whatever their speed: the same mathematics), run to
@@ -89,6 +90,7 @@ def run_flags() -> argparse.ArgumentParser:
     p.add_argument("--outer-momentum", type=float)
     p.add_argument("--target-batch-size", type=int)
     p.add_argument("--lookahead", choices=("0", "1"))  # (P2PTRAIN_LOOKAHEAD: by time's look-ahead off or on)
+    p.add_argument("--outer-whole", choices=("0", "1"))  # (P2PTRAIN_OUTER_WHOLE: ``LocalSteps.divisor``)
     return p
 
 
@@ -131,9 +133,10 @@ def _worker(a) -> None:
     batches = task.train_batches(1000 + a.rank, 1, a.batch_size, 0)
     addrs = a.addrs.split(",")
     kw = peer_keywords(a.flags)
-    lookahead = run_flags().parse_args(shlex.split(a.flags)).lookahead
-    if lookahead is not None:
-        os.environ["P2PTRAIN_LOOKAHEAD"] = lookahead
+    switches = run_flags().parse_args(shlex.split(a.flags))
+    for env, value in (("P2PTRAIN_LOOKAHEAD", switches.lookahead), ("P2PTRAIN_OUTER_WHOLE", switches.outer_whole)):
+        if value is not None:
+            os.environ[env] = value
     ends = {"max_rounds": a.max_rounds} if a.max_rounds else {"duration": a.seconds}
     snaps, timeline, out = [], [], {"rank": a.rank}
     try:

@@ -35,7 +35,7 @@ class FakeTrainer:
     def used(self, contribution):  # (every parameter had a gradient)
         return None
 
-    def apply(self, summed, total, used=None):
+    def apply(self, summed, total, used=None, spread=None):
         self.params += summed / total
         self.applied.append((float(summed[0]), total))
 
@@ -175,7 +175,7 @@ class QueuedTrainer:
     def used(self, contribution):  # (every parameter had a gradient)
         return None
 
-    def apply(self, summed, total, used=None):
+    def apply(self, summed, total, used=None, spread=None):
         self.applied.append(summed.copy())
 
     def put_back(self, contribution, samples, not_finite=False):
@@ -243,7 +243,7 @@ class IdleEveryOther(QueuedTrainer):
         self.idle_next = not self.idle_next
         return (np.zeros(LENGTH, np.float32), 0) if self.idle_next else super().take()
 
-    def apply(self, summed, total, used=None):
+    def apply(self, summed, total, used=None, spread=None):
         if total:
             super().apply(summed, total)
         else:

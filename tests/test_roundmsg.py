@@ -23,10 +23,29 @@ def test_message_types_and_fields_on_the_wire():
     assert set(p) == {"t", "r", "b", "view", "end"} and p["b"] == [1, "a"] and p["view"] == ["a", "b"]
     assert p["end"] is None  # (no --max-rounds or --duration: no limits)
     assert set(net.sent("b", M.READY)[0]) == {"t", "r", "b", "samples", "version", "digest"}
-    assert set(net.sent("a", M.START)[0]) == {"t", "r", "b", "view", "total"}
+    start = net.sent("a", M.START)[0]
+    assert set(start) == {"t", "r", "b", "view", "total", "spread"}
     assert set(net.sent("b", M.DONE)[0]) == {"t", "r", "b", "ok", "checksum"}
     commit = net.sent("a", M.COMMIT)[0]
-    assert set(commit) == {"t", "r", "b", "total"} and commit["total"] == net.sent("a", M.START)[0]["total"] > 0
+    assert set(commit) == {"t", "r", "b", "total", "spread"} and commit["total"] == start["total"] > 0
+    theirs = [m["samples"] for m in net.sent("b", M.READY) if m["r"] == start["r"]][0]
+    samples = [theirs, start["total"] - theirs]  # (the leader's own READY goes to itself, not the wire)
+    assert samples[0] != samples[1]
+    assert commit["spread"] == start["spread"] == [max(samples), sum(n * n for n in samples)]
+
+
+def test_a_spread_of_samples_is_the_largest_and_the_squares_or_none():
+    assert M.spread_of([30, 3]) == [30, 909] and M.spread_of([5]) == [5, 25]
+    assert M.spread_of([0, 0]) is None  # (nobody had anything: nothing to scale)
+
+
+@pytest.mark.parametrize("spread", [[6, 36], [3, 10], [3, 16], [0, 0], [3], "x", [3, 9, 1], [-1, 9]])
+def test_a_spread_that_does_not_fit_its_total_is_refused(spread):
+    # total 5, largest 3: the other 2 samples add at least 2 (1 + 1) and the squares are at most 3 * 5
+    with pytest.raises(RemoteProtocolError):
+        M.parse({"t": M.COMMIT, "r": 1, "b": [1, "a"], "total": 5, "spread": spread})
+    for fits in ([3, 11], [3, 13], [5, 25], [1, 5]):
+        assert M.parse({"t": M.COMMIT, "r": 1, "b": [1, "a"], "total": 5, "spread": fits}).spread == tuple(fits)
 
 
 def test_parse_normalises_and_drops_unknown_fields():
@@ -59,10 +78,11 @@ CLASSES = {M.QUERY: M.Query, M.STATUS: M.Status, M.PROPOSE: M.Propose, M.READY: 
 FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end": 7, "served": True, "side": ["a", "b"],
                          "masks": [[0, [1, "a"], b"\x03"]]},
         M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}, M.DONE: {**VALID[M.DONE], "used": b"\x05"},
-        M.COMMIT: {**VALID[M.COMMIT], "used": b"\x07"}}  # every field of each type
+        M.COMMIT: {**VALID[M.COMMIT], "used": b"\x07", "spread": [2, 5]},
+        M.START: {**VALID[M.START], "spread": [2, 5]}}  # every field of each type
 OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side", "masks"), M.PROPOSE: ("end",),
            M.DONE: ("checksum", "void", "used"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",),
-           M.COMMIT: ("total", "used")}  # what an older peer may leave out
+           M.COMMIT: ("total", "used", "spread"), M.START: ("spread",)}  # what a leader may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -84,11 +104,15 @@ def test_parsed_fields_are_typed():
     assert (m.promised, m.b, m.min_id) == ((1, "a"), (2, "b"), "c")
     assert M.parse(FULL[M.PROPOSE]) == M.Propose(r=1, b=(1, "a"), view=("a", "b"), end=(30, 12.5))
     assert M.parse(FULL[M.READY]) == M.Ready(r=1, b=(1, "a"), samples=3, version=0, digest=b"d")
-    assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3)
+    assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3, spread=(2, 5))
     assert M.parse({**VALID[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
                                                                  void=None)
     assert M.parse({**FULL[M.DONE], "ok": False, "void": M.NOT_FINITE}).void == "nonfinite"
-    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"), total=3, used=b"\x07")
+    assert M.parse(FULL[M.COMMIT]) == M.Commit(r=1, b=(1, "a"), total=3, used=b"\x07", spread=(2, 5))
+    pending = {**FULL[M.STATUS]["pending"], "total": 3, "spread": [2, 5]}  # (a new leader sends it on: ``takeover``)
+    assert M.parse({**FULL[M.STATUS], "pending": pending}).pending.spread == (2, 5)
+    with pytest.raises(RemoteProtocolError):
+        M.parse({**FULL[M.STATUS], "pending": {**pending, "spread": [2, 9]}})
     assert M.parse(FULL[M.DONE]).used == b"\x05"  # (which parameters had a gradient: ``used``)
     for t in (M.DONE, M.COMMIT):  # (a bitmask, bounded)
         for bad in ("x", 3, b"\0" * (MASK_LIMIT + 1)):

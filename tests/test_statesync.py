@@ -31,7 +31,7 @@ class TensorTrainer:
     def used(self, contribution):  # (every parameter had a gradient)
         return None
 
-    def apply(self, summed, total, used=None):
+    def apply(self, summed, total, used=None, spread=None):
         self.w += torch.from_numpy(summed) / total
         self.version += 1
         self.seen[self.version] = self.w.clone()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from p2ptrain import Peer
+from p2ptrain.cluster import roundmsg as M
 from p2ptrain.errors import ConfigError
 from p2ptrain.trainer.local_steps import LocalSteps
 
@@ -305,11 +306,15 @@ def test_an_inner_step_tells_the_cluster_nothing_until_its_pseudo_gradient_is_re
         assert torch.equal(a, b)
 
 
-def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window():
+def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window(monkeypatch):
     """``sync_every="250ms"``, staleness 1, a peer 4x slower: a round every window (not every H
     steps of the slow one), each peer contributing the steps it had time for (the fast about 4x
     the slow one's samples), the fast one never blocked in step, replicas identical."""
     fast_s, slow_s, seconds, window = 0.01, 0.04, 3.0, 0.25
+    divided = []  # (total, spread) of each round applied, at either peer
+    divisor = LocalSteps.divisor
+    monkeypatch.setattr(LocalSteps, "divisor", lambda self, total, spread: (
+        divided.append((total, spread)), divisor(self, total, spread))[1])
     peers = open_peers([make_adam] * 2, staleness=1, compression="int8", sync_every="250ms")
     try:
         logs, counts = train_at_speeds(peers, seconds, (fast_s, slow_s))
@@ -326,6 +331,54 @@ def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window()
     assert fast.version == slow.version and fast.dropped == slow.dropped == 0
     for a, b in zip(fast.model.parameters(), slow.model.parameters()):
         assert torch.equal(a, b)
+    # each round's spread of samples reached both peers' outer step (``LocalSteps.divisor``)
+    spreads = {(m.samples, (max(m.local_samples, m.samples - m.local_samples),
+                            m.local_samples ** 2 + (m.samples - m.local_samples) ** 2)) for m in fast.history
+               if m.samples > m.local_samples > 0}
+    assert spreads and spreads <= set(divided), (spreads, divided)
+
+
+def test_by_time_a_rounds_mean_keeps_its_fastest_members_change_whole():
+    """A member 10x slower by time: the fast one's 10 inner steps and the slow one's 1, each of
+    the same change ``d``. The samples-weighted mean moves the outer parameters 9.18 d (the
+    fast peer alone: 10 d); divided by ``squares / largest`` (``LocalSteps.divisor``) they move
+    10 d, the fastest member's change whole. Members alike divide by the total, bit for bit."""
+    d = torch.tensor([0.01, -0.02, 0.03])
+
+    def outer_move(shares: list[int], whole: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(torch.zeros(3))
+        local = LocalSteps([p], every=None, lr=1.0, momentum=0.0, window_s=1.0)
+        local.whole = whole
+        summed = sum(n * (n // 64) * d for n in shares)  # (each member: samples x its change, batch 64)
+        total, spread = sum(shares), M.spread_of(shares)
+        local.apply(summed / local.divisor(total, tuple(spread)))
+        return -local.outer[0]
+
+    assert torch.allclose(outer_move([640, 64], whole=True), 10 * d, atol=1e-7)
+    assert torch.allclose(outer_move([640, 64], whole=False), (6400 + 64) / 704 * d, atol=1e-7)
+    assert torch.allclose(outer_move([640, 320, 64], whole=True), 10 * d, atol=1e-7)
+    local = LocalSteps([torch.nn.Parameter(torch.zeros(3))], every=None, lr=1.0, momentum=0.0, window_s=1.0)
+    local.whole = True
+    for shares in ([64, 64], [704, 704, 704], [1, 1, 1, 1, 1]):  # members alike: exactly the total
+        assert local.divisor(sum(shares), tuple(M.spread_of(shares))) == float(sum(shares))
+    assert local.divisor(704, None) == 704.0  # (not known: the plain mean)
+
+
+def test_the_fastest_members_change_counts_whole_by_time_and_not_for_a_count(monkeypatch):
+    """By count every member takes the same steps: the plain mean, as DiLoCo; by time the
+    fastest member's change counts whole (``LocalSteps.divisor``); ``P2PTRAIN_OUTER_WHOLE``
+    overrides either way."""
+    from p2ptrain.trainer.local_steps import local_steps
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    assert local_steps([p], "2s", 0.8, 0.6, opt).whole and local_steps([p], "auto", 0.8, 0.6, opt).whole
+    assert not local_steps([p], 16, 0.7, 0.9, opt).whole
+    assert local_steps([p], 16, 0.7, 0.9, opt).divisor(704, (640, 640 ** 2 + 64 ** 2)) == 704.0
+    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "0")
+    assert not local_steps([p], "auto", 0.8, 0.6, opt).whole
+    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "1")
+    assert local_steps([p], 16, 0.7, 0.9, opt).whole
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -348,7 +348,7 @@ class Cluster:
             elif isinstance(action, msg.Apply):
                 rnd = self._rounds.get(action.r) or Round(action.r)  # (none: we had no part in it)
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
-                    self._apply(rnd, action.total_samples, action.used)
+                    self._apply(rnd, action.total_samples, action.used, action.spread)
                 self._record(rnd, action.total_samples, action.view)
                 if not rnd.waiting:  # (one still waiting is answered at the next take, late: the machine asked)
                     self._rounds.pop(action.r, None)
@@ -409,10 +409,10 @@ class Cluster:
         """The trainer is done with an applied sum (any thread): a later ring writes into it."""
         self.rings.recycle(summed)
 
-    def _apply(self, rnd: Round, total: int, used: bytes | None = None) -> None:
+    def _apply(self, rnd: Round, total: int, used: bytes | None = None, spread: tuple | None = None) -> None:
         summed = self.rings.commit(rnd, total)  # (what this round dropped is owed now)
         if summed is not None:  # (total 0: nobody had anything; the trainer still hears of the round)
-            self.rings.keep_owed(self.trainer.apply(summed, total, used))  # (error feedback: not applied there)
+            self.rings.keep_owed(self.trainer.apply(summed, total, used, spread))  # (error feedback: not applied there)
         self.applied += 1
 
     def _put_back(self, r: int, not_finite: bool = False) -> None:

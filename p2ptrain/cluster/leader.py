@@ -45,7 +45,8 @@ from p2ptrain.cluster.takeover import Takeover
 from p2ptrain.cluster.silence import silence, silent as silent_peers
 from p2ptrain.cluster.worth import Worth
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, START, VOID, WITHDRAWN,
-                                       Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse, with_used)
+                                       Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse,
+                                       spread_of, with_used)
 from p2ptrain.cluster.used import NONE_YET, merge
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
@@ -347,7 +348,8 @@ class Leader:
 
     @staticmethod
     def _start_msg(lead: _Lead) -> dict:
-        return {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values())}
+        return {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values()),
+                "spread": spread_of(lead.got.values())}
 
     def _answer_late_ready(self, s: str, m: Ready) -> bool:
         """A READY (sent again) for an attempt of ours that collects no more. Its member waits
@@ -403,8 +405,9 @@ class Leader:
         # The peers left out hear it too: a leader that speaks to them keeps them from asking
         # around, finding themselves behind and loading state again every round meanwhile.
         out = self.refusals.committed(lead.view, now)
-        machine._broadcast(with_used({"t": COMMIT, "r": lead.r, "b": list(lead.b), "total": sum(lead.got.values())},
-                                     lead.used), sorted(set(lead.view) | set(out)))
+        machine._broadcast(with_used({"t": COMMIT, "r": lead.r, "b": list(lead.b), "total": sum(lead.got.values()),
+                                      "spread": spread_of(lead.got.values())}, lead.used),
+                           sorted(set(lead.view) | set(out)))
         lead.phase, lead.r = move(_LEADER, lead.phase, COMMIT), lead.r + 1
         slow = self.worth.round(lead.ready_at, lead.got, max(lead.ready_at.values(), default=0.0) + now - lead.since)
         if slow:

@@ -122,7 +122,7 @@ class LineageKeeper:
                 "log": [[r, list(bb), c] for r, bb, c in machine._log],
                 "masks": [[r, list(bb), m] for (r, bb), m in machine._masks.items()] or None,
                 "pending": pending and {"r": pending.r, "b": list(pending.b), "phase": pending.phase, "ok": pending.ok,
-                                  "view": list(pending.view), "total": pending.total},
+                                  "view": list(pending.view), "total": pending.total, "spread": pending.spread},
                 "out": (machine.leader.refusals.out_for(to) if to is not None and machine.leader.lead is not None
                         else None),
                 "end": machine.ending.ended, "served": machine.table.get(machine.id).served, "side": ids}

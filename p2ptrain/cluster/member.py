@@ -61,6 +61,7 @@ class _Pending:  # the attempt this peer takes part in as a member
     mark: float = 1.0  # next Stall, as a multiple of the deadline
     told: bool = False  # the leader's START came (every member ready; the total)
     used: bytes | None = None  # the COMMIT's mask of parameters with a gradient (``used``; None: all)
+    spread: tuple | None = None  # (largest, squares) of the members' samples, from START or COMMIT
 
     @property
     def started(self) -> bool:
@@ -205,7 +206,7 @@ class Member:
             machine.counters["stale"] += 1
             return
         machine.timers["ready"].record(now - pending.since)
-        pending.told, pending.total, pending.mark = True, message.total, 1.0
+        pending.told, pending.total, pending.spread, pending.mark = True, message.total, message.spread, 1.0
         if pending.phase == RING:  # (the ring's time counts from here, as the leader's does)
             pending.since = now
 
@@ -235,7 +236,7 @@ class Member:
         if type(message) is Commit and not (pending.phase == RINGED and pending.ok):
             raise RemoteProtocolError("COMMIT of a round whose ring did not finish here")
         if type(message) is Commit and message.total is not None:  # (its START may have been lost)
-            pending.total = message.total
+            pending.total, pending.spread = message.total, message.spread
         if type(message) is Commit:
             pending.used = message.used
         move(_MEMBER, pending.phase, message.t)
@@ -289,7 +290,7 @@ class Member:
                     machine._tell.add(q)  # tell it (the leader holds the next boundary while it catches up)
             for q in pending.view:
                 table.synced(q, machine.history.version, machine.history.digest, pending.r)
-            machine._emit(Apply(pending.r, pending.total, pending.view, pending.used))
+            machine._emit(Apply(pending.r, pending.total, pending.view, pending.used, pending.spread))
         machine._set_self()
         machine.ending.decided(now)  # (an end a peer told us while this round awaited its decision)
 

@@ -60,6 +60,7 @@ class Attempt:
     ok: bool
     view: tuple
     total: int
+    spread: tuple | None = None  # (largest, squares) of the members' samples (``spread_of``); None: none sent
 
 
 @_message
@@ -110,6 +111,7 @@ class Start(RoundMessage):
     t: ClassVar[str] = START
     view: tuple
     total: int
+    spread: tuple | None = None  # (``spread_of`` the READYs' samples; None from a leader that sends none)
 
 
 @_message
@@ -126,11 +128,12 @@ class Done(RoundMessage):
 @_message
 class Commit(RoundMessage):
     """Leader -> view: apply round ``r``, of ``total`` samples (None from a leader that sends none:
-    a member then has it from START). ``used``: the OR of the members' DONE masks (``used``; None:
-    every parameter had a gradient at some member, or a leader that sends none)."""
+    a member then has it from START, as ``spread``). ``used``: the OR of the members' DONE masks
+    (``used``; None: every parameter had a gradient at some member, or a leader that sends none)."""
     t: ClassVar[str] = COMMIT
     total: int | None = None
     used: bytes | None = None
+    spread: tuple | None = None
 
 
 @_message
@@ -260,7 +263,23 @@ def _run_seconds(v):
 def _pending(v):
     _need(isinstance(v, dict), "a bad pending attempt")
     return Attempt(r=_int(v.get("r")), b=_ballot(v.get("b")), phase=_of(str, 16)(v.get("phase")),
-                   ok=_of(bool)(v.get("ok")), view=_ids(v.get("view")), total=_int(v.get("total")))
+                   ok=_of(bool)(v.get("ok")), view=_ids(v.get("view")), total=_int(v.get("total")),
+                   spread=_opt(_spread)(v.get("spread")))
+
+
+def spread_of(samples) -> list | None:
+    """A round's members' samples as the pair a leader sends in START and COMMIT: the largest
+    and the sum of their squares (a member scales the round's mean by them: ``LocalSteps.apply``);
+    None where nobody had any."""
+    samples = list(samples)
+    return [max(samples), sum(n * n for n in samples)] if any(samples) else None
+
+
+def _spread(v):
+    _need(isinstance(v, (list, tuple)) and len(v) == 2, "a bad spread of samples")
+    largest, squares = _int(v[0], 1), _int(v[1], 1)
+    _need(largest * largest <= squares, "a spread whose largest share exceeds its squares")
+    return (largest, squares)
 
 
 def _mask(v):  # (``used``: a bitmask of one bit per parameter, bounded)
@@ -296,10 +315,10 @@ _SCHEMA = {m[0].t: m for m in (
              masks=_opt(lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, m: (_int(r), _ballot(b), _mask(m))))),
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
-    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int),
+    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int, spread=_opt(_spread)),
     _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID)),
              used=_opt(_mask)),
-    _checked(Commit, **_RB, total=_opt(_int), used=_opt(_mask)),
+    _checked(Commit, **_RB, total=_opt(_int), used=_opt(_mask), spread=_opt(_spread)),
     _checked(Abort, **_RB, reason=_of(str, MAX_REASON), drop=_ids, void=_opt(_one_of(VOID))),
     _checked(Nack, r=lambda v: _int(v, -1), b=_ballot, reason=_of(str, MAX_REASON), missing=_opt(_ids)),
     _checked(Goodbye, end=_opt(_int)),
@@ -316,7 +335,13 @@ def parse(msg: object) -> Message:
         kind = str(msg.get("t"))[:20] if isinstance(msg, dict) else type(msg).__name__
         _need(False, f"unknown message type {kind!r}")
     cls, checks = _SCHEMA[msg["t"]]
-    return cls(**{name: check(msg.get(name)) for name, check in checks})
+    out = cls(**{name: check(msg.get(name)) for name, check in checks})
+    for m in (out, getattr(out, "pending", None)):  # (a spread must be one of its total: ``spread_of``)
+        spread, total = getattr(m, "spread", None), getattr(m, "total", None)
+        _need(spread is None or total is None or spread[0] <= total
+              and spread[0] ** 2 + total - spread[0] <= spread[1] <= spread[0] * total,
+              "a spread of samples that does not fit its total")
+    return out
 
 
 # -- actions: what the I/O layer must do, in order ------------------------------------------
@@ -349,11 +374,13 @@ class StartRing:
 @dataclass(frozen=True)
 class Apply:
     """Round r committed: apply its ring result / ``total_samples`` (0: nothing to apply);
-    ``used``: which parameters had a gradient at some member (``used``; None: all)."""
+    ``used``: which parameters had a gradient at some member (``used``; None: all); ``spread``:
+    (largest, squares) of the members' samples (``spread_of``; None: not known)."""
     r: int
     total_samples: int
     view: tuple[str, ...]
     used: bytes | None = None
+    spread: tuple | None = None
 
 
 @dataclass(frozen=True)

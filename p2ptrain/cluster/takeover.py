@@ -109,11 +109,12 @@ class Takeover:
         masks = dict(machine._masks)  # (the COMMIT's mask, from a member that had it: the same for all)
         for st in got.values():
             masks.update({(r, b): m for r, b, m in st.masks or ()})
-        totals: dict = {}  # (a member whose START was lost knows none: a member that heard it does)
+        totals, spreads = {}, {}  # (a member whose START was lost knows none: a member that heard it does)
         for st in got.values():
             if st.pending is not None:
                 key = (st.pending.r, st.pending.b)
                 totals[key] = max(totals.get(key, 0), st.pending.total)
+                spreads[key] = spreads.get(key) or st.pending.spread
         for peer, st in got.items():
             version, digest, pd = st.version, st.digest, st.pending
             if pd is not None:
@@ -123,8 +124,8 @@ class Takeover:
                     self.decide(key, outcome)
                 if outcome and pd.phase == RINGED and pd.ok and totals[key]:  # (no total known: it loads state)
                     version, digest = History.after(version, digest, pd.r, pd.view, totals[key])
-                    machine._send(peer, with_used({"t": COMMIT, "r": pd.r, "b": list(pd.b), "total": totals[key]},
-                                                  masks.get(key)))
+                    machine._send(peer, with_used({"t": COMMIT, "r": pd.r, "b": list(pd.b), "total": totals[key],
+                                                   "spread": spreads[key]}, masks.get(key)))
                 else:
                     machine._send(peer, {"t": ABORT, "r": pd.r, "b": list(pd.b), "drop": [],
                                          "reason": "its leader was lost"})

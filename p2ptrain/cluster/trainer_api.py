@@ -23,11 +23,13 @@ class Contributions(Protocol):
     #                           ring awaits each range of it: ``collective.allreduce.Ready``)
     def used(self, contribution: np.ndarray) -> bytes | None: ...  # (its ring ended) which parameters of
     #                                                   ``contribution`` had a gradient: ``used.encode``; None: all
-    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None
+    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None, spread: tuple | None = None
               ) -> list[tuple[int, int]] | None: ...  # committed: summed / total, in round order; total 0 (nothing
     #                                                   to apply) still counts; ``used``: the members' masks OR-ed
-    #                                                   (None: all); returns the ranges of ``summed`` not applied
-    #                                                   (parameters without a gradient: ``Rings.keep_owed``)
+    #                                                   (None: all); ``spread``: (largest, squares) of the members'
+    #                                                   samples (``roundmsg.spread_of``; None: not known); returns
+    #                                                   the ranges of ``summed`` not applied (parameters without a
+    #                                                   gradient: ``Rings.keep_owed``)
     def put_back(self, contribution: np.ndarray, samples: int, not_finite: bool = False) -> None: ...  # ``PutBack``
     def snapshot(self, parameters_only: bool = False) -> dict | None: ...  # {"model": {name: tensor}, ...} as of
     #                                                   the last apply(); None: not now

@@ -30,12 +30,14 @@ import msgpack
 from p2ptrain.errors import FrameError
 
 MAGIC = b"P2PT"
-PROTOCOL_VERSION = 7  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings;
+PROTOCOL_VERSION = 8  # 2: a round's ring runs in buckets (ring.bucket_bounds), so 1 and 2 cannot share rings;
 #                     3: small segments are cut into fewer chunks (ring.MIN_CHUNK_ELEMS 128 K values, was 16 K);
 #                     4: a lossy codec's chunk may come raw (header "raw": collective.linkpace);
 #                     5: DONE says why a ring failed with nobody at fault ("void", was "withdrawn")
 #                     6: model fingerprints say which parameters train (four fields, were three)
 #                     7: the handshake's proofs name their role; the listener proves after the dialer (auth)
+#                     8: START and COMMIT carry the members' spread of samples (``roundmsg.spread_of``),
+#                        which the outer step of rounds by time scales its mean by (``LocalSteps.divisor``)
 PREFIX = struct.Struct("<4sBBHQ")
 PREFIX_SIZE = PREFIX.size  # 16
 

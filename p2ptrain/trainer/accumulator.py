@@ -67,6 +67,7 @@ class CommittedUpdate:  # a committed round, waiting for the caller's thread to 
     ours: Outgoing | None = None  # our contribution's memory, when the cluster handed it back as the result
     compare: bool = False  # others are synced: report the parameter checksum after applying it
     used: np.ndarray | None = None  # which parameters some member had a gradient for (bools); None: all
+    spread: tuple | None = None  # (largest, squares) of the members' samples (``roundmsg.spread_of``); None: not known
 
 
 @dataclass

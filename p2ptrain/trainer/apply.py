@@ -26,8 +26,9 @@ class AveragedGradient:
         self._views = ViewCache(params, keep=3)  # (the ring keeps two result arrays; one more in flight)
         self._on_device: torch.Tensor | None = None
 
-    def of(self, update: CommittedUpdate) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The mean, flat, and its per-parameter views (the ring's sum: ours to use in place)."""
+    def of(self, update: CommittedUpdate, divisor: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The mean, flat, and its per-parameter views (the ring's sum: ours to use in place);
+        ``divisor``: the sum divided by it instead of ``update.total`` (``LocalSteps.divisor``)."""
         host = torch.from_numpy(update.summed)
         if self.device.type == "cpu":
             flat, views = host, self._views(update.summed, host)
@@ -36,7 +37,7 @@ class AveragedGradient:
                 self._on_device = torch.empty(host.numel(), dtype=torch.float32, device=self.device)
             flat = self._on_device.copy_(host)  # (waits for the copy: the array goes back to the ring)
             views = self._views(flat)
-        flat.div_(float(update.total))
+        flat.div_(float(update.total) if divisor is None else divisor)
         return flat, views
 
 

@@ -190,7 +190,8 @@ class Contributor:
         with self.state.lock:
             return self.state.used(contribution)
 
-    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None) -> list[tuple[int, int]] | None:
+    def apply(self, summed: np.ndarray, total_samples: int, used: bytes | None = None,
+              spread: tuple | None = None) -> list[tuple[int, int]] | None:
         """A round committed (``trainer_api``); returns the ranges of ``summed`` it leaves out
         (parameters no member had a gradient for: their ``grad`` stays None), or None."""
         cluster = self.host.cluster
@@ -200,7 +201,7 @@ class Contributor:
         flags = self.state.flags(used)
         with self.state.lock:
             if self.state.update_committed(summed, total_samples, point, took, compare, now, flags,
-                                           cluster.machine.exchange_seconds()):
+                                           cluster.machine.exchange_seconds(), spread):
                 self._not_finite = [0, 0]  # (ours went in: finite)
             self._linger_due = False
             self._rounds_seen += 1

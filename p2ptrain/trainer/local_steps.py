@@ -44,6 +44,7 @@ from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 LOOKAHEAD_ENV = "P2PTRAIN_LOOKAHEAD"  # 0 or 1: ``LocalSteps.lookahead`` off or on (default: on for rounds by time)
+WHOLE_ENV = "P2PTRAIN_OUTER_WHOLE"  # 0 or 1: ``LocalSteps.whole`` off or on (default: on for rounds by time)
 
 
 def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_momentum: float,
@@ -55,6 +56,7 @@ def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_m
     window = auto_window(None, None, 0.0) if every.auto else every.seconds
     local = LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
     local.lookahead = env_switch(LOOKAHEAD_ENV, every.by_time)  # (measured: ``_look_ahead``)
+    local.whole = env_switch(WHOLE_ENV, every.by_time)  # (measured: ``divisor``)
     return local
 
 
@@ -68,6 +70,7 @@ class LocalSteps:
         # last (``round_window``); ``auto``: the peer sets the window at each contribution.
         self.window_s, self.auto = window_s, auto
         self.lookahead = False  # rebase local progress onto the next step's momentum (``_look_ahead``; on by time)
+        self.whole = False  # the round's largest contribution counts whole (``divisor``; on by time)
         self.inner = inner  # the user's optimizer: its state is cleared where the inner steps diverge
         numel = sum(p.numel() for p in params)
         device = params[0].device
@@ -158,6 +161,22 @@ class LocalSteps:
                         "cleared; if it recurs, lower the learning rate or check the data", samples)
             return None, samples
         return delta, samples
+
+    def divisor(self, total: int, spread: tuple | None) -> float:
+        """What a round's weighted sum is divided by: its ``total`` samples, or with ``whole`` on,
+        ``squares / largest`` of the members' samples (``roundmsg.spread_of``), which scales the
+        mean by ``s = largest * total / squares``: 1 for members alike, up to their count. A
+        round's mean weights each change by its samples, so beside a member 10x slower by time the
+        fastest one's change counts 10/11 and the other's few steps fill the rest: a pair makes
+        less progress a round than the fast peer alone would (0.92 of it where every step moves
+        the model alike). Scaled, the mean moves as far as the fastest member's change whole,
+        in the direction of all of them; equal members' changes are averaged as before (summing
+        them instead diverged: bench/README, "The outer step, by regime"). ``spread`` None (not
+        known): ``total``."""
+        if not self.whole or spread is None:
+            return float(total)
+        largest, squares = spread
+        return squares / largest
 
     def apply(self, mean_delta: torch.Tensor) -> None:
         """The round's averaged pseudo-gradient (flat, float32, on the device; it is overwritten):

@@ -234,11 +234,12 @@ class TrainerState:
 
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
                          compare: bool, now: float, flags: np.ndarray | None = None,
-                         exchange_s: float | None = None) -> bool:
+                         exchange_s: float | None = None, spread: tuple | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
         anything: the round still counts for the lineage). True: our contribution was in it.
         ``flags``: which parameters some member had a gradient for (``flags``: None, all);
-        ``exchange_s``: the cluster's usual ring from START (auto's window reads it)."""
+        ``exchange_s``: the cluster's usual ring from START (auto's window reads it); ``spread``:
+        the members' samples as (largest, squares) (``LocalSteps.outer_scale``; None: not known)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -258,7 +259,7 @@ class TrainerState:
         self.committed += 1
         m = self.metrics(point.round, self.committed, out.members if out else 0, total_samples,
                          out.samples if out else 0, stale, now - out.taken_at if out else 0.0)
-        self.queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare, flags))
+        self.queue.append(CommittedUpdate(summed, total_samples, point, m, ours, compare, flags, spread))
         return out is not None
 
     def flags(self, mask: bytes | None) -> np.ndarray | None:

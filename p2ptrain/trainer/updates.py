@@ -219,7 +219,7 @@ class Updater:
     def _apply_update(self, update: CommittedUpdate) -> None:
         st, host = self.state, self.host
         if st.local is not None:
-            return st.local.apply(self._mean.of(update)[0])
+            return st.local.apply(self._mean.of(update, st.local.divisor(update.total, update.spread))[0])
         if update.ours is not None and update.ours.grads is not None:  # alone: our batch as backward left it
             return apply_gradients(update.ours.grads, st.params, host.optimizer, host.scheduler,
                                    host.clip_grad_norm)
