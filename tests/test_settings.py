@@ -35,6 +35,19 @@ def test_each_shared_setting_that_differs_is_named_with_both_values():
                                               "--target-batch-size")
 
 
+def test_peers_that_divide_a_rounds_sum_otherwise_are_refused(monkeypatch):
+    """``P2PTRAIN_OUTER_WHOLE`` changes the outer step (``LocalSteps.divisor``): two peers that
+    differ in it would apply different updates, so it is a shared setting, stated by time only."""
+    from p2ptrain.trainer.local_steps import outer_whole
+
+    by_time = dict(compression="int8+zstd:1", staleness=1, sync_every="auto", outer_lr=0.8, outer_momentum=0.6)
+    ours = shared(**by_time, outer_whole=outer_whole("auto"))
+    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "0")
+    theirs = shared(**by_time, outer_whole=outer_whole("auto"))
+    assert differences(ours, theirs) == ["P2PTRAIN_OUTER_WHOLE 0 there, 1 here"]
+    assert "outer_whole" not in shared(compression="none", staleness=0, outer_whole=outer_whole(None))
+
+
 def test_what_a_peer_does_not_state_is_not_compared():
     ours = shared(compression="none", staleness=0, seed=0)
     assert differences(ours, None) == [] and differences(ours, "junk") == []  # an older peer

@@ -8,9 +8,11 @@ names it. A round is a two-phase commit around the ring (the messages: ``roundms
     PROPOSE {r, b, view}        ------>  Contribute(r): the host swaps its accumulator, then
                                 <------  READY {r, b, samples, version, digest}   on_contribution_ready
                                          StartRing(r, view): at once, the host runs the ring-allreduce
-    START {r, b, view, total}   ------>  (every READY is in: the total)
+    START {r, b, view, total,   ------>  (every READY is in: the total, and the samples' spread:
+           spread}                        ``roundmsg.spread_of``)
                                 <------  DONE {r, b, ok, checksum, used}          on_ring_done
-    COMMIT {r, b, total, used}  ------>  Apply(r, total, used)   every READY and DONE was ok
+    COMMIT {r, b, total, used,  ------>  Apply(r, total, used, spread)   every READY and DONE was ok
+            spread}
     ABORT {r, b, reason, drop}  ------>  PutBack(r)        a failure, a timeout, a peer lost
 
 A member's ring starts as it contributes, not at START (``member``'s docstring says why): a

@@ -22,7 +22,8 @@ whose flag was overridden would train otherwise than its command line says.
   share; with another target on each peer an update's size would depend on who is in it.
 - ``seed``: the model's initial parameters and, for a task like ``synthetic``, the data itself.
 - ``sync_every``, ``outer_lr``, ``outer_momentum`` (local-steps mode): a ring of pseudo-gradients
-  summed with gradients means nothing, and every peer must take the same outer step.
+  summed with gradients means nothing, and every peer must take the same outer step; so too
+  ``outer_whole`` (``P2PTRAIN_OUTER_WHOLE``: what a round's sum is divided by, ``LocalSteps.divisor``).
 
 The rest may differ per machine: batch size, device, ``min_peers``, ``reconcile_every``,
 ``weight_prediction``. The optimizer's settings (the learning rate) are not compared, since a
@@ -37,22 +38,22 @@ from p2ptrain.cluster.sync_every import parse_sync_every
 
 FLAGS = {"compression": "--compression", "staleness": "--staleness", "target_batch_size": "--target-batch-size",
          "seed": "--seed", "sync_every": "--sync-every", "outer_lr": "--outer-lr",
-         "outer_momentum": "--outer-momentum"}
+         "outer_momentum": "--outer-momentum", "outer_whole": "P2PTRAIN_OUTER_WHOLE"}
 MAX_SHOWN = 40  # characters of a peer's value quoted in a log line
 
 
 def shared(*, compression: str, staleness: int, target_batch_size: int | None = None,
            seed: int | None = None, sync_every: int | str | None = None, outer_lr: float = 0.0,
-           outer_momentum: float = 0.0) -> dict:
+           outer_momentum: float = 0.0, outer_whole: bool = False) -> dict:
     """This peer's settings as its handshake states them (``seed`` None: not compared;
     ``sync_every`` None: gradient mode, stated as 0; a count as an int, a window or ``auto`` as
-    its canonical text, ``sync_every.SyncEvery.canonical``)."""
+    its canonical text, ``sync_every.SyncEvery.canonical``; ``outer_whole`` as 0 or 1)."""
     out = {"compression": compression, "staleness": staleness, "target_batch_size": target_batch_size or 0,
            "sync_every": parse_sync_every(sync_every).canonical() if sync_every else 0}
     if seed is not None:
         out["seed"] = seed
     if sync_every:
-        out.update(outer_lr=float(outer_lr), outer_momentum=float(outer_momentum))
+        out.update(outer_lr=float(outer_lr), outer_momentum=float(outer_momentum), outer_whole=int(outer_whole))
     return out
 
 

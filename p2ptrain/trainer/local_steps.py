@@ -56,8 +56,14 @@ def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_m
     window = auto_window(None, None, 0.0) if every.auto else every.seconds
     local = LocalSteps(params, every.steps, outer_lr, outer_momentum, optimizer, window_s=window, auto=every.auto)
     local.lookahead = env_switch(LOOKAHEAD_ENV, every.by_time)  # (measured: ``_look_ahead``)
-    local.whole = env_switch(WHOLE_ENV, every.by_time)  # (measured: ``divisor``)
+    local.whole = outer_whole(sync_every)
     return local
+
+
+def outer_whole(sync_every) -> bool:
+    """Whether a round's largest contribution counts whole (``LocalSteps.divisor``, measured
+    there): by time, unless ``P2PTRAIN_OUTER_WHOLE`` says otherwise (a setting every peer shares)."""
+    return sync_every is not None and env_switch(WHOLE_ENV, parse_sync_every(sync_every).by_time)
 
 
 class LocalSteps:

@@ -114,7 +114,7 @@ from p2ptrain.net.discovery import Discovery, peer_list
 from p2ptrain.errors import ClosedError, ConfigError
 from p2ptrain.identity import new_peer_id
 from p2ptrain.taskset import TaskSet
-from p2ptrain.trainer.local_steps import local_steps
+from p2ptrain.trainer.local_steps import local_steps, outer_whole
 from p2ptrain.trainer.lifetime import Lifetime, Work
 from p2ptrain.trainer.backward_feed import BackwardFeed
 from p2ptrain.trainer.overlap import ScaledStep, unscale
@@ -188,7 +188,7 @@ class AsyncPeer:
         # What every peer must share: refused at the handshake where it differs (``cluster.settings``).
         self._settings = shared(compression=parse_codec(compression).spec, staleness=staleness,
                                 target_batch_size=target_batch_size, seed=seed, sync_every=sync_every,
-                                outer_lr=outer_lr, outer_momentum=outer_momentum)
+                                outer_lr=outer_lr, outer_momentum=outer_momentum, outer_whole=outer_whole(sync_every))
         if device is not None:
             model.to(pick_device(device))
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
