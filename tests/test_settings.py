@@ -42,9 +42,9 @@ def test_peers_that_divide_a_rounds_sum_otherwise_are_refused(monkeypatch):
 
     by_time = dict(compression="int8+zstd:1", staleness=1, sync_every="auto", outer_lr=0.8, outer_momentum=0.6)
     ours = shared(**by_time, outer_whole=outer_whole("auto"))
-    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "0")
+    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "1")
     theirs = shared(**by_time, outer_whole=outer_whole("auto"))
-    assert differences(ours, theirs) == ["P2PTRAIN_OUTER_WHOLE 0 there, 1 here"]
+    assert differences(ours, theirs) == ["P2PTRAIN_OUTER_WHOLE 1 there, 0 here"]
     assert "outer_whole" not in shared(compression="none", staleness=0, outer_whole=outer_whole(None))
 
 

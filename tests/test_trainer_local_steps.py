@@ -309,12 +309,15 @@ def test_an_inner_step_tells_the_cluster_nothing_until_its_pseudo_gradient_is_re
 def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window(monkeypatch):
     """``sync_every="250ms"``, staleness 1, a peer 4x slower: a round every window (not every H
     steps of the slow one), each peer contributing the steps it had time for (the fast about 4x
-    the slow one's samples), the fast one never blocked in step, replicas identical."""
+    the slow one's samples), the fast one never blocked in step, replicas identical, with the
+    fastest member's change counted whole (``P2PTRAIN_OUTER_WHOLE=1``: each round's spread of
+    samples reaches both peers' outer step)."""
     fast_s, slow_s, seconds, window = 0.01, 0.04, 3.0, 0.25
-    divided = []  # (total, spread) of each round applied, at either peer
+    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "1")
+    divided = {}  # (total, spread) of each round applied, at either peer: what its sum was divided by
     divisor = LocalSteps.divisor
-    monkeypatch.setattr(LocalSteps, "divisor", lambda self, total, spread: (
-        divided.append((total, spread)), divisor(self, total, spread))[1])
+    monkeypatch.setattr(LocalSteps, "divisor", lambda self, total, spread: divided.setdefault(
+        (total, spread), divisor(self, total, spread)))
     peers = open_peers([make_adam] * 2, staleness=1, compression="int8", sync_every="250ms")
     try:
         logs, counts = train_at_speeds(peers, seconds, (fast_s, slow_s))
@@ -336,6 +339,7 @@ def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window(m
                             m.local_samples ** 2 + (m.samples - m.local_samples) ** 2)) for m in fast.history
                if m.samples > m.local_samples > 0}
     assert spreads and spreads <= set(divided), (spreads, divided)
+    assert all(divided[s] == s[1][1] / s[1][0] < s[0] for s in spreads)  # (the mean scaled: > 1x)
 
 
 def test_by_time_a_rounds_mean_keeps_its_fastest_members_change_whole():
@@ -364,21 +368,22 @@ def test_by_time_a_rounds_mean_keeps_its_fastest_members_change_whole():
     assert local.divisor(704, None) == 704.0  # (not known: the plain mean)
 
 
-def test_the_fastest_members_change_counts_whole_by_time_and_not_for_a_count(monkeypatch):
-    """By count every member takes the same steps: the plain mean, as DiLoCo; by time the
-    fastest member's change counts whole (``LocalSteps.divisor``); ``P2PTRAIN_OUTER_WHOLE``
-    overrides either way."""
+def test_the_fastest_members_change_counts_whole_by_time_where_asked_and_never_for_a_count(monkeypatch):
+    """The plain mean by default (``LocalSteps.divisor``'s measurements); by time
+    ``P2PTRAIN_OUTER_WHOLE=1`` counts the fastest member's change whole; by count every member
+    takes the same steps: the plain mean, as DiLoCo, whatever the switch says."""
     from p2ptrain.trainer.local_steps import local_steps
 
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=0.1)
-    assert local_steps([p], "2s", 0.8, 0.6, opt).whole and local_steps([p], "auto", 0.8, 0.6, opt).whole
-    assert not local_steps([p], 16, 0.7, 0.9, opt).whole
-    assert local_steps([p], 16, 0.7, 0.9, opt).divisor(704, (640, 640 ** 2 + 64 ** 2)) == 704.0
-    monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "0")
-    assert not local_steps([p], "auto", 0.8, 0.6, opt).whole
+    spread = (640, 640 ** 2 + 64 ** 2)
+    for every in ("2s", "auto", 16):
+        assert not local_steps([p], every, 0.8, 0.6, opt).whole
+        assert local_steps([p], every, 0.8, 0.6, opt).divisor(704, spread) == 704.0
     monkeypatch.setenv("P2PTRAIN_OUTER_WHOLE", "1")
-    assert local_steps([p], 16, 0.7, 0.9, opt).whole
+    assert local_steps([p], "2s", 0.8, 0.6, opt).whole and local_steps([p], "auto", 0.8, 0.6, opt).whole
+    assert local_steps([p], "auto", 0.8, 0.6, opt).divisor(704, spread) == spread[1] / 640
+    assert not local_steps([p], 16, 0.7, 0.9, opt).whole
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -44,7 +44,7 @@ from p2ptrain.trainer.finite import all_finite
 
 log = logging.getLogger("p2ptrain.trainer.peer")  # (the peer's lines, under the peer's name)
 LOOKAHEAD_ENV = "P2PTRAIN_LOOKAHEAD"  # 0 or 1: ``LocalSteps.lookahead`` off or on (default: on for rounds by time)
-WHOLE_ENV = "P2PTRAIN_OUTER_WHOLE"  # 0 or 1: ``LocalSteps.whole`` off or on (default: on for rounds by time)
+WHOLE_ENV = "P2PTRAIN_OUTER_WHOLE"  # 0 or 1: ``LocalSteps.whole`` off or on by time (default: off; measured there)
 
 
 def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_momentum: float,
@@ -62,8 +62,9 @@ def local_steps(params: list[torch.Tensor], sync_every, outer_lr: float, outer_m
 
 def outer_whole(sync_every) -> bool:
     """Whether a round's largest contribution counts whole (``LocalSteps.divisor``, measured
-    there): by time, unless ``P2PTRAIN_OUTER_WHOLE`` says otherwise (a setting every peer shares)."""
-    return sync_every is not None and env_switch(WHOLE_ENV, parse_sync_every(sync_every).by_time)
+    there): by time with ``P2PTRAIN_OUTER_WHOLE=1`` (a setting every peer shares); by count every
+    member takes the same steps, and the plain mean is DiLoCo's."""
+    return sync_every is not None and parse_sync_every(sync_every).by_time and env_switch(WHOLE_ENV, False)
 
 
 class LocalSteps:
@@ -76,7 +77,7 @@ class LocalSteps:
         # last (``round_window``); ``auto``: the peer sets the window at each contribution.
         self.window_s, self.auto = window_s, auto
         self.lookahead = False  # rebase local progress onto the next step's momentum (``_look_ahead``; on by time)
-        self.whole = False  # the round's largest contribution counts whole (``divisor``; on by time)
+        self.whole = False  # the round's largest contribution counts whole (``divisor``; ``outer_whole``)
         self.inner = inner  # the user's optimizer: its state is cleared where the inner steps diverge
         numel = sum(p.numel() for p in params)
         device = params[0].device
@@ -177,8 +178,13 @@ class LocalSteps:
         less progress a round than the fast peer alone would (0.92 of it where every step moves
         the model alike). Scaled, the mean moves as far as the fastest member's change whole,
         in the direction of all of them; equal members' changes are averaged as before (summing
-        them instead diverged: bench/README, "The outer step, by regime"). ``spread`` None (not
-        known): ``total``."""
+        them instead diverged: bench/README, "The outer step, by regime"). Off by default, since
+        it pays in one regime only (``bench/uneven.py --outer-whole 0|1``, paired runs; bench/README,
+        "A round's fastest member counted whole"): a CPU pair at batch 64 reached the target in a
+        mean 0.74x and 0.78x the fast peer's time alone beside a peer 3.7x and 10x slower, against
+        0.79x and 0.82x with the plain mean (seven runs each), but the 9 M model in a GPU's regime
+        took 1.10-2.03x against 0.91-1.16x (three runs, 3.7x), and a pair at batch 8 ended higher
+        in four runs of four. ``spread`` None (not known): ``total``."""
         if not self.whole or spread is None:
             return float(total)
         largest, squares = spread
