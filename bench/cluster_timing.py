@@ -253,7 +253,7 @@ class BigStateTrainer:
     def used(self, contribution):  # every parameter had a gradient
         return None
 
-    def apply(self, summed, total, used=None):  # the big state stays as it is: only its version moves
+    def apply(self, summed, total, used=None, spread=None):  # the big state stays as it is: only its version moves
         self.version += 1
 
     def put_back(self, contribution, samples):  # a constant gradient: nothing to keep

@@ -269,8 +269,8 @@ def _pending(v):
 
 def spread_of(samples) -> list | None:
     """A round's members' samples as the pair a leader sends in START and COMMIT: the largest
-    and the sum of their squares (a member scales the round's mean by them: ``LocalSteps.apply``);
-    None where nobody had any."""
+    and the sum of their squares (rounds by time may scale the round's mean by them:
+    ``LocalSteps.divisor``); None where nobody had any."""
     samples = list(samples)
     return [max(samples), sum(n * n for n in samples)] if any(samples) else None
 

@@ -37,7 +37,7 @@ PROTOCOL_VERSION = 8  # 2: a round's ring runs in buckets (ring.bucket_bounds), 
 #                     6: model fingerprints say which parameters train (four fields, were three)
 #                     7: the handshake's proofs name their role; the listener proves after the dialer (auth)
 #                     8: START and COMMIT carry the members' spread of samples (``roundmsg.spread_of``),
-#                        which the outer step of rounds by time scales its mean by (``LocalSteps.divisor``)
+#                        by which rounds by time may scale their mean (``LocalSteps.divisor``)
 PREFIX = struct.Struct("<4sBBHQ")
 PREFIX_SIZE = PREFIX.size  # 16
 
