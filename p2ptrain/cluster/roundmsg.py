@@ -336,12 +336,19 @@ def parse(msg: object) -> Message:
         _need(False, f"unknown message type {kind!r}")
     cls, checks = _SCHEMA[msg["t"]]
     out = cls(**{name: check(msg.get(name)) for name, check in checks})
-    for m in (out, getattr(out, "pending", None)):  # (a spread must be one of its total: ``spread_of``)
+    for m in (out, getattr(out, "pending", None)):  # (a START's, a COMMIT's, a STATUS's pending attempt's)
         spread, total = getattr(m, "spread", None), getattr(m, "total", None)
-        _need(spread is None or total is None or spread[0] <= total
-              and spread[0] ** 2 + total - spread[0] <= spread[1] <= spread[0] * total,
-              "a spread of samples that does not fit its total")
+        _need(spread is None or total is None or _fits(spread, total), "a spread of samples that does not fit its total")
     return out
+
+
+def _fits(spread: tuple, total: int) -> bool:
+    """Whether ``spread`` can be ``spread_of`` members' samples adding up to ``total``: the largest
+    at most the total, and the others' squares at least their sum (1 each at least) and at most
+    the largest times their sum; so the scale it gives a mean (``LocalSteps.divisor``) is at least
+    1 and at most ``total / largest``."""
+    largest, squares = spread
+    return largest <= total and largest ** 2 + total - largest <= squares <= largest * total
 
 
 # -- actions: what the I/O layer must do, in order ------------------------------------------
