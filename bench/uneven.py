@@ -335,6 +335,7 @@ def read_run(ev: Evaluator, res: Result, target: float, samples: int) -> dict:
         f = (loss[k - 1] - target) / max(loss[k - 1] - loss[k], 1e-12)
         out["time_to_target"] = times[k - 1] - res.t0 + f * (times[k] - times[k - 1])
     counts = [res.samples_at(t) for t in times]
+    out["curve"] = [[t - res.t0, v, c] for t, v, c in zip(times, raw, counts)]  # (--json only: per snapshot)
     k = next((i for i, c in enumerate(counts) if c >= samples), None)
     if k is not None and k > 0:
         f = (samples - counts[k - 1]) / max(counts[k] - counts[k - 1], 1e-9)
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=1, help="repetitions, interleaved; each row shows the median")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds past a run's duration before it is killed")
     p.add_argument("--quick", action="store_true", help="the 1m model, a few seconds a run (the CI smoke run)")
-    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--json", help="write the rows to this file, each with its curve: [seconds, raw loss, samples] per snapshot")
     for hidden in ("--worker",):
         p.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--max-rounds"):
@@ -427,7 +428,7 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
                 row.update(read_run(ev, res, a.target, a.samples))
             finally:
                 shutil.rmtree(res.snap_dir, ignore_errors=True)
-        print(f"  {row}", file=sys.stderr, flush=True)
+        print(f"  { {k: v for k, v in row.items() if k != 'curve'} }", file=sys.stderr, flush=True)
         return row
 
     sync0 = "--staleness 0 --compression none"

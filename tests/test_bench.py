@@ -148,3 +148,5 @@ def test_uneven_bench_reads_time_to_loss_on_the_smoothed_losses_not_on_one_lucky
     assert k - 1 < out["time_to_target"] <= k
     assert out["final_loss"] == pytest.approx(sum(losses[-5:]) / 5)
     assert out["loss_at_samples"] == pytest.approx(smooth[5])  # (500 of 1,000 samples at 5 s of 10)
+    # --json keeps each snapshot: seconds into the run, its raw loss, the cluster's samples by then
+    assert out["curve"] == [[pytest.approx(i), v, pytest.approx(100 * i)] for i, v in enumerate(losses)]
