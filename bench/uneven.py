@@ -23,8 +23,8 @@ device on another machine would. Rows, per N and factor:
   (``--compression``, ``--staleness``, ``--sync-every`` H, a duration such as ``2s`` or ``auto``,
   ``--outer-lr``, ``--outer-momentum``, ``--target-batch-size``; ``--lookahead 0|1`` and
   ``--outer-whole 0|1``: the trainer's ``P2PTRAIN_LOOKAHEAD`` and ``P2PTRAIN_OUTER_WHOLE``). A
-  setting this tree refuses is a
-  row saying so (its one-line ``ConfigError``), so one command can A/B trees that differ.
+  setting this tree refuses is a row saying so (its one-line ``ConfigError``), so one command can
+  A/B trees that differ.
 - ``sync fp32``: the N peers at staleness 0, no compression and no delay (at staleness 0 a round
   takes one batch from each member whatever their speed: the same mathematics), run to
   ``--samples``: the loss the ``loss @ S`` column is read against.
