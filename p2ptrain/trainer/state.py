@@ -239,7 +239,7 @@ class TrainerState:
         anything: the round still counts for the lineage). True: our contribution was in it.
         ``flags``: which parameters some member had a gradient for (``flags``: None, all);
         ``exchange_s``: the cluster's usual ring from START (auto's window reads it); ``spread``:
-        the members' samples as (largest, squares) (``LocalSteps.outer_scale``; None: not known)."""
+        the members' samples as (largest, squares) (``LocalSteps.divisor``; None: not known)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
