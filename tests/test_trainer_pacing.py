@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.trainer.pacing import LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, Pacing, must_wait, share
+from p2ptrain.trainer.pacing import (HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, SPARE_MAX, Pacing,
+                                     must_wait, share)
 
 
 def wait(**kw) -> bool:
@@ -32,6 +33,36 @@ def test_staleness_1_waits_only_with_its_share_held_or_in_lockstep():
     assert wait(accumulated=16, lockstep=True)
     assert wait(out=True, lockstep=True)
     assert not wait(lockstep=True)  # nothing of ours in a round: compute on
+
+
+def test_a_member_whose_contribution_waits_for_a_slower_ones_computes_the_batches_that_fit_meanwhile():
+    """Gradient mode at staleness >= 1 in lockstep: a member whose contribution waits for a
+    slower member's batch computes the batches that fit in that wait instead of idling; they go
+    in its next contribution (item 2 of rounds by time: every device computes all the time)."""
+    p = Pacing(compute_mean=0.1)
+    for _ in range(HELD_ROUNDS - 1):
+        p.held(0.37)  # a member 3.7x slower: ours waited 0.37 s for its READY
+    assert p.spare() == 0  # (too few rounds yet: DDP's global batch)
+    p.held(0.40)
+    assert p.spare() == 3  # (the least wait of the last rounds)
+    p.held(0.005)  # members alike: in some round ours is the last READY, and waits only for START
+    assert p.spare() == 0
+    p.held(-0.01)  # (a ring's own time a hair longer than ours: no wait)
+    assert min(p._held) == 0
+    p = Pacing(compute_mean=0.001)
+    for _ in range(HELD_ROUNDS):
+        p.held(1.0)  # a GPU beside a laptop: bounded
+    assert p.spare() == SPARE_MAX
+    p.compute_mean = 0.0
+    assert p.spare() == 0  # (no batch timed)
+    # share 32, three spare batches of 32: ours out, it computes on until it holds 128
+    assert not wait(out=True, lockstep=True, spare=96)
+    assert not wait(out=True, lockstep=True, accumulated=96, spare=96)
+    assert wait(out=True, lockstep=True, accumulated=128, spare=96)
+    assert wait(accumulated=32, lockstep=True, spare=96)  # (nothing out: the round takes what we hold)
+    assert wait(out=True, lockstep=True, spare=0)  # (no wait measured: as at staleness 0)
+    assert not wait(accumulated=96, spare=96)  # overlapping: up to the share and the spare
+    assert wait(accumulated=128, spare=96)
 
 
 def test_local_steps_wait_at_staleness_0_or_where_the_cores_are_short():

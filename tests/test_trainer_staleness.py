@@ -12,6 +12,7 @@ from helpers import ports
 
 from p2ptrain import DivergedError, Peer
 from p2ptrain.collective.linkpace import LinkPace
+from p2ptrain.trainer.pacing import SPARE_MAX
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,10 +164,10 @@ def test_staleness_1_and_2_with_int8_converge_like_synchronous_fp32():
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
     """One device 5x slower. A round waits for the slow peer's batch only when it would
-    otherwise be staler than tau, and no update averages more than the target batch (2 x 32):
-    the fast peer, holding its share, waits for a round. So at tau = 1 it is held to the slow
-    one's pace (as in DDP: local-steps mode is the answer to uneven devices), at tau = 2 it
-    runs tau + 1 batches per slow one; nothing is lost either way."""
+    otherwise be staler than tau (at tau = 1 in lockstep, every round), and the fast peer does
+    not idle meanwhile: it computes the batches that fit in the wait it measured (``pacing``'s
+    spare) into its next contribution. So it runs several batches per slow one at either tau,
+    an update averages at most the share and the spare, and nothing is lost."""
     fast_s, slow_s = 0.02, 0.1  # seconds per batch: one device 5x slower
     peers = open_peers([make_adam] * 2, staleness=staleness, compression="int8")
     try:
@@ -177,8 +178,8 @@ def test_a_5x_slower_peer_loses_no_work_and_updates_stay_bounded(staleness):
     finally:
         close_all(peers)
     fast, slow = peers
-    assert counts[0] >= (1.5 if staleness == 2 else 0.8) * counts[1] > 0, counts
-    assert max(m.samples for m in fast.history) <= 64  # at most the target batch per update
+    assert counts[0] >= 2 * counts[1] > 0, counts  # (held to the slow one's pace, it made as many)
+    assert max(m.samples for m in fast.history) <= 32 * (2 + SPARE_MAX)  # the shares and the spare
 
     # Nothing computed within the bound is dropped, and nothing applied is staler than it.
     assert fast.dropped == 0 and slow.dropped == 0

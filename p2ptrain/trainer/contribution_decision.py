@@ -28,9 +28,9 @@ Rounds by time (``sync_every`` a window or ``auto``, ``round_window``), local st
 ``pseudo_gradient_due`` answers "the window since our last contribution has passed" instead of
 "H inner steps are owed"; ``decide``'s local-steps branch is the same for both (a round waits
 for a member still stepping: its window ends within a step).
-Gradient mode: every batch finished since the last contribution goes in, bounded by the share
-(``pacing.share``), with a short grace for a batch in progress: that is the tau >= 1 branch
-below with ``patience`` replaced by the grace, a new ``WAIT`` reason when the window is not over.
+Gradient mode beside a slower member: a round in lockstep still waits for each member's batch
+in progress; what changes is the faster member's ``step``, which computes on while its
+contribution waits (``pacing``'s spare), so its next contribution holds several batches.
 A per-parameter "had a gradient" mask (DDP's rule for parameters without one) is not decided
 here: it travels with the contribution (``accumulator.Outgoing``) and is written where the
 batch is (``Accumulator.add``, ``backward_feed.BackwardFeed.filled``).

@@ -136,6 +136,13 @@ class TrainerState:
     def share(self) -> int:
         return share(self.target_batch_size, self.round_members(), self.batch)
 
+    def spare(self) -> int:
+        """Samples we may add while our contribution waits for a slower member's batch (gradient
+        mode, no ``target_batch_size``: that bounds an update's samples; ``pacing.Pacing.spare``)."""
+        if self.local is not None or self.target_batch_size is not None:
+            return 0
+        return self.pacing.spare() * self.batch
+
     def must_wait(self) -> bool:
         """Whether ``step`` waits now (the rule is ``pacing.must_wait``)."""
         if self.solo.flush and not self.finished:  # (the run's last version, applied alone: until it ends)
@@ -145,7 +152,7 @@ class TrainerState:
         return must_wait(staleness=0 if waits else self.staleness, local_steps=local is not None,
                          finished=self.finished, accumulated=self.acc.samples, out=self.out is not None,
                          share=self.share(), lockstep=self.lockstep(), cores_short=self.pacing.cores_short(),
-                         by_time=local is not None and local.window_s is not None)
+                         by_time=local is not None and local.window_s is not None, spare=self.spare())
 
     def view(self, *, filling_ready: bool, linger_due: bool, idle_rounds: int) -> View:
         """What ``contribution_decision.decide`` reads (the contributor's linger state added)."""
@@ -247,6 +254,8 @@ class TrainerState:
             self.acc.release(out)
         if ring_s is not None and total_samples:
             self.pacing.ring_took(ring_s)
+            if out is not None:  # (from our take to the ring's start: the others' READYs)
+                self.pacing.held(now - out.taken_at - ring_s)
         self.pacing.exchange = exchange_s
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
