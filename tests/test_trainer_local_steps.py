@@ -339,7 +339,9 @@ def test_rounds_by_time_each_peer_takes_the_inner_steps_that_fit_in_the_window(m
                             m.local_samples ** 2 + (m.samples - m.local_samples) ** 2)) for m in fast.history
                if m.samples > m.local_samples > 0}
     assert spreads and spreads <= set(divided), (spreads, divided)
-    assert all(divided[s] == s[1][1] / s[1][0] < s[0] for s in spreads)  # (the mean scaled: > 1x)
+    # (the mean scaled: > 1x, but 1x where a round holds equal shares, as one on a loaded machine can)
+    assert all(divided[s] == s[1][1] / s[1][0] <= s[0] for s in spreads)
+    assert any(s[1][1] / s[1][0] < s[0] for s in spreads)
 
 
 def test_by_time_a_rounds_mean_keeps_its_fastest_members_change_whole():
