@@ -32,6 +32,9 @@ def pytest_configure(config):
     # processes the tests start get SIGINT as a user's terminal gives it.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # xdist (3.6 on) hands out the files with the most tests first unless told not to, which put
+    # the long files of a few tests each (FIRST, below) at the end of the run.
+    config.option.loadscopereorder = False
     guard = netguard.install()
     fd, path = tempfile.mkstemp(prefix="p2ptrain-netguard-", suffix=".log")
     os.close(fd)
@@ -101,12 +104,16 @@ def spare_cores(monkeypatch):
     monkeypatch.setattr(state, "cpu_times", lambda pid="self": None)
 
 
-# The files that take longest, first: ``--dist loadfile`` hands whole files to the two workers in
-# collection order, and alphabetically the longest (test_soak, test_tls, the trainer pairs) came
-# last, so one worker ran them alone at the end while the other sat idle.
-FIRST = ("test_soak.py", "test_bench.py", "test_tls.py", "test_limits.py", "test_faults.py", "test_bench_lan.py",
-         "test_trainer_staleness.py", "test_trainer_local_steps.py", "test_integrations_transformers.py",
-         "test_integrations_lightning.py", "test_integrations_ddp.py", "test_join.py", "test_examples.py")
+# The files that take longest, first (per file, from ``pytest --durations=0`` of a whole run):
+# ``--dist loadfile`` hands whole files to the two workers in collection order, so a long file
+# left to the end runs alone while the other worker sits idle.
+FIRST = ("test_faults.py", "test_join.py", "test_bench.py", "test_bench_lan.py", "test_fuzz.py", "test_heap.py",
+         "test_trainer_api.py", "test_soak.py", "test_join_outputs.py", "test_trainer_staleness.py",
+         "test_integrations_ddp.py", "test_trainer_local_steps.py", "test_group.py", "test_peer.py",
+         "test_limits.py", "test_join_early.py", "test_discovery.py", "test_unused_parameters.py", "test_doctor.py",
+         "test_settings.py", "test_bench_cluster_timing.py", "test_integrations_lightning.py",
+         "test_integrations_transformers.py", "test_tls.py", "test_codecs.py", "test_trainer_reconcile.py",
+         "test_trainer_end.py", "test_examples.py")
 
 
 def pytest_collection_modifyitems(config, items):
