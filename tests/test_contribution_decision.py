@@ -77,6 +77,14 @@ STALE = [
     # ... unless a round found nothing anywhere: then it backs off as idle
     (Mode(1), dict(accumulated=0, oldest=None, step_end=NOW - 3.0, idle_rounds=1), WAIT,
      "lingering for a batch", 2 * LINGER_S, False),
+    # beside a slower member: ours waits while another batch of ours ends before its READY is due
+    (Mode(1), dict(computing=False, more_until=NOW + 0.3), WAIT, "the batches that fit before a slower member's",
+     0.3, False),
+    (Mode(2), dict(more_until=NOW + 0.3), WAIT, "the batches that fit before a slower member's", 0.3, False),
+    (Mode(1), dict(computing=False, more_until=NOW + 0.3, linger_due=True), TAKE, "", None, False),  # (due now)
+    (Mode(1), dict(computing=False, more_until=NOW + 0.3, leaving=True), TAKE, "", None, False),
+    (Mode(1), dict(accumulated=0, oldest=None, more_until=NOW + 0.3), WAIT, "lingering for a batch", LINGER_S,
+     False),  # (nothing yet: as without)
 ]
 
 LOCAL = [

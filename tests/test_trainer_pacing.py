@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.trainer.pacing import (HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, SPARE_MAX, Pacing,
+from p2ptrain.trainer.pacing import (HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, Pacing,
                                      must_wait, share)
 
 
@@ -35,34 +35,41 @@ def test_staleness_1_waits_only_with_its_share_held_or_in_lockstep():
     assert not wait(lockstep=True)  # nothing of ours in a round: compute on
 
 
-def test_a_member_whose_contribution_waits_for_a_slower_ones_computes_the_batches_that_fit_meanwhile():
-    """Gradient mode at staleness >= 1 in lockstep: a member whose contribution waits for a
-    slower member's batch computes the batches that fit in that wait instead of idling; they go
-    in its next contribution (item 2 of rounds by time: every device computes all the time)."""
+def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_its_ready():
+    """Gradient mode at staleness >= 1: the others' READYs are timed from each commit; while
+    another batch of ours ends before the earliest of the last rounds' (by ``HELD_MIN_S``), ours
+    is held and ``step`` computes on, on the same parameters (rounds by time, item 2)."""
     p = Pacing(compute_mean=0.1)
-    for _ in range(HELD_ROUNDS - 1):
-        p.held(0.37)  # a member 3.7x slower: ours waited 0.37 s for its READY
-    assert p.spare() == 0  # (too few rounds yet: DDP's global batch)
-    p.held(0.40)
-    assert p.spare() == 3  # (the least wait of the last rounds)
-    p.held(0.005)  # members alike: in some round ours is the last READY, and waits only for START
-    assert p.spare() == 0
-    p.held(-0.01)  # (a ring's own time a hair longer than ours: no wait)
-    assert min(p._held) == 0
-    p = Pacing(compute_mean=0.001)
-    for _ in range(HELD_ROUNDS):
-        p.held(1.0)  # a GPU beside a laptop: bounded
-    assert p.spare() == SPARE_MAX
-    p.compute_mean = 0.0
-    assert p.spare() == 0  # (no batch timed)
-    # share 32, three spare batches of 32: ours out, it computes on until it holds 128
-    assert not wait(out=True, lockstep=True, spare=96)
-    assert not wait(out=True, lockstep=True, accumulated=96, spare=96)
-    assert wait(out=True, lockstep=True, accumulated=128, spare=96)
-    assert wait(accumulated=32, lockstep=True, spare=96)  # (nothing out: the round takes what we hold)
-    assert wait(out=True, lockstep=True, spare=0)  # (no wait measured: as at staleness 0)
-    assert not wait(accumulated=96, spare=96)  # overlapping: up to the share and the spare
-    assert wait(accumulated=128, spare=96)
+    t = 100.0
+    p.round_committed(t, None, None)  # (the first commit: the clock starts)
+    for _ in range(HELD_ROUNDS):  # a member 3.7x slower: its READY 0.37 s after each commit,
+        t_ring = t + 0.38  # ours taken 0.1 s after it: the ring began 0.28 s after ours
+        t += 0.45
+        p.round_committed(t, t_ring, t_ring - 0.28)
+        if _ < HELD_ROUNDS - 1:
+            assert not p.fits(t)  # (too few rounds timed: DDP's global batch)
+    assert p.others_due() == pytest.approx(t + 0.38)
+    assert p.fits(t) and p.fits(t + 0.2) and not p.fits(t + 0.28)  # three batches end before it
+    # ours the last READY (START's trip only): the others were due a batch before ours at the latest
+    p.round_committed(t + 0.5, t + 0.455, t + 0.45)
+    assert p.others_due() == pytest.approx(t + 0.5 + 0.35) and not p.fits(t + 0.5 + 0.25)
+    # members alike: each READY about when ours is; no batch of ours fits before them
+    q = Pacing(compute_mean=0.1)
+    t = 0.0
+    q.round_committed(t, None, None)
+    for i in range(2 * HELD_ROUNDS):
+        first = i % 2 == 0  # (ours first, the other's READY 15 ms later; or ours last, in turn)
+        taken = t + 0.1 + (0.0 if first else 0.015)
+        ring = t + 0.116
+        t += 0.15
+        q.round_committed(t, ring, taken)
+        assert not q.fits(t)
+    assert not Pacing(compute_mean=0.0).fits(0.0)  # (nothing timed)
+    # step: computes on while another batch fits and ours is not out, whatever it holds
+    assert not wait(accumulated=32, lockstep=True, more=True)
+    assert not wait(accumulated=96, more=True)  # (the share's bound is TrainerState.more's)
+    assert wait(accumulated=32, lockstep=True, out=True, more=True)  # (ours out: as before)
+    assert wait(accumulated=32, lockstep=True)
 
 
 def test_local_steps_wait_at_staleness_0_or_where_the_cores_are_short():

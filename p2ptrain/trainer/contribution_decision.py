@@ -28,9 +28,9 @@ Rounds by time (``sync_every`` a window or ``auto``, ``round_window``), local st
 ``pseudo_gradient_due`` answers "the window since our last contribution has passed" instead of
 "H inner steps are owed"; ``decide``'s local-steps branch is the same for both (a round waits
 for a member still stepping: its window ends within a step).
-Gradient mode beside a slower member: a round in lockstep still waits for each member's batch
-in progress; what changes is the faster member's ``step``, which computes on while its
-contribution waits (``pacing``'s spare), so its next contribution holds several batches.
+Gradient mode beside a slower member (tau >= 1): while another batch of ours ends before the
+slower members' READYs are due (``View.more_until``, ``pacing.Pacing.fits``), the round waits
+for it, at most until then: every batch of the round is computed on the same parameters.
 A per-parameter "had a gradient" mask (DDP's rule for parameters without one) is not decided
 here: it travels with the contribution (``accumulator.Outgoing``) and is written where the
 batch is (``Accumulator.add``, ``backward_feed.BackwardFeed.filled``).
@@ -79,6 +79,7 @@ class View:
     filling_ready: bool = False  # overlap: backward's buffer may be taken (first bucket written, not taken)
     linger_due: bool = False  # the linger ran out while this round waited: take what we have
     idle_rounds: int = 0  # rounds in a row in which no member had anything
+    more_until: float | None = None  # another batch fits before a slower member's READY, due then
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
     # rounds went on at once, hundreds a second)
     if not accumulated and not view.linger_due and (late < wait_for or not view.computing or view.idle_rounds):
         return _wait("lingering for a batch", now + idle_linger(view.idle_rounds), drop)
+    if view.more_until is not None and accumulated and not view.leaving and not view.linger_due:
+        return _wait("the batches that fit before a slower member's", view.more_until, drop)
     return Decision(Action.TAKE, drop_stale=drop)
 
 

@@ -39,14 +39,15 @@ is tested without sockets or clocks.
   pay (100 Mbit/s, host idle 80 ms a batch: modelled 1.96-1.98, realized 1.75-1.83) it stays:
   6.02 s to the loss against staleness 0's 7.51 s.
 - Beside a slower member (staleness tau >= 1, no ``target_batch_size``): a round in lockstep
-  waits for each member's batch, so a member whose contribution waits for a slower one's READY
-  would idle that long every round. It computes on instead: as many batches as fit in the
-  least wait of its last ``HELD_ROUNDS`` rounds (``Pacing.held``, ``spare``; at most
-  ``SPARE_MAX``), which go into its next contribution, one update late (within tau = 1),
-  weighed by their samples with the others'. Members alike are each last in some round, so
-  their least wait is START's trip alone and they add nothing (DDP's global batch). Measured
-  (``tests/test_trainer_staleness.py``, a pair with one 5x slower at tau = 1: the fast peer
-  made 4x the slow one's batches; held to its pace, as many).
+  waits for each member's batch, so a faster member would idle in ``step`` until the slowest's
+  READY every round. It computes on instead, on the same parameters, and holds its contribution
+  while another batch ends before the others' READYs are due (``fits``: timed from each commit
+  over the last ``HELD_ROUNDS`` rounds, the earliest trusted; at most ``SPARE_MAX`` batches over
+  its share): every batch of the round is fresh, and the mean weighs them by samples with the
+  others'. Members alike are due when we are, so they add nothing (DDP's global batch). Batches
+  computed while a contribution was out went into the next round one update late instead, and
+  lost: the 9 M pair beside a 3.7x slower peer ended its 60 s at a loss of 0.93 against 0.69
+  (``bench/uneven.py``), as ``DELAY_COST`` says of gradients one update late.
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
@@ -92,9 +93,9 @@ LOCKSTEP_PERIODS = 8  # a batch's period measured in lockstep this many times be
 REALIZED_ROUNDS = 8  # and while overlapping this many times before what it realized may overrule the model
 RETRY_AFTER = 64  # batches in lockstep after overlap was refuted, before it is tried again
 RETRY_MAX = 4096  # (each refutation in a row doubles the wait, up to this)
-HELD_ROUNDS = 8  # the rounds whose least wait for the others' READYs says whether a slower member holds ours
-HELD_MIN_S = 0.01  # a least wait under this is the leader's START on its way, not a slower member's batch
-SPARE_MAX = 15  # gradient mode: at most this many batches computed while ours waits for slower members'
+HELD_ROUNDS = 8  # rounds over which the others' READYs are timed (the earliest is trusted)
+HELD_MIN_S = 0.01  # a wait for the others under this is START's trip: ours was the last READY
+SPARE_MAX = 15  # gradient mode: at most this many batches more than the share, before a slower member's READY
 
 
 @dataclass
@@ -114,7 +115,8 @@ class Pacing:
         True: deque(maxlen=LOCKSTEP_PERIODS), False: deque(maxlen=REALIZED_ROUNDS)})
     _began: tuple[float, bool] | None = None  # (the last measured step's start, and whether it went in lockstep)
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
-    _held: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (our last rounds' waits)
+    _others: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (the others' READYs, from a commit)
+    _last_commit: float | None = None  # (when the last round committed here)
 
     def computed(self, seconds: float) -> None:
         """One batch was computed in ``seconds`` (from the last ``step``'s end to this one's start)."""
@@ -127,20 +129,32 @@ class Pacing:
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
 
-    def held(self, seconds: float) -> None:
-        """A round that carried our samples waited ``seconds`` from taking them to its ring's start
-        (the other members' READYs, and the leader's START on its way)."""
-        self._held.append(max(0.0, seconds))
+    def round_committed(self, now: float, ring_start: float | None, taken_at: float | None) -> None:
+        """A round committed at ``now``; its ring began at ``ring_start``, ours was taken at
+        ``taken_at`` (None: none of ours in it). Times the others' READYs from the round before's
+        commit: where ours waited for them (at least ``HELD_MIN_S``), when the ring began; where
+        ours was the last, a batch of ours before it at the latest (so a member that took too
+        late takes sooner in the next rounds)."""
+        since, self._last_commit = self._last_commit, now
+        if since is None or ring_start is None or taken_at is None:
+            return
+        if ring_start - taken_at >= HELD_MIN_S:
+            self._others.append(ring_start - since)
+        else:
+            self._others.append(max(0.0, taken_at - since - self.compute_mean))
 
-    def spare(self) -> int:
-        """Gradient mode at staleness >= 1: the batches this member computes while its contribution
-        waits for slower members' (the module docstring): as many as fit in the least wait of its
-        last ``HELD_ROUNDS`` rounds, at most ``SPARE_MAX``. Members alike are each last in some
-        rounds, where the wait is START's trip alone (under ``HELD_MIN_S``): none for them."""
-        if len(self._held) < HELD_ROUNDS or self.compute_mean <= 0:
-            return 0
-        least = min(self._held)
-        return 0 if least < HELD_MIN_S else min(SPARE_MAX, int(least / self.compute_mean))
+    def others_due(self) -> float | None:
+        """When the slower members' READYs are due in the round after the last commit: the earliest
+        of the last ``HELD_ROUNDS`` rounds' (None: fewer timed)."""
+        if len(self._others) < HELD_ROUNDS or self._last_commit is None:
+            return None
+        return self._last_commit + min(self._others)
+
+    def fits(self, now: float) -> bool:
+        """Another batch of ours, begun ``now``, ends before the others' READYs are due (by
+        ``HELD_MIN_S``): gradient mode beside a slower member (the module docstring)."""
+        due = self.others_due()
+        return due is not None and self.compute_mean > 0 and now + self.compute_mean + HELD_MIN_S <= due
 
     def step_began(self, at: float | None, lockstep: bool = False) -> None:
         """A ``step`` began at ``at`` (seconds), going in ``lockstep`` or not: the period since
@@ -243,10 +257,10 @@ def share(target_batch_size: int | None, members: int, batch: int) -> int:
 
 
 def must_wait(*, staleness: int, local_steps: bool, finished: bool, accumulated: int, out: bool, share: int,
-              lockstep: bool, cores_short: bool = False, by_time: bool = False, spare: int = 0) -> bool:
+              lockstep: bool, cores_short: bool = False, by_time: bool = False, more: bool = False) -> bool:
     """Whether ``step`` waits: ``accumulated``: samples added and not taken yet; ``out``: our
-    contribution is in a round; ``share``, ``lockstep`` and ``cores_short`` as above; ``spare``:
-    samples this member may add while its contribution waits (``Pacing.spare`` batches). ``by_time``:
+    contribution is in a round; ``share``, ``lockstep`` and ``cores_short`` as above; ``more``:
+    another batch fits before a slower member's READY (``Pacing.fits``, within the bound). ``by_time``:
     local steps with rounds by time (``round_window``), where ``cores_short`` is not heeded: a
     round lasts a window, and a member waiting for its round beside a slower one idled through
     the slower one's last step each round, the very wait rounds by time are for."""
@@ -256,8 +270,8 @@ def must_wait(*, staleness: int, local_steps: bool, finished: bool, accumulated:
         return (staleness == 0 or (cores_short and not by_time)) and bool(accumulated or out)
     if staleness == 0:  # our batch is applied before step() returns
         return bool(accumulated or out)
-    if accumulated >= share + spare:  # our share of the target batch (and what fits while ours waits)
-        return True
-    if lockstep and out and spare:  # ours waits for a slower member's batch: compute the next ones
+    if more and not out:  # a slower member's READY is not due yet: compute another batch into ours
         return False
+    if accumulated >= share:  # our share of the target batch waits for a round
+        return True
     return lockstep and bool(accumulated or out)

@@ -69,7 +69,7 @@ from p2ptrain.codecs import encodable
 from p2ptrain.trainer.accumulator import Accumulator, CommittedUpdate, Outgoing, RoundMetrics
 from p2ptrain.trainer.contribution_decision import View
 from p2ptrain.trainer.cpu_queue import cpu_times
-from p2ptrain.trainer.pacing import Pacing, must_wait, share
+from p2ptrain.trainer.pacing import SPARE_MAX, Pacing, must_wait, share
 from p2ptrain.trainer.round_window import auto_waits, auto_window
 from p2ptrain.trainer.solo import SoloLane
 
@@ -136,12 +136,12 @@ class TrainerState:
     def share(self) -> int:
         return share(self.target_batch_size, self.round_members(), self.batch)
 
-    def spare(self) -> int:
-        """Samples we may add while our contribution waits for a slower member's batch (gradient
-        mode, no ``target_batch_size``: that bounds an update's samples; ``pacing.Pacing.spare``)."""
-        if self.local is not None or self.target_batch_size is not None:
-            return 0
-        return self.pacing.spare() * self.batch
+    def more(self, now: float) -> bool:
+        """Another batch of ours fits before a slower member's READY (gradient mode at staleness
+        >= 1, without ``target_batch_size``, which bounds an update's samples; ``pacing.Pacing.fits``),
+        within ``SPARE_MAX`` batches over the share."""
+        return (self.local is None and self.target_batch_size is None and self.staleness > 0
+                and self.acc.samples < self.share() + SPARE_MAX * self.batch and self.pacing.fits(now))
 
     def must_wait(self) -> bool:
         """Whether ``step`` waits now (the rule is ``pacing.must_wait``)."""
@@ -152,16 +152,18 @@ class TrainerState:
         return must_wait(staleness=0 if waits else self.staleness, local_steps=local is not None,
                          finished=self.finished, accumulated=self.acc.samples, out=self.out is not None,
                          share=self.share(), lockstep=self.lockstep(), cores_short=self.pacing.cores_short(),
-                         by_time=local is not None and local.window_s is not None, spare=self.spare())
+                         by_time=local is not None and local.window_s is not None,
+                         more=self.more(time.perf_counter()))
 
     def view(self, *, filling_ready: bool, linger_due: bool, idle_rounds: int) -> View:
         """What ``contribution_decision.decide`` reads (the contributor's linger state added)."""
-        acc = self.acc
+        acc, more = self.acc, self.more(time.perf_counter())
         return View(accumulated=acc.samples, oldest=acc.oldest, committed=self.committed,
                     computing_on=self.computing_on, computing=self.computing, step_end=self.step_end,
                     compute_mean=self.pacing.compute_mean, lockstep=self.staleness == 1 and self.lockstep(),
                     leaving=self.leaving, out=self.out is not None, restore_waiting=self.restore is not None,
-                    filling_ready=filling_ready, linger_due=linger_due, idle_rounds=idle_rounds)
+                    filling_ready=filling_ready, linger_due=linger_due, idle_rounds=idle_rounds,
+                    more_until=self.pacing.others_due() if more else None)
 
     def ours_pending(self) -> bool:
         """Samples of ours that no round applied yet: added, or out in a round (a peer leaving
@@ -254,9 +256,9 @@ class TrainerState:
             self.acc.release(out)
         if ring_s is not None and total_samples:
             self.pacing.ring_took(ring_s)
-            if out is not None:  # (from our take to the ring's start: the others' READYs)
-                self.pacing.held(now - out.taken_at - ring_s)
         self.pacing.exchange = exchange_s
+        self.pacing.round_committed(now, None if ring_s is None else now - ring_s,
+                                    out.taken_at if out is not None and total_samples else None)
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
