@@ -44,8 +44,8 @@ Staleness. A gradient computed on version v and applied to version V has stalene
 - 0: ``step`` returns once the round holding its batch was applied: DDP's mathematics.
 - tau >= 1 (stale-synchronous): rounds run at the network's pace and each member contributes
   what it has, up to its share of the target batch (``target_batch_size``; default members x
-  its batch, DDP's, and beside a slower member the batches that fit while its contribution
-  waits: ``pacing``'s spare): a member holding that blocks in ``step`` until a round takes it
+  its batch, DDP's, and beside a slower member those of its batches that end before the
+  slower one's is due: ``pacing``): a member holding that blocks in ``step`` until a round takes it
   (the next batch is computed while the ring runs, unless measured timing shows that
   overlapping would not pay for the staleness of one it costs every gradient: then the member
   waits for its round as at staleness 0; ``pacing``). Without a bound, a device faster than the
@@ -149,8 +149,8 @@ class AsyncPeer:
     a member whose drift passes ``drift.TOLERANCE`` (device kinds round differently, and more
     than rounding made them differ) loads the leader's parameters. ``target_batch_size`` (with
     staleness >= 1): the most samples one update averages (default: members x this peer's
-    batch, and a faster member's batches computed while its contribution waited for a slower
-    member's); each member contributes at most its share (that over members, whole batches).
+    batch, and a faster member's batches that end before a slower member's is due: ``pacing``);
+    each member contributes at most its share (that over members, whole batches).
     ``weight_prediction`` (with staleness >= 1): batches are computed on the parameters moved
     on by the last update, where they will nearly be when applied (``prediction``); the model
     holds those between steps, ``state_dict`` the true ones. ``seed``: the seed the model and
