@@ -76,6 +76,21 @@ async def test_a_peer_alone_applies_each_batch_in_step_and_its_rounds_are_those_
         assert state["version"] == state["sync"][0] == 12 and state["sync"][1] == digest.hex()
 
 
+async def test_a_peer_alone_that_stood_still_trains_on():
+    """A lid closed (or the process held up) while alone: there is no member who could have
+    decided a round without us, so nothing is voided and the peer stays solo. Stepping down
+    from solo was no transition: the cluster stopped with "no transition from solo on step_down"
+    (``bench/uneven.py``'s fast peer alone, once)."""
+    async with alone() as peer:
+        await until(lambda: peer.cluster.machine.solo)
+        await train(peer, 2)
+        loop = asyncio.get_running_loop()
+        await peer.cluster._carry_out(peer.cluster.machine.on_woken(loop.time(), 15.0))
+        assert peer.cluster.machine.solo
+        assert await train(peer, 3) == [1] * 3 and peer.version == 5
+        await until(lambda: peer.cluster.machine.version == 5)
+
+
 async def test_a_checkpoint_taken_alone_is_at_its_own_version():
     async with alone() as peer:
         await until(lambda: peer.cluster.machine.solo)

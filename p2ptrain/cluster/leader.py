@@ -207,8 +207,9 @@ class Leader:
         more, and a round we lead is aborted, not committed on what waited in our sockets. A
         member in doubt that gave us up took the lead and decided it without us (aborted: no
         one had committed it), so committing it would put the chains apart. Leading on, our next
-        round would wait for a peer stopped with us, and the STATUS of those that went on behind it."""
-        if self.lead is not None:
+        round would wait for a peer stopped with us, and the STATUS of those that went on behind it.
+        Alone (``SOLO``) nobody could have decided a round without us: nothing is voided."""
+        if self.lead is not None and self.lead.phase != SOLO:
             self.step_down(now, f"this peer stood still for {seconds:.0f} s: its members may have decided the "
                                 "round without it")
 
