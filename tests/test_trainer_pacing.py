@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.trainer.pacing import (HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, Pacing,
+from p2ptrain.trainer.pacing import (HELD_FIRST, HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, Pacing,
                                      must_wait, share)
 
 
@@ -46,8 +46,7 @@ def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_it
         t_ring = t + 0.38  # ours taken 0.1 s after it: the ring began 0.28 s after ours
         t += 0.45
         p.round_committed(t, t_ring, t_ring - 0.28)
-        if _ < HELD_ROUNDS - 1:
-            assert not p.fits(t)  # (too few rounds timed: DDP's global batch)
+        assert p.fits(t) == (_ >= HELD_FIRST - 1)  # (too few rounds timed: DDP's global batch)
     assert p.others_due() == pytest.approx(t + 0.38)
     assert p.fits(t) and p.fits(t + 0.2) and not p.fits(t + 0.28)  # three batches end before it
     # ours the last READY (START's trip only): the others were due a batch before ours at the latest

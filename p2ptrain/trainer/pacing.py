@@ -97,6 +97,7 @@ REALIZED_ROUNDS = 8  # and while overlapping this many times before what it real
 RETRY_AFTER = 64  # batches in lockstep after overlap was refuted, before it is tried again
 RETRY_MAX = 4096  # (each refutation in a row doubles the wait, up to this)
 HELD_ROUNDS = 8  # rounds over which the others' READYs are timed (the earliest is trusted)
+HELD_FIRST = 2  # rounds timed before the first batch of ours is added (a slower member's wait filled)
 HELD_MIN_S = 0.01  # a wait for the others under this is START's trip: ours was the last READY
 SPARE_MAX = 15  # gradient mode: at most this many batches more than the share, before a slower member's READY
 
@@ -148,8 +149,12 @@ class Pacing:
 
     def others_due(self) -> float | None:
         """When the slower members' READYs are due in the round after the last commit: the earliest
-        of the last ``HELD_ROUNDS`` rounds' (None: fewer timed)."""
-        if len(self._others) < HELD_ROUNDS or self._last_commit is None:
+        of the last ``HELD_ROUNDS`` rounds' (None: fewer than ``HELD_FIRST`` timed). Two rounds
+        suffice to begin: a batch is added only where the others came a batch and ``HELD_MIN_S``
+        after ours in every round timed, which members alike whose READYs differ by less than a
+        batch never do; and each round waited for before costs a slow member's whole step (with
+        eight, the pair beside a 10x slower one spent its first 22 of 60 s in lockstep)."""
+        if len(self._others) < HELD_FIRST or self._last_commit is None:
             return None
         return self._last_commit + min(self._others)
 
