@@ -42,13 +42,13 @@ is tested without sockets or clocks.
   waits for each member's batch, so a faster member would idle in ``step`` until the slowest's
   READY every round. It computes on instead, on the same parameters, and holds its contribution
   while another batch ends before the others' READYs are due (``fits``: timed from each commit
-  over the last ``HELD_ROUNDS`` rounds, the earliest trusted; at most ``SPARE_MAX`` batches over
-  its share): every batch of the round is fresh, and the mean weighs them by samples with the
-  others'. Members alike are due when we are, so they add nothing (DDP's global batch). The 9 M
-  model at batch 64 (``bench/uneven.py --model 9m``, 2 cores, quiet) reached its loss in 0.31x
-  the fast peer's time alone beside a peer 3.7x slower and 0.56-0.63x beside one 10x slower
-  (two runs each), against 0.60-0.65x and 1.44x or never with one batch a member a round
-  (``target_batch_size`` 128). Batches computed while a contribution is out instead go into the
+  over the last ``HELD_ROUNDS`` rounds, the earliest trusted, from ``HELD_FIRST`` on; at most
+  ``SPARE_MAX`` batches over its share): every batch of the round is fresh, and the mean weighs
+  them by samples with the others'. Members alike are due when we are, so they add nothing
+  (DDP's global batch). The 9 M model at batch 64 (``bench/uneven.py --model 9m``, 2 cores,
+  quiet) reached its loss in 0.31-0.45x the fast peer's time alone beside a peer 3.7x slower
+  and 0.46-0.63x beside one 10x slower (three runs each), against 0.60-0.65x and 1.44x or never
+  with one batch a member a round (``target_batch_size`` 128). Batches computed while a contribution is out instead go into the
   next round one update late, and lose (0.93 against 0.69 at the end of a loaded run), as
   ``DELAY_COST`` says.
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
