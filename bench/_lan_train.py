@@ -154,6 +154,8 @@ def join_command(run: Run, *, peers: list[str], own: str, metrics: Path, model_s
            "--host", host, "--port", port, "--cluster", cluster, "--secret", secret,
            "--metrics", str(metrics), "--max-rounds", str(local_rounds(run, rounds)), "--compression", run.codec,
            "--eval-every", "0", "--connect-timeout", "60", "--device", device]
+    if "--no-save" in flags:  # (the trained model is not the benchmark's: no file left in the current folder)
+        cmd += ["--no-save"]
     if "--no-discovery" in flags:  # the cluster join: the others, found without beacons
         others = [p for p in peers if p != own]
         cmd += ["--no-discovery"] + (["--peers", ",".join(others)] if others else [])
