@@ -133,7 +133,9 @@ class Soak:
                "--peers", ",".join(x for x in addrs if x != me), "--secret", "soak", "--duration", f"{seconds:.1f}",
                "--compression", "int8", "--staleness", "1", "--metrics", str(self.dir / f"m{n}.jsonl"),
                "--checksum-every", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50", "--no-save",
-               "--eval-every", "0"] + (["--sync-every", a.sync_every] if a.sync_every else [])
+               "--eval-every", "0"]
+        cmd += ["--sync-every", a.sync_every] if a.sync_every else []
+        cmd += ["--step-delay", str(a.step_delay)] if a.step_delay else []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    OMP_NUM_THREADS="1", P2PTRAIN_SECRET="")
         out = open(self.dir / f"out{n}.txt", "w")
@@ -406,6 +408,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-size", default="100k")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--step-delay", type=float, default=0.0, help="each peer sleeps this long a step (a GPU's "
+                   "regime: the core free; the CI run, so that its peers leave the tests beside it a core)")
     p.add_argument("--sync-every", help="train in local-steps mode, rounds every H steps or by time (1s, auto); "
                                         "default: gradient rounds")
     p.add_argument("--stop", help="SIGSTOP lasts MIN,MAX seconds (2,6; --long 5,60)")

@@ -158,7 +158,7 @@ def test_soak_short_run_loses_nothing_and_keeps_training(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(REPO / "bench" / "soak.py"), "--peers", "4", "--seconds", "35", "--faults", "4",
            "--joiners", "1", "--stop", "2,4", "--link", "1,3", "--settle", "12", "--grace", "30", "--no-baseline",
-           "--json", str(out)]
+           "--step-delay", "0.02", "--json", str(out)]  # (its peers leave the tests beside it a core)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         text = p.communicate(timeout=130)[0]
