@@ -32,7 +32,8 @@ class Peers:
         self.ports[name] = port
         where = ["--no-discovery", *(["--peers", others] if others else [])] if host is None else []
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--task", task, "--model-size", "100k",
-               "--batch-size", "16", "--step-delay", "0.02", "--port", str(port), "--eval-every", "0", "--seed", str(seed),
+               "--batch-size", "16", "--step-delay", "0.02",  # (a core left free: the tests beside run on)
+               "--port", str(port), "--eval-every", "0", "--seed", str(seed),
                "--max-rounds", str(max_rounds), "--metrics", str(self.tmp / f"{name}.jsonl"), "--checksum-every", "1", *where, *args,
                "--save", str(self.tmp / f"{name}-model.pt"), *self.extra]  # (not in the checkout: the current folder)
         err = open(self.tmp / f"{name}.log", "w")

@@ -38,7 +38,8 @@ def test_the_metrics_show_identical_replicas_at_staleness_2(tmp_path):
     two identical replicas showed different checksums for most rounds)."""
     mine = ports(2)
     procs = [join("--peers", f"127.0.0.1:{mine[1 - i]}", "--no-discovery", "--port", str(port), "--min-peers", "2",
-                  "--max-rounds", "60", "--staleness", "2", "--task", "synthetic", "--model-size", "100k", "--secret", "s",
+                  "--max-rounds", "60", "--staleness", "2", "--task", "synthetic", "--model-size", "100k",
+                  "--secret", "s",
                   "--eval-every", "0", "--metrics", str(tmp_path / f"m{i}.jsonl"), "--checksum-every", "1")
              for i, port in enumerate(mine)]
     outs = finish(procs)

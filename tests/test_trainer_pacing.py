@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.trainer.pacing import (HELD_FIRST, HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX, Pacing,
-                                     must_wait, share)
+from p2ptrain.trainer.pacing import (HELD_FIRST, HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX,
+                                     Pacing, must_wait, share)
 
 
 def wait(**kw) -> bool:

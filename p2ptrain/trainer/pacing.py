@@ -48,9 +48,9 @@ is tested without sockets or clocks.
   (DDP's global batch). The 9 M model at batch 64 (``bench/uneven.py --model 9m``, 2 cores,
   quiet) reached its loss in 0.31-0.45x the fast peer's time alone beside a peer 3.7x slower
   and 0.46-0.63x beside one 10x slower (three runs each), against 0.60-0.65x and 1.44x or never
-  with one batch a member a round (``target_batch_size`` 128). Batches computed while a contribution is out instead go into the
-  next round one update late, and lose (0.93 against 0.69 at the end of a loaded run), as
-  ``DELAY_COST`` says.
+  with one batch a member a round (``target_batch_size`` 128). Batches computed while a
+  contribution is out instead go into the next round one update late, and lose (0.93 against
+  0.69 at the end of a loaded run), as ``DELAY_COST`` says.
 - Local steps (``sync_every``): inner steps go on while a round runs; at staleness 0 ``step``
   waits for the round that holds this peer's pseudo-gradient, and so it does at staleness >= 1
   where the machine has no core to spare (``cores_short``: its threads waited runnable for a
