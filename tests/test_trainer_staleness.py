@@ -322,8 +322,9 @@ def test_where_overlapping_would_not_pay_staleness_1_runs_staleness_0s_rounds_bi
     past prediction's cost of 1.25), and the member rightly tried overlapping after 8 batches."""
     sync = train(0, "none", 20, compute_s=0.06)
     # (target_batch_size: DDP's global batch, 2 x 32, named: on a loaded machine one of two peers
-    # in a process can lag the other a batch for eight rounds, and would then fill the wait with a
-    # batch more, as beside a slower machine: ``pacing``'s "beside a slower member")
+    # in a process can lag the other a batch in every round timed (``pacing.HELD_FIRST`` suffice),
+    # and would then fill the wait with a batch more, as beside a slower machine: ``pacing``'s
+    # "beside a slower member")
     late = train(1, "none", 20, compute_s=0.06, weight_prediction=weight_prediction, target_batch_size=64)
     assert [m.staleness for m in late[0].history] == [0] * 20
     for a, b in zip(sync[0].model.parameters(), late[0].model.parameters()):
