@@ -85,6 +85,10 @@ STALE = [
     (Mode(1), dict(computing=False, more_until=NOW + 0.3, leaving=True), TAKE, "", None, False),
     (Mode(1), dict(accumulated=0, oldest=None, more_until=NOW + 0.3), WAIT, "lingering for a batch", LINGER_S,
      False),  # (nothing yet: as without)
+    # a batch in progress begun because it belongs in this round is waited for, lockstep or not
+    (Mode(1), dict(filling=True), WAIT, "the batch in progress", LATE, False),
+    (Mode(2), dict(filling=True), WAIT, "the batch in progress", LATE, False),
+    (Mode(1), dict(filling=True, step_end=NOW - PATIENCE_S), TAKE, "", None, False),  # (patience out)
 ]
 
 LOCAL = [

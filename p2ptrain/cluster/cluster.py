@@ -163,6 +163,12 @@ class Cluster:
         began = self._rounds[r].ring_began if r in self._rounds else None
         return None if began is None else asyncio.get_running_loop().time() - began
 
+    def ready_hold(self, r: int) -> float | None:
+        """How long round r waited for its last READY after the one before (START's ``hold``),
+        for the trainer's ``apply`` of that round: where ours was the last, when the others'
+        came (None: not said, or none of ours in it)."""
+        return self._rounds[r].hold if r in self._rounds else None
+
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
         self.mesh.propose(host, port)
@@ -347,6 +353,7 @@ class Cluster:
                 self.rings.start(rnd, action.view, self.trace, patient=lambda r=action.r: self._collecting(r))
             elif isinstance(action, msg.Apply):
                 rnd = self._rounds.get(action.r) or Round(action.r)  # (none: we had no part in it)
+                rnd.hold = action.hold
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
                     self._apply(rnd, action.total_samples, action.used, action.spread)
                 self._record(rnd, action.total_samples, action.view)

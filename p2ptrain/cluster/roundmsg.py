@@ -112,6 +112,7 @@ class Start(RoundMessage):
     view: tuple
     total: int
     spread: tuple | None = None  # (``spread_of`` the READYs' samples; None from a leader that sends none)
+    hold: float | None = None  # seconds from the last READY but one to the last (``hold_of``; None: not said)
 
 
 @_message
@@ -275,6 +276,15 @@ def spread_of(samples) -> list | None:
     return [max(samples), sum(n * n for n in samples)] if any(samples) else None
 
 
+def hold_of(ready_at) -> float | None:
+    """How long a round waited for its last READY after the one before (``ready_at``: each
+    member's READY, in seconds from any one origin), as a leader sends it in START: the last
+    member learns when the others were ready (``pacing.Pacing.round_committed``); None with
+    fewer than two."""
+    times = sorted(ready_at)
+    return round(times[-1] - times[-2], 6) if len(times) >= 2 else None
+
+
 def _spread(v):
     _need(isinstance(v, (list, tuple)) and len(v) == 2, "a bad spread of samples")
     largest, squares = _int(v[0], 1), _int(v[1], 1)
@@ -315,7 +325,7 @@ _SCHEMA = {m[0].t: m for m in (
              masks=_opt(lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, m: (_int(r), _ballot(b), _mask(m))))),
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
-    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int, spread=_opt(_spread)),
+    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int, spread=_opt(_spread), hold=_opt(_seconds)),
     _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID)),
              used=_opt(_mask)),
     _checked(Commit, **_RB, total=_opt(_int), used=_opt(_mask), spread=_opt(_spread)),
@@ -382,12 +392,14 @@ class StartRing:
 class Apply:
     """Round r committed: apply its ring result / ``total_samples`` (0: nothing to apply);
     ``used``: which parameters had a gradient at some member (``used``; None: all); ``spread``:
-    (largest, squares) of the members' samples (``spread_of``; None: not known)."""
+    (largest, squares) of the members' samples (``spread_of``; None: not known); ``hold``:
+    START's (None: not said)."""
     r: int
     total_samples: int
     view: tuple[str, ...]
     used: bytes | None = None
     spread: tuple | None = None
+    hold: float | None = None
 
 
 @dataclass(frozen=True)

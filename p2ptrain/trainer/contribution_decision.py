@@ -28,9 +28,11 @@ Rounds by time (``sync_every`` a window or ``auto``, ``round_window``), local st
 ``pseudo_gradient_due`` answers "the window since our last contribution has passed" instead of
 "H inner steps are owed"; ``decide``'s local-steps branch is the same for both (a round waits
 for a member still stepping: its window ends within a step).
-Gradient mode beside a slower member (tau >= 1): while another batch of ours ends before the
-slower members' READYs are due (``View.more_until``, ``pacing.Pacing.fits``), the round waits
-for it, at most until then: every batch of the round is computed on the same parameters.
+Gradient mode beside a slower member (tau >= 1): while another batch of ours belongs in the
+round before the slower members' READYs (``View.more_until``, ``pacing.Pacing.fits``), the round
+waits for it, at most until they are due, and for a batch in progress begun so
+(``View.filling``) at most ``patience``: every batch of the round is computed on the same
+parameters.
 A per-parameter "had a gradient" mask (DDP's rule for parameters without one) is not decided
 here: it travels with the contribution (``accumulator.Outgoing``) and is written where the
 batch is (``Accumulator.add``, ``backward_feed.BackwardFeed.filled``).
@@ -80,6 +82,7 @@ class View:
     linger_due: bool = False  # the linger ran out while this round waited: take what we have
     idle_rounds: int = 0  # rounds in a row in which no member had anything
     more_until: float | None = None  # another batch fits before a slower member's READY, due then
+    filling: bool = False  # the batch in progress was begun for this round beside a slower member
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
     # batch of a member still in step() applying the last update: a quicker member's batch starts
     # the round before it computes one.)
     lockstep = mode.staleness == 1 and view.lockstep
-    if late < wait_for and ((view.computing and (too_late or lockstep))
+    if late < wait_for and ((view.computing and (too_late or lockstep or view.filling))
                             or (lockstep and not view.accumulated and not view.leaving)):
         return _wait("the batch in progress" if view.computing else "the next batch", now + wait_for - late)
     drop = view.oldest is not None and view.committed - view.oldest > mode.staleness

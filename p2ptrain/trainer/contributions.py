@@ -201,7 +201,8 @@ class Contributor:
         flags = self.state.flags(used)
         with self.state.lock:
             if self.state.update_committed(summed, total_samples, point, took, compare, now, flags,
-                                           cluster.machine.exchange_seconds(), spread):
+                                           cluster.machine.exchange_seconds(), spread,
+                                           cluster.ready_hold(point.round)):
                 self._not_finite = [0, 0]  # (ours went in: finite)
             self._linger_due = False
             self._rounds_seen += 1

@@ -45,7 +45,14 @@ is tested without sockets or clocks.
   over the last ``HELD_ROUNDS`` rounds, the earliest trusted, from ``HELD_FIRST`` on; at most
   ``SPARE_MAX`` batches over its share): every batch of the round is fresh, and the mean weighs
   them by samples with the others'. Members alike are due when we are, so they add nothing
-  (DDP's global batch). The 9 M model at batch 64 (``bench/uneven.py --model 9m``, 2 cores,
+  (DDP's global batch). Once one batch is added, so is any that begins before the others are
+  due: the round waits up to a batch for ours, since the faster member's seconds are worth more
+  samples than the slower's, and a member whose READY was the last learns when the others' came
+  from START's ``hold``. The GPU-like 9 M pair (``bench/uneven.py --model 9m --netns 1gbit
+  --gpu-like --batch-size 64 --target 0.75``, one run, the two rules side by side): beside a peer
+  3.7x slower 0.87 of the two alone's samples/s against 0.73 with whole batches before the READY
+  only, 0.38x the fast peer's time to the loss against 0.45x; 10x slower 1.05 against 1.00,
+  0.71x against 0.70x, final loss 0.587 against 0.606. The 9 M model at batch 64 (``bench/uneven.py --model 9m``, 2 cores,
   quiet) reached its loss in 0.31-0.45x the fast peer's time alone beside a peer 3.7x slower
   and 0.46-0.63x beside one 10x slower (three runs each), against 0.60-0.65x and 1.44x or never
   with one batch a member a round (``target_batch_size`` 128). Batches computed while a
@@ -133,17 +140,21 @@ class Pacing:
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
 
-    def round_committed(self, now: float, ring_start: float | None, taken_at: float | None) -> None:
+    def round_committed(self, now: float, ring_start: float | None, taken_at: float | None,
+                        hold: float | None = None) -> None:
         """A round committed at ``now``; its ring began at ``ring_start``, ours was taken at
         ``taken_at`` (None: none of ours in it). Times the others' READYs from the round before's
         commit: where ours waited for them (at least ``HELD_MIN_S``), when the ring began; where
-        ours was the last, a batch of ours before it at the latest (so a member that took too
-        late takes sooner in the next rounds)."""
+        ours was the last, ``hold`` before it (the leader's wait for the last READY after the one
+        before, ``roundmsg.hold_of``), or without one a batch of ours before it at the latest (so a
+        member that took too late takes sooner in the next rounds)."""
         since, self._last_commit = self._last_commit, now
         if since is None or ring_start is None or taken_at is None:
             return
         if ring_start - taken_at >= HELD_MIN_S:
             self._others.append(ring_start - since)
+        elif hold is not None:
+            self._others.append(max(0.0, ring_start - hold - since))
         else:
             self._others.append(max(0.0, taken_at - since - self.compute_mean))
 
@@ -158,11 +169,17 @@ class Pacing:
             return None
         return self._last_commit + min(self._others)
 
-    def fits(self, now: float) -> bool:
-        """Another batch of ours, begun ``now``, ends before the others' READYs are due (by
-        ``HELD_MIN_S``): gradient mode beside a slower member (the module docstring)."""
+    def fits(self, now: float, added: bool = False) -> bool:
+        """Another batch of ours, begun ``now``, belongs in the round before the others' READYs
+        (gradient mode beside a slower member, the module docstring): the first one added where it
+        ends before they are due (by ``HELD_MIN_S``), so that members alike never add one; once
+        one is (``added``: the others are a batch slower at least), any that begins before they
+        are due. A round then waits for ours up to a batch after theirs: the faster member's
+        time is worth more samples than the slower's, and without it the faster idled through the
+        part of the slower step no whole batch fits in, half a batch a round."""
         due = self.others_due()
-        return due is not None and self.compute_mean > 0 and now + self.compute_mean + HELD_MIN_S <= due
+        end = now if added else now + self.compute_mean
+        return due is not None and self.compute_mean > 0 and end + HELD_MIN_S <= due
 
     def step_began(self, at: float | None, lockstep: bool = False) -> None:
         """A ``step`` began at ``at`` (seconds), going in ``lockstep`` or not: the period since

@@ -140,8 +140,14 @@ class TrainerState:
         """Another batch of ours fits before a slower member's READY (gradient mode at staleness
         >= 1, without ``target_batch_size``, which bounds an update's samples; ``pacing.Pacing.fits``),
         within ``SPARE_MAX`` batches over the share."""
+        share = self.share()
         return (self.local is None and self.target_batch_size is None and self.staleness > 0
-                and self.acc.samples < self.share() + SPARE_MAX * self.batch and self.pacing.fits(now))
+                and self.acc.samples < share + SPARE_MAX * self.batch and self.pacing.fits(now, self.acc.samples > share))
+
+    def filling(self) -> bool:
+        """The batch in progress was begun because it fits before a slower member's READY
+        (``more`` when ``step`` returned): the round waits for it."""
+        return self.computing and self.acc.samples >= self.share() and self.more(self.step_end)
 
     def must_wait(self) -> bool:
         """Whether ``step`` waits now (the rule is ``pacing.must_wait``)."""
@@ -163,7 +169,7 @@ class TrainerState:
                     compute_mean=self.pacing.compute_mean, lockstep=self.staleness == 1 and self.lockstep(),
                     leaving=self.leaving, out=self.out is not None, restore_waiting=self.restore is not None,
                     filling_ready=filling_ready, linger_due=linger_due, idle_rounds=idle_rounds,
-                    more_until=self.pacing.others_due() if more else None)
+                    more_until=self.pacing.others_due() if more else None, filling=self.filling())
 
     def ours_pending(self) -> bool:
         """Samples of ours that no round applied yet: added, or out in a round (a peer leaving
@@ -243,12 +249,14 @@ class TrainerState:
 
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
                          compare: bool, now: float, flags: np.ndarray | None = None,
-                         exchange_s: float | None = None, spread: tuple | None = None) -> bool:
+                         exchange_s: float | None = None, spread: tuple | None = None,
+                         hold: float | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
         anything: the round still counts for the lineage). True: our contribution was in it.
         ``flags``: which parameters some member had a gradient for (``flags``: None, all);
         ``exchange_s``: the cluster's usual ring from START (auto's window reads it); ``spread``:
-        the members' samples as (largest, squares) (``LocalSteps.divisor``; None: not known)."""
+        the members' samples as (largest, squares) (``LocalSteps.divisor``; None: not known);
+        ``hold``: the round's wait for its last READY after the one before (``Pacing.round_committed``)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -258,7 +266,7 @@ class TrainerState:
             self.pacing.ring_took(ring_s)
         self.pacing.exchange = exchange_s
         self.pacing.round_committed(now, None if ring_s is None else now - ring_s,
-                                    out.taken_at if out is not None and total_samples else None)
+                                    out.taken_at if out is not None and total_samples else None, hold)
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
