@@ -19,10 +19,9 @@ returns, in order:
 What one round holds here (our contribution, when its ring began, the ring, its sum) is a
 ``rings.Round``, one per round in flight in ``_rounds``, from Contribute to Apply or PutBack.
 
-Reconciliation (parameter sketches compared with the leader's, a drift past the tolerance
-corrected) is ``reconcile``'s; the records of applied rounds are ``records``'; the rings, their
-sums and error feedback's residual (a lossy codec's dropped part, owed to the next round) are
-``rings``'.
+``reconcile`` compares parameter sketches with the leader's and corrects a drift past the
+tolerance; ``records`` keeps the applied rounds; ``rings`` the rings, their sums and error
+feedback's residual (a lossy codec's dropped part, owed to the next round).
 
 The ``trainer`` is what trains: it owns the accumulator and the optimizer (``Contributions``).
 Every peer starts as a founder of its own state (``start``: genesis, or a checkpoint's point);
@@ -157,17 +156,11 @@ class Cluster:
         member compares (``reconcile``)."""
         self._post("params", self.peer_id, {"version": point.version, "digest": point.digest, "sketch": sketch})
 
-    def ring_seconds(self, r: int) -> float | None:
-        """Seconds since round r's ring began to move here (None: none started), for the trainer's
-        ``apply`` of that round: the wire's share of a round, without waiting for members."""
-        began = self._rounds[r].ring_began if r in self._rounds else None
-        return None if began is None else asyncio.get_running_loop().time() - began
-
-    def ready_hold(self, r: int) -> float | None:
-        """How long round r waited for its last READY after the one before (START's ``hold``),
-        for the trainer's ``apply`` of that round: where ours was the last, when the others'
-        came (None: not said, or none of ours in it)."""
-        return self._rounds[r].hold if r in self._rounds else None
+    def ring_timing(self, r: int) -> tuple[float | None, float | None]:
+        """For the trainer's ``apply`` of round r: seconds since its ring began to move here (the wire's
+        share, without waiting for members; None: none started), and START's ``hold`` (``Pacing``)."""
+        rnd = self._rounds.get(r) or Round(r)
+        return None if rnd.ring_began is None else asyncio.get_running_loop().time() - rnd.ring_began, rnd.hold
 
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""

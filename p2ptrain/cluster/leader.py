@@ -349,12 +349,8 @@ class Leader:
 
     @staticmethod
     def _start_msg(lead: _Lead) -> dict:
-        start = {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values()),
-                 "spread": spread_of(lead.got.values())}
-        hold = hold_of(lead.ready_at.values())
-        if hold is not None:
-            start["hold"] = hold
-        return start
+        return {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values()),
+                "spread": spread_of(lead.got.values()), "hold": hold_of(lead.ready_at.values())}
 
     def _answer_late_ready(self, s: str, m: Ready) -> bool:
         """A READY (sent again) for an attempt of ours that collects no more. Its member waits
