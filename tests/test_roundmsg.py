@@ -24,7 +24,8 @@ def test_message_types_and_fields_on_the_wire():
     assert p["end"] is None  # (no --max-rounds or --duration: no limits)
     assert set(net.sent("b", M.READY)[0]) == {"t", "r", "b", "samples", "version", "digest"}
     start = net.sent("a", M.START)[0]
-    assert set(start) == {"t", "r", "b", "view", "total", "spread", "hold"} and start["hold"] >= 0
+    assert set(start) == {"t", "r", "b", "view", "total", "spread", "ready"}
+    assert len(start["ready"]) == 2 and min(start["ready"]) == 0  # (the last READY's own: none after it)
     assert set(net.sent("b", M.DONE)[0]) == {"t", "r", "b", "ok", "checksum"}
     commit = net.sent("a", M.COMMIT)[0]
     assert set(commit) == {"t", "r", "b", "total", "spread"} and commit["total"] == start["total"] > 0
@@ -48,14 +49,18 @@ def test_a_spread_that_does_not_fit_its_total_is_refused(spread):
         assert M.parse({"t": M.COMMIT, "r": 1, "b": [1, "a"], "total": 5, "spread": fits}).spread == tuple(fits)
 
 
-def test_a_start_holds_the_wait_for_its_last_ready_after_the_one_before():
-    assert M.hold_of([0.5, 0.1, 0.35]) == 0.15 and M.hold_of([0.2]) is None and M.hold_of([]) is None
+def test_a_start_says_when_each_member_was_ready_before_the_last():
+    offsets = M.ready_offsets(["a", "b", "c"], {"a": 0.5, "b": 0.1, "c": 0.35})
+    assert offsets == [0.0, 0.4, 0.15]
+    assert M.others_ready(["a", "b", "c"], tuple(offsets), "a") == 0.15  # (a was the last: c came 0.15 s before)
+    assert M.others_ready(["a", "b", "c"], tuple(offsets), "c") == 0.0  # (a, the last, is one of c's others)
+    assert M.others_ready(["a"], (0.0,), "a") is None and M.others_ready(["a", "b"], None, "a") is None
     start = {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 5}
-    assert M.parse(start).hold is None  # (an older leader says none)
-    assert M.parse({**start, "hold": 0.25}).hold == 0.25
-    for bad in (-1.0, float("nan"), "x", 1e9):
+    assert M.parse(start).ready is None  # (an older leader says none)
+    assert M.parse({**start, "ready": [0.25, 0]}).ready == (0.25, 0.0)
+    for bad in ([-1.0, 0], [float("nan"), 0], ["x", 0], [1e9, 0], [0.0], [0, 0, 0], 0.5):
         with pytest.raises(RemoteProtocolError):
-            M.parse({**start, "hold": bad})
+            M.parse({**start, "ready": bad})
 
 
 def test_parse_normalises_and_drops_unknown_fields():
@@ -89,10 +94,10 @@ FULL = {**VALID, M.STATUS: {**VALID[M.STATUS], "at": [3, b"d"], "out": 2, "end":
                          "masks": [[0, [1, "a"], b"\x03"]]},
         M.ABORT: {**VALID[M.ABORT], "void": M.NOT_FINITE}, M.DONE: {**VALID[M.DONE], "used": b"\x05"},
         M.COMMIT: {**VALID[M.COMMIT], "used": b"\x07", "spread": [2, 5]},
-        M.START: {**VALID[M.START], "spread": [2, 5], "hold": 0.05}}  # every field of each type
+        M.START: {**VALID[M.START], "spread": [2, 5], "ready": [0.05, 0]}}  # every field of each type
 OMITTED = {M.STATUS: ("pending", "promised", "b", "at", "out", "end", "served", "side", "masks"), M.PROPOSE: ("end",),
            M.DONE: ("checksum", "void", "used"), M.NACK: ("missing",), M.GOODBYE: ("end",), M.ABORT: ("void",),
-           M.COMMIT: ("total", "used", "spread"), M.START: ("spread", "hold")}  # what a leader may leave out
+           M.COMMIT: ("total", "used", "spread"), M.START: ("spread", "ready")}  # what a leader may leave out
 
 
 @pytest.mark.parametrize("t", sorted(FULL))
@@ -114,7 +119,7 @@ def test_parsed_fields_are_typed():
     assert (m.promised, m.b, m.min_id) == ((1, "a"), (2, "b"), "c")
     assert M.parse(FULL[M.PROPOSE]) == M.Propose(r=1, b=(1, "a"), view=("a", "b"), end=(30, 12.5))
     assert M.parse(FULL[M.READY]) == M.Ready(r=1, b=(1, "a"), samples=3, version=0, digest=b"d")
-    assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3, spread=(2, 5), hold=0.05)
+    assert M.parse(FULL[M.START]) == M.Start(r=1, b=(1, "a"), view=("a", "b"), total=3, spread=(2, 5), ready=(0.05, 0.0))
     assert M.parse({**VALID[M.DONE], "checksum": b"c"}) == M.Done(r=1, b=(1, "a"), ok=True, checksum=b"c",
                                                                  void=None)
     assert M.parse({**FULL[M.DONE], "ok": False, "void": M.NOT_FINITE}).void == "nonfinite"

@@ -53,7 +53,7 @@ def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_it
     p.round_committed(t + 0.5, t + 0.455, t + 0.45)
     assert p.others_due() == pytest.approx(t + 0.5 + 0.35) and not p.fits(t + 0.5 + 0.25)
     # members alike: each READY about when ours is; no batch of ours fits before them
-    for said in (False, True):  # (START's hold: said by the leader, or not by an older one)
+    for said in (False, True):  # (START's READY offsets: said by the leader, or not by an older one)
         q = Pacing(compute_mean=0.1)
         t = 0.0
         q.round_committed(t, None, None)
@@ -62,7 +62,7 @@ def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_it
             taken = t + 0.1 + (0.0 if first else 0.015)
             ring = t + 0.116
             t += 0.15
-            q.round_committed(t, ring, taken, 0.015 if said else None)
+            q.round_committed(t, ring, taken, (0.0 if first else 0.015) if said else None)
             assert not q.fits(t)
     assert not Pacing(compute_mean=0.0).fits(0.0)  # (nothing timed)
     # step: computes on while another batch fits and ours is not out, whatever it holds
@@ -76,18 +76,25 @@ def test_once_a_batch_is_added_the_round_takes_any_that_begins_before_the_slower
     """Beside a member 3.7x slower: the first batch added ends before its READY; after it, one
     that begins before the READY is added too (the round waits up to a batch for ours), so the
     faster member never idles through the part of the slower step no whole batch fits in. The
-    last READY times the others by START's hold (ours came ``hold`` after theirs)."""
+    others are timed by START's READY offsets (``others_ready``: theirs came that long before the last)."""
     p = Pacing(compute_mean=0.1)
     t = 100.0
     p.round_committed(t, None, None)
     for _ in range(HELD_FIRST):  # (ours taken 0.4 s after each commit, the last, 25 ms after the slower)
         t += 0.45
-        p.round_committed(t, t - 0.045, t - 0.05, hold=0.025)
+        p.round_committed(t, t - 0.045, t - 0.05, others_ready=0.025)
     assert p.others_due() == pytest.approx(t + 0.38)
     assert p.fits(t + 0.1) and p.fits(t + 0.25) and not p.fits(t + 0.3)  # the first added ends before it
     assert p.fits(t + 0.3, added=True) and p.fits(t + 0.35, added=True)  # later ones begin before it
     assert not p.fits(t + 0.375, added=True)  # (within HELD_MIN_S of it: the round would wait a whole batch)
-    # without START's hold (an older leader): ours the last, the others a batch before ours at the latest
+    # ours not the last, though the ring began within HELD_MIN_S of ours (its first chunk's trip): the
+    # others' READY was the last, when the ring began; a leader that says none leaves that untold
+    r = Pacing(compute_mean=0.1)
+    r.round_committed(0.0, None, None)
+    r.round_committed(0.45, 0.408, 0.4, others_ready=0.0)
+    r.round_committed(0.9, 0.858, 0.85, others_ready=0.0)
+    assert r.others_due() == pytest.approx(0.9 + 0.408)
+    # without START's offsets (an older leader): ours the last, the others a batch before ours at the latest
     q = Pacing(compute_mean=0.1)
     q.round_committed(0.0, None, None)
     q.round_committed(0.45, 0.405, 0.4)

@@ -46,7 +46,7 @@ from p2ptrain.cluster.silence import silence, silent as silent_peers
 from p2ptrain.cluster.worth import Worth
 from p2ptrain.cluster.roundmsg import (ABORT, COMMIT, MAX_REASON, PROPOSE, QUERY, START, VOID, WITHDRAWN,
                                        Done, Log, Nack, Ready, Stall, Status, Waiting, beats, move, parse,
-                                       hold_of, spread_of, with_used)
+                                       ready_offsets, spread_of, with_used)
 from p2ptrain.cluster.used import NONE_YET, merge
 
 QUERYING, BETWEEN, COLLECTING, RUNNING, SOLO = "querying", "between", "collecting", "running", "solo"  # leader (None: not)
@@ -350,7 +350,7 @@ class Leader:
     @staticmethod
     def _start_msg(lead: _Lead) -> dict:
         return {"t": START, "r": lead.r, "b": list(lead.b), "view": list(lead.view), "total": sum(lead.got.values()),
-                "spread": spread_of(lead.got.values()), "hold": hold_of(lead.ready_at.values())}
+                "spread": spread_of(lead.got.values()), "ready": ready_offsets(lead.view, lead.ready_at)}
 
     def _answer_late_ready(self, s: str, m: Ready) -> bool:
         """A READY (sent again) for an attempt of ours that collects no more. Its member waits

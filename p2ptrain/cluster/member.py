@@ -62,7 +62,7 @@ class _Pending:  # the attempt this peer takes part in as a member
     told: bool = False  # the leader's START came (every member ready; the total)
     used: bytes | None = None  # the COMMIT's mask of parameters with a gradient (``used``; None: all)
     spread: tuple | None = None  # (largest, squares) of the members' samples, from START or COMMIT
-    hold: float | None = None  # START's: the round's wait for its last READY after the one before
+    ready: tuple | None = None  # START's: seconds from each member's READY to the last one
 
     @property
     def started(self) -> bool:
@@ -208,7 +208,7 @@ class Member:
             return
         machine.timers["ready"].record(now - pending.since)
         pending.told, pending.total, pending.spread, pending.mark = True, message.total, message.spread, 1.0
-        pending.hold = message.hold
+        pending.ready = message.ready
         if pending.phase == RING:  # (the ring's time counts from here, as the leader's does)
             pending.since = now
 
@@ -292,7 +292,7 @@ class Member:
                     machine._tell.add(q)  # tell it (the leader holds the next boundary while it catches up)
             for q in pending.view:
                 table.synced(q, machine.history.version, machine.history.digest, pending.r)
-            machine._emit(Apply(pending.r, pending.total, pending.view, pending.used, pending.spread, pending.hold))
+            machine._emit(Apply(pending.r, pending.total, pending.view, pending.used, pending.spread, pending.ready))
         machine._set_self()
         machine.ending.decided(now)  # (an end a peer told us while this round awaited its decision)
 

@@ -112,7 +112,7 @@ class Start(RoundMessage):
     view: tuple
     total: int
     spread: tuple | None = None  # (``spread_of`` the READYs' samples; None from a leader that sends none)
-    hold: float | None = None  # seconds from the last READY but one to the last (``hold_of``; None: not said)
+    ready: tuple | None = None  # seconds from each member's READY to the last one, in view order (``ready_offsets``)
 
 
 @_message
@@ -276,13 +276,23 @@ def spread_of(samples) -> list | None:
     return [max(samples), sum(n * n for n in samples)] if any(samples) else None
 
 
-def hold_of(ready_at) -> float | None:
-    """How long a round waited for its last READY after the one before (``ready_at``: each
-    member's READY, in seconds from any one origin), as a leader sends it in START: the last
-    member learns when the others were ready (``pacing.Pacing.round_committed``); None with
-    fewer than two."""
-    times = sorted(ready_at)
-    return round(times[-1] - times[-2], 6) if len(times) >= 2 else None
+def ready_offsets(view, ready_at: dict) -> list:
+    """Seconds from each member's READY to the last one, in ``view`` order (``ready_at``: member
+    -> its READY, in seconds from any one origin), as a leader sends them in START: each member
+    learns when the others were ready (``others_ready``)."""
+    last = max(ready_at.values(), default=0.0)
+    return [round(last - ready_at.get(p, last), 6) for p in view]
+
+
+def others_ready(view, ready: tuple | None, me: str) -> float | None:
+    """Seconds before the last READY that the last of the others' came (START's ``ready``;
+    ``pacing.Pacing.round_committed`` times the slower members by it); None: not said, or alone."""
+    return min((t for p, t in zip(view, ready) if p != me), default=None) if ready else None
+
+
+def _offsets(v):
+    _need(isinstance(v, (list, tuple)) and len(v) <= MAX_VIEW, "bad READY offsets")
+    return tuple(_seconds(t) for t in v)
 
 
 def _spread(v):
@@ -325,7 +335,7 @@ _SCHEMA = {m[0].t: m for m in (
              masks=_opt(lambda v: _pairs(v, LOG_KEEP, 3, lambda r, b, m: (_int(r), _ballot(b), _mask(m))))),
     _checked(Propose, **_RB, view=lambda v: _ids(v, view=True), end=_opt(_limits)),
     _checked(Ready, **_RB, samples=_int, version=_int, digest=_of(bytes, 64)),
-    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int, spread=_opt(_spread), hold=_opt(_seconds)),
+    _checked(Start, **_RB, view=lambda v: _ids(v, view=True), total=_int, spread=_opt(_spread), ready=_opt(_offsets)),
     _checked(Done, **_RB, ok=_of(bool), checksum=_opt(_of(bytes, 64)), void=_opt(_one_of(VOID)),
              used=_opt(_mask)),
     _checked(Commit, **_RB, total=_opt(_int), used=_opt(_mask), spread=_opt(_spread)),
@@ -349,6 +359,7 @@ def parse(msg: object) -> Message:
     for m in (out, getattr(out, "pending", None)):  # (a START's, a COMMIT's, a STATUS's pending attempt's)
         spread, total = getattr(m, "spread", None), getattr(m, "total", None)
         _need(spread is None or total is None or _fits(spread, total), "a spread of samples that does not fit its total")
+    _need(getattr(out, "ready", None) is None or len(out.ready) == len(out.view), "READY offsets not one a member")
     return out
 
 
@@ -392,14 +403,14 @@ class StartRing:
 class Apply:
     """Round r committed: apply its ring result / ``total_samples`` (0: nothing to apply);
     ``used``: which parameters had a gradient at some member (``used``; None: all); ``spread``:
-    (largest, squares) of the members' samples (``spread_of``; None: not known); ``hold``:
+    (largest, squares) of the members' samples (``spread_of``; None: not known); ``ready``:
     START's (None: not said)."""
     r: int
     total_samples: int
     view: tuple[str, ...]
     used: bytes | None = None
     spread: tuple | None = None
-    hold: float | None = None
+    ready: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -47,13 +47,16 @@ is tested without sockets or clocks.
   them by samples with the others'. Members alike are due when we are, so they add nothing
   (DDP's global batch). Once one batch is added, so is any that begins before the others are
   due: the round waits up to a batch for ours, since the faster member's seconds are worth more
-  samples than the slower's, and a member whose READY was the last learns when the others' came
-  from START's ``hold``. The GPU-like 9 M pair (``bench/uneven.py --model 9m --netns 1gbit
-  --gpu-like --batch-size 64 --target 0.75``, one run, the two rules side by side): beside a peer
-  3.7x slower 0.87 of the two alone's samples/s against 0.73 with whole batches before the READY
-  only, 0.38x the fast peer's time to the loss against 0.45x; 10x slower 1.05 against 1.00,
-  0.71x against 0.70x, final loss 0.587 against 0.606. The 9 M model at batch 64 (``bench/uneven.py --model 9m``, 2 cores,
-  quiet) reached its loss in 0.31-0.45x the fast peer's time alone beside a peer 3.7x slower
+  samples than the slower's. START says how long before the last READY each member's came
+  (``roundmsg.ready_offsets``), so a member whose READY was the last still times the others'
+  (judged by when its ring began instead, a last READY within a chunk's trip of the others'
+  counted as a wait for them, and the faster member added a batch more every few rounds). The
+  GPU-like 9 M pair (``bench/uneven.py --model 9m --netns 1gbit --gpu-like --batch-size 64
+  --target 0.75``, one run, the two rules side by side): beside a peer 3.7x slower 0.87 of the
+  two alone's samples/s against 0.73 with whole batches before the READY only, 0.38x the fast
+  peer's time to the loss against 0.45x; 10x slower 1.05 against 1.00, 0.71x against 0.70x,
+  final loss 0.587 against 0.606. The 9 M model at batch 64 (``bench/uneven.py --model 9m``,
+  2 cores, quiet) reached its loss in 0.31-0.45x the fast peer's time alone beside a peer 3.7x slower
   and 0.46-0.63x beside one 10x slower (three runs each), against 0.60-0.65x and 1.44x or never
   with one batch a member a round (``target_batch_size`` 128). Batches computed while a
   contribution is out instead go into the next round one update late, and lose (0.93 against
@@ -141,20 +144,22 @@ class Pacing:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
 
     def round_committed(self, now: float, ring_start: float | None, taken_at: float | None,
-                        hold: float | None = None) -> None:
+                        others_ready: float | None = None) -> None:
         """A round committed at ``now``; its ring began at ``ring_start``, ours was taken at
         ``taken_at`` (None: none of ours in it). Times the others' READYs from the round before's
-        commit: where ours waited for them (at least ``HELD_MIN_S``), when the ring began; where
-        ours was the last, ``hold`` before it (the leader's wait for the last READY after the one
-        before, ``roundmsg.hold_of``), or without one a batch of ours before it at the latest (so a
-        member that took too late takes sooner in the next rounds)."""
+        commit: ``others_ready`` before the ring began (START's: the last of the others' READYs,
+        seconds before the last READY, ``roundmsg.others_ready``); from a leader that says none,
+        where ours waited for them (at least ``HELD_MIN_S``), when the ring began, and where ours
+        was the last, a batch of ours before it at the latest (so a member that took too late
+        takes sooner in the next rounds). The ring begins when its first chunk moves, 10-15 ms
+        after the last READY on a loaded 2-core host: waits under that could not be told apart."""
         since, self._last_commit = self._last_commit, now
         if since is None or ring_start is None or taken_at is None:
             return
-        if ring_start - taken_at >= HELD_MIN_S:
+        if others_ready is not None:
+            self._others.append(max(0.0, ring_start - others_ready - since))
+        elif ring_start - taken_at >= HELD_MIN_S:
             self._others.append(ring_start - since)
-        elif hold is not None:
-            self._others.append(max(0.0, ring_start - hold - since))
         else:
             self._others.append(max(0.0, taken_at - since - self.compute_mean))
 

@@ -142,7 +142,8 @@ class TrainerState:
         within ``SPARE_MAX`` batches over the share."""
         share = self.share()
         return (self.local is None and self.target_batch_size is None and self.staleness > 0
-                and self.acc.samples < share + SPARE_MAX * self.batch and self.pacing.fits(now, self.acc.samples > share))
+                and self.acc.samples < share + SPARE_MAX * self.batch
+                and self.pacing.fits(now, added=self.acc.samples > share))
 
     def filling(self) -> bool:
         """The batch in progress was begun because it fits before a slower member's READY
@@ -250,13 +251,13 @@ class TrainerState:
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
                          compare: bool, now: float, flags: np.ndarray | None = None,
                          exchange_s: float | None = None, spread: tuple | None = None,
-                         hold: float | None = None) -> bool:
+                         others_ready: float | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
         anything: the round still counts for the lineage). True: our contribution was in it.
         ``flags``: which parameters some member had a gradient for (``flags``: None, all);
         ``exchange_s``: the cluster's usual ring from START (auto's window reads it); ``spread``:
         the members' samples as (largest, squares) (``LocalSteps.divisor``; None: not known);
-        ``hold``: the round's wait for its last READY after the one before (``Pacing.round_committed``)."""
+        ``others_ready``: seconds before the last READY that the others' last came (``Pacing.round_committed``)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -266,7 +267,7 @@ class TrainerState:
             self.pacing.ring_took(ring_s)
         self.pacing.exchange = exchange_s
         self.pacing.round_committed(now, None if ring_s is None else now - ring_s,
-                                    out.taken_at if out is not None and total_samples else None, hold)
+                                    out.taken_at if out is not None and total_samples else None, others_ready)
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
