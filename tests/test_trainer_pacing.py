@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.trainer.pacing import (HELD_FIRST, HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS, RETRY_AFTER, RETRY_MAX,
-                                     Pacing, must_wait, share)
+from p2ptrain.trainer.pacing import (COMPUTE_WEIGHT, HELD_FIRST, HELD_ROUNDS, LOCKSTEP_PERIODS, REALIZED_ROUNDS,
+                                     RETRY_AFTER, RETRY_MAX, Pacing, must_wait, share)
 
 
 def wait(**kw) -> bool:
@@ -179,6 +179,22 @@ def timed(compute: float, ring: float, predicted: bool = False) -> Pacing:
         p.ring_took(ring)
         p.stepped(compute + ring, lockstep=True)
     return p
+
+
+def test_a_batch_s_mean_compute_starts_from_the_second_batch():
+    """The first batch (kernels compiled) is left out and the second starts the mean, so a slow
+    member's mean is its step from the start (one from zero reached 1.5 s after some twenty
+    batches, and meanwhile overlap looked as if it paid)."""
+    p = Pacing()
+    p.computed(4.0)  # (the first: warming up)
+    assert p.compute_mean == 0.0
+    p.computed(1.5)
+    assert p.compute_mean == 1.5
+    p.computed(2.5)
+    assert p.compute_mean == pytest.approx(1.5 + COMPUTE_WEIGHT * 1.0)
+    assert p.lockstep(2)  # (a ring untimed: as at staleness 0)
+    p.ring_took(0.3)
+    assert p.overlap_gain() == pytest.approx((1.6 + 0.3) / 1.6) and p.lockstep(2)
 
 
 def test_nothing_timed_yet_waits_among_others_and_overlaps_alone():

@@ -131,10 +131,19 @@ class Pacing:
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
     _others: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (the others' READYs, from a commit)
     _last_commit: float | None = None  # (when the last round committed here)
+    _batches: int = 0  # (batches computed: the first is not counted in ``compute_mean``)
 
     def computed(self, seconds: float) -> None:
-        """One batch was computed in ``seconds`` (from the last ``step``'s end to this one's start)."""
-        self.compute_mean += COMPUTE_WEIGHT * (seconds - self.compute_mean)
+        """One batch was computed in ``seconds`` (from the last ``step``'s end to this one's start).
+        The first is not counted (kernels compiled, memory faulted in) and the second starts the
+        mean: a mean started at zero took some twenty batches to reach a slow member's step, and
+        meanwhile the member judged overlap to pay (its batch came a round early, and the faster
+        member beside it, timing that READY, stopped adding batches for ``HELD_ROUNDS`` rounds)."""
+        self._batches += 1
+        if self._batches == 2:
+            self.compute_mean = seconds
+        elif self._batches > 2:
+            self.compute_mean += COMPUTE_WEIGHT * (seconds - self.compute_mean)
 
     def ring_took(self, seconds: float) -> None:
         """A round that carried samples took ``seconds`` from its ring's start to its commit."""
