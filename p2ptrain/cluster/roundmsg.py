@@ -359,7 +359,8 @@ def parse(msg: object) -> Message:
     for m in (out, getattr(out, "pending", None)):  # (a START's, a COMMIT's, a STATUS's pending attempt's)
         spread, total = getattr(m, "spread", None), getattr(m, "total", None)
         _need(spread is None or total is None or _fits(spread, total), "a spread of samples that does not fit its total")
-    _need(getattr(out, "ready", None) is None or len(out.ready) == len(out.view), "READY offsets not one a member")
+    ready = getattr(out, "ready", None)
+    _need(ready is None or len(ready) == len(out.view), "READY offsets that are not one per member")
     return out
 
 
