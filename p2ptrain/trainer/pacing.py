@@ -49,8 +49,8 @@ is tested without sockets or clocks.
   due: the round waits up to a batch for ours, since the faster member's seconds are worth more
   samples than the slower's. START says how long before the last READY each member's came
   (``roundmsg.ready_offsets``), so a member whose READY was the last still times the others'
-  (judged by when its ring began instead, a last READY within a chunk's trip of the others'
-  counted as a wait for them, and the faster member added a batch more every few rounds). The
+  (judging by when its ring began, a member would count a last READY within a chunk's trip of
+  the others', 8-15 ms here, as a wait for them, and add a batch more every few rounds). The
   GPU-like 9 M pair (``bench/uneven.py --model 9m --netns 1gbit --gpu-like --batch-size 64
   --target 0.75``, one run, the two rules side by side): beside a peer 3.7x slower 0.87 of the
   two alone's samples/s against 0.73 with whole batches before the READY only, 0.38x the fast
@@ -189,8 +189,8 @@ class Pacing:
         ends before they are due (by ``HELD_MIN_S``), so that members alike never add one; once
         one is (``added``: the others are a batch slower at least), any that begins before they
         are due. A round then waits for ours up to a batch after theirs: the faster member's
-        time is worth more samples than the slower's, and without it the faster idled through the
-        part of the slower step no whole batch fits in, half a batch a round."""
+        time is worth more samples than the slower's, and with whole batches only the faster idles
+        through the part of the slower step no whole batch fits in, half a batch a round."""
         due = self.others_due()
         end = now if added else now + self.compute_mean
         return due is not None and self.compute_mean > 0 and end + HELD_MIN_S <= due
