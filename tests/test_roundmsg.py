@@ -52,9 +52,11 @@ def test_a_spread_that_does_not_fit_its_total_is_refused(spread):
 def test_a_start_says_when_each_member_was_ready_before_the_last():
     offsets = M.ready_offsets(["a", "b", "c"], {"a": 0.5, "b": 0.1, "c": 0.35})
     assert offsets == [0.0, 0.4, 0.15]
-    assert M.others_ready(["a", "b", "c"], tuple(offsets), "a") == 0.15  # (a was the last: c came 0.15 s before)
-    assert M.others_ready(["a", "b", "c"], tuple(offsets), "c") == 0.0  # (a, the last, is one of c's others)
-    assert M.others_ready(["a"], (0.0,), "a") is None and M.others_ready(["a", "b"], None, "a") is None
+    assert M.others_after(["a", "b", "c"], tuple(offsets), "a") == pytest.approx(-0.15)  # (a the last: c 0.15 s before)
+    assert M.others_after(["a", "b", "c"], tuple(offsets), "c") == pytest.approx(0.15)  # (a, the last, is c's other)
+    assert M.others_after(["a", "b", "c"], tuple(offsets), "b") == pytest.approx(0.4)
+    assert M.others_after(["a"], (0.0,), "a") is None and M.others_after(["a", "b"], None, "a") is None
+    assert M.others_after(["a", "b"], (0.0, 0.1), "z") is None  # (not a member)
     start = {"t": M.START, "r": 1, "b": [1, "a"], "view": ["a", "b"], "total": 5}
     assert M.parse(start).ready is None  # (an older leader says none)
     assert M.parse({**start, "ready": [0.25, 0]}).ready == (0.25, 0.0)

@@ -36,35 +36,38 @@ def test_staleness_1_waits_only_with_its_share_held_or_in_lockstep():
 
 
 def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_its_ready():
-    """Gradient mode at staleness >= 1: the others' READYs are timed from each commit; while
-    another batch of ours ends before the earliest of the last rounds' (by ``HELD_MIN_S``), ours
-    is held and ``step`` computes on, on the same parameters (rounds by time, item 2)."""
+    """Gradient mode at staleness >= 1: the others' READYs are timed from the moment our batches
+    reached our share; while another batch of ours ends before the earliest of the last rounds'
+    (by ``HELD_MIN_S``), ours is held and ``step`` computes on, on the same parameters."""
     p = Pacing(compute_mean=0.1)
     t = 100.0
-    p.round_committed(t, None, None)  # (the first commit: the clock starts)
-    for _ in range(HELD_ROUNDS):  # a member 3.7x slower: its READY 0.37 s after each commit,
-        t_ring = t + 0.38  # ours taken 0.1 s after it: the ring began 0.28 s after ours
+    for _ in range(HELD_ROUNDS):  # a member 3.7x slower: its READY 0.28 s after our share (ours sent then)
         t += 0.45
-        p.round_committed(t, t_ring, t_ring - 0.28)
-        assert p.fits(t) == (_ >= HELD_FIRST - 1)  # (too few rounds timed: DDP's global batch)
-    assert p.others_due() == pytest.approx(t + 0.38)
-    assert p.fits(t) and p.fits(t + 0.2) and not p.fits(t + 0.28)  # three batches end before it
-    # ours the last READY (START's trip only): the others were due a batch before ours at the latest
-    p.round_committed(t + 0.5, t + 0.455, t + 0.45)
-    assert p.others_due() == pytest.approx(t + 0.5 + 0.35) and not p.fits(t + 0.5 + 0.25)
-    # members alike: each READY about when ours is; no batch of ours fits before them
-    for said in (False, True):  # (START's READY offsets: said by the leader, or not by an older one)
-        q = Pacing(compute_mean=0.1)
-        t = 0.0
-        q.round_committed(t, None, None)
-        for i in range(2 * HELD_ROUNDS):
-            first = i % 2 == 0  # (ours first, the other's READY 15 ms later; or ours last, in turn)
-            taken = t + 0.1 + (0.0 if first else 0.015)
-            ring = t + 0.116
-            t += 0.15
-            q.round_committed(t, ring, taken, (0.0 if first else 0.015) if said else None)
-            assert not q.fits(t)
-    assert not Pacing(compute_mean=0.0).fits(0.0)  # (nothing timed)
+        p.round_committed(t, t, 0.28)
+        assert p.fits(t, t) == (_ >= HELD_FIRST - 1)  # (too few rounds timed: DDP's global batch)
+    assert p.others_due(t) == pytest.approx(t + 0.28)
+    assert p.fits(t, t) and p.fits(t + 0.1, t) and not p.fits(t + 0.2, t)  # two batches end before it
+    assert p.others_due(None) is None and not p.fits(t, None)  # (our share not reached)
+    # ours held two batches more, the last READY: the others' still came 0.28 s after our share
+    p.round_committed(t + 0.2, t, -0.02)
+    assert p.others_due(t + 1) == pytest.approx(t + 1.18)
+    p.round_committed(t + 0.2, t, -0.1)  # (a round in which theirs came sooner: the earliest is trusted)
+    assert p.others_due(t + 1) == pytest.approx(t + 1.1)
+    # members alike: each READY about when ours is, whatever delayed both (a loaded host); nothing fits
+    q = Pacing(compute_mean=0.1)
+    for i in range(2 * HELD_ROUNDS):
+        after = 0.015 if i % 2 == 0 else -0.015  # (the other's READY 15 ms after ours, or before, in turn)
+        q.round_committed(i + 0.3, i + 0.3, after)
+        assert not q.fits(i + 1.0, i + 1.0)
+    q = Pacing(compute_mean=0.01)  # (batches of 10 ms: the other 15 ms later in every round still adds none)
+    for i in range(HELD_ROUNDS):
+        q.round_committed(i + 0.04, i + 0.04, 0.015)
+        assert not q.fits(i + 1.0, i + 1.0)
+    r = Pacing(compute_mean=0.1)  # (a leader that says no offsets: nothing timed)
+    for i in range(HELD_ROUNDS):
+        r.round_committed(i + 0.4, i + 0.1, None)
+        assert r.others_due(i + 1.0) is None
+    assert not Pacing(compute_mean=0.0).fits(0.0, 0.0)  # (nothing timed)
     # step: computes on while another batch fits and ours is not out, whatever it holds
     assert not wait(accumulated=32, lockstep=True, more=True)
     assert not wait(accumulated=96, more=True)  # (the share's bound is TrainerState.more's)
@@ -75,31 +78,16 @@ def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_it
 def test_once_a_batch_is_added_the_round_takes_any_that_begins_before_the_slower_ready():
     """Beside a member 3.7x slower: the first batch added ends before its READY; after it, one
     that begins before the READY is added too (the round waits up to a batch for ours), so the
-    faster member never idles through the part of the slower step no whole batch fits in. The
-    others are timed by START's READY offsets (``others_ready``: theirs came that long before the last)."""
+    faster member never idles through the part of the slower step no whole batch fits in."""
     p = Pacing(compute_mean=0.1)
     t = 100.0
-    p.round_committed(t, None, None)
-    for _ in range(HELD_FIRST):  # (ours taken 0.4 s after each commit, the last, 25 ms after the slower)
+    for _ in range(HELD_FIRST):  # (ours the last READY, 25 ms after the slower one, 0.3 s after our share)
         t += 0.45
-        p.round_committed(t, t - 0.045, t - 0.05, others_ready=0.025)
-    assert p.others_due() == pytest.approx(t + 0.38)
-    assert p.fits(t + 0.1) and p.fits(t + 0.25) and not p.fits(t + 0.3)  # the first added ends before it
-    assert p.fits(t + 0.3, added=True) and p.fits(t + 0.35, added=True)  # later ones begin before it
-    assert not p.fits(t + 0.375, added=True)  # (within HELD_MIN_S of it: the round would wait a whole batch)
-    # ours not the last, though the ring began within HELD_MIN_S of ours (its first chunk's trip): the
-    # others' READY was the last, when the ring began; a leader that says none leaves that untold
-    r = Pacing(compute_mean=0.1)
-    r.round_committed(0.0, None, None)
-    r.round_committed(0.45, 0.408, 0.4, others_ready=0.0)
-    r.round_committed(0.9, 0.858, 0.85, others_ready=0.0)
-    assert r.others_due() == pytest.approx(0.9 + 0.408)
-    # without START's offsets (an older leader): ours the last, the others a batch before ours at the latest
-    q = Pacing(compute_mean=0.1)
-    q.round_committed(0.0, None, None)
-    q.round_committed(0.45, 0.405, 0.4)
-    q.round_committed(0.9, 0.855, 0.85)
-    assert q.others_due() == pytest.approx(0.9 + 0.3)
+        p.round_committed(t, t - 0.3, -0.025)
+    assert p.others_due(t) == pytest.approx(t + 0.275)
+    assert p.fits(t, t) and p.fits(t + 0.15, t) and not p.fits(t + 0.2, t)  # the first added ends before it
+    assert p.fits(t + 0.2, t, added=True) and p.fits(t + 0.26, t, added=True)  # later ones begin before it
+    assert not p.fits(t + 0.27, t, added=True)  # (within HELD_MIN_S of it: the round would wait a whole batch)
 
 
 def test_local_steps_wait_at_staleness_0_or_where_the_cores_are_short():

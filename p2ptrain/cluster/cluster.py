@@ -158,9 +158,9 @@ class Cluster:
 
     def ring_timing(self, r: int) -> tuple[float | None, float | None]:
         """For the trainer's ``apply`` of round r: seconds since its ring began to move here (the wire's
-        share, without waiting for members; None: none started), and ``others_ready`` (``Pacing``)."""
+        share, without waiting for members; None: none started), and ``others_after`` (``Pacing``)."""
         rnd, loop = self._rounds.get(r) or Round(r), asyncio.get_running_loop()
-        return None if rnd.ring_began is None else loop.time() - rnd.ring_began, rnd.others_ready
+        return None if rnd.ring_began is None else loop.time() - rnd.ring_began, rnd.others_after
 
     def propose(self, host: str, port: int) -> None:
         """An address to try (from discovery or --peers)."""
@@ -346,7 +346,7 @@ class Cluster:
                 self.rings.start(rnd, action.view, self.trace, patient=lambda r=action.r: self._collecting(r))
             elif isinstance(action, msg.Apply):
                 rnd = self._rounds.get(action.r) or Round(action.r)  # (none: we had no part in it)
-                rnd.others_ready = msg.others_ready(action.view, action.ready, self.peer_id)
+                rnd.others_after = msg.others_after(action.view, action.ready, self.peer_id)
                 with self.trace("apply", "apply", round=action.r, samples=action.total_samples):
                     self._apply(rnd, action.total_samples, action.used, action.spread)
                 self._record(rnd, action.total_samples, action.view)

@@ -57,7 +57,7 @@ class Round:
     waiting: bool = False  # asked for a contribution the trainer did not have yet: the next ``take`` asks again
     began: float | None = None  # loop time our ring started (as we contributed: ``member``) ...
     flowing: float | None = None  # ... and its first chunk came (None: none did, or alone)
-    others_ready: float | None = None  # seconds before the last READY that the others' last came (START's)
+    others_after: float | None = None  # seconds from our READY to the last of the others' (START's)
     ring: asyncio.Task | None = None  # our ring, while it runs
     allreduce: RingAllreduce | None = None  # ... and its data path (when a chunk last came: ``moved_at``)
     stats: AllreduceStats | None = None  # what a finished ring sent

@@ -279,15 +279,19 @@ def spread_of(samples) -> list | None:
 def ready_offsets(view, ready_at: dict) -> list:
     """Seconds from each member's READY to the last one, in ``view`` order (``ready_at``: member
     -> its READY, in seconds from any one origin), as a leader sends them in START: each member
-    learns when the others were ready (``others_ready``)."""
+    learns when the others were ready (``others_after``)."""
     last = max(ready_at.values(), default=0.0)
     return [round(last - ready_at.get(p, last), 6) for p in view]
 
 
-def others_ready(view, ready: tuple | None, me: str) -> float | None:
-    """Seconds before the last READY that the last of the others' came (START's ``ready``;
-    ``pacing.Pacing.round_committed`` times the slower members by it); None: not said, or alone."""
-    return min((t for p, t in zip(view, ready) if p != me), default=None) if ready else None
+def others_after(view, ready: tuple | None, me: str) -> float | None:
+    """Seconds from our READY to the last of the others' (negative: ours came after it), by
+    START's ``ready``, as the leader heard them (``pacing.Pacing.round_committed`` times the
+    slower members by it); None: not said, alone, or not a member."""
+    if not ready or me not in view:
+        return None
+    others = [t for p, t in zip(view, ready) if p != me]
+    return ready[list(view).index(me)] - min(others) if others else None
 
 
 def _offsets(v):

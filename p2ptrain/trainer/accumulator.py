@@ -84,6 +84,7 @@ class Outgoing:  # this peer's contribution, with the cluster until applied or p
     filling: Filling | None = None  # backward still writes it (``overlap``)
     writer: WrittenAsRead | None = None  # ... or the ring's reads write the kept batch into it
     used: np.ndarray | None = None  # which parameters had a gradient in it (bools; ``Accumulator.used``)
+    share_at: float | None = None  # when its batches first reached our share (``TrainerState.add_batch``)
 
     def used_flags(self) -> np.ndarray | None:
         """Which parameters had a gradient in it: a filling's once ``step`` confirmed it

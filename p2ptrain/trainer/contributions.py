@@ -197,11 +197,11 @@ class Contributor:
         cluster = self.host.cluster
         point, now = cluster.machine.sync_point(), time.perf_counter()
         compare = len(cluster.machine.table.live_synced()) > 1
-        took, others_ready = cluster.ring_timing(point.round)  # (ring start to commit: a moving mean)
+        took, others_after = cluster.ring_timing(point.round)  # (ring start to commit: a moving mean)
         flags = self.state.flags(used)
         with self.state.lock:
             if self.state.update_committed(summed, total_samples, point, took, compare, now, flags,
-                                           cluster.machine.exchange_seconds(), spread, others_ready):
+                                           cluster.machine.exchange_seconds(), spread, others_after):
                 self._not_finite = [0, 0]  # (ours went in: finite)
             self._linger_due = False
             self._rounds_seen += 1

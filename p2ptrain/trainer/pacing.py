@@ -41,16 +41,18 @@ is tested without sockets or clocks.
 - Beside a slower member (staleness tau >= 1, no ``target_batch_size``): a round in lockstep
   waits for each member's batch, so a faster member would idle in ``step`` until the slowest's
   READY every round. It computes on instead, on the same parameters, and holds its contribution
-  while another batch ends before the others' READYs are due (``fits``: timed from each commit
-  over the last ``HELD_ROUNDS`` rounds, the earliest trusted, from ``HELD_FIRST`` on; at most
-  ``SPARE_MAX`` batches over its share): every batch of the round is fresh, and the mean weighs
-  them by samples with the others'. Members alike are due when we are, so they add nothing
-  (DDP's global batch). Once one batch is added, so is any that begins before the others are
-  due: the round waits up to a batch for ours, since the faster member's seconds are worth more
-  samples than the slower's. START says how long before the last READY each member's came
-  (``roundmsg.ready_offsets``), so a member whose READY was the last still times the others'
-  (judging by when its ring began, a member would count a last READY within a chunk's trip of
-  the others', 8-15 ms here, as a wait for them, and add a batch more every few rounds). The
+  while another batch ends before the others' READYs are due (``fits``: timed from the moment
+  its batches reached its share, over the last ``HELD_ROUNDS`` rounds, the earliest trusted,
+  from ``HELD_FIRST`` on; at most ``SPARE_MAX`` batches over its share): every batch of the
+  round is fresh, and the mean weighs them by samples with the others'. Members alike are due
+  when we are, so they add nothing (DDP's global batch). Once one batch is added, so is any that
+  begins before the others are due: the round waits up to a batch for ours, since the faster
+  member's seconds are worth more samples than the slower's. START says how long before the
+  last READY each member's came (``roundmsg.ready_offsets``), so the others' READYs are timed
+  against ours as the leader heard both: a delay common to every member (the commit's apply, a
+  loaded host) cancels. Timed from the commit instead, two members alike in one process on a
+  loaded 2-core host saw each other's READYs 20-43 ms after it, against batches of 10-16 ms,
+  and one added two batches in 1 of 15 runs. The
   GPU-like 9 M pair (``bench/uneven.py --model 9m --netns 1gbit --gpu-like --batch-size 64
   --target 0.75``, one run, the two rules side by side): beside a peer 3.7x slower 0.87 of the
   two alone's samples/s against 0.73 with whole batches before the READY only, 0.38x the fast
@@ -108,7 +110,7 @@ RETRY_AFTER = 64  # batches in lockstep after overlap was refuted, before it is 
 RETRY_MAX = 4096  # (each refutation in a row doubles the wait, up to this)
 HELD_ROUNDS = 8  # rounds over which the others' READYs are timed (the earliest is trusted)
 HELD_FIRST = 2  # rounds timed before the first batch of ours is added (a slower member's wait filled)
-HELD_MIN_S = 0.01  # a wait for the others under this is START's trip: ours was the last READY
+HELD_MIN_S = 0.01  # the others' READY comes at least this after a batch of ours added before it
 SPARE_MAX = 15  # gradient mode: at most this many batches more than the share, before a slower member's READY
 
 
@@ -129,8 +131,7 @@ class Pacing:
         True: deque(maxlen=LOCKSTEP_PERIODS), False: deque(maxlen=REALIZED_ROUNDS)})
     _began: tuple[float, bool] | None = None  # (the last measured step's start, and whether it went in lockstep)
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
-    _others: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (the others' READYs, from a commit)
-    _last_commit: float | None = None  # (when the last round committed here)
+    _others: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (the others' READYs, from our share)
     _batches: int = 0  # (batches computed: the first is not counted in ``compute_mean``)
 
     def computed(self, seconds: float) -> None:
@@ -152,38 +153,29 @@ class Pacing:
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
 
-    def round_committed(self, now: float, ring_start: float | None, taken_at: float | None,
-                        others_ready: float | None = None) -> None:
-        """A round committed at ``now``; its ring began at ``ring_start``, ours was taken at
-        ``taken_at`` (None: none of ours in it). Times the others' READYs from the round before's
-        commit: ``others_ready`` before the ring began (START's: the last of the others' READYs,
-        seconds before the last READY, ``roundmsg.others_ready``); from a leader that says none,
-        where ours waited for them (at least ``HELD_MIN_S``), when the ring began, and where ours
-        was the last, a batch of ours before it at the latest (so a member that took too late
-        takes sooner in the next rounds). The ring begins when its first chunk moves, 10-15 ms
-        after the last READY on a loaded 2-core host: waits under that could not be told apart."""
-        since, self._last_commit = self._last_commit, now
-        if since is None or ring_start is None or taken_at is None:
-            return
-        if others_ready is not None:
-            self._others.append(max(0.0, ring_start - others_ready - since))
-        elif ring_start - taken_at >= HELD_MIN_S:
-            self._others.append(ring_start - since)
-        else:
-            self._others.append(max(0.0, taken_at - since - self.compute_mean))
+    def round_committed(self, taken_at: float, share_at: float | None, others_after: float | None) -> None:
+        """A round holding ours committed: ours was taken (its READY sent) at ``taken_at``, its
+        batches reached our share at ``share_at``, and the last of the others' READYs came
+        ``others_after`` seconds after ours (START's offsets, ``roundmsg.others_after``; None: not
+        said, and nothing is timed). How long after our share the others' came: both READYs as
+        the leader heard them, so what delays every member alike (the commit's apply, a loaded
+        host) cancels, and members alike time each other near zero."""
+        if share_at is not None and others_after is not None:
+            self._others.append(taken_at + others_after - share_at)
 
-    def others_due(self) -> float | None:
-        """When the slower members' READYs are due in the round after the last commit: the earliest
-        of the last ``HELD_ROUNDS`` rounds' (None: fewer than ``HELD_FIRST`` timed). Two rounds
-        suffice to begin: a batch is added only where the others came a batch and ``HELD_MIN_S``
-        after ours in every round timed, which members alike whose READYs differ by less than a
-        batch never do; and each round waited for before costs a slow member's whole step (with
-        eight, the pair beside a 10x slower one spent its first 22 of 60 s in lockstep)."""
-        if len(self._others) < HELD_FIRST or self._last_commit is None:
+    def others_due(self, share_at: float | None) -> float | None:
+        """When the slower members' READYs are due, for a contribution that reached our share at
+        ``share_at``: the earliest of the last ``HELD_ROUNDS`` rounds' (None: fewer than
+        ``HELD_FIRST`` timed, or the share not reached). Two rounds suffice to begin: a batch is
+        added only where the others came a batch and ``HELD_MIN_S`` after our share in every round
+        timed, which members alike whose READYs differ by less than that never do; and each round
+        waited for before costs a slow member's whole step (with eight, the pair beside a 10x slower
+        one spent its first 22 of 60 s in lockstep)."""
+        if len(self._others) < HELD_FIRST or share_at is None:
             return None
-        return self._last_commit + min(self._others)
+        return share_at + min(self._others)
 
-    def fits(self, now: float, added: bool = False) -> bool:
+    def fits(self, now: float, share_at: float | None, added: bool = False) -> bool:
         """Another batch of ours, begun ``now``, belongs in the round before the others' READYs
         (gradient mode beside a slower member, the module docstring): the first one added where it
         ends before they are due (by ``HELD_MIN_S``), so that members alike never add one; once
@@ -191,7 +183,7 @@ class Pacing:
         are due. A round then waits for ours up to a batch after theirs: the faster member's
         time is worth more samples than the slower's, and with whole batches only the faster idles
         through the part of the slower step no whole batch fits in, half a batch a round."""
-        due = self.others_due()
+        due = self.others_due(share_at)
         end = now if added else now + self.compute_mean
         return due is not None and self.compute_mean > 0 and end + HELD_MIN_S <= due
 

@@ -442,8 +442,8 @@ class AsyncPeer:
                     if st.local is None and not alone:  # (kept as it is until a round needs a vector:
                         #  ``Accumulator``; not while a next batch computes beside it, but alone, or where
                         #  step waits for the round as at staleness 0: ``lockstep``)
-                        st.acc.add(batch_size, st.version, keep=self.staleness == 0 or self.members <= 1
-                                   or st.lockstep())
+                        st.add_batch(batch_size, began, keep=self.staleness == 0 or self.members <= 1
+                                     or st.lockstep())
                 # An inner step tells the cluster nothing: it hears when the pseudo-gradient is ready
                 # (``_inner_step``), and a round waiting for it keeps ``want_step`` for its linger.
                 # (Asked at each step, the loop thread woke for nothing: 0.9 ms a step, 4 peers on 2 cores.)

@@ -123,6 +123,7 @@ class TrainerState:
         self.window_began = self.step_end
         self._window_opens = False  # (a contribution in this step: the next window begins as it returns)
         self.solo = SoloLane()  # alone: each batch is applied in step() at once, its round committed after
+        self.share_at: float | None = None  # when the batches added last reached our share (``add_batch``)
 
     # -- the rules read under ``lock`` ----------------------------------------------------------
     def round_members(self) -> int:
@@ -142,8 +143,8 @@ class TrainerState:
         within ``SPARE_MAX`` batches over the share."""
         share = self.share()
         return (self.local is None and self.target_batch_size is None and self.staleness > 0
-                and self.acc.samples < share + SPARE_MAX * self.batch
-                and self.pacing.fits(now, added=self.acc.samples > share))
+                and share <= self.acc.samples < share + SPARE_MAX * self.batch
+                and self.pacing.fits(now, self.share_at, added=self.acc.samples > share))
 
     def filling(self) -> bool:
         """The batch in progress was begun because it fits before a slower member's READY
@@ -170,7 +171,7 @@ class TrainerState:
                     compute_mean=self.pacing.compute_mean, lockstep=self.staleness == 1 and self.lockstep(),
                     leaving=self.leaving, out=self.out is not None, restore_waiting=self.restore is not None,
                     filling_ready=filling_ready, linger_due=linger_due, idle_rounds=idle_rounds,
-                    more_until=self.pacing.others_due() if more else None, filling=self.filling())
+                    more_until=self.pacing.others_due(self.share_at) if more else None, filling=self.filling())
 
     def ours_pending(self) -> bool:
         """Samples of ours that no round applied yet: added, or out in a round (a peer leaving
@@ -211,6 +212,7 @@ class TrainerState:
             self.out = self.acc.swap_filling(members, filling)
         else:
             self.out = self.acc.swap(members)
+        self.out.share_at, self.share_at = self.share_at, None
         return self.out
 
     def put_back(self, contribution: np.ndarray, not_finite: bool) -> tuple[Outgoing, bool | None] | None:
@@ -237,6 +239,7 @@ class TrainerState:
                 self.acc.release(out)
                 return out, ours
             self.acc.merge(out)
+            self.share_at = out.share_at if out.share_at is not None else self.share_at
             return out, None
 
     def used(self, contribution: np.ndarray) -> bytes | None:
@@ -251,13 +254,13 @@ class TrainerState:
     def update_committed(self, summed: np.ndarray, total_samples: int, point: SyncPoint, ring_s: float | None,
                          compare: bool, now: float, flags: np.ndarray | None = None,
                          exchange_s: float | None = None, spread: tuple | None = None,
-                         others_ready: float | None = None) -> bool:
+                         others_after: float | None = None) -> bool:
         """A round committed: its update is queued for the caller's thread (none where nobody had
         anything: the round still counts for the lineage). True: our contribution was in it.
         ``flags``: which parameters some member had a gradient for (``flags``: None, all);
         ``exchange_s``: the cluster's usual ring from START (auto's window reads it); ``spread``:
         the members' samples as (largest, squares) (``LocalSteps.divisor``; None: not known);
-        ``others_ready``: seconds before the last READY that the others' last came (``Pacing.round_committed``)."""
+        ``others_after``: seconds from our READY to the last of the others' (``Pacing.round_committed``)."""
         out, self.out = self.out, None
         ours = out if out is not None and total_samples and (
             summed is out.array or np.may_share_memory(summed, out.array)) else None
@@ -266,8 +269,8 @@ class TrainerState:
         if ring_s is not None and total_samples:
             self.pacing.ring_took(ring_s)
         self.pacing.exchange = exchange_s
-        self.pacing.round_committed(now, None if ring_s is None else now - ring_s,
-                                    out.taken_at if out is not None and total_samples else None, others_ready)
+        if out is not None and total_samples:
+            self.pacing.round_committed(out.taken_at, out.share_at, others_after)
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
@@ -325,6 +328,13 @@ class TrainerState:
         return want
 
     # -- the caller's side -------------------------------------------------------------------------
+    def add_batch(self, batch_size: int, at: float, keep: bool) -> None:
+        """(under both locks) A batch that ended at ``at`` goes to the accumulator (``keep``:
+        ``Accumulator.add``); the one that reaches our share marks when (``share_at``: a slower
+        member's READY is timed from it, ``pacing.Pacing.round_committed``)."""
+        self.acc.add(batch_size, self.version, keep=keep)
+        if self.acc.samples - batch_size < self.share() <= self.acc.samples:
+            self.share_at = at
     def batch_finished(self, batch_size: int, began: float, measured: bool) -> None:
         """(under both locks) ``step`` began at ``began``: the compute time since the last one is
         counted, and no batch is in progress until ``step_ended``."""
