@@ -292,3 +292,37 @@ def test_a_period_runs_from_one_steps_start_to_the_next_and_counts_as_the_first_
 def test_alone_a_member_overlaps_without_a_measured_period():
     p = Pacing(predicted=True, compute_mean=1.0, round_mean=0.5)
     assert not p.lockstep(members=1)
+
+
+def test_the_state_marks_when_its_batches_reached_the_share_and_times_the_others_from_it():
+    """``TrainerState.add_batch`` marks the batch that brings the accumulator to the share
+    (``share_at``), not one added beyond it; the mark goes out with the contribution, the next
+    contribution marks its own, and the commit times the others' READY from it: ours taken at
+    ``taken_at``, theirs ``others_after`` later, so ``taken_at + others_after - share_at``."""
+    import torch
+
+    from p2ptrain.cluster.rounds import SyncPoint
+    from p2ptrain.trainer.state import TrainerState
+    params = [torch.zeros(4, requires_grad=True)]
+    st = TrainerState(params, torch.device("cpu"), staleness=1, min_peers=2, target_batch_size=None,
+                      members=lambda: 2)
+
+    def batch(at: float) -> None:
+        params[0].grad = torch.ones(4)
+        with st.params_lock, st.lock:
+            st.add_batch(32, at, keep=False)
+
+    batch(10.0)
+    assert st.share_at == 10.0  # (the share: DDP's global batch over two members, one batch of 32)
+    batch(10.1)
+    assert st.share_at == 10.0  # (a batch added beyond it)
+    with st.lock:
+        out = st.take_contribution(2)
+    assert out.share_at == 10.0 and st.share_at is None and out.samples == 64
+    batch(11.0)
+    assert st.share_at == 11.0  # (the next contribution's own)
+    st.acc.to_host(out)
+    with st.lock:
+        assert st.update_committed(out.array, 96, SyncPoint(1, b"x" * 16, 0, 0), 0.01, False, 12.0,
+                                   others_after=0.25)
+    assert list(st.pacing._others) == [pytest.approx(out.taken_at + 0.25 - 10.0)]
