@@ -100,7 +100,8 @@ class _Join:
         from p2ptrain.device import device_kind, pick_device
         from p2ptrain.net.discovery import parse_host_port, peer_list
         from p2ptrain.trainer.peer import AsyncPeer
-        from p2ptrain.tasks import BUILTINS, DEFAULT_TASK, load_task, validate_task
+        from p2ptrain.tasks import load_task, validate_task
+        from p2ptrain.tasks._loader import builtin
 
         a = self.args
         peers = peer_list(a.peers or "")
@@ -114,7 +115,7 @@ class _Join:
         device = pick_device(a.device)
         task = load_task(a.task, {"seed": a.seed, "data": a.data, "model_size": a.model_size,
                                   "batch_size": a.batch_size, "device": str(device)})
-        validate_task(task, device, sample=(a.task or DEFAULT_TASK).strip() not in BUILTINS)
+        validate_task(task, device, sample=builtin(a.task) is None)  # (a built-in's sample is tested here)
         model = task.model.to(device)
         warm_loop_thread(task.num_parameters())  # (before the peer's thread starts)
         optimizer = task.make_optimizer(model.parameters(), a.lr if a.lr is not None else task.default_lr)

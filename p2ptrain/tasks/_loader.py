@@ -90,6 +90,13 @@ def _factory_from_spec(spec: str) -> tuple[Callable[..., Any], str, str]:
     return factory, spec, function_name
 
 
+def builtin(spec: str | None) -> str | None:
+    """The built-in task ``spec`` names (None: the default one), or None where it names a file or
+    a ``module:function``."""
+    name = (spec or DEFAULT_TASK).strip()
+    return name if name in BUILTINS else None
+
+
 def load_task(spec: str | None = None, options: dict | None = None) -> Task:
     """Build the task named by ``spec``: a built-in (``charlm``, ``synthetic``; None means
     charlm), a path to a ``.py`` file defining ``make_task(options)``, or ``module:function``.
@@ -100,7 +107,7 @@ def load_task(spec: str | None = None, options: dict | None = None) -> Task:
     Call ``validate_task(task, device)`` next to dry-run it."""
     options = _checked_options(options)
     spec = (spec or DEFAULT_TASK).strip()
-    if spec in BUILTINS:
+    if builtin(spec) is not None:
         task = BUILTINS[spec](options)
         task.source = f"built-in task {spec}"
     else:

@@ -335,6 +335,7 @@ class TrainerState:
         self.acc.add(batch_size, self.version, keep=keep)
         if self.acc.samples - batch_size < self.share() <= self.acc.samples:
             self.share_at = at
+
     def batch_finished(self, batch_size: int, began: float, measured: bool) -> None:
         """(under both locks) ``step`` began at ``began``: the compute time since the last one is
         counted, and no batch is in progress until ``step_ended``."""
