@@ -35,37 +35,64 @@ def test_staleness_1_waits_only_with_its_share_held_or_in_lockstep():
     assert not wait(lockstep=True)  # nothing of ours in a round: compute on
 
 
+def formed(p: Pacing, members: int = 2) -> None:
+    """The first round of a cluster of ``members`` (not timed: every member began its batch together)."""
+    p.round_committed(0.0, 0.0, 0.0, members)
+    assert p.others_due(0.0) is None
+
+
+def test_the_first_round_of_a_cluster_formed_or_changed_is_not_timed():
+    """At the start (or after a peer joined or left) every member's batch began at once, so a
+    slower member's READY came with ours: timed, it would keep the faster ones from adding a batch
+    for ``HELD_ROUNDS`` rounds (the earliest is trusted). That round is skipped, and a change of
+    members forgets what was timed (who is slower may have changed)."""
+    p = Pacing(compute_mean=0.1)
+    p.round_committed(1.0, 1.0, 0.0, 2)  # (formed: the slower member's first READY with ours)
+    for t in (2.0, 3.0):
+        p.round_committed(t, t, 0.3, 2)
+    assert p.others_due(4.0) == pytest.approx(4.3) and p.fits(4.0, 4.0)
+    p.round_committed(5.0, 5.0, 0.0, 3)  # (a peer joined: its first round, not timed, and the rest forgotten)
+    assert p.others_due(6.0) is None
+    for t in (6.0, 7.0):
+        p.round_committed(t, t, 0.5, 3)
+    assert p.others_due(8.0) == pytest.approx(8.5)
+
+
 def test_beside_a_slower_member_a_member_computes_the_batches_that_end_before_its_ready():
     """Gradient mode at staleness >= 1: the others' READYs are timed from the moment our batches
     reached our share; while another batch of ours ends before the earliest of the last rounds'
     (by ``HELD_MIN_S``), ours is held and ``step`` computes on, on the same parameters."""
     p = Pacing(compute_mean=0.1)
     t = 100.0
+    formed(p)
     for _ in range(HELD_ROUNDS):  # a member 3.7x slower: its READY 0.28 s after our share (ours sent then)
         t += 0.45
-        p.round_committed(t, t, 0.28)
+        p.round_committed(t, t, 0.28, 2)
         assert p.fits(t, t) == (_ >= HELD_FIRST - 1)  # (too few rounds timed: DDP's global batch)
     assert p.others_due(t) == pytest.approx(t + 0.28)
     assert p.fits(t, t) and p.fits(t + 0.1, t) and not p.fits(t + 0.2, t)  # two batches end before it
     assert p.others_due(None) is None and not p.fits(t, None)  # (our share not reached)
     # ours held two batches more, the last READY: the others' still came 0.28 s after our share
-    p.round_committed(t + 0.2, t, -0.02)
+    p.round_committed(t + 0.2, t, -0.02, 2)
     assert p.others_due(t + 1) == pytest.approx(t + 1.18)
-    p.round_committed(t + 0.2, t, -0.1)  # (a round in which theirs came sooner: the earliest is trusted)
+    p.round_committed(t + 0.2, t, -0.1, 2)  # (a round in which theirs came sooner: the earliest is trusted)
     assert p.others_due(t + 1) == pytest.approx(t + 1.1)
     # members alike: each READY about when ours is, whatever delayed both (a loaded host); nothing fits
     q = Pacing(compute_mean=0.1)
+    formed(q)
     for i in range(2 * HELD_ROUNDS):
         after = 0.015 if i % 2 == 0 else -0.015  # (the other's READY 15 ms after ours, or before, in turn)
-        q.round_committed(i + 0.3, i + 0.3, after)
+        q.round_committed(i + 0.3, i + 0.3, after, 2)
         assert not q.fits(i + 1.0, i + 1.0)
     q = Pacing(compute_mean=0.01)  # (batches of 10 ms: the other 15 ms later in every round still adds none)
+    formed(q)
     for i in range(HELD_ROUNDS):
-        q.round_committed(i + 0.04, i + 0.04, 0.015)
+        q.round_committed(i + 0.04, i + 0.04, 0.015, 2)
         assert not q.fits(i + 1.0, i + 1.0)
     r = Pacing(compute_mean=0.1)  # (a leader that says no offsets: nothing timed)
+    formed(r)
     for i in range(HELD_ROUNDS):
-        r.round_committed(i + 0.4, i + 0.1, None)
+        r.round_committed(i + 0.4, i + 0.1, None, 2)
         assert r.others_due(i + 1.0) is None
     assert not Pacing(compute_mean=0.0).fits(0.0, 0.0)  # (nothing timed)
     # step: computes on while another batch fits and ours is not out, whatever it holds
@@ -81,9 +108,10 @@ def test_once_a_batch_is_added_the_round_takes_any_that_begins_before_the_slower
     faster member never idles through the part of the slower step no whole batch fits in."""
     p = Pacing(compute_mean=0.1)
     t = 100.0
+    formed(p)
     for _ in range(HELD_FIRST):  # (ours the last READY, 25 ms after the slower one, 0.3 s after our share)
         t += 0.45
-        p.round_committed(t, t - 0.3, -0.025)
+        p.round_committed(t, t - 0.3, -0.025, 2)
     assert p.others_due(t) == pytest.approx(t + 0.275)
     assert p.fits(t, t) and p.fits(t + 0.15, t) and not p.fits(t + 0.2, t)  # the first added ends before it
     assert p.fits(t + 0.2, t, added=True) and p.fits(t + 0.26, t, added=True)  # later ones begin before it
@@ -322,6 +350,7 @@ def test_the_state_marks_when_its_batches_reached_the_share_and_times_the_others
     batch(11.0)
     assert st.share_at == 11.0  # (the next contribution's own)
     st.acc.to_host(out)
+    st.pacing.round_committed(0.0, 0.0, 0.0, 2)  # (the cluster's first round, not timed: ``formed``)
     with st.lock:
         assert st.update_committed(out.array, 96, SyncPoint(1, b"x" * 16, 0, 0), 0.01, False, 12.0,
                                    others_after=0.25)

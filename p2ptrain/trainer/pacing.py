@@ -133,6 +133,7 @@ class Pacing:
     _cpu: tuple[float, float] | None = None  # (the threads' run and queued seconds when last sampled)
     _others: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (the others' READYs, from our share)
     _batches: int = 0  # (batches computed: the first is not counted in ``compute_mean``)
+    _members: int = 0  # (the members of the last round ``round_committed`` saw: a change times anew)
 
     def computed(self, seconds: float) -> None:
         """One batch was computed in ``seconds`` (from the last ``step``'s end to this one's start).
@@ -153,13 +154,23 @@ class Pacing:
         else:
             self.round_mean += ROUND_WEIGHT * (seconds - self.round_mean)
 
-    def round_committed(self, taken_at: float, share_at: float | None, others_after: float | None) -> None:
-        """A round holding ours committed: ours was taken (its READY sent) at ``taken_at``, its
-        batches reached our share at ``share_at``, and the last of the others' READYs came
-        ``others_after`` seconds after ours (START's offsets, ``roundmsg.others_after``; None: not
-        said, and nothing is timed). How long after our share the others' came: both READYs as
-        the leader heard them, so what delays every member alike (the commit's apply, a loaded
-        host) cancels, and members alike time each other near zero."""
+    def round_committed(self, taken_at: float, share_at: float | None, others_after: float | None,
+                        members: int) -> None:
+        """A round of ``members`` holding ours committed: ours was taken (its READY sent) at
+        ``taken_at``, its batches reached our share at ``share_at``, and the last of the others'
+        READYs came ``others_after`` seconds after ours (START's offsets, ``roundmsg.others_after``;
+        None: not said, and nothing is timed). How long after our share the others' came: both
+        READYs as the leader heard them, so what delays every member alike (the commit's apply, a
+        loaded host) cancels, and members alike time each other near zero.
+        The first round of a cluster that formed or changed (``members`` not the last round's) is
+        not timed, and those timed before are forgotten: its members began their batches together
+        (at the start, after a state load), so a slower member's READY came with ours, and timed,
+        that round kept the faster ones from adding a batch until it left the ``HELD_ROUNDS``
+        window (four peers, one 10x slower: 12 rounds of 0.5 s in lockstep, 6 of the first 7 s)."""
+        if members != self._members:
+            self._members = members
+            self._others.clear()
+            return
         if share_at is not None and others_after is not None:
             self._others.append(taken_at + others_after - share_at)
 

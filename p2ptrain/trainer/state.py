@@ -270,7 +270,7 @@ class TrainerState:
             self.pacing.ring_took(ring_s)
         self.pacing.exchange = exchange_s
         if out is not None and total_samples:
-            self.pacing.round_committed(out.taken_at, out.share_at, others_after)
+            self.pacing.round_committed(out.taken_at, out.share_at, others_after, out.members)
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
