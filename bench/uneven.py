@@ -6,6 +6,7 @@ against the fast peer(s) alone, in one run.
     python bench/uneven.py --n 2,4 --model 1m                     # 4 peers, one slow; the task's default size
     python bench/uneven.py --runs "--compression int8 --staleness 1;--staleness 1 --sync-every 2s"
     python bench/uneven.py --netns 1gbit --gpu-like               # a GPU's regime across emulated 1 Gbit/s hosts
+    python bench/uneven.py --target 0.75 --also 0.9,0.8,0.7       # and the time to earlier and later losses
     python bench/uneven.py --quick                                # seconds: the CI smoke run
 
 Every peer is a process running the library's ``p2ptrain.Peer`` on the built-in ``synthetic`` task
@@ -36,7 +37,9 @@ the crossing interpolated between two) first reach ``--target``;
 ``samples/s``, every peer's samples over the run after its first tenth; ``vs sum alone``, that over
 the fast alone's plus the slow alone's; ``loss @ S``, the evaluation loss once the cluster has
 computed ``--samples`` samples in all (interpolated between smoothed snapshots), and its ratio to
-sync fp32's; ``final loss``, the mean of the last five snapshots. A snapshot's loss moves about
+sync fp32's; ``final loss``, the mean of the last five snapshots; with ``--also``, a second table of the
+time to each of those losses and its ratio to the fast alone's (updates at a slower member's pace
+lose early and can win late: one target alone ranks the modes by where it lies). A snapshot's loss moves about
 0.013 (a standard deviation) about that running mean (1m, batch 64, one peer), and near the 1m
 target the loss falls about 0.004 a second: read raw, the first crossing moved by about 3 s of the
 22-44 s the fast peer alone takes to it.
@@ -316,9 +319,19 @@ def smoothed(losses: list[float], width: int = SMOOTH) -> list[float]:
     return out
 
 
-def read_run(ev: Evaluator, res: Result, target: float, samples: int) -> dict:
-    """Time to ``target`` and the loss at ``samples``, both read on the smoothed losses of every
-    snapshot (the module docstring says why)."""
+def crossing(times: list[float], loss: list[float], target: float, t0: float) -> float | None:
+    """Seconds from ``t0`` until the smoothed ``loss`` first falls below ``target`` (interpolated
+    between two snapshots; None: never)."""
+    k = next((i for i, v in enumerate(loss) if v < target), None)
+    if k is None or k == 0:
+        return None if k is None else times[0] - t0
+    f = (loss[k - 1] - target) / max(loss[k - 1] - loss[k], 1e-12)
+    return times[k - 1] - t0 + f * (times[k] - times[k - 1])
+
+
+def read_run(ev: Evaluator, res: Result, target: float, samples: int, also: tuple[float, ...] = ()) -> dict:
+    """Time to ``target`` (and to each of ``also``) and the loss at ``samples``, all read on the
+    smoothed losses of every snapshot (the module docstring says why)."""
     snaps = res.snaps
     out = {"samples_per_s": res.samples_per_s(), "seconds": res.end - res.t0, "time_to_target": None,
            "loss_at_samples": None, "final_loss": None, "updates": res.updates, "dropped": res.dropped}
@@ -328,12 +341,8 @@ def read_run(ev: Evaluator, res: Result, target: float, samples: int) -> dict:
     loss = smoothed(raw)
     times = [t for t, _ in snaps]
     out["final_loss"] = statistics.fmean(raw[-SMOOTH:])
-    k = next((i for i, v in enumerate(loss) if v < target), None)
-    if k == 0:
-        out["time_to_target"] = times[0] - res.t0
-    elif k is not None:
-        f = (loss[k - 1] - target) / max(loss[k - 1] - loss[k], 1e-12)
-        out["time_to_target"] = times[k - 1] - res.t0 + f * (times[k] - times[k - 1])
+    out["time_to_target"] = crossing(times, loss, target, res.t0)
+    out["times_to"] = {f"{t:g}": crossing(times, loss, t, res.t0) for t in also}
     counts = [res.samples_at(t) for t in times]
     out["curve"] = [[t - res.t0, v, c] for t, v, c in zip(times, raw, counts)]  # (--json only: per snapshot)
     k = next((i for i, c in enumerate(counts) if c >= samples), None)
@@ -359,6 +368,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="9m", choices=sorted(MODELS))
     p.add_argument("--batch-size", type=int, help="samples a step on each peer (default 64; 8 with --gpu-like)")
     p.add_argument("--target", type=float, help="evaluation loss to reach (default: the model's)")
+    p.add_argument("--also", default="", help="more target losses, comma-separated: a second table of the time "
+                   "to each against the fast alone's (an early target and a late one can rank the modes apart)")
     p.add_argument("--samples", type=int, help="the loss @ S column's S, in all peers' samples (default: the model's)")
     p.add_argument("--seconds", type=float, help="each run's duration (default: the model's)")
     p.add_argument("--slow-seconds", type=float, default=15.0, help="the slow peer alone, for its samples/s")
@@ -400,6 +411,7 @@ def main(argv=None) -> int:
         ns = [int(x) for x in a.n.split(",")]
         factors = [float(x) for x in a.slow.split(",")]
         runs = [r.strip() for r in a.runs.split(";") if r.strip()]
+        a.also = tuple(float(x) for x in a.also.split(",") if x.strip())
         for r in runs:
             peer_keywords(r)
     except (ValueError, argparse.ArgumentError) as e:
@@ -425,7 +437,7 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
             row["refused"] = res.refused
         else:
             try:
-                row.update(read_run(ev, res, a.target, a.samples))
+                row.update(read_run(ev, res, a.target, a.samples, a.also))
             finally:
                 shutil.rmtree(res.snap_dir, ignore_errors=True)
         print(f"  { {k: v for k, v in row.items() if k != 'curve'} }", file=sys.stderr, flush=True)
@@ -453,6 +465,8 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
                         row = measure(run_peers(a, flags, n, flags, [0.0] * (n - 1) + [delay], lan=lan),
                                       factor=factor, delay=delay)
                         row["vs_alone"] = _ratio(row.get("time_to_target"), alone.get("time_to_target"))
+                        row["vs_alone_at"] = {t: _ratio(x, alone.get("times_to", {}).get(t))
+                                              for t, x in row.get("times_to", {}).items()}
                         row["vs_sum"] = _ratio(row.get("samples_per_s"),
                                                (alone["samples_per_s"] + slow["samples_per_s"]))
                         rows.append(row)
@@ -469,6 +483,13 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
 
 def _ratio(x, y):
     return None if x is None or not y else x / y
+
+
+def _time_and_ratio(seconds, ratio) -> str:
+    """A cell of the ``--also`` table: the time to a loss, and its ratio to the fast alone's."""
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" + ("" if ratio is None else f" ({ratio:.2f}x)")
 
 
 def _report(a, rows: list[dict]) -> None:
@@ -495,6 +516,12 @@ def _report(a, rows: list[dict]) -> None:
                     fmt(r.get("final_loss"), "{:.4f}"), f"{r.get('updates', 0)}"])
     print(_common.table(out, ["N", "run", "slow", "time to loss", "time / fast", "samples/s", "vs sum alone",
                               "loss @ S", "vs sync", "final loss", "updates"]))
+    if a.also:
+        keys = [f"{t:g}" for t in a.also]
+        more = [[r["n"], r["label"], "-" if r.get("factor") is None else f"{r['factor']:g}x",
+                 *[_time_and_ratio(r.get("times_to", {}).get(k), r.get("vs_alone_at", {}).get(k)) for k in keys]]
+                for r in rows if not r.get("refused") and r["label"] not in ("slow alone",)]
+        print(_common.table(more, ["N", "run", "slow", *[f"to {k}" for k in keys]]))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -114,10 +114,14 @@ def test_uneven_bench_quick_reads_a_slow_pair_against_the_fast_peer_alone_and_pa
     """One quick run: the fast peer alone, the slow one alone, a pair per ``--runs`` entry (rounds
     by time here, a setting the bench passes through to the library) and the synchronous fp32
     reference, each row with its figures."""
-    p = run("bench/uneven.py", "--quick", "--slow", "3", "--runs", "--staleness 1 --sync-every 1s")
+    p = run("bench/uneven.py", "--quick", "--slow", "3", "--runs", "--staleness 1 --sync-every 1s", "--also", "2")
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
-    rows = {l.split("|")[2].strip(): [c.strip() for c in l.split("|")[3:-1]]
-            for l in p.stdout.splitlines() if l.startswith("| 2 ")}
+    lines = [l for l in p.stdout.splitlines() if l.startswith("| 2 ")]
+    rows = {l.split("|")[2].strip(): [c.strip() for c in l.split("|")[3:-1]] for l in lines if l.count("|") > 6}
+    also = {l.split("|")[2].strip(): l.split("|")[4].strip() for l in lines if l.count("|") == 5}
+    # (--also: a second table, the time to each other loss)
+    assert set(also) == {"fast alone (1 peer)", "--staleness 1 --sync-every 1s", "sync fp32"}, also
+    assert also["--staleness 1 --sync-every 1s"].endswith("x)"), also  # (read against the fast alone's)
     assert set(rows) == {"fast alone (1 peer)", "slow alone", "--staleness 1 --sync-every 1s", "sync fp32"}, rows
     assert rows["fast alone (1 peer)"][1].endswith(" s")  # (its time to the loss: every pair is read against it)
     pair = rows["--staleness 1 --sync-every 1s"]  # (rounds by time, passed through to the library)
@@ -140,7 +144,8 @@ def test_uneven_bench_reads_time_to_loss_on_the_smoothed_losses_not_on_one_lucky
 
     res = uneven.Result("run", 2, t0=100.0, end=110.0, snaps=[[100.0 + i, str(i)] for i in range(len(losses))],
                         timelines=[[[100.0, 0], [110.0, 1000]]])
-    out = uneven.read_run(Losses(), res, target=0.55, samples=500)
+    out = uneven.read_run(Losses(), res, target=0.55, samples=500, also=(0.85, 0.1))
+    assert out["times_to"]["0.1"] is None and 1 < out["times_to"]["0.85"] < 2  # (--also: never; and earlier)
     smooth = uneven.smoothed(losses)
     k = next(i for i, v in enumerate(smooth) if v < 0.55)
     assert k > 3  # (the raw losses cross at the dip)
