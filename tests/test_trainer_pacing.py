@@ -42,10 +42,10 @@ def formed(p: Pacing, members: int = 2) -> None:
 
 
 def test_the_first_round_of_a_cluster_formed_or_changed_is_not_timed():
-    """At the start (or after a peer joined or left) every member's batch began at once, so a
-    slower member's READY came with ours: timed, it would keep the faster ones from adding a batch
-    for ``HELD_ROUNDS`` rounds (the earliest is trusted). That round is skipped, and a change of
-    members forgets what was timed (who is slower may have changed)."""
+    """A first batch says little of a member's pace: a slower member's first READY that came with
+    ours, timed, would keep the faster ones from adding a batch for ``HELD_ROUNDS`` rounds (the
+    earliest is trusted). The first round of a cluster (or after a peer joined or left) is skipped,
+    and a change of members forgets what was timed (who is slower may have changed)."""
     p = Pacing(compute_mean=0.1)
     p.round_committed(1.0, 1.0, 0.0, 2)  # (formed: the slower member's first READY with ours)
     for t in (2.0, 3.0):
@@ -355,3 +355,46 @@ def test_the_state_marks_when_its_batches_reached_the_share_and_times_the_others
         assert st.update_committed(out.array, 96, SyncPoint(1, b"x" * 16, 0, 0), 0.01, False, 12.0,
                                    others_after=0.25)
     assert list(st.pacing._others) == [pytest.approx(out.taken_at + 0.25 - 10.0)]
+
+
+def test_a_member_whose_rounds_come_at_a_slower_members_pace_says_so_once_with_what_to_do():
+    """Gradient mode beside a slower member: rounds holding ``PACE_BATCHES`` of our batches or more,
+    ``PACE_ROUNDS`` in a row, get one line naming the pace and local steps by time; a round of
+    fewer starts the count anew, and once said it is not said again."""
+    from p2ptrain.trainer.pacing import PACE_BATCHES, PACE_ROUNDS
+    p = Pacing(compute_mean=0.12)
+    assert all(p.paced(PACE_BATCHES, 1.3 * i) is None for i in range(PACE_ROUNDS))
+    assert p.paced(PACE_BATCHES - 1, 20.0) is None  # (a round of fewer: the count starts anew)
+    lines = [p.paced(11, 30.0 + 1.3 * i) for i in range(PACE_ROUNDS + 1)]
+    assert lines[:-1] == [None] * PACE_ROUNDS and "--sync-every auto" in lines[-1], lines
+    assert "11 of our batches a round (one each 0.12 s), a round every 1.3 s" in lines[-1]
+    assert all(p.paced(11, 50.0 + i) is None for i in range(3 * PACE_ROUNDS))  # (said once)
+    q = Pacing(compute_mean=0.12)  # members alike: one batch a round, never said
+    assert all(q.paced(1, i) is None for i in range(4 * PACE_ROUNDS))
+
+
+def test_the_state_says_once_when_its_rounds_hold_many_of_its_batches(caplog):
+    """``TrainerState.update_committed`` feeds each committed round's count of our batches to
+    ``Pacing.paced`` in gradient mode with others in the round, and logs its line once."""
+    import torch
+
+    from p2ptrain.cluster.rounds import SyncPoint
+    from p2ptrain.trainer.pacing import PACE_BATCHES, PACE_ROUNDS
+    from p2ptrain.trainer.state import TrainerState
+    params = [torch.zeros(4, requires_grad=True)]
+    st = TrainerState(params, torch.device("cpu"), staleness=1, min_peers=2, target_batch_size=None,
+                      members=lambda: 2)
+    caplog.set_level("WARNING", logger="p2ptrain")
+    for r in range(PACE_ROUNDS + 3):
+        for _ in range(PACE_BATCHES):
+            params[0].grad = torch.ones(4)
+            with st.params_lock, st.lock:
+                st.add_batch(32, float(r), keep=False)
+        with st.lock:
+            out = st.take_contribution(2)
+        st.acc.to_host(out)
+        with st.lock:
+            st.update_committed(out.array, 2 * 32 * PACE_BATCHES, SyncPoint(r + 1, b"x" * 16, 0, 0), 0.01, False,
+                                float(r) + 0.5)
+    lines = [r.getMessage() for r in caplog.records if "slower member's pace" in r.getMessage()]
+    assert len(lines) == 1 and f"{PACE_BATCHES} of our batches a round" in lines[0], lines

@@ -112,6 +112,12 @@ HELD_ROUNDS = 8  # rounds over which the others' READYs are timed (the earliest 
 HELD_FIRST = 2  # rounds timed before the first batch of ours is added (a slower member's wait filled)
 HELD_MIN_S = 0.01  # the others' READY comes at least this after a batch of ours added before it
 SPARE_MAX = 15  # gradient mode: at most this many batches more than the share, before a slower member's READY
+PACE_BATCHES = 4  # gradient mode: rounds holding this many batches of ours or more come at a slower member's pace
+PACE_ROUNDS = 8  # ... said once (``Pacing.paced``) after this many such rounds in a row
+PACE_ADVICE = ("early in training, while the loss falls with the count of updates, --sync-every auto (each "
+               "machine steps on its own between rounds) trains faster; later these large updates win (beside a "
+               "10x slower peer: 3.5-3.8x against 1.07-1.17x the fast peer's time alone to early losses; "
+               "bench/README.md)")
 
 
 @dataclass
@@ -134,6 +140,8 @@ class Pacing:
     _others: deque = field(default_factory=lambda: deque(maxlen=HELD_ROUNDS))  # (the others' READYs, from our share)
     _batches: int = 0  # (batches computed: the first is not counted in ``compute_mean``)
     _members: int = 0  # (the members of the last round ``round_committed`` saw: a change times anew)
+    _paced: int = 0  # (rounds in a row that held ``PACE_BATCHES`` of ours or more; -1: said)
+    _paced_since: float = 0.0  # (the first of them committed then)
 
     def computed(self, seconds: float) -> None:
         """One batch was computed in ``seconds`` (from the last ``step``'s end to this one's start).
@@ -163,16 +171,41 @@ class Pacing:
         READYs as the leader heard them, so what delays every member alike (the commit's apply, a
         loaded host) cancels, and members alike time each other near zero.
         The first round of a cluster that formed or changed (``members`` not the last round's) is
-        not timed, and those timed before are forgotten: its members began their batches together
-        (at the start, after a state load), so a slower member's READY came with ours, and timed,
-        that round kept the faster ones from adding a batch until it left the ``HELD_ROUNDS``
-        window (four peers, one 10x slower: 12 rounds of 0.5 s in lockstep, 6 of the first 7 s)."""
+        not timed, and those timed before are forgotten (who is slower may have changed): a first
+        batch says little of a member's pace (kernels compiled; ``bench/uneven.py``'s slow peer
+        sleeps after its step, so its first batch is as quick as the others'), and one early READY,
+        the earliest of ``HELD_ROUNDS`` trusted, kept the faster members from adding a batch until
+        it left the window (four peers, one 10x slower: 12 rounds of 0.5 s in lockstep, 6 of the
+        first 7 s). Where the first READY was on time, skipping it costs one round in lockstep."""
         if members != self._members:
             self._members = members
             self._others.clear()
             return
         if share_at is not None and others_after is not None:
             self._others.append(taken_at + others_after - share_at)
+
+    def paced(self, batches: int, now: float) -> str | None:
+        """A round holding ``batches`` of ours committed at ``now``: the line to log, once, when
+        ``PACE_ROUNDS`` rounds in a row held ``PACE_BATCHES`` or more (their period: from the first
+        such round's commit to this one's). Beside
+        a slower member (gradient mode, the module docstring) our updates come at its pace, one per
+        slow step, and Adam's early progress follows the count of updates: the pair beside a 10x
+        slower peer reached early losses in 3.5-3.8x the fast peer's time alone. Said by the faster
+        member, whose updates these are; ``worth.Worth`` says who holds rounds without filling them."""
+        if self._paced < 0:
+            return None
+        if batches < PACE_BATCHES:
+            self._paced = 0
+            return None
+        self._paced += 1
+        if self._paced == 1:
+            self._paced_since = now
+        if self._paced <= PACE_ROUNDS:
+            return None
+        self._paced = -1
+        return (f"updates come at a slower member's pace: {batches} of our batches a round (one each "
+                f"{self.compute_mean:.2g} s), a round every {(now - self._paced_since) / PACE_ROUNDS:.2g} s; "
+                f"{PACE_ADVICE}")
 
     def others_due(self, share_at: float | None) -> float | None:
         """When the slower members' READYs are due, for a contribution that reached our share at

@@ -271,6 +271,10 @@ class TrainerState:
         self.pacing.exchange = exchange_s
         if out is not None and total_samples:
             self.pacing.round_committed(out.taken_at, out.share_at, others_after, out.members)
+            if self.local is None and out.members > 1:
+                line = self.pacing.paced(out.batches, now)
+                if line:
+                    log.warning(line)
         if total_samples == 0:
             if self.queue:  # (parameters do not change: nothing to compare)
                 self.queue.append(CommittedUpdate(None, 0, point, None))
