@@ -375,26 +375,33 @@ def test_a_member_whose_rounds_come_at_a_slower_members_pace_says_so_once_with_w
 
 def test_the_state_says_once_when_its_rounds_hold_many_of_its_batches(caplog):
     """``TrainerState.update_committed`` feeds each committed round's count of our batches to
-    ``Pacing.paced`` in gradient mode with others in the round, and logs its line once."""
+    ``Pacing.paced`` in gradient mode with others in the round, and logs its line once; not where
+    ``target_batch_size`` makes those batches the share itself (no slower member added them)."""
     import torch
 
     from p2ptrain.cluster.rounds import SyncPoint
     from p2ptrain.trainer.pacing import PACE_BATCHES, PACE_ROUNDS
     from p2ptrain.trainer.state import TrainerState
-    params = [torch.zeros(4, requires_grad=True)]
-    st = TrainerState(params, torch.device("cpu"), staleness=1, min_peers=2, target_batch_size=None,
-                      members=lambda: 2)
     caplog.set_level("WARNING", logger="p2ptrain")
-    for r in range(PACE_ROUNDS + 3):
-        for _ in range(PACE_BATCHES):
-            params[0].grad = torch.ones(4)
-            with st.params_lock, st.lock:
-                st.add_batch(32, float(r), keep=False)
-        with st.lock:
-            out = st.take_contribution(2)
-        st.acc.to_host(out)
-        with st.lock:
-            st.update_committed(out.array, 2 * 32 * PACE_BATCHES, SyncPoint(r + 1, b"x" * 16, 0, 0), 0.01, False,
-                                float(r) + 0.5)
-    lines = [r.getMessage() for r in caplog.records if "slower member's pace" in r.getMessage()]
+
+    def lines_said(target_batch_size: int | None) -> list[str]:
+        caplog.clear()
+        params = [torch.zeros(4, requires_grad=True)]
+        st = TrainerState(params, torch.device("cpu"), staleness=1, min_peers=2, target_batch_size=target_batch_size,
+                          members=lambda: 2)
+        for r in range(PACE_ROUNDS + 3):
+            for _ in range(PACE_BATCHES):
+                params[0].grad = torch.ones(4)
+                with st.params_lock, st.lock:
+                    st.add_batch(32, float(r), keep=False)
+            with st.lock:
+                out = st.take_contribution(2)
+            st.acc.to_host(out)
+            with st.lock:
+                st.update_committed(out.array, 2 * 32 * PACE_BATCHES, SyncPoint(r + 1, b"x" * 16, 0, 0), 0.01,
+                                    False, float(r) + 0.5)
+        return [r.getMessage() for r in caplog.records if "slower member's pace" in r.getMessage()]
+
+    lines = lines_said(None)
     assert len(lines) == 1 and f"{PACE_BATCHES} of our batches a round" in lines[0], lines
+    assert lines_said(2 * 32 * PACE_BATCHES) == []

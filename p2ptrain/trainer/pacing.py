@@ -113,7 +113,7 @@ HELD_FIRST = 2  # rounds timed before the first batch of ours is added (a slower
 HELD_MIN_S = 0.01  # the others' READY comes at least this after a batch of ours added before it
 SPARE_MAX = 15  # gradient mode: at most this many batches more than the share, before a slower member's READY
 PACE_BATCHES = 4  # gradient mode: rounds holding this many batches of ours or more come at a slower member's pace
-PACE_ROUNDS = 8  # ... said once (``Pacing.paced``) after this many such rounds in a row
+PACE_ROUNDS = 8  # ... said once (``Pacing.paced``) when this many more such rounds in a row follow the first
 PACE_ADVICE = ("early in training, while the loss falls with the count of updates, --sync-every auto (each "
                "machine steps on its own between rounds) trains faster; later these large updates win (beside a "
                "10x slower peer: 3.5-3.8x against 1.07-1.17x the fast peer's time alone to early losses; "
@@ -185,13 +185,13 @@ class Pacing:
             self._others.append(taken_at + others_after - share_at)
 
     def paced(self, batches: int, now: float) -> str | None:
-        """A round holding ``batches`` of ours committed at ``now``: the line to log, once, when
-        ``PACE_ROUNDS`` rounds in a row held ``PACE_BATCHES`` or more (their period: from the first
-        such round's commit to this one's). Beside
-        a slower member (gradient mode, the module docstring) our updates come at its pace, one per
-        slow step, and Adam's early progress follows the count of updates: the pair beside a 10x
-        slower peer reached early losses in 3.5-3.8x the fast peer's time alone. Said by the faster
-        member, whose updates these are; ``worth.Worth`` says who holds rounds without filling them."""
+        """A round holding ``batches`` of ours committed at ``now`` (gradient mode, the batches
+        beyond our share added beside a slower member, the module docstring): the line to log,
+        once, when ``PACE_ROUNDS`` more rounds in a row follow a first that held ``PACE_BATCHES``
+        or more (the period: over those rounds). Our updates then come at the slower member's pace,
+        one per slow step, and Adam's early progress follows the count of updates: the pair beside
+        a 10x slower peer reached early losses in 3.5-3.8x the fast peer's time alone. Said by the
+        faster member, whose updates these are; ``worth.Worth`` says who holds rounds unfilled."""
         if self._paced < 0:
             return None
         if batches < PACE_BATCHES:

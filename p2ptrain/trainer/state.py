@@ -271,7 +271,7 @@ class TrainerState:
         self.pacing.exchange = exchange_s
         if out is not None and total_samples:
             self.pacing.round_committed(out.taken_at, out.share_at, others_after, out.members)
-            if self.local is None and out.members > 1:
+            if self.local is None and self.target_batch_size is None and out.members > 1:  # (``more``'s batches)
                 line = self.pacing.paced(out.batches, now)
                 if line:
                     log.warning(line)
