@@ -74,7 +74,13 @@ STALE = [
     (Mode(1), dict(accumulated=0, oldest=None, linger_due=True), TAKE, "", None, False),
     # a member not waited for any more, still computing, gives nothing at once (the others go on) ...
     (Mode(1), dict(accumulated=0, oldest=None, step_end=NOW - 3.0), TAKE, "", None, False),
+    # ... and so does one whose batch in progress is not due within the linger (a slower member's) ...
+    (Mode(2), dict(accumulated=0, oldest=None, compute_mean=0.5), TAKE, "", None, False),
+    (Mode(2), dict(accumulated=0, oldest=None, compute_mean=0.025), WAIT, "lingering for a batch", LINGER_S,
+     False),  # (due in 15 ms: within the linger)
     # ... unless a round found nothing anywhere: then it backs off as idle
+    (Mode(2), dict(accumulated=0, oldest=None, compute_mean=0.5, idle_rounds=1), WAIT, "lingering for a batch",
+     2 * LINGER_S, False),
     (Mode(1), dict(accumulated=0, oldest=None, step_end=NOW - 3.0, idle_rounds=1), WAIT,
      "lingering for a batch", 2 * LINGER_S, False),
     # beside a slower member: ours waits while another batch of ours ends before its READY is due

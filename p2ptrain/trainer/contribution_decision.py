@@ -22,7 +22,8 @@ The rules (``Mode.staleness`` tau):
   at tau = 1, any batch in progress, or the next one) is waited for, at most ``patience``;
   what was accumulated on a version more than tau behind is dropped first; with nothing left, a
   member lingers ``LINGER_S`` for its batch (doubling after idle rounds, up to ``LINGER_MAX_S``)
-  unless the linger has already run out for this round.
+  unless the linger has already run out for this round, or, the cluster not idle, its batch in
+  progress is not due within it (from the mean step: a slower member's, not waited for).
 
 Rounds by time (``sync_every`` a window or ``auto``, ``round_window``), local steps:
 ``pseudo_gradient_due`` answers "the window since our last contribution has passed" instead of
@@ -145,10 +146,15 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
     drop = view.oldest is not None and view.committed - view.oldest > mode.staleness
     accumulated = 0 if drop else view.accumulated
     # (a member not waited for any more, still computing, gives nothing at once, so that the others'
-    # rounds go on; but once a round found nothing anywhere, it backs off too: every member paused,
-    # rounds went on at once, hundreds a second)
-    if not accumulated and not view.linger_due and (late < wait_for or not view.computing or view.idle_rounds):
-        return _wait("lingering for a batch", now + idle_linger(view.idle_rounds), drop)
+    # rounds go on; so does one whose batch in progress is not due within the linger, a slower member's
+    # at staleness >= 2: each round waited the linger for it, 20 ms beside fast batches of 30 ms. But
+    # once a round found nothing anywhere, it backs off too: every member paused, rounds went on at
+    # once, hundreds a second)
+    linger = idle_linger(view.idle_rounds)
+    due = not view.computing or view.step_end + view.compute_mean <= now + linger
+    if not accumulated and not view.linger_due and (view.idle_rounds or (due and late < wait_for)
+                                                    or not view.computing):
+        return _wait("lingering for a batch", now + linger, drop)
     if view.more_until is not None and accumulated and not view.leaving and not view.linger_due:
         return _wait("the batches that fit before a slower member's", view.more_until, drop)
     return Decision(Action.TAKE, drop_stale=drop)
