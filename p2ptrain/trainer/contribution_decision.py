@@ -151,9 +151,9 @@ def decide(view: View, mode: Mode, now: float) -> Decision:
     # once a round found nothing anywhere, it backs off too: every member paused, rounds went on at
     # once, hundreds a second)
     linger = idle_linger(view.idle_rounds)
-    due = not view.computing or view.step_end + view.compute_mean <= now + linger
-    if not accumulated and not view.linger_due and (view.idle_rounds or (due and late < wait_for)
-                                                    or not view.computing):
+    due = view.step_end + view.compute_mean <= now + linger  # (the batch in progress, from the mean step)
+    if not accumulated and not view.linger_due and (view.idle_rounds or not view.computing
+                                                    or (due and late < wait_for)):
         return _wait("lingering for a batch", now + linger, drop)
     if view.more_until is not None and accumulated and not view.leaving and not view.linger_due:
         return _wait("the batches that fit before a slower member's", view.more_until, drop)
