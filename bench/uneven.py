@@ -37,12 +37,12 @@ the crossing interpolated between two) first reach ``--target``;
 ``samples/s``, every peer's samples over the run after its first tenth; ``vs sum alone``, that over
 the fast alone's plus the slow alone's; ``loss @ S``, the evaluation loss once the cluster has
 computed ``--samples`` samples in all (interpolated between smoothed snapshots), and its ratio to
-sync fp32's; ``final loss``, the mean of the last five snapshots; with ``--also``, a second table of the
-time to each of those losses and its ratio to the fast alone's (updates at a slower member's pace
-lose early and can win late: one target alone ranks the modes by where it lies). A snapshot's loss moves about
-0.013 (a standard deviation) about that running mean (1m, batch 64, one peer), and near the 1m
-target the loss falls about 0.004 a second: read raw, the first crossing moved by about 3 s of the
-22-44 s the fast peer alone takes to it.
+sync fp32's; ``final loss``, the mean of the last five snapshots; with ``--also``, a second table
+of the time to each of those losses and its ratio to the fast alone's (updates at a slower
+member's pace lose early and can win late: one target alone ranks the modes by where it lies). A
+snapshot's loss moves about 0.013 (a standard deviation) about that running mean (1m, batch 64,
+one peer), and near the 1m target the loss falls about 0.004 a second: read raw, the first
+crossing moved by about 3 s of the 22-44 s the fast peer alone takes to it.
 Every run is bounded: the cluster's ``duration`` (``--seconds``), a kill ``--timeout`` s later.
 The 2-core machines here are shared: compare rows of one run only.
 """
@@ -323,8 +323,10 @@ def crossing(times: list[float], loss: list[float], target: float, t0: float) ->
     """Seconds from ``t0`` until the smoothed ``loss`` first falls below ``target`` (interpolated
     between two snapshots; None: never)."""
     k = next((i for i, v in enumerate(loss) if v < target), None)
-    if k is None or k == 0:
-        return None if k is None else times[0] - t0
+    if k is None:
+        return None
+    if k == 0:
+        return times[0] - t0
     f = (loss[k - 1] - target) / max(loss[k - 1] - loss[k], 1e-12)
     return times[k - 1] - t0 + f * (times[k] - times[k - 1])
 
@@ -520,7 +522,7 @@ def _report(a, rows: list[dict]) -> None:
         keys = [f"{t:g}" for t in a.also]
         more = [[r["n"], r["label"], "-" if r.get("factor") is None else f"{r['factor']:g}x",
                  *[_time_and_ratio(r.get("times_to", {}).get(k), r.get("vs_alone_at", {}).get(k)) for k in keys]]
-                for r in rows if not r.get("refused") and r["label"] not in ("slow alone",)]
+                for r in rows if not r.get("refused") and r["label"] != "slow alone"]
         print(_common.table(more, ["N", "run", "slow", *[f"to {k}" for k in keys]]))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
