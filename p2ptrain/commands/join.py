@@ -100,8 +100,7 @@ class _Join:
         from p2ptrain.device import device_kind, pick_device
         from p2ptrain.net.discovery import parse_host_port, peer_list
         from p2ptrain.trainer.peer import AsyncPeer
-        from p2ptrain.tasks import load_task, validate_task
-        from p2ptrain.tasks._loader import builtin
+        from p2ptrain.tasks import builtin, load_task, validate_task
 
         a = self.args
         peers = peer_list(a.peers or "")

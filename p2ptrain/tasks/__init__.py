@@ -23,7 +23,7 @@ from p2ptrain.tasks._options import check_task_options, parse_model_size
 # (``check_task_options``) in the first second, before torch's import.
 _LAZY = {"Fingerprint": "p2ptrain.cluster.fingerprint", "fingerprint_diff": "p2ptrain.cluster.fingerprint",
          "model_fingerprint": "p2ptrain.cluster.fingerprint", "param_checksum": "p2ptrain.cluster.fingerprint",
-         "BUILTINS": "p2ptrain.tasks._loader", "DEFAULT_TASK": "p2ptrain.tasks._loader",
+         "BUILTINS": "p2ptrain.tasks._loader", "DEFAULT_TASK": "p2ptrain.tasks._loader", "builtin": "p2ptrain.tasks._loader",
          "load_task": "p2ptrain.tasks._loader", "Task": "p2ptrain.tasks._task",
          "printable_text": "p2ptrain.tasks._task", "seeded_generator": "p2ptrain.tasks._task",
          "validate_task": "p2ptrain.tasks._task"}
@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_TASK",
     "Fingerprint",
     "Task",
+    "builtin",
     "check_task_options",
     "fingerprint_diff",
     "load_task",

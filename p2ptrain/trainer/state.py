@@ -137,13 +137,16 @@ class TrainerState:
     def share(self) -> int:
         return share(self.target_batch_size, self.round_members(), self.batch)
 
+    def fills(self) -> bool:
+        """Our rounds may hold batches beyond the share, beside a slower member (gradient mode at
+        staleness >= 1, without ``target_batch_size``, which bounds an update's samples)."""
+        return self.local is None and self.target_batch_size is None and self.staleness > 0
+
     def more(self, now: float) -> bool:
-        """Another batch of ours fits before a slower member's READY (gradient mode at staleness
-        >= 1, without ``target_batch_size``, which bounds an update's samples; ``pacing.Pacing.fits``),
-        within ``SPARE_MAX`` batches over the share."""
+        """Another batch of ours fits before a slower member's READY (where ``fills``;
+        ``pacing.Pacing.fits``), within ``SPARE_MAX`` batches over the share."""
         share = self.share()
-        return (self.local is None and self.target_batch_size is None and self.staleness > 0
-                and share <= self.acc.samples < share + SPARE_MAX * self.batch
+        return (self.fills() and share <= self.acc.samples < share + SPARE_MAX * self.batch
                 and self.pacing.fits(now, self.share_at, added=self.acc.samples > share))
 
     def filling(self) -> bool:
@@ -271,7 +274,7 @@ class TrainerState:
         self.pacing.exchange = exchange_s
         if out is not None and total_samples:
             self.pacing.round_committed(out.taken_at, out.share_at, others_after, out.members)
-            if self.local is None and self.target_batch_size is None and out.members > 1:  # (``more``'s batches)
+            if self.fills() and out.members > 1:
                 line = self.pacing.paced(out.batches, now)
                 if line:
                     log.warning(line)
