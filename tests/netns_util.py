@@ -26,12 +26,12 @@ if str(REPO / "bench") not in sys.path:
 
 import netns  # noqa: E402  (bench/ is a folder of scripts, imported by path)
 
-_ok, _reason = netns.netns_available()
+NETNS_OK, _reason = netns.netns_available()
 
 
 def requires_netns(f):
     """Mark a test ``netns`` and skip it, with the reason, where namespaces cannot be built."""
-    return pytest.mark.netns(pytest.mark.skipif(not _ok, reason=_reason)(f))
+    return pytest.mark.netns(pytest.mark.skipif(not NETNS_OK, reason=_reason)(f))
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_group
-from netns_util import requires_netns
+from netns_util import NETNS_OK, requires_netns
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -50,6 +50,7 @@ def check_quick_report(doc: dict, out: str, scaling=(1, 2), raw_chunks=False) ->
     assert "| N " in out and "busbw / gloo" in out and "scaling eff" in out
 
 
+@pytest.mark.skipif(NETNS_OK, reason="the quick run across emulated hosts covers it, N=1 included (and costs no more)")
 def test_quick_local_run_reports_p2ptrain_beside_gloo(tmp_path):
     code, out, err, _ = lan("--local", "2", "--quick", "--json", str(tmp_path / "lan.json"))
     assert code == 0, out[-2000:] + err[-3000:]
@@ -59,17 +60,16 @@ def test_quick_local_run_reports_p2ptrain_beside_gloo(tmp_path):
 
 @requires_netns
 def test_quick_run_across_emulated_hosts_at_100mbit(tmp_path):
-    # Training with 2 peers only: a peer alone (N=1) sends nothing over the link, and the local
-    # run above trains it, with the same code.
-    # Each emulated host keeps to a core of its own (--pin-cores), as on separate machines.
-    code, out, err, pid = lan("--local", "2", "--quick", "--netns", "100mbit", "--scaling", "2", "--pin-cores",
+    # Each emulated host keeps to a core of its own (--pin-cores), as on separate machines. The
+    # local run above is this one on loopback: it runs where namespaces cannot be built.
+    code, out, err, pid = lan("--local", "2", "--quick", "--netns", "100mbit", "--pin-cores",
                               "--json", str(tmp_path / "lan.json"))
     assert code == 0, out[-2000:] + err[-3000:]
     doc = json.loads((tmp_path / "lan.json").read_text())
-    check_quick_report(doc, out, scaling=(2,))
+    check_quick_report(doc, out)
     cores = sorted(os.sched_getaffinity(0))
     assert f"peer 0 on core {cores[0]}, peer 1 on core {cores[1 % len(cores)]}" in out
-    assert "[lan 4/4]" in err
+    assert "[lan 6/6]" in err
     assert doc["config"]["link_bps"] == 100e6
     big = [r for r in doc["allreduce"] if r["size_bytes"] == 1 << 20]
     for r in big:  # the link is the limit: fp32 near TCP's ceiling, int8 past the link rate (how far
