@@ -20,6 +20,10 @@ device on another machine would. Rows, per N and factor:
 - ``fast alone``: the N - 1 fast peers without the slow one, synchronous fp32 (for N = 2 one lone
   peer: the plain loop). The time every other row is read against (``time / fast``).
 - ``slow alone``: the slow peer by itself for ``--slow-seconds``: only its samples/s.
+- ``fast alone, K batches a step`` (``--control``): the fast peers alone again, each step on K
+  batches (K the factor rounded: about the fast batches a gradient-mode round beside the slow
+  peer holds). Larger updates with no slower machine: where a pair leads the fast alone only as
+  this row does, the lead is the batch behind an update, not the slower machine's samples.
 - a row per ``--runs`` entry: all N peers, flags passed to every peer as the library's keywords
   (``--compression``, ``--staleness``, ``--sync-every`` H, a duration such as ``2s`` or ``auto``,
   ``--outer-lr``, ``--outer-momentum``, ``--target-batch-size``; ``--lookahead 0|1`` and
@@ -161,10 +165,13 @@ def _worker(a) -> None:
                 torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tofile(path)
                 snaps.append([time.time(), str(path)])
                 next_snap += a.eval_period
-            x, y = next(batches)
-            F.cross_entropy(model(x), y).backward()
-            peer.step(batch_size=len(x))
-            samples += len(x)
+            taken = 0
+            for _ in range(a.accumulate):  # (--control: one step on K batches, their mean gradient)
+                x, y = next(batches)
+                (F.cross_entropy(model(x), y) / a.accumulate).backward()
+                taken += len(x)
+            peer.step(batch_size=taken)
+            samples += taken
             if a.delay:
                 time.sleep(a.delay)
             now = time.time()
@@ -228,8 +235,9 @@ def _interp(x: float, xs: list, ys: list) -> float:
 
 
 def run_peers(a, label: str, n: int, flags: str, delays: list[float], *, lan=None, group: int | None = None,
-              seconds: float | None = None, max_rounds: int = 0, snapshots: bool = True) -> Result:
-    """Start ``n`` workers (rank i sleeps ``delays[i]`` after each step), wait, kill in ``finally``."""
+              seconds: float | None = None, max_rounds: int = 0, snapshots: bool = True, accumulate: int = 1) -> Result:
+    """Start ``n`` workers (rank i sleeps ``delays[i]`` after each step, a step on ``accumulate``
+    batches), wait, kill in ``finally``."""
     if lan is not None:
         addrs = [f"{h.addr}:{29800 + i}" for i, h in enumerate(lan.hosts[:n])]
     else:
@@ -240,7 +248,8 @@ def run_peers(a, label: str, n: int, flags: str, delays: list[float], *, lan=Non
     cmd = [sys.executable, __file__, "--worker", "--addrs", ",".join(addrs), "--flags", flags,
            "--model-size", a.model_size, "--batch-size", str(a.batch_size),
            "--device-ms", str(a.device_ms), "--seconds", str(seconds), "--max-rounds", str(max_rounds),
-           "--eval-period", str(a.eval_period)] + (["--snapshots", str(snap_dir)] if snapshots else [])
+           "--eval-period", str(a.eval_period), "--accumulate", str(accumulate)] + (
+               ["--snapshots", str(snap_dir)] if snapshots else [])
     from p2ptrain.commands.heap import with_kept_heap
 
     env = with_kept_heap(dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1"))
@@ -382,12 +391,15 @@ def main(argv=None) -> int:
                    "--batch-size) and 30 ms of emulated device time; with --netns, the wire decides")
     p.add_argument("--netns", metavar="RATE", help="each peer on an emulated host, links capped at RATE (root)")
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the sync fp32 runs")
+    p.add_argument("--control", action="store_true", help="a row of the fast peers alone stepping on K batches "
+                   "at a time, K the factor rounded: larger updates without the slower machine")
     p.add_argument("--reps", type=int, default=1, help="repetitions, interleaved; each row shows the median")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds past a run's duration before it is killed")
     p.add_argument("--quick", action="store_true", help="the 1m model, a few seconds a run (the CI smoke run)")
     p.add_argument("--json", help="write the rows to this file, each with its curve: [seconds, raw loss, samples] per snapshot")
     for hidden in ("--worker",):
         p.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--accumulate", type=int, default=1, help=argparse.SUPPRESS)
     for hidden in ("--rank", "--max-rounds"):
         p.add_argument(hidden, type=int, default=0, help=argparse.SUPPRESS)
     for hidden in ("--addrs", "--flags", "--snapshots", "--result"):
@@ -463,14 +475,20 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
                                              snapshots=False, group=n), factor=factor, delay=delay)
                     slow.update(time_to_target=None, loss_at_samples=None, final_loss=None)
                     rows.append(slow)
-                    for flags in runs:
-                        row = measure(run_peers(a, flags, n, flags, [0.0] * (n - 1) + [delay], lan=lan),
-                                      factor=factor, delay=delay)
+                    controls = [max(1, round(factor))] if a.control else []
+                    for flags, k in [(f, 1) for f in runs] + [(None, k) for k in controls]:
+                        if flags is None:
+                            row = measure(run_peers(a, f"fast alone, {k} batches a step", n - 1, sync0,
+                                                    [0.0] * (n - 1), lan=lan, group=n, accumulate=k), factor=None)
+                        else:
+                            row = measure(run_peers(a, flags, n, flags, [0.0] * (n - 1) + [delay], lan=lan),
+                                          factor=factor, delay=delay)
                         row["vs_alone"] = _ratio(row.get("time_to_target"), alone.get("time_to_target"))
                         row["vs_alone_at"] = {t: _ratio(x, alone.get("times_to", {}).get(t))
                                               for t, x in row.get("times_to", {}).items()}
-                        row["vs_sum"] = _ratio(row.get("samples_per_s"),
-                                               (alone["samples_per_s"] + slow["samples_per_s"]))
+                        if flags is not None:
+                            row["vs_sum"] = _ratio(row.get("samples_per_s"),
+                                                   (alone["samples_per_s"] + slow["samples_per_s"]))
                         rows.append(row)
                 if a.reference:
                     rounds = max(2, -(-a.samples // (n * a.batch_size)))

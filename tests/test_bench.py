@@ -112,17 +112,22 @@ def _alive(pids):
 
 def test_uneven_bench_quick_reads_a_slow_pair_against_the_fast_peer_alone_and_passes_new_modes_through():
     """One quick run: the fast peer alone, the slow one alone, a pair per ``--runs`` entry (rounds
-    by time here, a setting the bench passes through to the library) and the synchronous fp32
-    reference, each row with its figures."""
-    p = run("bench/uneven.py", "--quick", "--slow", "3", "--runs", "--staleness 1 --sync-every 1s", "--also", "2")
+    by time here, a setting the bench passes through to the library), the fast peer alone stepping
+    on 3 batches at a time (``--control``) and the synchronous fp32 reference, each row with its
+    figures."""
+    p = run("bench/uneven.py", "--quick", "--slow", "3", "--runs", "--staleness 1 --sync-every 1s", "--also", "2",
+            "--control")
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     lines = [l for l in p.stdout.splitlines() if l.startswith("| 2 ")]
     rows = {l.split("|")[2].strip(): [c.strip() for c in l.split("|")[3:-1]] for l in lines if l.count("|") > 6}
     also = {l.split("|")[2].strip(): l.split("|")[4].strip() for l in lines if l.count("|") == 5}
     # (--also: a second table, the time to each other loss)
-    assert set(also) == {"fast alone (1 peer)", "--staleness 1 --sync-every 1s", "sync fp32"}, also
-    assert also["--staleness 1 --sync-every 1s"].endswith("x)"), also  # (read against the fast alone's)
-    assert set(rows) == {"fast alone (1 peer)", "slow alone", "--staleness 1 --sync-every 1s", "sync fp32"}, rows
+    control = "fast alone, 3 batches a step"  # (--control: larger updates without the slower machine)
+    assert set(also) == {"fast alone (1 peer)", "--staleness 1 --sync-every 1s", control, "sync fp32"}, also
+    assert also["--staleness 1 --sync-every 1s"].endswith("x)") and also[control].endswith("x)"), also
+    assert set(rows) == {"fast alone (1 peer)", "slow alone", "--staleness 1 --sync-every 1s", control,
+                         "sync fp32"}, rows
+    assert int(rows[control][-1]) < int(rows["fast alone (1 peer)"][-1])  # (updates: a step per 3 batches)
     assert rows["fast alone (1 peer)"][1].endswith(" s")  # (its time to the loss: every pair is read against it)
     pair = rows["--staleness 1 --sync-every 1s"]  # (rounds by time, passed through to the library)
     assert pair[0].startswith("3x (") and float(pair[3]) > 0 and float(pair[4]) > 0  # samples/s, vs sum alone
