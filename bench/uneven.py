@@ -475,21 +475,17 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
                                              snapshots=False, group=n), factor=factor, delay=delay)
                     slow.update(time_to_target=None, loss_at_samples=None, final_loss=None)
                     rows.append(slow)
-                    controls = [max(1, round(factor))] if a.control else []
-                    for flags, k in [(f, 1) for f in runs] + [(None, k) for k in controls]:
-                        if flags is None:
-                            row = measure(run_peers(a, f"fast alone, {k} batches a step", n - 1, sync0,
-                                                    [0.0] * (n - 1), lan=lan, group=n, accumulate=k), factor=None)
-                        else:
-                            row = measure(run_peers(a, flags, n, flags, [0.0] * (n - 1) + [delay], lan=lan),
-                                          factor=factor, delay=delay)
-                        row["vs_alone"] = _ratio(row.get("time_to_target"), alone.get("time_to_target"))
-                        row["vs_alone_at"] = {t: _ratio(x, alone.get("times_to", {}).get(t))
-                                              for t, x in row.get("times_to", {}).items()}
-                        if flags is not None:
-                            row["vs_sum"] = _ratio(row.get("samples_per_s"),
-                                                   (alone["samples_per_s"] + slow["samples_per_s"]))
-                        rows.append(row)
+                    for flags in runs:
+                        row = measure(run_peers(a, flags, n, flags, [0.0] * (n - 1) + [delay], lan=lan),
+                                      factor=factor, delay=delay)
+                        row["vs_sum"] = _ratio(row.get("samples_per_s"),
+                                               (alone["samples_per_s"] + slow["samples_per_s"]))
+                        rows.append(_against(row, alone))
+                    if a.control:
+                        k = max(1, round(factor))
+                        rows.append(_against(measure(run_peers(a, f"fast alone, {k} batches a step", n - 1, sync0,
+                                                               [0.0] * (n - 1), lan=lan, group=n, accumulate=k),
+                                                     factor=None), alone))
                 if a.reference:
                     rounds = max(2, -(-a.samples // (n * a.batch_size)))
                     rows.append(measure(run_peers(a, "sync fp32", n, sync0, [0.0] * n, lan=lan, max_rounds=rounds,
@@ -499,6 +495,13 @@ def _measure(a, ns: list[int], factors: list[float], runs: list[str]) -> int:
                 lan.close()
     _report(a, rows)
     return 0
+
+
+def _against(row: dict, alone: dict) -> dict:
+    """``row`` with its time to the target and to each ``--also`` loss over ``alone``'s."""
+    row["vs_alone"] = _ratio(row.get("time_to_target"), alone.get("time_to_target"))
+    row["vs_alone_at"] = {t: _ratio(x, alone.get("times_to", {}).get(t)) for t, x in row.get("times_to", {}).items()}
+    return row
 
 
 def _ratio(x, y):

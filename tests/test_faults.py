@@ -206,8 +206,9 @@ def test_sigstop_and_sigkill_of_a_member_then_sigkill_of_the_coordinator(tmp_pat
 def test_a_stopped_coordinator_is_given_up_after_5_s_and_rejoins_by_loading_the_state(tmp_path):
     """The coordinator frozen (SIGSTOP: a laptop's lid) stalls the others for 5 s of its silence
     (``Member.give_up_silent_leader``), not the 10 s peer timeout: the next peer leads and the
-    two commit rounds without it; woken, it loads the state (behind) and trains in the view
-    again, nothing lost, the replicas equal."""
+    two commit rounds without it; woken, it loads the state (behind; split where it was stopped
+    between committing a round and sending it) and trains in the view again, nothing lost, the
+    replicas equal."""
     peers = Peers(tmp_path, extra=["--min-peers", "2"])
     try:
         for name in "abc":
@@ -227,7 +228,13 @@ def test_a_stopped_coordinator_is_given_up_after_5_s_and_rejoins_by_loading_the_
         assert gone_on - stopped_at < 8.0, (gone_on - stopped_at, peers.events(others[0]))  # (the peer timeout: 10 s)
         base = len(peers.rounds(boss))
         peers.wait("3 members again", lambda: sum(r["members"] == 3 for r in peers.rounds(boss)[base:]) >= 3)
-        assert [x.split(":")[0] for x in load_reasons(peers, boss, woke_at)] == ["behind"], peers.events(boss)
+        reasons = [x.split(":")[0] for x in load_reasons(peers, boss, woke_at)]
+        if reasons == ["split"]:  # stopped between committing a round and sending it: the others decided
+            mine = {r["round"]: r["members"] for r in peers.rounds(boss)}  # that round again without it
+            twice = [r["round"] for r in peers.rounds(others[0]) if r["members"] == 2 and mine.get(r["round"]) == 3]
+            assert twice, (peers.events(boss), sorted(mine.items())[-5:])
+        else:
+            assert reasons == ["behind"], peers.events(boss)
         wait_agreeing(peers, "abc")
         finish_all(peers, "abc")  # (a graceful end: exit 0, summary written)
         assert_nothing_lost_and_replicas_agree(peers, "abc")
